@@ -1,0 +1,173 @@
+//! Network namespaces, and nothing else.
+//!
+//! A netns is identified by the (device, inode) of its nsfs file, never by its path: two
+//! paths (`/proc/1/ns/net`, a bind mount under `/run/netns`) may name the same namespace.
+//! Work inside a namespace runs on a thread spawned for it, so the switch (`setns`) is
+//! never visible to any other thread of the process, and the thread ends with the work.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use nix::sched::{setns, CloneFlags};
+
+/// nsfs magic number (`NSFS_MAGIC` in linux/magic.h).
+const NSFS_MAGIC: i64 = 0x6e73_6673;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("network namespace {path} does not exist")]
+    NotFound { path: PathBuf },
+    #[error("cannot open network namespace {path}: {source}")]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not a network namespace file (not on nsfs)")]
+    NotANamespace { path: PathBuf },
+    #[error("{path} is the plugin's own (host) network namespace; refusing to program it")]
+    HostNamespace { path: PathBuf },
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter { path: PathBuf, source: nix::Error },
+    #[error("the thread working inside network namespace {path} panicked")]
+    WorkerPanicked { path: PathBuf },
+}
+
+/// A namespace's identity: the device and inode of its nsfs file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NetnsId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl std::fmt::Display for NetnsId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "net:[{}] (dev {})", self.ino, self.dev)
+    }
+}
+
+/// An open network namespace. Holding the file keeps the namespace alive.
+#[derive(Debug)]
+pub struct Netns {
+    file: File,
+    path: PathBuf,
+    id: NetnsId,
+}
+
+impl Netns {
+    /// Opens the namespace at `path`, checking that it really is one.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound { path: path.clone() }
+            } else {
+                Error::Open { path: path.clone(), source }
+            }
+        })?;
+        let fs = nix::sys::statfs::fstatfs(file.as_fd())
+            .map_err(|e| Error::Open { path: path.clone(), source: e.into() })?;
+        if fs.filesystem_type().0 as i64 != NSFS_MAGIC {
+            return Err(Error::NotANamespace { path });
+        }
+        let meta = file
+            .metadata()
+            .map_err(|source| Error::Open { path: path.clone(), source })?;
+        let id = NetnsId { dev: meta.dev(), ino: meta.ino() };
+        Ok(Netns { file, path, id })
+    }
+
+    /// The namespace the calling thread is in.
+    pub fn current() -> Result<Self, Error> {
+        Self::open("/proc/thread-self/ns/net")
+    }
+
+    pub fn id(&self) -> NetnsId {
+        self.id
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether this is the namespace the calling thread runs in (for the plugin: the host's).
+    pub fn is_current(&self) -> Result<bool, Error> {
+        Ok(Self::current()?.id == self.id)
+    }
+
+    /// Opens `path` and refuses it if it is the caller's own namespace, whatever the path.
+    pub fn open_foreign(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let ns = Self::open(path)?;
+        if ns.is_current()? {
+            return Err(Error::HostNamespace { path: ns.path });
+        }
+        Ok(ns)
+    }
+
+    /// Runs `work` inside this namespace on a new thread and returns its result.
+    ///
+    /// The calling thread never changes namespace. Sockets the closure opens belong to this
+    /// namespace for their whole life, so netlink work is done entirely inside the closure.
+    pub fn run<T, F>(&self, work: F) -> Result<T, Error>
+    where
+        F: FnOnce() -> T + Send,
+        T: Send,
+    {
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(|| -> Result<T, Error> {
+                setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET)
+                    .map_err(|source| Error::Enter { path: self.path.clone(), source })?;
+                Ok(work())
+            });
+            handle
+                .join()
+                .map_err(|_| Error::WorkerPanicked { path: self.path.clone() })?
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn current_namespace_is_identified_by_inode_not_path() {
+        let a = Netns::open("/proc/self/ns/net").unwrap();
+        let b = Netns::open("/proc/thread-self/ns/net").unwrap();
+        assert_eq!(a.id(), b.id());
+        assert!(a.is_current().unwrap());
+    }
+
+    #[test]
+    fn own_namespace_is_refused_by_any_path() {
+        for path in ["/proc/self/ns/net", "/proc/thread-self/ns/net", "/proc/1/../self/ns/net"] {
+            match Netns::open_foreign(path) {
+                Err(Error::HostNamespace { .. }) => {}
+                other => panic!("{path}: expected HostNamespace, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_plain_file_is_not_a_namespace() {
+        match Netns::open("/proc/self/status") {
+            Err(Error::NotANamespace { .. }) => {}
+            other => panic!("expected NotANamespace, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_path_is_not_found() {
+        match Netns::open("/nonexistent/netns/x") {
+            Err(Error::NotFound { .. }) => {}
+            other => panic!("expected NotFound, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn run_returns_the_closure_value_and_leaves_the_caller_where_it_was() {
+        let before = Netns::current().unwrap().id();
+        let ns = Netns::open("/proc/self/ns/net").unwrap();
+        let inside = ns.run(|| Netns::current().unwrap().id()).unwrap();
+        assert_eq!(inside, before);
+        assert_eq!(Netns::current().unwrap().id(), before);
+    }
+}

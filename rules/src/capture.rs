@@ -1,0 +1,408 @@
+//! The pod capture ruleset (DESIGN.md "The pod ruleset"), built from a `CaptureConfig`.
+
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+
+use crate::error::{Error, Result};
+use crate::model::*;
+use crate::route::PolicyRoute;
+
+/// Mark set in OUTPUT on egress to divert; the policy route sends it to `lo`.
+pub const DIVERT_MARK: u32 = 0xae71;
+/// Mark the proxy puts on its own forwarded egress; never re-captured.
+pub const PASSTHROUGH_MARK: u32 = 0xae7e;
+/// The transparent TCP capture listener.
+pub const CAPTURE_PORT: u16 = 18001;
+/// The L4 mesh port, TCP and UDP; UDP to it is tproxied with its port kept.
+pub const MESH_L4_PORT: u16 = 18082;
+/// `scoped` mode captures TCP to these ports only.
+pub const SCOPED_PORTS: [u16; 2] = [18081, 18082];
+/// The node DNS proxy on `HOST_IP`.
+pub const DNS_PROXY_PORT: u16 = 18054;
+/// Routing table for the divert route (0xae71, easy to recognise next to the mark).
+pub const ROUTE_TABLE: u32 = 0xae71;
+/// Rule priority: after `local` (0), before `main` (32766), clear of the priorities Calico,
+/// Cilium and the AWS VPC CNI use.
+pub const RULE_PRIORITY: u32 = 32000;
+/// kube-proxy's masquerade and drop marks: a divert mark touching these bits would be
+/// mistaken for one of them on the host side.
+pub const KUBE_PROXY_MARKS: [u32; 2] = [0x4000, 0x8000];
+
+/// Networks never captured nor DNATed: loopback, link-local, multicast.
+pub const FIXED_EXCLUDED_NETS: [&str; 3] = ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"];
+
+/// Table and set names, shared by builders and readers.
+pub const TABLE: &str = "aether_capture";
+pub const SET_EXCLUDED_NETS: &str = "excluded_nets";
+pub const SET_EXCLUDED_PORTS: &str = "excluded_ports";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// All TCP is captured (the managed-pod default).
+    RedirectAll,
+    /// TCP to the scoped ports only.
+    Scoped,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaptureConfig {
+    pub mode: CaptureMode,
+    pub capture_port: u16,
+    pub mesh_l4_port: u16,
+    pub scoped_ports: Vec<u16>,
+    /// Where `:53` goes; `None` leaves DNS alone entirely.
+    pub dns: Option<DnsDivert>,
+    pub excluded_cidrs: Vec<Ipv4Net>,
+    pub excluded_ports: Vec<PortRange>,
+    pub divert_mark: u32,
+    pub passthrough_mark: u32,
+    pub route_table: u32,
+    pub rule_priority: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DnsDivert {
+    pub host_ip: Ipv4Addr,
+    pub port: u16,
+}
+
+impl CaptureConfig {
+    /// The DESIGN.md defaults; DNS needs the node's address, so it starts off.
+    pub fn new(mode: CaptureMode) -> Self {
+        CaptureConfig {
+            mode,
+            capture_port: CAPTURE_PORT,
+            mesh_l4_port: MESH_L4_PORT,
+            scoped_ports: SCOPED_PORTS.to_vec(),
+            dns: None,
+            excluded_cidrs: Vec::new(),
+            excluded_ports: Vec::new(),
+            divert_mark: DIVERT_MARK,
+            passthrough_mark: PASSTHROUGH_MARK,
+            route_table: ROUTE_TABLE,
+            rule_priority: RULE_PRIORITY,
+        }
+    }
+
+    /// Refuses settings that would make capture loop, collide or silently do nothing.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::InvalidConfig(msg));
+        let (d, p) = (self.divert_mark, self.passthrough_mark);
+        if d == 0 || p == 0 {
+            return bad(format!("marks must be non-zero (divert {d:#x}, passthrough {p:#x})"));
+        }
+        if d == p {
+            return bad(format!("divert mark {d:#x} equals the passthrough mark"));
+        }
+        if d & p == d || d & p == p {
+            return bad(format!(
+                "divert mark {d:#x} and passthrough mark {p:#x} mask each other (one's bits contain the other's)"
+            ));
+        }
+        for k in KUBE_PROXY_MARKS {
+            for (name, m) in [("divert", d), ("passthrough", p)] {
+                if m & k != 0 {
+                    return bad(format!("{name} mark {m:#x} uses kube-proxy's mark bit {k:#x}"));
+                }
+            }
+        }
+        for (name, port) in [("capture port", self.capture_port), ("mesh L4 port", self.mesh_l4_port)] {
+            if port == 0 {
+                return bad(format!("{name} must not be 0"));
+            }
+        }
+        if self.mode == CaptureMode::Scoped && self.scoped_ports.is_empty() {
+            return bad("scoped mode needs at least one scoped port".into());
+        }
+        if self.scoped_ports.contains(&0) {
+            return bad("scoped port 0 is not a port".into());
+        }
+        if let Some(dns) = self.dns {
+            if dns.port == 0 {
+                return bad("DNS proxy port must not be 0".into());
+            }
+            if dns.host_ip.is_unspecified() || dns.host_ip.is_loopback() || dns.host_ip.is_multicast() {
+                return bad(format!(
+                    "host IP {} cannot receive the pod's DNS (it must be the node's address)",
+                    dns.host_ip
+                ));
+            }
+        }
+        // 0 = unspec, 253-255 = default/main/local.
+        if matches!(self.route_table, 0 | 253..=255) {
+            return bad(format!("route table {} is reserved by the kernel", self.route_table));
+        }
+        if self.rule_priority == 0 || self.rule_priority >= 32766 {
+            return bad(format!(
+                "rule priority {} must be between 1 and 32765 (after local, before main)",
+                self.rule_priority
+            ));
+        }
+        Ok(())
+    }
+
+    /// The policy rule and route that deliver diverted packets to `lo`.
+    pub fn policy_route(&self) -> PolicyRoute {
+        PolicyRoute { fwmark: self.divert_mark, table: self.route_table, priority: self.rule_priority }
+    }
+}
+
+/// Builds the capture ruleset. Rule order is the table of DESIGN.md, top to bottom.
+pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
+    cfg.validate()?;
+    let rule = |matches: Vec<Match>, action: Action, comment: &str| Rule {
+        matches,
+        action,
+        comment: comment.to_string(),
+    };
+
+    let mut nets: Vec<Ipv4Net> = FIXED_EXCLUDED_NETS.iter().map(|n| n.parse().expect("constant")).collect();
+    nets.extend(cfg.excluded_cidrs.iter().map(|n| n.trunc()));
+    let mut ports = cfg.excluded_ports.clone();
+    let excluded_nets = Set {
+        name: SET_EXCLUDED_NETS.into(),
+        key: KeyType::Ipv4Addr,
+        interval: true,
+        elements: merge_nets(nets).into_iter().map(Element::Net).collect(),
+        comment: "destinations never captured nor DNATed".into(),
+    };
+    ports.sort();
+    let excluded_ports = Set {
+        name: SET_EXCLUDED_PORTS.into(),
+        key: KeyType::InetService,
+        interval: true,
+        elements: merge_ports(ports).into_iter().map(Element::Ports).collect(),
+        comment: "TCP destination ports never captured".into(),
+    };
+
+    let mut divert = vec![
+        rule(vec![Match::CtDirectionReply], Action::Accept, "replies of tracked flows (inbound connections too) are never captured"),
+        rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is never re-captured"),
+        rule(vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())], Action::Accept, "excluded destinations are not captured"),
+        rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, "DNS is not captured (the nat chain sends it to the node DNS proxy)"),
+        rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Accept, "DNS is not captured (the nat chain sends it to the node DNS proxy)"),
+        rule(vec![Match::DportInSet(Proto::Tcp, SET_EXCLUDED_PORTS.into())], Action::Accept, "excluded TCP ports are not captured"),
+    ];
+    match cfg.mode {
+        CaptureMode::RedirectAll => divert.push(rule(
+            vec![Match::L4Proto(Proto::Tcp)],
+            Action::SetMarkAccept(cfg.divert_mark),
+            "redirect-all: divert TCP to lo, where prerouting tproxies it to the capture listener",
+        )),
+        CaptureMode::Scoped => {
+            for &port in &cfg.scoped_ports {
+                divert.push(rule(
+                    vec![Match::Dport(Proto::Tcp, port)],
+                    Action::SetMarkAccept(cfg.divert_mark),
+                    "scoped: divert TCP to this mesh port to lo, where prerouting tproxies it",
+                ));
+            }
+        }
+    }
+    divert.push(rule(
+        vec![Match::Dport(Proto::Udp, cfg.mesh_l4_port)],
+        Action::SetMarkAccept(cfg.divert_mark),
+        "divert UDP to the L4 mesh port to lo, where prerouting tproxies it with its port kept",
+    ));
+
+    let tproxy = vec![
+        rule(
+            vec![Match::InputLoopback, Match::Mark(cfg.divert_mark), Match::L4Proto(Proto::Tcp)],
+            Action::TproxyAccept(cfg.capture_port),
+            "diverted TCP goes to the transparent capture listener",
+        ),
+        rule(
+            vec![Match::InputLoopback, Match::Mark(cfg.divert_mark), Match::Dport(Proto::Udp, cfg.mesh_l4_port)],
+            // Same port as the destination: a UDP reply's source port is the listener's
+            // bound port, so rewriting it would break connected clients.
+            Action::TproxyAccept(cfg.mesh_l4_port),
+            "diverted UDP goes to the transparent L4 listener, destination port kept",
+        ),
+    ];
+
+    let mut chains = vec![
+        Chain {
+            name: "divert".into(),
+            hook: Some(BaseHook { kind: ChainKind::Route, hook: Hook::Output, priority: -150 }),
+            rules: divert,
+        },
+        Chain {
+            name: "tproxy".into(),
+            hook: Some(BaseHook { kind: ChainKind::Filter, hook: Hook::Prerouting, priority: -150 }),
+            rules: tproxy,
+        },
+    ];
+    if let Some(dns) = cfg.dns {
+        chains.push(Chain {
+            name: "dns".into(),
+            hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
+            rules: vec![
+                rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is left alone"),
+                rule(vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())], Action::Accept, "excluded destinations are not DNATed"),
+                rule(vec![Match::Dport(Proto::Udp, 53)], Action::Dnat(dns.host_ip, dns.port), "DNS over UDP goes to the node DNS proxy"),
+                rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Dnat(dns.host_ip, dns.port), "DNS over TCP goes to the node DNS proxy"),
+            ],
+        });
+    }
+
+    Ok(Ruleset {
+        table: Table { name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], chains },
+        policy_route: cfg.policy_route(),
+    })
+}
+
+/// Sorts networks and drops those inside another, so interval elements never overlap (the
+/// kernel refuses overlapping intervals).
+fn merge_nets(mut nets: Vec<Ipv4Net>) -> Vec<Ipv4Net> {
+    nets = Ipv4Net::aggregate(&nets);
+    nets.sort();
+    nets
+}
+
+/// Sorted ranges in, overlapping or adjacent ranges joined.
+fn merge_ports(sorted: Vec<PortRange>) -> Vec<PortRange> {
+    let mut out: Vec<PortRange> = Vec::new();
+    for r in sorted {
+        match out.last_mut() {
+            Some(last) if u32::from(r.first) <= u32::from(last.last) + 1 => last.last = last.last.max(r.last),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules_of<'a>(rs: &'a Ruleset, chain: &str) -> &'a [Rule] {
+        &rs.table.chains.iter().find(|c| c.name == chain).expect("chain").rules
+    }
+
+    #[test]
+    fn constants_are_pinned() {
+        assert_eq!(DIVERT_MARK, 0xae71);
+        assert_eq!(PASSTHROUGH_MARK, 0xae7e);
+        assert_eq!(CAPTURE_PORT, 18001);
+        assert_eq!(MESH_L4_PORT, 18082);
+        assert_eq!(SCOPED_PORTS, [18081, 18082]);
+        assert_eq!(DNS_PROXY_PORT, 18054);
+        assert_eq!(ROUTE_TABLE, 44657);
+        assert_eq!(RULE_PRIORITY, 32000);
+        assert_eq!(FIXED_EXCLUDED_NETS, ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
+    }
+
+    #[test]
+    fn divert_and_passthrough_marks_differ_and_neither_masks_the_other() {
+        assert_ne!(DIVERT_MARK, PASSTHROUGH_MARK);
+        assert_ne!(DIVERT_MARK & PASSTHROUGH_MARK, DIVERT_MARK);
+        assert_ne!(DIVERT_MARK & PASSTHROUGH_MARK, PASSTHROUGH_MARK);
+        for k in KUBE_PROXY_MARKS {
+            assert_eq!(DIVERT_MARK & k, 0);
+            assert_eq!(PASSTHROUGH_MARK & k, 0);
+        }
+        CaptureConfig::new(CaptureMode::RedirectAll).validate().unwrap();
+    }
+
+    #[test]
+    fn colliding_marks_are_refused() {
+        for (d, p, why) in [
+            (0xae71, 0xae71, "equals"),
+            (0xae71, 0xae70, "mask"),
+            (0x1, 0x3, "mask"),
+            (0xc000, 0x1, "kube-proxy"),
+            (0x1, 0x4000, "kube-proxy"),
+            (0, 0x1, "non-zero"),
+        ] {
+            let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
+            c.divert_mark = d;
+            c.passthrough_mark = p;
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(why), "{d:#x}/{p:#x}: {err}");
+        }
+    }
+
+    #[test]
+    fn bad_numbers_are_refused() {
+        let base = CaptureConfig::new(CaptureMode::RedirectAll);
+        let cases: Vec<(Box<dyn Fn(&mut CaptureConfig)>, &str)> = vec![
+            (Box::new(|c| c.route_table = 254), "reserved"),
+            (Box::new(|c| c.route_table = 0), "reserved"),
+            (Box::new(|c| c.rule_priority = 0), "between"),
+            (Box::new(|c| c.rule_priority = 32766), "between"),
+            (Box::new(|c| c.capture_port = 0), "capture port"),
+            (Box::new(|c| c.mesh_l4_port = 0), "mesh L4 port"),
+            (Box::new(|c| { c.mode = CaptureMode::Scoped; c.scoped_ports.clear() }), "scoped"),
+            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: Ipv4Addr::LOCALHOST, port: 18054 })), "host IP"),
+            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 0 })), "DNS proxy port"),
+        ];
+        for (tweak, want) in cases {
+            let mut c = base.clone();
+            tweak(&mut c);
+            let err = capture_ruleset(&c).unwrap_err().to_string();
+            assert!(err.contains(want), "want {want:?} in {err}");
+        }
+    }
+
+    #[test]
+    fn redirect_all_diverts_all_tcp_after_the_exclusions() {
+        let rs = capture_ruleset(&CaptureConfig::new(CaptureMode::RedirectAll)).unwrap();
+        let divert = rules_of(&rs, "divert");
+        assert_eq!(divert[0].matches, vec![Match::CtDirectionReply]);
+        assert_eq!(divert[1].matches, vec![Match::Mark(PASSTHROUGH_MARK)]);
+        let tcp_all = divert.iter().position(|r| r.matches == vec![Match::L4Proto(Proto::Tcp)]).unwrap();
+        let excl_ports = divert.iter().position(|r| matches!(r.matches[0], Match::DportInSet(..))).unwrap();
+        assert!(excl_ports < tcp_all);
+        assert_eq!(divert[tcp_all].action, Action::SetMarkAccept(DIVERT_MARK));
+        assert_eq!(divert.last().unwrap().matches, vec![Match::Dport(Proto::Udp, 18082)]);
+        assert!(rs.table.chains.iter().all(|c| c.name != "dns"), "DNS off by default");
+        let tproxy = rules_of(&rs, "tproxy");
+        assert_eq!(tproxy[0].action, Action::TproxyAccept(18001));
+        assert_eq!(tproxy[1].action, Action::TproxyAccept(18082));
+        assert!(rs.table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
+    }
+
+    #[test]
+    fn scoped_diverts_only_the_scoped_ports() {
+        let rs = capture_ruleset(&CaptureConfig::new(CaptureMode::Scoped)).unwrap();
+        let divert = rules_of(&rs, "divert");
+        assert!(!divert.iter().any(|r| r.matches == vec![Match::L4Proto(Proto::Tcp)]));
+        for port in [18081, 18082] {
+            assert!(divert.iter().any(|r| r.matches == vec![Match::Dport(Proto::Tcp, port)]
+                && r.action == Action::SetMarkAccept(DIVERT_MARK)));
+        }
+    }
+
+    #[test]
+    fn dns_on_adds_the_nat_chain_with_exclusions_first() {
+        let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
+        c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        let rs = capture_ruleset(&c).unwrap();
+        let dns = rules_of(&rs, "dns");
+        assert_eq!(dns[1].matches, vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())]);
+        assert_eq!(dns[2].action, Action::Dnat("10.0.0.1".parse().unwrap(), 18054));
+        assert_eq!(dns[3].matches, vec![Match::Dport(Proto::Tcp, 53)]);
+    }
+
+    #[test]
+    fn exclusions_are_merged_into_non_overlapping_elements() {
+        let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
+        c.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "10.1.2.0/24".parse().unwrap(), "127.5.0.0/16".parse().unwrap()];
+        c.excluded_ports = vec!["9000-9100".parse().unwrap(), "8080".parse().unwrap(), "9050-9200".parse().unwrap(), "9201".parse().unwrap()];
+        let rs = capture_ruleset(&c).unwrap();
+        let nets: Vec<String> = rs.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
+        let ports: Vec<String> = rs.table.sets[1].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(ports, ["8080", "9000-9201"]);
+    }
+
+    #[test]
+    fn port_ranges_parse_and_refuse_nonsense() {
+        assert_eq!("8080".parse::<PortRange>().unwrap(), PortRange::single(8080));
+        assert_eq!("1-65535".parse::<PortRange>().unwrap(), PortRange { first: 1, last: 65535 });
+        for bad in ["0", "65536", "9100-9000", "abc", "", "80-", "-80", "1-2-3"] {
+            assert!(bad.parse::<PortRange>().is_err(), "{bad:?} accepted");
+        }
+    }
+}

@@ -1,0 +1,23 @@
+use std::io;
+
+/// Everything that can go wrong building, programming or reading back a ruleset.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The requested configuration cannot be turned into a safe ruleset.
+    #[error("invalid capture configuration: {0}")]
+    InvalidConfig(String),
+    /// The nftables transaction (or a dump) failed in the kernel.
+    #[error("nftables {op} failed: {source}")]
+    Nftables { op: &'static str, source: io::Error },
+    /// The kernel refused one object of an nftables transaction; nothing of it was applied.
+    #[error("nftables refused {object}: {source}")]
+    Transaction { object: String, source: io::Error },
+    /// A policy-routing request (ip rule / ip route) failed in the kernel.
+    #[error("policy routing {op} failed: {source}")]
+    Route { op: &'static str, source: io::Error },
+    /// A step was made to fail on purpose (tests of ADD's all-or-nothing guarantee).
+    #[error("injected failure at step {0}")]
+    Injected(crate::Step),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,311 @@
+//! The ruleset as plain data: what the kernel should hold, independent of how it is sent.
+//!
+//! Builders (`capture`) produce it, the renderer (`nft::render`) turns it into netlink
+//! messages, the reader (`nft::read`) compares the kernel's dump against it, and `Display`
+//! prints it for people. Nothing here talks to the kernel.
+
+use std::fmt;
+use std::net::Ipv4Addr;
+
+use ipnet::Ipv4Net;
+
+use crate::route::PolicyRoute;
+
+/// Everything one capture attachment programs in a pod netns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ruleset {
+    pub table: Table,
+    pub policy_route: PolicyRoute,
+}
+
+/// An nftables table of family `ip` (IPv4 only for now).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Table {
+    pub name: String,
+    pub sets: Vec<Set>,
+    pub chains: Vec<Chain>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Set {
+    pub name: String,
+    pub key: KeyType,
+    /// Interval sets hold ranges and prefixes; elements are sent as [start, end) pairs.
+    pub interval: bool,
+    pub elements: Vec<Element>,
+    pub comment: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyType {
+    Ipv4Addr,
+    InetService,
+}
+
+impl KeyType {
+    /// nft's datatype number (`TYPE_IPADDR`, `TYPE_INET_SERVICE`), stored in the set so `nft
+    /// list` prints the elements in their own notation.
+    pub fn nft_type(self) -> u32 {
+        match self {
+            KeyType::Ipv4Addr => 7,
+            KeyType::InetService => 13,
+        }
+    }
+
+    pub fn len(self) -> u32 {
+        match self {
+            KeyType::Ipv4Addr => 4,
+            KeyType::InetService => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyType::Ipv4Addr => "ipv4_addr",
+            KeyType::InetService => "inet_service",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Element {
+    Net(Ipv4Net),
+    Ports(PortRange),
+}
+
+/// An inclusive port range; a single port is `first == last`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl PortRange {
+    pub fn single(port: u16) -> Self {
+        PortRange { first: port, last: port }
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.first == self.last {
+            write!(f, "{}", self.first)
+        } else {
+            write!(f, "{}-{}", self.first, self.last)
+        }
+    }
+}
+
+impl std::str::FromStr for PortRange {
+    type Err = String;
+
+    /// `"8080"` or `"9000-9100"`; port 0 and reversed ranges are refused.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parse = |p: &str| -> Result<u16, String> {
+            match p.trim().parse::<u16>() {
+                Ok(0) => Err(format!("port 0 in {s:?} is not a port")),
+                Ok(n) => Ok(n),
+                Err(_) => Err(format!("{s:?} is not a port or a port range (1-65535, e.g. 8080 or 9000-9100)")),
+            }
+        };
+        let range = match s.split_once('-') {
+            Some((a, b)) => PortRange { first: parse(a)?, last: parse(b)? },
+            None => PortRange::single(parse(s)?),
+        };
+        if range.first > range.last {
+            return Err(format!("port range {s:?} ends before it starts"));
+        }
+        Ok(range)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chain {
+    pub name: String,
+    pub hook: Option<BaseHook>,
+    pub rules: Vec<Rule>,
+}
+
+/// What makes a chain a base chain: where the kernel calls it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BaseHook {
+    pub kind: ChainKind,
+    pub hook: Hook,
+    pub priority: i32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainKind {
+    Filter,
+    /// `type route`: a mark set here makes the kernel route the packet again.
+    Route,
+    Nat,
+}
+
+impl ChainKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ChainKind::Filter => "filter",
+            ChainKind::Route => "route",
+            ChainKind::Nat => "nat",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Prerouting,
+    Output,
+}
+
+impl Hook {
+    /// `NF_INET_*` hook number.
+    pub fn number(self) -> u32 {
+        match self {
+            Hook::Prerouting => 0,
+            Hook::Output => 3,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Output => "output",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn number(self) -> u8 {
+        match self {
+            Proto::Tcp => 6,
+            Proto::Udp => 17,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+/// One rule: all matches must hold, then the action runs. Every rule says why it exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub matches: Vec<Match>,
+    pub action: Action,
+    pub comment: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Match {
+    /// `ct direction reply`
+    CtDirectionReply,
+    /// `meta mark <mark>`
+    Mark(u32),
+    /// `iif "lo"`: lo is ifindex 1 in every netns.
+    InputLoopback,
+    /// `ip daddr @set`
+    DaddrInSet(String),
+    /// `meta l4proto <proto>`
+    L4Proto(Proto),
+    /// `<proto> dport <port>`
+    Dport(Proto, u16),
+    /// `<proto> dport @set`
+    DportInSet(Proto, String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Accept,
+    /// `meta mark set <mark> accept`
+    SetMarkAccept(u32),
+    /// `tproxy to :<port> accept`: deliver to the transparent listener on this port.
+    TproxyAccept(u16),
+    /// `dnat to <addr>:<port>`
+    Dnat(Ipv4Addr, u16),
+}
+
+impl fmt::Display for Match {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Match::CtDirectionReply => write!(f, "ct direction reply"),
+            Match::Mark(m) => write!(f, "meta mark {m:#010x}"),
+            Match::InputLoopback => write!(f, "iif \"lo\""),
+            Match::DaddrInSet(s) => write!(f, "ip daddr @{s}"),
+            Match::L4Proto(p) => write!(f, "meta l4proto {}", p.name()),
+            Match::Dport(p, port) => write!(f, "{} dport {port}", p.name()),
+            Match::DportInSet(p, s) => write!(f, "{} dport @{s}", p.name()),
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Accept => write!(f, "accept"),
+            Action::SetMarkAccept(m) => write!(f, "meta mark set {m:#010x} accept"),
+            Action::TproxyAccept(port) => write!(f, "tproxy to :{port} accept"),
+            Action::Dnat(addr, port) => write!(f, "dnat to {addr}:{port}"),
+        }
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for m in &self.matches {
+            write!(f, "{m} ")?;
+        }
+        write!(f, "{} comment {:?}", self.action, self.comment)
+    }
+}
+
+impl fmt::Display for Element {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Element::Net(n) => write!(f, "{n}"),
+            Element::Ports(p) => write!(f, "{p}"),
+        }
+    }
+}
+
+/// A readable rendering of the model in nft's own vocabulary (for `inspect` and messages;
+/// golden files are the kernel's output, never this).
+impl fmt::Display for Table {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "table ip {} {{", self.name)?;
+        for set in &self.sets {
+            writeln!(f, "\tset {} {{  # {}", set.name, set.comment)?;
+            let flags = if set.interval { "; flags interval" } else { "" };
+            writeln!(f, "\t\ttype {}{flags}", set.key.name())?;
+            let elems: Vec<String> = set.elements.iter().map(|e| e.to_string()).collect();
+            writeln!(f, "\t\telements = {{ {} }}", elems.join(", "))?;
+            writeln!(f, "\t}}")?;
+        }
+        for chain in &self.chains {
+            writeln!(f, "\tchain {} {{", chain.name)?;
+            if let Some(h) = chain.hook {
+                writeln!(
+                    f,
+                    "\t\ttype {} hook {} priority {}; policy accept;",
+                    h.kind.name(),
+                    h.hook.name(),
+                    h.priority
+                )?;
+            }
+            for rule in &chain.rules {
+                writeln!(f, "\t\t{rule}")?;
+            }
+            writeln!(f, "\t}}")?;
+        }
+        writeln!(f, "}}")
+    }
+}

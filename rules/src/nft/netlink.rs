@@ -1,0 +1,158 @@
+//! A blocking nfnetlink conversation over libmnl: send a batch and collect its verdict, or
+//! dump objects. The socket is opened by the caller's thread, so it lives in whatever netns
+//! that thread is in.
+
+use std::io;
+
+use nftnl::nftnl_sys as sys;
+use nftnl::{FinalizedBatch, ProtoFamily};
+
+use crate::error::{Error, Result};
+
+const NLMSG_HDRLEN: usize = 16;
+const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
+const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+
+pub(crate) struct NftSocket {
+    sock: mnl::Socket,
+    buf: Vec<u8>,
+    /// Sequence numbers for requests outside batches; batches number from 1.
+    next_seq: u32,
+}
+
+/// One netlink message: its header fields and the whole message bytes.
+pub(crate) struct Msg<'a> {
+    pub kind: u16,
+    pub seq: u32,
+    pub bytes: &'a [u8],
+}
+
+impl Msg<'_> {
+    /// The errno of an NLMSG_ERROR (0 for an ACK).
+    fn error_code(&self) -> i32 {
+        let b = &self.bytes[NLMSG_HDRLEN..NLMSG_HDRLEN + 4];
+        -i32::from_ne_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    pub fn header(&self) -> *const libc::nlmsghdr {
+        self.bytes.as_ptr().cast()
+    }
+}
+
+/// Splits a buffer of back-to-back netlink messages.
+pub(crate) fn split_messages(mut buf: &[u8]) -> Vec<Msg<'_>> {
+    let mut out = Vec::new();
+    while buf.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize;
+        if len < NLMSG_HDRLEN || len > buf.len() {
+            break;
+        }
+        let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap());
+        let seq = u32::from_ne_bytes(buf[8..12].try_into().unwrap());
+        out.push(Msg { kind, seq, bytes: &buf[..len] });
+        let aligned = (len + 3) & !3;
+        buf = &buf[aligned.min(buf.len())..];
+    }
+    out
+}
+
+/// Netlink type of an nf_tables message (subsystem in the high byte).
+pub(crate) fn nft_type(msg: i32) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | msg as u16
+}
+
+impl NftSocket {
+    pub fn open() -> Result<Self> {
+        let sock = mnl::Socket::new(mnl::Bus::Netfilter).map_err(|source| Error::Nftables { op: "open socket", source })?;
+        Ok(NftSocket { sock, buf: vec![0; nftnl::nft_nlmsg_maxsize() as usize], next_seq: 0x1000_0000 })
+    }
+
+    /// Sends a batch and waits for the kernel's verdict on it. `labels[i]` names the i-th
+    /// message (after the batch-begin), so an error says which object the kernel refused.
+    pub fn transact(&mut self, batch: &FinalizedBatch, labels: &[String]) -> Result<()> {
+        let seqs = batch.sequence_numbers();
+        // nftnl numbers the begin/end markers only on kernels that acknowledge them.
+        let first_data_seq = if seqs.len() == labels.len() + 2 { seqs.start + 1 } else { seqs.start };
+        self.sock.send_all(batch).map_err(|source| Error::Nftables { op: "send transaction", source })?;
+        // A request after the batch: its answer arrives after every answer to the batch, so
+        // it marks the end of the verdict whatever the kernel acknowledges.
+        let fence = self.send_request(libc::NFT_MSG_GETGEN, ProtoFamily::Unspec, 0, |_| {})?;
+        let mut first_error: Option<(u32, i32)> = None;
+        loop {
+            let n = self.recv("read transaction verdict")?;
+            for msg in split_messages(&self.buf[..n]) {
+                if msg.kind == NLMSG_ERROR && msg.error_code() != 0 && msg.seq != fence {
+                    first_error.get_or_insert((msg.seq, msg.error_code()));
+                }
+                if msg.seq == fence && msg.kind != NLMSG_ERROR {
+                    return match first_error {
+                        None => Ok(()),
+                        Some((seq, code)) => {
+                            let what = seq
+                                .checked_sub(first_data_seq)
+                                .and_then(|i| labels.get(i as usize))
+                                .map(String::as_str)
+                                .unwrap_or("the transaction");
+                            Err(Error::Transaction { object: what.to_string(), source: io::Error::from_raw_os_error(code) })
+                        }
+                    };
+                }
+                if msg.seq == fence {
+                    return Err(Error::Nftables { op: "generation fence", source: io::Error::from_raw_os_error(msg.error_code()) });
+                }
+            }
+        }
+    }
+
+    /// Sends a dump request and returns every message of the answer, raw.
+    pub fn dump(
+        &mut self,
+        msg: i32,
+        op: &'static str,
+        payload: impl FnOnce(*mut libc::nlmsghdr),
+    ) -> Result<Vec<Vec<u8>>> {
+        let seq = self.send_request(msg, ProtoFamily::Ipv4, libc::NLM_F_DUMP as u16, payload)?;
+        let mut out = Vec::new();
+        loop {
+            let n = self.recv(op)?;
+            for m in split_messages(&self.buf[..n]) {
+                if m.seq != seq {
+                    continue;
+                }
+                match m.kind {
+                    NLMSG_DONE => return Ok(out),
+                    NLMSG_ERROR if m.error_code() != 0 => {
+                        return Err(Error::Nftables { op, source: io::Error::from_raw_os_error(m.error_code()) })
+                    }
+                    NLMSG_ERROR => {}
+                    _ => out.push(m.bytes.to_vec()),
+                }
+            }
+        }
+    }
+
+    fn send_request(
+        &mut self,
+        msg: i32,
+        family: ProtoFamily,
+        flags: u16,
+        payload: impl FnOnce(*mut libc::nlmsghdr),
+    ) -> Result<u32> {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let mut req = vec![0u8; 4096];
+        let len = unsafe {
+            let hdr = sys::nftnl_nlmsg_build_hdr(req.as_mut_ptr().cast(), msg as u16, family as u16, flags, seq);
+            payload(hdr);
+            (*hdr).nlmsg_len as usize
+        };
+        self.sock.send(&req[..len]).map_err(|source| Error::Nftables { op: "send request", source })?;
+        Ok(seq)
+    }
+
+    fn recv(&mut self, op: &'static str) -> Result<usize> {
+        self.sock.recv(&mut self.buf).map_err(|source| Error::Nftables { op, source })
+    }
+}
+

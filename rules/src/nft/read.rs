@@ -1,0 +1,278 @@
+//! The kernel's view of a table, and ours: both are parsed from netlink messages by the same
+//! code (ours from the very batch ADD sends), so CHECK compares like with like.
+
+use std::collections::BTreeSet;
+use std::ffi::CStr;
+use std::fmt::Write as _;
+
+use nftnl::nftnl_sys as sys;
+
+use super::netlink::{nft_type, split_messages};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableView {
+    pub sets: Vec<SetView>,
+    pub chains: Vec<ChainView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainView {
+    pub name: String,
+    /// (type, hook number, priority, policy) of a base chain.
+    pub hook: Option<(String, u32, i32, u32)>,
+    pub rules: Vec<RuleView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RuleView {
+    /// The expressions in libnftnl's register-level notation.
+    pub exprs: String,
+    pub comment: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetView {
+    pub name: String,
+    pub flags: u32,
+    pub key_type: u32,
+    pub key_len: u32,
+    /// (key bytes, interval end)
+    pub elements: BTreeSet<(Vec<u8>, bool)>,
+}
+
+fn cstr(p: *const libc::c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+impl TableView {
+    /// Builds the view from messages: NEWSET, NEWSETELEM, NEWCHAIN and NEWRULE of `table`,
+    /// whether the kernel dumped them or we are about to send them. Others are ignored.
+    pub fn from_messages<'a>(table: &str, messages: impl IntoIterator<Item = &'a [u8]>) -> TableView {
+        let mut view = TableView::default();
+        for buf in messages {
+            for msg in split_messages(buf) {
+                let hdr = msg.header();
+                if msg.kind == nft_type(libc::NFT_MSG_NEWCHAIN) {
+                    if let Some(c) = parse_chain(hdr, table) {
+                        view.chains.push(c);
+                    }
+                } else if msg.kind == nft_type(libc::NFT_MSG_NEWRULE) {
+                    if let Some((chain, rule)) = parse_rule(hdr, table) {
+                        match view.chains.iter_mut().find(|c| c.name == chain) {
+                            Some(c) => c.rules.push(rule),
+                            None => view.chains.push(ChainView { name: chain, hook: None, rules: vec![rule] }),
+                        }
+                    }
+                } else if msg.kind == nft_type(libc::NFT_MSG_NEWSET) {
+                    if let Some(s) = parse_set(hdr, table) {
+                        view.sets.push(s);
+                    }
+                } else if msg.kind == nft_type(libc::NFT_MSG_NEWSETELEM) {
+                    if let Some((name, elems)) = parse_elements(hdr, table) {
+                        if let Some(s) = view.sets.iter_mut().find(|s| s.name == name) {
+                            s.elements.extend(elems);
+                        }
+                    }
+                }
+            }
+        }
+        view
+    }
+}
+
+fn parse_chain(hdr: *const libc::nlmsghdr, table: &str) -> Option<ChainView> {
+    unsafe {
+        let c = sys::nftnl_chain_alloc();
+        let ok = sys::nftnl_chain_nlmsg_parse(hdr, c) >= 0
+            && cstr(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TABLE as u16)) == table;
+        let view = ok.then(|| ChainView {
+            name: cstr(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_NAME as u16)),
+            hook: sys::nftnl_chain_is_set(c, sys::NFTNL_CHAIN_HOOKNUM as u16).then(|| {
+                (
+                    cstr(sys::nftnl_chain_get_str(c, sys::NFTNL_CHAIN_TYPE as u16)),
+                    sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_HOOKNUM as u16),
+                    sys::nftnl_chain_get_s32(c, sys::NFTNL_CHAIN_PRIO as u16),
+                    sys::nftnl_chain_get_u32(c, sys::NFTNL_CHAIN_POLICY as u16),
+                )
+            }),
+            rules: Vec::new(),
+        });
+        sys::nftnl_chain_free(c);
+        view
+    }
+}
+
+fn parse_rule(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, RuleView)> {
+    unsafe {
+        let r = sys::nftnl_rule_alloc();
+        let ok = sys::nftnl_rule_nlmsg_parse(hdr, r) >= 0
+            && cstr(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_TABLE as u16)) == table;
+        let out = ok.then(|| {
+            let chain = cstr(sys::nftnl_rule_get_str(r, sys::NFTNL_RULE_CHAIN as u16));
+            let mut exprs = String::new();
+            let iter = sys::nftnl_expr_iter_create(r);
+            let mut buf = vec![0u8; 1024];
+            loop {
+                let e = sys::nftnl_expr_iter_next(iter);
+                if e.is_null() {
+                    break;
+                }
+                let name = cstr(sys::nftnl_expr_get_str(e, sys::NFTNL_EXPR_NAME as u16));
+                sys::nftnl_expr_snprintf(buf.as_mut_ptr().cast(), buf.len(), e, sys::NFTNL_OUTPUT_DEFAULT, 0);
+                let text = cstr(buf.as_ptr().cast());
+                let _ = write!(exprs, "[ {name} {} ] ", text.trim());
+            }
+            sys::nftnl_expr_iter_destroy(iter);
+            let mut len = 0u32;
+            let data = sys::nftnl_rule_get_data(r, sys::NFTNL_RULE_USERDATA as u16, &mut len);
+            let comment = if data.is_null() {
+                String::new()
+            } else {
+                rule_comment(std::slice::from_raw_parts(data.cast::<u8>(), len as usize))
+            };
+            (chain, RuleView { exprs: exprs.trim_end().to_string(), comment })
+        });
+        sys::nftnl_rule_free(r);
+        out
+    }
+}
+
+/// The comment in a rule's userdata: TLVs of (type u8, len u8, value), comment is type 0.
+fn rule_comment(mut udata: &[u8]) -> String {
+    while udata.len() >= 2 {
+        let (kind, len) = (udata[0], udata[1] as usize);
+        let Some(value) = udata.get(2..2 + len) else { break };
+        if kind == sys::NFTNL_UDATA_RULE_COMMENT as u8 {
+            return String::from_utf8_lossy(value.strip_suffix(&[0]).unwrap_or(value)).into_owned();
+        }
+        udata = &udata[2 + len..];
+    }
+    String::new()
+}
+
+fn parse_set(hdr: *const libc::nlmsghdr, table: &str) -> Option<SetView> {
+    unsafe {
+        let s = sys::nftnl_set_alloc();
+        let ok = sys::nftnl_set_nlmsg_parse(hdr, s) >= 0
+            && cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_TABLE as u16)) == table;
+        let get = |attr: u32| if sys::nftnl_set_is_set(s, attr as u16) { sys::nftnl_set_get_u32(s, attr as u16) } else { 0 };
+        let view = ok.then(|| SetView {
+            name: cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_NAME as u16)),
+            flags: get(sys::NFTNL_SET_FLAGS),
+            key_type: get(sys::NFTNL_SET_KEY_TYPE),
+            key_len: get(sys::NFTNL_SET_KEY_LEN),
+            elements: BTreeSet::new(),
+        });
+        sys::nftnl_set_free(s);
+        view
+    }
+}
+
+fn parse_elements(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, Vec<(Vec<u8>, bool)>)> {
+    unsafe {
+        let s = sys::nftnl_set_alloc();
+        let ok = sys::nftnl_set_elems_nlmsg_parse(hdr, s) >= 0
+            && cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_TABLE as u16)) == table;
+        let out = ok.then(|| {
+            let name = cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_NAME as u16));
+            let mut elems = Vec::new();
+            let iter = sys::nftnl_set_elems_iter_create(s);
+            loop {
+                let e = sys::nftnl_set_elems_iter_next(iter);
+                if e.is_null() {
+                    break;
+                }
+                let mut len = 0u32;
+                let key = sys::nftnl_set_elem_get(e, sys::NFTNL_SET_ELEM_KEY as u16, &mut len);
+                let key = if key.is_null() { Vec::new() } else { std::slice::from_raw_parts(key.cast::<u8>(), len as usize).to_vec() };
+                let end = sys::nftnl_set_elem_is_set(e, sys::NFTNL_SET_ELEM_FLAGS as u16)
+                    && sys::nftnl_set_elem_get_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16) & libc::NFT_SET_ELEM_INTERVAL_END as u32 != 0;
+                elems.push((key, end));
+            }
+            sys::nftnl_set_elems_iter_destroy(iter);
+            (name, elems)
+        });
+        sys::nftnl_set_free(s);
+        out
+    }
+}
+
+/// Prints a set key the way a person reads it: an address or a port.
+fn show_key(key: &[u8], end: bool) -> String {
+    let k = match key.len() {
+        4 => std::net::Ipv4Addr::new(key[0], key[1], key[2], key[3]).to_string(),
+        2 => u16::from_be_bytes([key[0], key[1]]).to_string(),
+        _ => format!("{key:02x?}"),
+    };
+    if end { format!("{k} (interval end)") } else { k }
+}
+
+/// What differs between what we expect and what the kernel holds, one line per difference.
+pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in &expected.sets {
+        let Some(a) = actual.sets.iter().find(|a| a.name == e.name) else {
+            out.push(format!("set {} is missing", e.name));
+            continue;
+        };
+        if (a.flags, a.key_type, a.key_len) != (e.flags, e.key_type, e.key_len) {
+            out.push(format!(
+                "set {}: flags/key type/key length are {:#x}/{}/{}, expected {:#x}/{}/{}",
+                e.name, a.flags, a.key_type, a.key_len, e.flags, e.key_type, e.key_len
+            ));
+        }
+        for (k, end) in e.elements.difference(&a.elements) {
+            out.push(format!("set {}: element {} is missing", e.name, show_key(k, *end)));
+        }
+        for (k, end) in a.elements.difference(&e.elements) {
+            out.push(format!("set {}: unexpected element {}", e.name, show_key(k, *end)));
+        }
+    }
+    for a in &actual.sets {
+        if !expected.sets.iter().any(|e| e.name == a.name) {
+            out.push(format!("unexpected set {}", a.name));
+        }
+    }
+    for e in &expected.chains {
+        let Some(a) = actual.chains.iter().find(|a| a.name == e.name) else {
+            out.push(format!("chain {} is missing", e.name));
+            continue;
+        };
+        if a.hook != e.hook {
+            out.push(format!("chain {}: hook (type, hook, priority, policy) is {:?}, expected {:?}", e.name, a.hook, e.hook));
+        }
+        if a.rules.len() == e.rules.len() {
+            for (i, (er, ar)) in e.rules.iter().zip(&a.rules).enumerate() {
+                if er != ar {
+                    out.push(format!(
+                        "chain {} rule {} ({}) differs: expected {} found {} (comment {:?})",
+                        e.name, i + 1, er.comment, er.exprs, ar.exprs, ar.comment
+                    ));
+                }
+            }
+        } else {
+            for er in &e.rules {
+                if !a.rules.contains(er) {
+                    out.push(format!("chain {}: rule ({}) is missing or changed: {}", e.name, er.comment, er.exprs));
+                }
+            }
+            for ar in &a.rules {
+                if !e.rules.contains(ar) {
+                    out.push(format!("chain {}: unexpected rule ({:?}): {}", e.name, ar.comment, ar.exprs));
+                }
+            }
+            if out.is_empty() {
+                out.push(format!("chain {} holds {} rules, expected {}", e.name, a.rules.len(), e.rules.len()));
+            }
+        }
+    }
+    for a in &actual.chains {
+        if !expected.chains.iter().any(|e| e.name == a.name) {
+            out.push(format!("unexpected chain {}", a.name));
+        }
+    }
+    out
+}

@@ -1,0 +1,649 @@
+//! Policy routing for the divert mark (DESIGN.md, "The pod ruleset"):
+//!
+//! ```text
+//! ip rule add fwmark <mark> lookup <table> priority <priority>
+//! ip route add local 0.0.0.0/0 dev lo table <table>
+//! ```
+//!
+//! Programmed over a blocking rtnetlink socket opened, per call, in the network namespace of
+//! the calling thread (the caller has already entered the pod netns). IPv4 only.
+
+use std::io;
+
+use netlink_packet_core::{
+    NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLMSG_DONE, NLMSG_ERROR,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_EXCL, NLM_F_REQUEST,
+};
+use netlink_packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
+};
+use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+
+use crate::error::{Error, Result};
+
+/// `lo` is created first in every network namespace, so it is always ifindex 1.
+const LOOPBACK_IFINDEX: u32 = 1;
+/// rtnetlink dumps are built in skbs of at most 32 KiB; 64 KiB leaves room to spare.
+const RECV_BUF: usize = 64 * 1024;
+/// A dump interrupted by a concurrent change (NLM_F_DUMP_INTR) is retried this many times.
+const DUMP_ATTEMPTS: usize = 5;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyRoute {
+    pub fwmark: u32,
+    pub table: u32,
+    pub priority: u32,
+}
+
+/// What the kernel holds of one PolicyRoute, read back for CHECK.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PolicyRouteState {
+    pub rule_present: bool,
+    pub route_present: bool,
+    pub notes: Vec<String>,
+}
+
+impl PolicyRoute {
+    /// Adds the rule. Ok(true) if created, Ok(false) if an identical rule already existed.
+    pub fn add_rule(&self) -> Result<bool> {
+        // NLM_F_EXCL matters: without it the kernel happily adds a duplicate rule.
+        let msg = RouteNetlinkMessage::NewRule(rule_message(self));
+        absent_ok(
+            transact(msg, NLM_F_CREATE | NLM_F_EXCL),
+            libc::EEXIST,
+            "add rule",
+        )
+    }
+
+    /// Adds the route. Ok(true) if created, Ok(false) if exactly this route already existed.
+    pub fn add_route(&self) -> Result<bool> {
+        let msg = RouteNetlinkMessage::NewRoute(route_message(self, false));
+        let created = absent_ok(
+            transact(msg, NLM_F_CREATE | NLM_F_EXCL),
+            libc::EEXIST,
+            "add route",
+        )?;
+        // The kernel's EEXIST only means "some route for 0.0.0.0/0 at metric 0 is in the
+        // table", whatever its type or device: make sure it is ours before calling it done.
+        if !created && !self.read_state()?.route_present {
+            return Err(route_err(
+                "add route",
+                io::Error::from_raw_os_error(libc::EEXIST),
+            ));
+        }
+        Ok(created)
+    }
+
+    /// Deletes the rule (matching fwmark, table, priority). Ok(false) if it was not there.
+    pub fn del_rule(&self) -> Result<bool> {
+        let msg = RouteNetlinkMessage::DelRule(rule_message(self));
+        absent_ok(transact(msg, 0), libc::ENOENT, "delete rule")
+    }
+
+    /// Deletes the route. Ok(false) if it was not there.
+    pub fn del_route(&self) -> Result<bool> {
+        let msg = RouteNetlinkMessage::DelRoute(route_message(self, true));
+        // A missing route is ESRCH; a table that never existed is reported the same way.
+        absent_ok(transact(msg, 0), libc::ESRCH, "delete route")
+    }
+
+    /// Dumps rules and the routes of our table, and reports whether exactly our rule and our
+    /// route are present, with a note for each near-miss.
+    pub fn read_state(&self) -> Result<PolicyRouteState> {
+        let mut state = PolicyRouteState::default();
+        let mut rule_copies = 0;
+        for msg in dump(
+            RouteNetlinkMessage::GetRule(rule_dump_message()),
+            "dump rules",
+        )? {
+            let RouteNetlinkMessage::NewRule(rule) = msg else {
+                continue;
+            };
+            let view = RuleView::of(&rule);
+            if view.family != AddressFamily::Inet {
+                continue;
+            }
+            if self.is_our_rule(&view) {
+                rule_copies += 1;
+            } else if view.fwmark == Some(self.fwmark) && view.priority != self.priority {
+                state.notes.push(format!(
+                    "a rule with fwmark {:#x} exists at priority {} instead of {}: {}",
+                    self.fwmark,
+                    view.priority,
+                    self.priority,
+                    view.describe()
+                ));
+            } else if view.fwmark == Some(self.fwmark) || view.table == self.table {
+                state.notes.push(format!(
+                    "a rule differs from ours ({}): {}",
+                    self.describe_rule(),
+                    view.describe()
+                ));
+            }
+        }
+        state.rule_present = rule_copies > 0;
+        if rule_copies > 1 {
+            state
+                .notes
+                .push(format!("our rule is present {rule_copies} times"));
+        }
+
+        let mut others = Vec::new();
+        for msg in dump(
+            RouteNetlinkMessage::GetRoute(route_dump_message()),
+            "dump routes",
+        )? {
+            let RouteNetlinkMessage::NewRoute(route) = msg else {
+                continue;
+            };
+            if route_table(&route) != self.table
+                || route.header.address_family != AddressFamily::Inet
+            {
+                continue;
+            }
+            if is_our_route(&route) {
+                state.route_present = true;
+            } else {
+                others.push(describe_route(&route));
+            }
+        }
+        let how = if state.route_present {
+            "besides"
+        } else {
+            "instead of"
+        };
+        for other in others {
+            state.notes.push(format!(
+                "table {} holds route {other} {how} local 0.0.0.0/0 dev lo",
+                self.table
+            ));
+        }
+        Ok(state)
+    }
+
+    fn is_our_rule(&self, v: &RuleView) -> bool {
+        v.action == RuleAction::ToTable
+            && v.table == self.table
+            && v.priority == self.priority
+            && v.fwmark == Some(self.fwmark)
+            && !matches!(v.fwmask, Some(m) if m != u32::MAX)
+            && !v.extra_selectors
+    }
+
+    fn describe_rule(&self) -> String {
+        format!(
+            "{}: fwmark {:#x} lookup {}",
+            self.priority, self.fwmark, self.table
+        )
+    }
+}
+
+/// The fields of a dumped rule that matter to us, with the table resolved (FRA_TABLE wins
+/// over the 8-bit header field, which is 0 for tables above 255).
+struct RuleView {
+    family: AddressFamily,
+    action: RuleAction,
+    table: u32,
+    priority: u32,
+    fwmark: Option<u32>,
+    fwmask: Option<u32>,
+    /// Anything else that narrows the match (from/to/iif/oif/uid/ports/not ...): not our rule.
+    extra_selectors: bool,
+}
+
+impl RuleView {
+    fn of(rule: &RuleMessage) -> Self {
+        let h = &rule.header;
+        let mut v = RuleView {
+            family: h.family,
+            action: h.action,
+            table: u32::from(h.table),
+            priority: 0, // the kernel omits FRA_PRIORITY for priority 0
+            fwmark: None,
+            fwmask: None,
+            extra_selectors: h.src_len != 0
+                || h.dst_len != 0
+                || h.tos != 0
+                || h.flags.contains(RuleFlags::Invert),
+        };
+        for attr in &rule.attributes {
+            match attr {
+                RuleAttribute::Table(t) => v.table = *t,
+                RuleAttribute::Priority(p) => v.priority = *p,
+                RuleAttribute::FwMark(m) => v.fwmark = Some(*m),
+                RuleAttribute::FwMask(m) => v.fwmask = Some(*m),
+                // The kernel reports "unset" for these as u32::MAX.
+                RuleAttribute::SuppressPrefixLen(x) | RuleAttribute::SuppressIfGroup(x) => {
+                    v.extra_selectors |= *x != u32::MAX
+                }
+                RuleAttribute::Destination(_)
+                | RuleAttribute::Source(_)
+                | RuleAttribute::Iifname(_)
+                | RuleAttribute::Oifname(_)
+                | RuleAttribute::UidRange(_)
+                | RuleAttribute::IpProtocol(_)
+                | RuleAttribute::SourcePortRange(_)
+                | RuleAttribute::DestinationPortRange(_)
+                | RuleAttribute::TunId(_) => v.extra_selectors = true,
+                _ => {}
+            }
+        }
+        v
+    }
+
+    fn describe(&self) -> String {
+        let mark = match (self.fwmark, self.fwmask) {
+            (Some(m), Some(k)) if k != u32::MAX => format!(" fwmark {m:#x}/{k:#x}"),
+            (Some(m), _) => format!(" fwmark {m:#x}"),
+            _ => String::new(),
+        };
+        let extra = if self.extra_selectors {
+            " (with other selectors)"
+        } else {
+            ""
+        };
+        let action = match self.action {
+            RuleAction::ToTable => format!("lookup {}", self.table),
+            other => format!("{other:?}").to_lowercase(),
+        };
+        format!("{}:{mark} {action}{extra}", self.priority)
+    }
+}
+
+fn header_table(table: u32) -> u8 {
+    u8::try_from(table).unwrap_or(RouteHeader::RT_TABLE_UNSPEC)
+}
+
+fn route_table(route: &RouteMessage) -> u32 {
+    route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(route.header.table))
+}
+
+fn route_oif(route: &RouteMessage) -> Option<u32> {
+    route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Oif(i) => Some(*i),
+        _ => None,
+    })
+}
+
+fn is_our_route(route: &RouteMessage) -> bool {
+    let h = &route.header;
+    h.kind == RouteType::Local
+        && h.destination_prefix_length == 0
+        && h.source_prefix_length == 0
+        && h.tos == 0
+        && route_oif(route) == Some(LOOPBACK_IFINDEX)
+        && !route
+            .attributes
+            .iter()
+            .any(|a| matches!(a, RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_)))
+}
+
+fn describe_route(route: &RouteMessage) -> String {
+    let h = &route.header;
+    let dst = route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
+        _ => None,
+    });
+    let via = route.attributes.iter().find_map(|a| match a {
+        RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(format!(" via {g}")),
+        _ => None,
+    });
+    let oif = route_oif(route).map_or(String::new(), |i| format!(" dev ifindex {i}"));
+    let dst = dst.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED);
+    let kind = format!("{:?}", h.kind).to_lowercase();
+    format!(
+        "{kind} {dst}/{}{}{oif}",
+        h.destination_prefix_length,
+        via.unwrap_or_default()
+    )
+}
+
+/// `fwmark <mark> lookup <table> priority <priority>`, for both RTM_NEWRULE and RTM_DELRULE.
+/// No FRA_FWMASK: the kernel defaults the mask to 0xffffffff for a non-zero mark.
+fn rule_message(pr: &PolicyRoute) -> RuleMessage {
+    let mut msg = RuleMessage::default();
+    msg.header.family = AddressFamily::Inet;
+    msg.header.action = RuleAction::ToTable;
+    msg.header.table = header_table(pr.table);
+    msg.attributes = vec![
+        RuleAttribute::FwMark(pr.fwmark),
+        RuleAttribute::Table(pr.table),
+        RuleAttribute::Priority(pr.priority),
+    ];
+    msg
+}
+
+/// `local 0.0.0.0/0 dev lo table <table>`. No RTA_DST: a /0 needs none.
+/// For deletion, scope "nowhere" and protocol unspec are the kernel's wildcards (iproute2
+/// does the same), so the route goes whoever set its protocol.
+fn route_message(pr: &PolicyRoute, for_delete: bool) -> RouteMessage {
+    let mut msg = RouteMessage::default();
+    let h = &mut msg.header;
+    h.address_family = AddressFamily::Inet;
+    h.table = header_table(pr.table);
+    h.kind = RouteType::Local;
+    (h.scope, h.protocol) = if for_delete {
+        (RouteScope::NoWhere, RouteProtocol::Unspec)
+    } else {
+        (RouteScope::Host, RouteProtocol::Static)
+    };
+    msg.attributes = vec![
+        RouteAttribute::Table(pr.table),
+        RouteAttribute::Oif(LOOPBACK_IFINDEX),
+    ];
+    msg
+}
+
+fn rule_dump_message() -> RuleMessage {
+    let mut msg = RuleMessage::default();
+    msg.header.family = AddressFamily::Inet;
+    msg
+}
+
+fn route_dump_message() -> RouteMessage {
+    let mut msg = RouteMessage::default();
+    msg.header.address_family = AddressFamily::Inet;
+    msg
+}
+
+/// Wraps a payload in a request header; a fresh socket per call makes seq 1 unambiguous.
+fn request(payload: RouteNetlinkMessage, flags: u16) -> NetlinkMessage<RouteNetlinkMessage> {
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
+    header.sequence_number = 1;
+    let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
+    msg.finalize();
+    msg
+}
+
+fn route_err(op: &'static str, source: io::Error) -> Error {
+    Error::Route { op, source }
+}
+
+/// Ok(true) on success, Ok(false) when the kernel said `benign` (already there / not there).
+fn absent_ok(res: io::Result<Replies>, benign: i32, op: &'static str) -> Result<bool> {
+    match res {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(benign) => Ok(false),
+        Err(e) => Err(route_err(op, e)),
+    }
+}
+
+/// Runs a dump, retrying when the kernel flags it as interrupted by a concurrent change.
+fn dump(payload: RouteNetlinkMessage, op: &'static str) -> Result<Vec<RouteNetlinkMessage>> {
+    for _ in 0..DUMP_ATTEMPTS {
+        let replies = transact(payload.clone(), NLM_F_DUMP).map_err(|e| route_err(op, e))?;
+        if !replies.interrupted {
+            return Ok(replies.messages);
+        }
+    }
+    Err(route_err(op, io::Error::from_raw_os_error(libc::EINTR)))
+}
+
+#[derive(Default)]
+struct Replies {
+    messages: Vec<RouteNetlinkMessage>,
+    interrupted: bool,
+}
+
+/// Sends one request on a fresh socket and reads until its ACK (an NLMSG_ERROR with code 0)
+/// or, for a dump, NLMSG_DONE. A negative code becomes the matching io::Error.
+fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<Replies> {
+    let msg = request(payload, flags);
+    let mut out = vec![0u8; msg.buffer_len()];
+    msg.serialize(&mut out);
+
+    let mut sock = Socket::new(NETLINK_ROUTE)?;
+    sock.bind_auto()?;
+    sock.connect(&SocketAddr::new(0, 0))?;
+    sock.send(&out, 0)?;
+
+    let mut replies = Replies::default();
+    let mut buf: Vec<u8> = Vec::with_capacity(RECV_BUF);
+    loop {
+        buf.clear();
+        // MSG_TRUNC makes recv report the datagram's real size, so truncation is detectable.
+        let n = sock.recv(&mut buf, libc::MSG_TRUNC)?;
+        if n > buf.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("netlink reply of {n} bytes truncated"),
+            ));
+        }
+        let mut data = &buf[..n];
+        while !data.is_empty() {
+            let len = NetlinkBuffer::new_checked(data).map_err(invalid)?.length() as usize;
+            let (one, rest) = data.split_at(len);
+            data = rest.get(len.div_ceil(4) * 4 - len..).unwrap_or(&[]); // NLMSG_ALIGN
+            let parsed = NetlinkMessage::<RouteNetlinkMessage>::deserialize(one);
+            let kind = NetlinkBuffer::new(one).message_type();
+            let msg = match parsed {
+                Ok(m) => m,
+                // An attribute this crate cannot parse only costs us that one dump entry.
+                Err(_) if kind != NLMSG_ERROR && kind != NLMSG_DONE => continue,
+                Err(e) => return Err(invalid(e)),
+            };
+            if msg.header.sequence_number != 1 {
+                continue;
+            }
+            replies.interrupted |= msg.header.flags & NLM_F_DUMP_INTR != 0;
+            match msg.payload {
+                NetlinkPayload::Error(e) => match e.code {
+                    None => return Ok(replies),
+                    Some(code) => return Err(io::Error::from_raw_os_error(-code.get())),
+                },
+                NetlinkPayload::Done(d) if d.code < 0 => {
+                    return Err(io::Error::from_raw_os_error(-d.code))
+                }
+                NetlinkPayload::Done(_) => return Ok(replies),
+                NetlinkPayload::InnerMessage(m) => replies.messages.push(m),
+                _ => {}
+            }
+        }
+    }
+}
+
+fn invalid(e: impl std::fmt::Display) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const PR: PolicyRoute = PolicyRoute {
+        fwmark: 0xae71,
+        table: 44657,
+        priority: 32000,
+    };
+
+    #[test]
+    fn rule_and_route_messages_carry_the_right_attributes() {
+        let rule = rule_message(&PR);
+        assert_eq!(rule.header.family, AddressFamily::Inet);
+        assert_eq!(rule.header.action, RuleAction::ToTable);
+        assert_eq!(rule.header.table, 0, "table > 255 goes in FRA_TABLE only");
+        for a in [
+            RuleAttribute::FwMark(0xae71),
+            RuleAttribute::Table(44657),
+            RuleAttribute::Priority(32000),
+        ] {
+            assert!(rule.attributes.contains(&a), "missing {a:?}");
+        }
+        let v = RuleView::of(&rule);
+        assert!(
+            PR.is_our_rule(&v),
+            "our own message must read back as our rule"
+        );
+
+        let route = route_message(&PR, false);
+        let h = &route.header;
+        assert_eq!(h.address_family, AddressFamily::Inet);
+        assert_eq!(
+            (h.kind, h.scope, h.protocol),
+            (RouteType::Local, RouteScope::Host, RouteProtocol::Static)
+        );
+        assert_eq!((h.table, h.destination_prefix_length), (0, 0));
+        assert!(route.attributes.contains(&RouteAttribute::Table(44657)));
+        assert!(route.attributes.contains(&RouteAttribute::Oif(1)));
+        assert!(is_our_route(&route) && route_table(&route) == 44657);
+
+        let small = PolicyRoute { table: 100, ..PR };
+        assert_eq!(rule_message(&small).header.table, 100);
+        assert_eq!(route_message(&small, false).header.table, 100);
+
+        // The wire form round-trips and carries the ACK/EXCL flags.
+        let msg = request(
+            RouteNetlinkMessage::NewRule(rule),
+            NLM_F_CREATE | NLM_F_EXCL,
+        );
+        let mut bytes = vec![0; msg.buffer_len()];
+        msg.serialize(&mut bytes);
+        let back = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap();
+        assert_eq!(back, msg);
+        assert_eq!(
+            back.header.flags,
+            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+        );
+        assert_eq!(back.header.message_type, 32, "RTM_NEWRULE");
+    }
+
+    fn ip(args: &[&str]) -> String {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Deletes the test netns however the test ends.
+    struct NetnsGuard(String);
+    impl Drop for NetnsGuard {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+
+    /// Runs `f` on a fresh thread that has entered the named netns (setns is per-thread).
+    fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{name}");
+        let handle = std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            let ns = std::fs::File::open(&path).expect("open netns");
+            // SAFETY: plain syscall on a valid fd; only this thread moves.
+            let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "setns: {}", io::Error::last_os_error());
+            f()
+        });
+        handle
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+
+    #[test]
+    fn programs_reads_back_and_removes_policy_routing_as_root() {
+        if unsafe { libc::geteuid() } != 0 {
+            if std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() == Ok("1") {
+                panic!("AETHER_REQUIRE_ROOT_TESTS=1 but not running as root");
+            }
+            eprintln!(
+                "SKIPPED (needs root): programs_reads_back_and_removes_policy_routing_as_root"
+            );
+            return;
+        }
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "aether-rt-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        ip(&["netns", "add", &name]);
+        let _guard = NetnsGuard(name.clone());
+        ip(&["-n", &name, "link", "set", "lo", "up"]);
+
+        let state = in_netns(&name, || {
+            assert!(PR.add_rule().unwrap(), "rule created");
+            assert!(PR.add_route().unwrap(), "route created");
+            assert!(!PR.add_rule().unwrap(), "rule already there");
+            assert!(!PR.add_route().unwrap(), "route already there");
+            PR.read_state().unwrap()
+        });
+        assert!(state.rule_present && state.route_present, "{state:?}");
+        assert!(state.notes.is_empty(), "{state:?}");
+
+        let rules = ip(&["netns", "exec", &name, "ip", "rule"]);
+        assert!(
+            rules.contains("32000:") && rules.contains("fwmark 0xae71 lookup 44657"),
+            "{rules}"
+        );
+        let routes = ip(&[
+            "netns", "exec", &name, "ip", "-4", "route", "show", "table", "44657",
+        ]);
+        assert!(routes.contains("local default dev lo"), "{routes}");
+
+        let (state, near) = in_netns(&name, || {
+            assert!(PR.del_rule().unwrap(), "rule deleted");
+            assert!(PR.del_route().unwrap(), "route deleted");
+            assert!(!PR.del_rule().unwrap(), "rule already gone");
+            assert!(!PR.del_route().unwrap(), "route already gone");
+            let state = PR.read_state().unwrap();
+            // A near-miss is reported: our mark at another priority.
+            let other = PolicyRoute {
+                priority: 100,
+                ..PR
+            };
+            other.add_rule().unwrap();
+            let near = PR.read_state().unwrap();
+            other.del_rule().unwrap();
+            (state, near)
+        });
+        assert_eq!(state, PolicyRouteState::default());
+        assert!(!near.rule_present, "{near:?}");
+        assert!(
+            near.notes
+                .iter()
+                .any(|n| n.contains("fwmark 0xae71 exists at priority 100 instead of 32000")),
+            "{near:?}"
+        );
+
+        // Someone else's default route in our table: EEXIST must not pass for "ours exists".
+        ip(&[
+            "netns",
+            "exec",
+            &name,
+            "ip",
+            "route",
+            "add",
+            "unreachable",
+            "default",
+            "table",
+            "44657",
+        ]);
+        let (added, state) = in_netns(&name, || (PR.add_route(), PR.read_state().unwrap()));
+        assert!(
+            matches!(&added, Err(Error::Route { op: "add route", source }) if source.raw_os_error() == Some(libc::EEXIST)),
+            "{added:?}"
+        );
+        assert!(!state.route_present, "{state:?}");
+        assert!(
+            state
+                .notes
+                .iter()
+                .any(|n| n.contains("table 44657 holds route") && n.contains("instead of")),
+            "{state:?}"
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! Shared test support. Tests may shell out to `ip` and `nft` to set up and observe; the
+//! product never does.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Whether root tests may run. Without root they skip with one loud line, unless
+/// `AETHER_REQUIRE_ROOT_TESTS=1`, where a skip is a failure.
+#[must_use]
+pub fn root_or_skip(test: &str) -> bool {
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() == Ok("1") {
+        panic!("{test}: needs root, and AETHER_REQUIRE_ROOT_TESTS=1 forbids skipping it");
+    }
+    eprintln!("SKIPPED (needs root): {test} -- run as root, or set AETHER_REQUIRE_ROOT_TESTS=1 to make this a failure");
+    false
+}
+
+/// Runs a command and returns its stdout; panics with its stderr if it fails.
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {}: {}\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Like `run`, but returns the exit status and output instead of panicking.
+pub fn try_run(cmd: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// A network namespace made for one test (`ip netns add`), with `lo` up; deleted on drop,
+/// also when the test panics.
+pub struct TestNetns {
+    pub name: String,
+}
+
+impl TestNetns {
+    pub fn new(tag: &str) -> Self {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let name = format!("aeth-{tag}-{}-{n}", std::process::id());
+        run("ip", &["netns", "add", &name]);
+        let ns = TestNetns { name };
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+
+    /// Runs a command inside the namespace and returns its stdout.
+    pub fn exec(&self, cmd: &str, args: &[&str]) -> String {
+        let mut full = vec!["netns", "exec", &self.name, cmd];
+        full.extend_from_slice(args);
+        run("ip", &full)
+    }
+
+    pub fn try_exec(&self, cmd: &str, args: &[&str]) -> (bool, String, String) {
+        let mut full = vec!["netns", "exec", &self.name, cmd];
+        full.extend_from_slice(args);
+        try_run("ip", &full)
+    }
+
+    /// `nft list ruleset`, `ip rule` and `ip route show table <table>` of the namespace:
+    /// everything capture touches, as the kernel reports it.
+    pub fn snapshot(&self, table: u32) -> String {
+        format!(
+            "# nft list ruleset\n{}# ip -4 rule\n{}# ip -4 route show table {table}\n{}",
+            self.exec("nft", &["list", "ruleset"]),
+            self.exec("ip", &["-4", "rule"]),
+            self.exec("ip", &["-4", "route", "show", "table", &table.to_string()]),
+        )
+    }
+}
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+/// Compares `actual` with the golden file `testdata/golden/<name>`. With
+/// `AETHER_BLESS=1` the file is (re)written instead, for a person to review with `git diff`.
+pub fn assert_golden(name: &str, actual: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/golden").join(name);
+    if std::env::var("AETHER_BLESS").as_deref() == Ok("1") {
+        std::fs::write(&path, actual).unwrap();
+        eprintln!("blessed {} -- review it with git diff before committing", path.display());
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("golden file {}: {e} (write it with AETHER_BLESS=1 and review it)", path.display()));
+    if expected != actual {
+        panic!(
+            "{} differs from the kernel's output.\n--- expected\n{expected}\n--- actual\n{actual}",
+            path.display()
+        );
+    }
+}
