@@ -25,8 +25,9 @@ pub const ROUTE_TABLE: u32 = 0xae71;
 /// Rule priority: after `local` (0), before `main` (32766), clear of the priorities Calico,
 /// Cilium and the AWS VPC CNI use.
 pub const RULE_PRIORITY: u32 = 32000;
-/// kube-proxy's masquerade and drop marks: a divert mark touching these bits would be
-/// mistaken for one of them on the host side.
+/// kube-proxy's masquerade and drop marks. Our marks live only in the pod netns (the skb
+/// mark is scrubbed crossing the veth), so "no collision" means never equal to these, as
+/// Proposal 038 D2 decided for 0xae71 (which shares a bit with 0x8000).
 pub const KUBE_PROXY_MARKS: [u32; 2] = [0x4000, 0x8000];
 
 /// Networks never captured nor DNATed: loopback, link-local, multicast.
@@ -102,8 +103,8 @@ impl CaptureConfig {
         }
         for k in KUBE_PROXY_MARKS {
             for (name, m) in [("divert", d), ("passthrough", p)] {
-                if m & k != 0 {
-                    return bad(format!("{name} mark {m:#x} uses kube-proxy's mark bit {k:#x}"));
+                if m == k {
+                    return bad(format!("{name} mark {m:#x} is kube-proxy's mark {k:#x}"));
                 }
             }
         }
@@ -299,8 +300,8 @@ mod tests {
         assert_ne!(DIVERT_MARK & PASSTHROUGH_MARK, DIVERT_MARK);
         assert_ne!(DIVERT_MARK & PASSTHROUGH_MARK, PASSTHROUGH_MARK);
         for k in KUBE_PROXY_MARKS {
-            assert_eq!(DIVERT_MARK & k, 0);
-            assert_eq!(PASSTHROUGH_MARK & k, 0);
+            assert_ne!(DIVERT_MARK, k);
+            assert_ne!(PASSTHROUGH_MARK, k);
         }
         CaptureConfig::new(CaptureMode::RedirectAll).validate().unwrap();
     }
@@ -311,7 +312,7 @@ mod tests {
             (0xae71, 0xae71, "equals"),
             (0xae71, 0xae70, "mask"),
             (0x1, 0x3, "mask"),
-            (0xc000, 0x1, "kube-proxy"),
+            (0x8000, 0x1, "kube-proxy"),
             (0x1, 0x4000, "kube-proxy"),
             (0, 0x1, "non-zero"),
         ] {

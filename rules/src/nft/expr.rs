@@ -175,6 +175,9 @@ impl Expression for Expr {
                 set_u32(e, sys::NFTNL_EXPR_NAT_FAMILY, libc::NFPROTO_IPV4 as u32);
                 set_u32(e, sys::NFTNL_EXPR_NAT_REG_ADDR_MIN, REG_1);
                 set_u32(e, sys::NFTNL_EXPR_NAT_REG_PROTO_MIN, REG_2);
+                // The kernel fills the range maxima from the minima and reports them.
+                set_u32(e, sys::NFTNL_EXPR_NAT_REG_ADDR_MAX, REG_1);
+                set_u32(e, sys::NFTNL_EXPR_NAT_REG_PROTO_MAX, REG_2);
                 set_u32(e, sys::NFTNL_EXPR_NAT_FLAGS, NAT_RANGE_MAP_IPS | NAT_RANGE_PROTO_SPECIFIED);
                 e
             }

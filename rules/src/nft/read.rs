@@ -71,7 +71,7 @@ impl TableView {
                         view.sets.push(s);
                     }
                 } else if msg.kind == nft_type(libc::NFT_MSG_NEWSETELEM) {
-                    if let Some((name, elems)) = parse_elements(hdr, table) {
+                    if let Some((name, elems)) = parse_elements(msg.bytes, table) {
                         if let Some(s) = view.sets.iter_mut().find(|s| s.name == name) {
                             s.elements.extend(elems);
                         }
@@ -171,33 +171,59 @@ fn parse_set(hdr: *const libc::nlmsghdr, table: &str) -> Option<SetView> {
     }
 }
 
-fn parse_elements(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, Vec<(Vec<u8>, bool)>)> {
-    unsafe {
-        let s = sys::nftnl_set_alloc();
-        let ok = sys::nftnl_set_elems_nlmsg_parse(hdr, s) >= 0
-            && cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_TABLE as u16)) == table;
-        let out = ok.then(|| {
-            let name = cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_NAME as u16));
-            let mut elems = Vec::new();
-            let iter = sys::nftnl_set_elems_iter_create(s);
-            loop {
-                let e = sys::nftnl_set_elems_iter_next(iter);
-                if e.is_null() {
-                    break;
-                }
-                let mut len = 0u32;
-                let key = sys::nftnl_set_elem_get(e, sys::NFTNL_SET_ELEM_KEY as u16, &mut len);
-                let key = if key.is_null() { Vec::new() } else { std::slice::from_raw_parts(key.cast::<u8>(), len as usize).to_vec() };
-                let end = sys::nftnl_set_elem_is_set(e, sys::NFTNL_SET_ELEM_FLAGS as u16)
-                    && sys::nftnl_set_elem_get_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16) & libc::NFT_SET_ELEM_INTERVAL_END as u32 != 0;
-                elems.push((key, end));
-            }
-            sys::nftnl_set_elems_iter_destroy(iter);
-            (name, elems)
-        });
-        sys::nftnl_set_free(s);
-        out
+/// Netlink attributes of a buffer: (type without flag bits, payload).
+fn attributes(mut buf: &[u8]) -> Vec<(u16, &[u8])> {
+    let mut out = Vec::new();
+    while buf.len() >= 4 {
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & 0x3fff;
+        if len < 4 || len > buf.len() {
+            break;
+        }
+        out.push((kind, &buf[4..len]));
+        buf = &buf[((len + 3) & !3).min(buf.len())..];
     }
+    out
+}
+
+/// Set elements, read attribute by attribute: libnftnl numbers the elements it sends 1, 2,
+/// 3... (the kernel ignores the numbers) but its own parser accepts only 1, so it cannot
+/// read back what it wrote.
+fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Vec<(Vec<u8>, bool)>)> {
+    // linux/netfilter/nf_tables.h
+    const NFGENMSG_LEN: usize = 4;
+    const LIST_TABLE: u16 = 1;
+    const LIST_SET: u16 = 2;
+    const LIST_ELEMENTS: u16 = 3;
+    const ELEM_KEY: u16 = 1;
+    const ELEM_FLAGS: u16 = 3;
+    const DATA_VALUE: u16 = 1;
+    let attrs = attributes(bytes.get(16 + NFGENMSG_LEN..)?);
+    let text = |kind: u16| {
+        attrs.iter().find(|(k, _)| *k == kind).map(|(_, v)| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned())
+    };
+    if text(LIST_TABLE)? != table {
+        return None;
+    }
+    let name = text(LIST_SET)?;
+    let mut elems = Vec::new();
+    for (_, list) in attrs.iter().filter(|(k, _)| *k == LIST_ELEMENTS) {
+        for (_, elem) in attributes(list) {
+            let mut key = Vec::new();
+            let mut end = false;
+            for (k, v) in attributes(elem) {
+                if k == ELEM_KEY {
+                    if let Some((_, value)) = attributes(v).into_iter().find(|(t, _)| *t == DATA_VALUE) {
+                        key = value.to_vec();
+                    }
+                } else if k == ELEM_FLAGS && v.len() == 4 {
+                    end = u32::from_be_bytes([v[0], v[1], v[2], v[3]]) & libc::NFT_SET_ELEM_INTERVAL_END as u32 != 0;
+                }
+            }
+            elems.push((key, end));
+        }
+    }
+    Some((name, elems))
 }
 
 /// Prints a set key the way a person reads it: an address or a port.
@@ -276,3 +302,4 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
     }
     out
 }
+
