@@ -1,1 +1,60 @@
-fn main() {}
+//! aether-cni: a chained CNI plugin when `CNI_COMMAND` is set, an operator CLI otherwise.
+
+mod cni;
+mod config;
+mod env;
+mod error;
+mod log;
+
+use std::io::{Read, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "aether-cni", version, about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the CNI versions this plugin supports.
+    Versions,
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os("CNI_COMMAND").is_some() {
+        return run_cni();
+    }
+    match Cli::parse().command {
+        Command::Versions => {
+            println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// The CNI protocol: configuration on stdin, result or error JSON on stdout, logs elsewhere.
+fn run_cni() -> ExitCode {
+    let mut stdin = Vec::new();
+    let read = std::io::stdin().read_to_end(&mut stdin);
+    let outcome = match read {
+        Err(e) => Err(error::CniError::new(error::code::IO_FAILURE, "cannot read stdin").with_details(e.to_string())),
+        Ok(_) => env::Env::from_process().and_then(|env| cni::run(&env, &stdin)),
+    };
+    let mut out = std::io::stdout().lock();
+    match outcome {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(result)) => {
+            let _ = writeln!(out, "{result}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            warn!("{} failed: {e}", std::env::var("CNI_COMMAND").unwrap_or_default());
+            let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
+            ExitCode::FAILURE
+        }
+    }
+}

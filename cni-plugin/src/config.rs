@@ -1,0 +1,466 @@
+//! The network configuration (one plugin entry of the node's conflist) and the pod's
+//! annotations, turned into the capture configuration `aether-rules` builds from.
+//!
+//! Fields are read one by one so every error names the field and the value it found.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use aether_rules::capture::{self, CaptureConfig, CaptureMode, DnsDivert};
+use aether_rules::model::PortRange;
+use ipnet::Ipv4Net;
+use serde_json::{Map, Value};
+
+use crate::error::{code, CniError};
+
+pub const SUPPORTED_VERSIONS: [&str; 3] = ["0.4.0", "1.0.0", "1.1.0"];
+pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations";
+pub const DEFAULT_STATE_DIR: &str = "/var/run/aether-cni";
+
+pub const ANNOTATION_CAPTURE: &str = "aether.io/capture";
+pub const ANNOTATION_EXCLUDE_PORTS: &str = "aether.io/exclude-outbound-ports";
+pub const ANNOTATION_EXCLUDE_CIDRS: &str = "aether.io/exclude-outbound-cidrs";
+pub const ANNOTATION_CAPTURE_DNS: &str = "aether.io/capture-dns";
+
+/// Keys the CNI spec defines for every plugin configuration.
+const SPEC_FIELDS: [&str; 11] = [
+    "cniVersion", "cniVersions", "name", "type", "args", "capabilities", "runtimeConfig", "prevResult", "ipMasq", "ipam", "dns",
+];
+/// This plugin's own keys.
+const OWN_FIELDS: [&str; 17] = [
+    "captureMode", "hostIP", "captureDNS", "capturePort", "meshL4Port", "scopedPorts", "dnsProxyPort",
+    "divertMark", "passthroughMark", "routeTable", "rulePriority", "excludeOutboundCIDRs",
+    "excludeOutboundPorts", "excludeNamespaces", "logFile", "logLevel", "stateDir",
+];
+
+/// A pod's capture policy before annotations: the node default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capture {
+    Mode(CaptureMode),
+    Disabled,
+}
+
+impl std::str::FromStr for Capture {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s {
+            "redirect-all" => Ok(Capture::Mode(CaptureMode::RedirectAll)),
+            "scoped" => Ok(Capture::Mode(CaptureMode::Scoped)),
+            "disabled" => Ok(Capture::Disabled),
+            _ => Err(()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetConf {
+    pub cni_version: String,
+    pub name: String,
+    pub prev_result: Option<Value>,
+    pub capture: Capture,
+    pub host_ip: Option<Ipv4Addr>,
+    pub capture_dns: bool,
+    pub dns_proxy_port: u16,
+    /// Everything but mode, DNS and exclusions, which the pod may refine.
+    pub base: CaptureConfig,
+    pub exclude_namespaces: Vec<String>,
+    pub annotations: BTreeMap<String, String>,
+    pub log_file: Option<PathBuf>,
+    pub log_level: String,
+    pub state_dir: PathBuf,
+}
+
+fn invalid(field: &str, value: &Value, why: &str) -> CniError {
+    CniError::invalid_config(format!("network configuration field {field:?} has {value}: {why}"))
+}
+
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn str(&self, f: &str) -> Result<Option<String>, CniError> {
+        match self.0.get(f) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => Err(invalid(f, v, "expected a string")),
+        }
+    }
+
+    fn bool(&self, f: &str) -> Result<Option<bool>, CniError> {
+        match self.0.get(f) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(invalid(f, v, "expected true or false")),
+        }
+    }
+
+    /// A number, or a string in decimal or 0x-hex (marks are written in hex).
+    fn u32(&self, f: &str) -> Result<Option<u32>, CniError> {
+        let Some(v) = self.0.get(f).filter(|v| !v.is_null()) else { return Ok(None) };
+        let parsed = match v {
+            Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()),
+            Value::String(s) => match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+                Some(hex) => u32::from_str_radix(hex, 16).ok(),
+                None => s.parse().ok(),
+            },
+            _ => None,
+        };
+        parsed.map(Some).ok_or_else(|| invalid(f, v, "expected an unsigned 32-bit number (decimal, or a \"0x...\" string)"))
+    }
+
+    fn port(&self, f: &str) -> Result<Option<u16>, CniError> {
+        let Some(v) = self.0.get(f).filter(|v| !v.is_null()) else { return Ok(None) };
+        match v.as_u64() {
+            Some(n @ 1..=65535) => Ok(Some(n as u16)),
+            _ => Err(invalid(f, v, "expected a port number 1-65535")),
+        }
+    }
+
+    fn list(&self, f: &str) -> Result<Vec<Value>, CniError> {
+        match self.0.get(f) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(a)) => Ok(a.clone()),
+            Some(v) => Err(invalid(f, v, "expected a list")),
+        }
+    }
+}
+
+/// Checks the configuration's `cniVersion` before anything else is read (code 1).
+pub fn check_version(version: &str) -> Result<(), CniError> {
+    if SUPPORTED_VERSIONS.contains(&version) {
+        return Ok(());
+    }
+    Err(CniError::new(
+        code::INCOMPATIBLE_VERSION,
+        format!("cniVersion {version:?} is not supported; supported: {}", SUPPORTED_VERSIONS.join(", ")),
+    ))
+}
+
+/// Decodes stdin. Errors carry codes 6 (not JSON), 1 (version), 2 (unknown field), 7 (value).
+pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
+    let root: Value = serde_json::from_slice(stdin)
+        .map_err(|e| CniError::new(code::DECODE_FAILURE, "the network configuration on stdin is not valid JSON").with_details(e.to_string()))?;
+    let Value::Object(map) = root else {
+        return Err(CniError::new(code::DECODE_FAILURE, "the network configuration on stdin is not a JSON object"));
+    };
+    let f = Fields(&map);
+    let cni_version = f.str("cniVersion")?.ok_or_else(|| CniError::invalid_config("network configuration field \"cniVersion\" is missing"))?;
+    check_version(&cni_version)?;
+    for (k, v) in &map {
+        if !SPEC_FIELDS.contains(&k.as_str()) && !OWN_FIELDS.contains(&k.as_str()) {
+            return Err(CniError::new(
+                code::UNSUPPORTED_FIELD,
+                format!("network configuration field {k:?} (value {v}) is not supported by aether-cni"),
+            )
+            .with_details(format!("supported fields: {}", OWN_FIELDS.join(", "))));
+        }
+    }
+    let name = f.str("name")?.ok_or_else(|| CniError::invalid_config("network configuration field \"name\" is missing"))?;
+
+    let capture = match f.str("captureMode")? {
+        None => Capture::Mode(CaptureMode::RedirectAll),
+        Some(s) => s.parse().map_err(|()| invalid("captureMode", &Value::String(s.clone()), "expected redirect-all, scoped or disabled"))?,
+    };
+    let host_ip = match f.str("hostIP")? {
+        None => None,
+        Some(s) => Some(s.parse::<Ipv4Addr>().map_err(|_| invalid("hostIP", &Value::String(s.clone()), "expected an IPv4 address"))?),
+    };
+    let capture_dns = f.bool("captureDNS")?.unwrap_or(true);
+    if capture_dns && host_ip.is_none() {
+        return Err(CniError::invalid_config(
+            "network configuration field \"hostIP\" is missing: DNS capture (captureDNS, on by default) needs the node's address",
+        ));
+    }
+
+    let mut base = CaptureConfig::new(CaptureMode::RedirectAll);
+    if let Some(p) = f.port("capturePort")? {
+        base.capture_port = p;
+    }
+    if let Some(p) = f.port("meshL4Port")? {
+        base.mesh_l4_port = p;
+    }
+    let scoped = f.list("scopedPorts")?;
+    if f.0.contains_key("scopedPorts") {
+        base.scoped_ports = scoped
+            .iter()
+            .map(|v| match v.as_u64() {
+                Some(n @ 1..=65535) => Ok(n as u16),
+                _ => Err(invalid("scopedPorts", v, "expected port numbers 1-65535")),
+            })
+            .collect::<Result<_, _>>()?;
+    }
+    let dns_proxy_port = f.port("dnsProxyPort")?.unwrap_or(capture::DNS_PROXY_PORT);
+    if let Some(m) = f.u32("divertMark")? {
+        base.divert_mark = m;
+    }
+    if let Some(m) = f.u32("passthroughMark")? {
+        base.passthrough_mark = m;
+    }
+    if let Some(t) = f.u32("routeTable")? {
+        base.route_table = t;
+    }
+    if let Some(p) = f.u32("rulePriority")? {
+        base.rule_priority = p;
+    }
+    for v in f.list("excludeOutboundCIDRs")? {
+        base.excluded_cidrs.push(parse_cidr(&v).map_err(|why| invalid("excludeOutboundCIDRs", &v, &why))?);
+    }
+    for v in f.list("excludeOutboundPorts")? {
+        let s = match &v {
+            Value::Number(n) => n.to_string(),
+            Value::String(s) => s.clone(),
+            _ => String::new(),
+        };
+        base.excluded_ports.push(s.parse::<PortRange>().map_err(|why| invalid("excludeOutboundPorts", &v, &why))?);
+    }
+    let exclude_namespaces = match map.get("excludeNamespaces") {
+        None => vec!["kube-system".to_string()],
+        Some(_) => f
+            .list("excludeNamespaces")?
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| invalid("excludeNamespaces", v, "expected namespace names")))
+            .collect::<Result<_, _>>()?,
+    };
+    let log_level = f.str("logLevel")?.unwrap_or_else(|| "info".into());
+    if !["error", "warn", "info", "debug"].contains(&log_level.as_str()) {
+        return Err(invalid("logLevel", &Value::String(log_level), "expected error, warn, info or debug"));
+    }
+
+    let conf = NetConf {
+        cni_version,
+        name,
+        prev_result: map.get("prevResult").filter(|v| !v.is_null()).cloned(),
+        capture,
+        host_ip,
+        capture_dns,
+        dns_proxy_port,
+        base,
+        exclude_namespaces,
+        annotations: pod_annotations(&map)?,
+        log_file: f.str("logFile")?.map(PathBuf::from),
+        log_level,
+        state_dir: f.str("stateDir")?.map(PathBuf::from).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+    };
+    // Node-wide numbers are checked now, so a bad node configuration fails every pod
+    // the same way, with the configuration named rather than the pod.
+    let mut probe = conf.base.clone();
+    if conf.capture_dns {
+        probe.dns = conf.host_ip.map(|host_ip| DnsDivert { host_ip, port: conf.dns_proxy_port });
+    }
+    probe.validate().map_err(|e| CniError::invalid_config(format!("network configuration: {e}")))?;
+    Ok(conf)
+}
+
+fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
+    let s = v.as_str().ok_or("expected an IPv4 CIDR string such as 10.0.0.0/8")?;
+    let s = s.trim();
+    if let Ok(net) = s.parse::<Ipv4Net>() {
+        return Ok(net);
+    }
+    s.parse::<Ipv4Addr>()
+        .map(|a| Ipv4Net::from(a))
+        .map_err(|_| format!("{s:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address"))
+}
+
+/// `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, inserted by the runtime because
+/// the configuration declares the capability.
+fn pod_annotations(map: &Map<String, Value>) -> Result<BTreeMap<String, String>, CniError> {
+    let Some(v) = map.get("runtimeConfig").and_then(|rc| rc.get(POD_ANNOTATIONS_CAPABILITY)) else {
+        return Ok(BTreeMap::new());
+    };
+    let Value::Object(obj) = v else {
+        return Err(invalid(&format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}"), v, "expected a map of annotations"));
+    };
+    obj.iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => Ok((k.clone(), s.clone())),
+            other => Err(invalid(&format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}.{k}"), other, "annotation values are strings")),
+        })
+        .collect()
+}
+
+fn bad_annotation(name: &str, value: &str, why: impl std::fmt::Display) -> CniError {
+    CniError::invalid_config(format!("pod annotation {name}={value:?} is invalid: {why}"))
+}
+
+/// The pod's capture configuration, or `None` when the pod is not managed.
+/// A malformed annotation fails: a pod must never start half-captured.
+pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<CaptureConfig>, CniError> {
+    if pod_namespace.is_some_and(|ns| conf.exclude_namespaces.iter().any(|e| e == ns)) {
+        return Ok(None);
+    }
+    let a = &conf.annotations;
+    let capture = match a.get(ANNOTATION_CAPTURE) {
+        None => conf.capture,
+        Some(v) => v.parse().map_err(|()| bad_annotation(ANNOTATION_CAPTURE, v, "expected redirect-all, scoped or disabled"))?,
+    };
+    let dns = match a.get(ANNOTATION_CAPTURE_DNS).map(String::as_str) {
+        None => conf.capture_dns,
+        Some("true") => true,
+        Some("false") => false,
+        Some(v) => return Err(bad_annotation(ANNOTATION_CAPTURE_DNS, v, "expected \"true\" or \"false\"")),
+    };
+    let mut cfg = conf.base.clone();
+    if let Some(v) = a.get(ANNOTATION_EXCLUDE_PORTS) {
+        for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            cfg.excluded_ports.push(item.parse().map_err(|why| bad_annotation(ANNOTATION_EXCLUDE_PORTS, v, why))?);
+        }
+    }
+    if let Some(v) = a.get(ANNOTATION_EXCLUDE_CIDRS) {
+        for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            cfg.excluded_cidrs.push(parse_cidr(&Value::String(item.into())).map_err(|why| bad_annotation(ANNOTATION_EXCLUDE_CIDRS, v, why))?);
+        }
+    }
+    let Capture::Mode(mode) = capture else { return Ok(None) };
+    cfg.mode = mode;
+    if dns {
+        let host_ip = conf.host_ip.ok_or_else(|| {
+            bad_annotation(ANNOTATION_CAPTURE_DNS, "true", "the network configuration has no hostIP for the DNS proxy")
+        })?;
+        cfg.dns = Some(DnsDivert { host_ip, port: conf.dns_proxy_port });
+    }
+    cfg.validate().map_err(|e| CniError::invalid_config(e.to_string()))?;
+    Ok(Some(cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn conf(extra: Value) -> Result<NetConf, CniError> {
+        let mut base = json!({"cniVersion": "1.0.0", "name": "k8s", "type": "aether-cni", "hostIP": "10.0.0.1"});
+        for (k, v) in extra.as_object().unwrap() {
+            base[k] = v.clone();
+        }
+        parse(base.to_string().as_bytes())
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let c = conf(json!({})).unwrap();
+        assert_eq!(c.capture, Capture::Mode(CaptureMode::RedirectAll));
+        assert!(c.capture_dns);
+        assert_eq!(c.dns_proxy_port, 18054);
+        assert_eq!(c.base, CaptureConfig::new(CaptureMode::RedirectAll));
+        assert_eq!(c.exclude_namespaces, ["kube-system"]);
+        assert_eq!(c.state_dir, PathBuf::from("/var/run/aether-cni"));
+        let cfg = effective(&c, Some("shop")).unwrap().unwrap();
+        assert_eq!(cfg.dns, Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 }));
+    }
+
+    #[test]
+    fn every_field_is_read() {
+        let c = conf(json!({
+            "captureMode": "scoped", "captureDNS": false, "capturePort": 15001, "meshL4Port": 15082,
+            "scopedPorts": [15081, 15082], "dnsProxyPort": 15054, "divertMark": "0x1e71",
+            "passthroughMark": 7806, "routeTable": 100, "rulePriority": 1000,
+            "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7"], "excludeOutboundPorts": [22, "9000-9100"],
+            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "stateDir": "/tmp/st",
+            "capabilities": {"io.kubernetes.cri.pod-annotations": true}, "args": {"x": 1}, "ipMasq": false
+        }))
+        .unwrap();
+        assert_eq!(c.capture, Capture::Mode(CaptureMode::Scoped));
+        assert!(!c.capture_dns);
+        assert_eq!((c.base.capture_port, c.base.mesh_l4_port, c.dns_proxy_port), (15001, 15082, 15054));
+        assert_eq!(c.base.scoped_ports, [15081, 15082]);
+        assert_eq!((c.base.divert_mark, c.base.passthrough_mark), (0x1e71, 7806));
+        assert_eq!((c.base.route_table, c.base.rule_priority), (100, 1000));
+        assert_eq!(c.base.excluded_cidrs, ["10.9.0.0/16".parse::<Ipv4Net>().unwrap(), "192.0.2.7/32".parse().unwrap()]);
+        assert_eq!(c.base.excluded_ports, [PortRange::single(22), PortRange { first: 9000, last: 9100 }]);
+        assert_eq!(c.exclude_namespaces, ["infra"]);
+        assert_eq!(c.log_file, Some(PathBuf::from("/tmp/a.log")));
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(c.state_dir, PathBuf::from("/tmp/st"));
+    }
+
+    #[test]
+    fn bad_values_name_field_and_value() {
+        let cases = [
+            (json!({"captureMode": "everything"}), 7, "captureMode", "everything"),
+            (json!({"hostIP": "not-an-ip"}), 7, "hostIP", "not-an-ip"),
+            (json!({"hostIP": "127.0.0.1"}), 7, "host IP", "127.0.0.1"),
+            (json!({"captureDNS": "yes"}), 7, "captureDNS", "yes"),
+            (json!({"capturePort": 0}), 7, "capturePort", "0"),
+            (json!({"capturePort": 70000}), 7, "capturePort", "70000"),
+            (json!({"meshL4Port": "x"}), 7, "meshL4Port", "x"),
+            (json!({"scopedPorts": [80, 0]}), 7, "scopedPorts", "0"),
+            (json!({"scopedPorts": "80"}), 7, "scopedPorts", "80"),
+            (json!({"dnsProxyPort": -1}), 7, "dnsProxyPort", "-1"),
+            (json!({"divertMark": "0xzz"}), 7, "divertMark", "0xzz"),
+            (json!({"divertMark": "0xae7e"}), 7, "divert mark", "0xae7e"),
+            (json!({"passthroughMark": 4294967296u64}), 7, "passthroughMark", "4294967296"),
+            (json!({"routeTable": 255}), 7, "route table", "255"),
+            (json!({"rulePriority": 40000}), 7, "rule priority", "40000"),
+            (json!({"excludeOutboundCIDRs": ["10.0.0.0/33"]}), 7, "excludeOutboundCIDRs", "10.0.0.0/33"),
+            (json!({"excludeOutboundCIDRs": ["fd00::/8"]}), 7, "excludeOutboundCIDRs", "fd00::/8"),
+            (json!({"excludeOutboundPorts": ["90-80"]}), 7, "excludeOutboundPorts", "90-80"),
+            (json!({"excludeOutboundPorts": [true]}), 7, "excludeOutboundPorts", "true"),
+            (json!({"excludeNamespaces": [1]}), 7, "excludeNamespaces", "1"),
+            (json!({"logLevel": "loud"}), 7, "logLevel", "loud"),
+            (json!({"captureMod": "scoped"}), 2, "captureMod", "scoped"),
+            (json!({"cniVersion": "0.3.1"}), 1, "cniVersion", "0.3.1"),
+            (json!({"cniVersion": "9.9.9"}), 1, "cniVersion", "9.9.9"),
+        ];
+        for (extra, want_code, field, value) in cases {
+            let e = conf(extra.clone()).unwrap_err();
+            assert_eq!(e.code, want_code, "{extra}: {e}");
+            assert!(e.msg.contains(field) && e.msg.contains(value), "{extra}: {}", e.msg);
+        }
+    }
+
+    #[test]
+    fn dns_on_needs_host_ip_and_garbage_is_a_decode_error() {
+        let e = parse(br#"{"cniVersion":"1.0.0","name":"n","type":"aether-cni"}"#).unwrap_err();
+        assert_eq!(e.code, 7);
+        assert!(e.msg.contains("hostIP"));
+        assert!(parse(br#"{"cniVersion":"1.0.0","name":"n","type":"aether-cni","captureDNS":false}"#).is_ok());
+        assert_eq!(parse(b"{not json").unwrap_err().code, 6);
+        assert_eq!(parse(b"[1]").unwrap_err().code, 6);
+    }
+
+    fn with_annotations(a: Value) -> NetConf {
+        conf(json!({"runtimeConfig": {POD_ANNOTATIONS_CAPABILITY: a}})).unwrap()
+    }
+
+    #[test]
+    fn annotations_refine_the_node_defaults() {
+        let c = with_annotations(json!({
+            ANNOTATION_CAPTURE: "scoped", ANNOTATION_CAPTURE_DNS: "false",
+            ANNOTATION_EXCLUDE_PORTS: "8080, 9000-9100", ANNOTATION_EXCLUDE_CIDRS: "10.20.0.0/16,192.0.2.1",
+            "unrelated.io/thing": "x"
+        }));
+        let cfg = effective(&c, Some("shop")).unwrap().unwrap();
+        assert_eq!(cfg.mode, CaptureMode::Scoped);
+        assert_eq!(cfg.dns, None);
+        assert_eq!(cfg.excluded_ports, [PortRange::single(8080), PortRange { first: 9000, last: 9100 }]);
+        assert_eq!(cfg.excluded_cidrs.len(), 2);
+        let off = with_annotations(json!({ANNOTATION_CAPTURE: "disabled"}));
+        assert_eq!(effective(&off, Some("shop")).unwrap(), None);
+    }
+
+    #[test]
+    fn excluded_namespaces_are_not_managed() {
+        let c = conf(json!({})).unwrap();
+        assert_eq!(effective(&c, Some("kube-system")).unwrap(), None);
+        assert!(effective(&c, None).unwrap().is_some());
+    }
+
+    #[test]
+    fn malformed_annotations_fail_with_code_7_naming_them() {
+        for (name, value) in [
+            (ANNOTATION_CAPTURE, "sometimes"),
+            (ANNOTATION_CAPTURE_DNS, "yes"),
+            (ANNOTATION_EXCLUDE_PORTS, "80,http"),
+            (ANNOTATION_EXCLUDE_PORTS, "0"),
+            (ANNOTATION_EXCLUDE_CIDRS, "10.0.0.0/99"),
+        ] {
+            let c = with_annotations(json!({ name: value }));
+            let e = effective(&c, Some("shop")).unwrap_err();
+            assert_eq!(e.code, 7);
+            assert!(e.msg.contains(name) && e.msg.contains(value), "{}", e.msg);
+        }
+        let e = conf(json!({"runtimeConfig": {POD_ANNOTATIONS_CAPABILITY: {ANNOTATION_CAPTURE: 1}}})).unwrap_err();
+        assert!(e.msg.contains(ANNOTATION_CAPTURE), "{}", e.msg);
+    }
+}
