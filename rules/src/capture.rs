@@ -37,6 +37,10 @@ pub const FIXED_EXCLUDED_NETS: [&str; 3] = ["127.0.0.0/8", "169.254.0.0/16", "22
 pub const TABLE: &str = "aether_capture";
 pub const SET_EXCLUDED_NETS: &str = "excluded_nets";
 pub const SET_EXCLUDED_PORTS: &str = "excluded_ports";
+/// Chain names avoid nft keywords (`tproxy`, `dnat`...), so operators can name them in `nft`.
+pub const CHAIN_DIVERT: &str = "egress_divert";
+pub const CHAIN_TPROXY: &str = "loopback_tproxy";
+pub const CHAIN_DNS: &str = "dns_dnat";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureMode {
@@ -177,12 +181,16 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         comment: "TCP destination ports never captured".into(),
     };
 
+    let dns_comment = match cfg.dns {
+        Some(_) => "DNS is not captured (the dns_dnat chain sends it to the node DNS proxy)",
+        None => "DNS is not captured (DNS capture is off: it goes where the pod sends it)",
+    };
     let mut divert = vec![
         rule(vec![Match::CtDirectionReply], Action::Accept, "replies of tracked flows (inbound connections too) are never captured"),
         rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is never re-captured"),
         rule(vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())], Action::Accept, "excluded destinations are not captured"),
-        rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, "DNS is not captured (the nat chain sends it to the node DNS proxy)"),
-        rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Accept, "DNS is not captured (the nat chain sends it to the node DNS proxy)"),
+        rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, dns_comment),
+        rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Accept, dns_comment),
         rule(vec![Match::DportInSet(Proto::Tcp, SET_EXCLUDED_PORTS.into())], Action::Accept, "excluded TCP ports are not captured"),
     ];
     match cfg.mode {
@@ -224,19 +232,19 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
 
     let mut chains = vec![
         Chain {
-            name: "divert".into(),
+            name: CHAIN_DIVERT.into(),
             hook: Some(BaseHook { kind: ChainKind::Route, hook: Hook::Output, priority: -150 }),
             rules: divert,
         },
         Chain {
-            name: "tproxy".into(),
+            name: CHAIN_TPROXY.into(),
             hook: Some(BaseHook { kind: ChainKind::Filter, hook: Hook::Prerouting, priority: -150 }),
             rules: tproxy,
         },
     ];
     if let Some(dns) = cfg.dns {
         chains.push(Chain {
-            name: "dns".into(),
+            name: CHAIN_DNS.into(),
             hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
             rules: vec![
                 rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is left alone"),
@@ -349,7 +357,7 @@ mod tests {
     #[test]
     fn redirect_all_diverts_all_tcp_after_the_exclusions() {
         let rs = capture_ruleset(&CaptureConfig::new(CaptureMode::RedirectAll)).unwrap();
-        let divert = rules_of(&rs, "divert");
+        let divert = rules_of(&rs, CHAIN_DIVERT);
         assert_eq!(divert[0].matches, vec![Match::CtDirectionReply]);
         assert_eq!(divert[1].matches, vec![Match::Mark(PASSTHROUGH_MARK)]);
         let tcp_all = divert.iter().position(|r| r.matches == vec![Match::L4Proto(Proto::Tcp)]).unwrap();
@@ -357,8 +365,8 @@ mod tests {
         assert!(excl_ports < tcp_all);
         assert_eq!(divert[tcp_all].action, Action::SetMarkAccept(DIVERT_MARK));
         assert_eq!(divert.last().unwrap().matches, vec![Match::Dport(Proto::Udp, 18082)]);
-        assert!(rs.table.chains.iter().all(|c| c.name != "dns"), "DNS off by default");
-        let tproxy = rules_of(&rs, "tproxy");
+        assert!(rs.table.chains.iter().all(|c| c.name != CHAIN_DNS), "DNS off by default");
+        let tproxy = rules_of(&rs, CHAIN_TPROXY);
         assert_eq!(tproxy[0].action, Action::TproxyAccept(18001));
         assert_eq!(tproxy[1].action, Action::TproxyAccept(18082));
         assert!(rs.table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
@@ -367,7 +375,7 @@ mod tests {
     #[test]
     fn scoped_diverts_only_the_scoped_ports() {
         let rs = capture_ruleset(&CaptureConfig::new(CaptureMode::Scoped)).unwrap();
-        let divert = rules_of(&rs, "divert");
+        let divert = rules_of(&rs, CHAIN_DIVERT);
         assert!(!divert.iter().any(|r| r.matches == vec![Match::L4Proto(Proto::Tcp)]));
         for port in [18081, 18082] {
             assert!(divert.iter().any(|r| r.matches == vec![Match::Dport(Proto::Tcp, port)]
@@ -380,7 +388,7 @@ mod tests {
         let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
         c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
         let rs = capture_ruleset(&c).unwrap();
-        let dns = rules_of(&rs, "dns");
+        let dns = rules_of(&rs, CHAIN_DNS);
         assert_eq!(dns[1].matches, vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())]);
         assert_eq!(dns[2].action, Action::Dnat("10.0.0.1".parse().unwrap(), 18054));
         assert_eq!(dns[3].matches, vec![Match::Dport(Proto::Tcp, 53)]);

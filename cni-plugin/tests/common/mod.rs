@@ -1,0 +1,96 @@
+//! Drives the built binary exactly as a runtime does: env, stdin, stdout, exit status.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
+
+pub struct Outcome {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Outcome {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", self.stdout))
+    }
+
+    /// The CNI error printed on failure: (code, msg + details).
+    pub fn error(&self) -> (u64, String) {
+        assert!(!self.ok, "expected a failure, got success: {}", self.stdout);
+        let v = self.json();
+        let text = format!("{} {}", v["msg"].as_str().unwrap_or(""), v["details"].as_str().unwrap_or(""));
+        (v["code"].as_u64().expect("error has a code"), text)
+    }
+}
+
+pub fn run_plugin(command: &str, netns: Option<&str>, conf: &Value, extra_env: &[(&str, &str)]) -> Outcome {
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", "ctr-0123")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin")
+        .env("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(ns) = netns {
+        cmd.env("CNI_NETNS", ns);
+    }
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn aether-cni");
+    child.stdin.take().unwrap().write_all(conf.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    Outcome {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A realistic prevResult from a main plugin (bridge + host-local).
+pub fn prev_result(version: &str) -> Value {
+    let mut ips = json!([{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 2}]);
+    if version == "0.4.0" {
+        ips[0]["version"] = json!("4");
+    }
+    json!({
+        "cniVersion": version,
+        "interfaces": [
+            {"name": "cni0", "mac": "6a:2c:18:1b:33:01"},
+            {"name": "veth1a2b3c4d", "mac": "b2:7d:1e:00:40:12"},
+            {"name": "eth0", "mac": "0a:58:0a:f4:01:05", "sandbox": "/var/run/netns/cni-1234"}
+        ],
+        "ips": ips,
+        "routes": [{"dst": "0.0.0.0/0", "gw": "10.244.1.1"}],
+        "dns": {"nameservers": ["10.96.0.10"], "search": ["shop.svc.cluster.local", "svc.cluster.local"], "options": ["ndots:5"]}
+    })
+}
+
+/// The network configuration the installer writes, plus a prevResult.
+pub fn conf(version: &str, extra: Value) -> Value {
+    let mut c = json!({
+        "cniVersion": version,
+        "name": "k8s-pod-network",
+        "type": "aether-cni",
+        "hostIP": "10.0.0.1",
+        "capabilities": {"io.kubernetes.cri.pod-annotations": true},
+        "prevResult": prev_result(version),
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        if v.is_null() {
+            c.as_object_mut().unwrap().remove(k);
+        } else {
+            c[k] = v.clone();
+        }
+    }
+    c
+}
