@@ -1,0 +1,31 @@
+# aether-cni: `make demo` and `make test` do all their own set-up on Debian bookworm (as root).
+
+SHELL := /bin/bash
+CARGO ?= cargo
+APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
+BIN := target/release/aether-cni
+
+.PHONY: deps build test demo bench static clean
+
+## deps: install the system packages the build and the tests need, if missing
+deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+## build: the release binary
+build: deps
+	$(CARGO) build --release -p aether-cni
+
+## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
+test: deps
+	$(CARGO) test --workspace --features aether-cni/fault-injection
+
+## demo: a pod netns captured, checked and released, through the real CNI protocol
+demo: build
+	bash scripts/demo.sh $(BIN)
+
+clean:
+	$(CARGO) clean
