@@ -7,7 +7,8 @@ use serde_json::{json, Value};
 use crate::config::{self, NetConf, SUPPORTED_VERSIONS};
 use crate::env::Env;
 use crate::error::{code, CniError};
-use crate::{debug, info};
+use crate::state::{self, Record, StateDir};
+use crate::{debug, info, warn};
 
 /// What a command prints on success (nothing for DEL and CHECK).
 pub type Output = Option<Value>;
@@ -18,7 +19,9 @@ pub fn run(env: &Env, stdin: &[u8]) -> Result<Output, CniError> {
         "ADD" => add(env, &load(stdin)?),
         "DEL" => del(env, &load(stdin)?),
         "CHECK" => check(env, &load(stdin)?),
-        other => Err(CniError::invalid_env("CNI_COMMAND", format!("is {other:?}, expected ADD, DEL, CHECK or VERSION"))),
+        "STATUS" => status(&load(stdin)?),
+        "GC" => gc(env, &load(stdin)?),
+        other => Err(CniError::invalid_env("CNI_COMMAND", format!("is {other:?}, expected ADD, DEL, CHECK, STATUS, GC or VERSION"))),
     }
 }
 
@@ -66,20 +69,22 @@ fn pass_through(conf: &NetConf) -> Result<Value, CniError> {
     Ok(result)
 }
 
+/// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
+/// crate's steps, or `record`. Compiled in only with the `fault-injection` feature.
 #[cfg(feature = "fault-injection")]
-fn injected_failure() -> Option<aether_rules::Step> {
-    std::env::var("AETHER_CNI_INJECT_FAILURE").ok().and_then(|s| s.parse().ok())
+fn injected_failure() -> Option<String> {
+    std::env::var("AETHER_CNI_INJECT_FAILURE").ok()
 }
 
 #[cfg(not(feature = "fault-injection"))]
-fn injected_failure() -> Option<aether_rules::Step> {
+fn injected_failure() -> Option<String> {
     None
 }
 
 fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
-    env.require_ifname()?;
+    let ifname = env.require_ifname()?;
     let result = pass_through(conf)?;
     let Some(cfg) = config::effective(conf, env.args.pod_namespace.as_deref())? else {
         info!("ADD {id}: pod {:?}/{:?} is not managed; nothing programmed", env.args.pod_namespace, env.args.pod_name);
@@ -87,8 +92,34 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     };
     let ruleset = capture::capture_ruleset(&cfg)?;
     let netns = Netns::open_foreign(netns_path)?;
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(false)?;
     let fail = injected_failure();
-    netns.run(|| aether_rules::install(&ruleset, fail))??;
+    let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
+    netns.run(|| aether_rules::install(&ruleset, fail_step))??;
+    let record = Record {
+        network: conf.name.clone(),
+        container_id: id.to_string(),
+        ifname: ifname.to_string(),
+        netns: netns_path.to_string(),
+        pod_namespace: env.args.pod_namespace.clone(),
+        pod_name: env.args.pod_name.clone(),
+        pod_uid: env.args.pod_uid.clone(),
+        config_digest: state::digest(&format!("{cfg:?}")),
+    };
+    let recorded = if fail.as_deref() == Some("record") {
+        Err(CniError::new(code::IO_FAILURE, "injected failure at step record"))
+    } else {
+        state.write(&record)
+    };
+    if let Err(e) = recorded {
+        // All or nothing: a pod with rules but no record would escape GC and CHECK.
+        let pr = ruleset.policy_route;
+        if let Err(undo) = netns.run(|| aether_rules::remove(capture::TABLE, &pr)).map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
+            warn!("ADD {id}: undoing after a failed record write also failed: {undo}");
+        }
+        return Err(e);
+    }
     info!("ADD {id}: capture programmed in {} ({}, mode {:?})", netns_path, netns.id(), cfg.mode);
     debug!("ADD {id}: ruleset\n{}", ruleset.table);
     Ok(Some(result))
@@ -96,39 +127,57 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
 
 fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
-    env.require_ifname()?;
-    let Some(netns_path) = env.netns.as_deref() else {
-        info!("DEL {id}: no CNI_NETNS; nothing left to remove in a namespace");
-        return Ok(None);
-    };
-    let netns = match Netns::open_foreign(netns_path) {
+    let ifname = env.require_ifname()?;
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(false)?;
+    let record = state.read(&conf.name, id, ifname);
+    // Without CNI_NETNS, the record still knows where the pod lived.
+    let netns_path = env.netns.clone().or_else(|| record.as_ref().map(|r| r.netns.clone()));
+    if let Some(path) = netns_path {
+        remove_from(&path, conf, id)?;
+    }
+    state.remove(&conf.name, id, ifname)?;
+    Ok(None)
+}
+
+/// Removes the capture from the netns at `path`; a netns already gone is fine.
+fn remove_from(path: &str, conf: &NetConf, id: &str) -> Result<(), CniError> {
+    let netns = match Netns::open_foreign(path) {
         Ok(ns) => ns,
         Err(aether_netns::Error::NotFound { .. }) => {
-            info!("DEL {id}: netns {netns_path} is already gone");
-            return Ok(None);
+            info!("{id}: netns {path} is already gone");
+            return Ok(());
         }
         Err(e) => return Err(e.into()),
     };
-    // Table and policy route are node-wide settings: DEL needs no record to find them.
+    // Table and policy route are node-wide settings: no record is needed to find them.
     let policy_route = conf.base.policy_route();
     let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
-    info!("DEL {id}: removed {removed:?} from {netns_path}");
-    Ok(None)
+    info!("{id}: removed {removed:?} from {path}");
+    Ok(())
 }
 
 fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
-    env.require_ifname()?;
     if conf.prev_result.is_none() {
         return Err(CniError::invalid_config("prevResult is missing: the runtime must pass the result of ADD to CHECK"));
     }
+    let ifname = env.require_ifname()?;
     let netns = Netns::open_foreign(netns_path)?;
     let expected: Option<CaptureConfig> = config::effective(conf, env.args.pod_namespace.as_deref())?;
     let diffs = match expected {
         Some(cfg) => {
             let ruleset = capture::capture_ruleset(&cfg)?;
-            netns.run(|| aether_rules::verify(&ruleset))??
+            let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
+            match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
+                None => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
+                Some(r) if r.config_digest != state::digest(&format!("{cfg:?}")) => {
+                    diffs.push("the pod's capture configuration changed since ADD (annotations or network configuration)".into())
+                }
+                Some(_) => {}
+            }
+            diffs
         }
         None => match netns.run(|| aether_rules::nft::kernel_view(capture::TABLE))?? {
             Some(_) => vec![format!("pod is not managed but table ip {} exists", capture::TABLE)],
@@ -141,4 +190,61 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     }
     Err(CniError::new(code::CAPTURE_NOT_INTACT, format!("the capture ruleset in {netns_path} is not intact: {}", diffs[0]))
         .with_details(diffs.join("\n")))
+}
+
+/// STATUS (CNI 1.1): ready when the state directory is usable, the kernel can hold the
+/// capture ruleset, and the installer has not marked the node not ready.
+fn status(conf: &NetConf) -> Result<Output, CniError> {
+    let not_available = |why: String| CniError::new(code::NOT_AVAILABLE, why);
+    let state = StateDir::new(&conf.state_dir);
+    if let Some(reason) = state.not_ready_reason() {
+        return Err(not_available(format!("the node is marked not ready: {reason}")));
+    }
+    state.probe_writable().map_err(|e| not_available(e.to_string()))?;
+    kernel_probe().map_err(|e| not_available(format!("the kernel cannot hold the capture ruleset: {e}")))?;
+    Ok(None)
+}
+
+/// Programs and verifies the default capture ruleset in a private, throwaway netns: the
+/// only honest way to know nf_tables, tproxy, NAT and policy routing all work here.
+pub fn kernel_probe() -> Result<(), String> {
+    let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
+    cfg.dns = Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
+    let ruleset = capture::capture_ruleset(&cfg).map_err(|e| e.to_string())?;
+    aether_netns::run_in_private(|| -> Result<(), String> {
+        aether_rules::install(&ruleset, None).map_err(|e| e.to_string())?;
+        match aether_rules::verify(&ruleset).map_err(|e| e.to_string())? {
+            d if d.is_empty() => Ok(()),
+            d => Err(d.join("; ")),
+        }
+    })
+    .map_err(|e| e.to_string())?
+}
+
+/// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing
+/// what is left of their capture where their netns still exists. Keeps going past errors.
+fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
+    env.require_path()?;
+    let valid = conf.valid_attachments.clone().ok_or_else(|| {
+        CniError::invalid_config("GC needs cni.dev/valid-attachments (or cni.dev/attachments) in the configuration")
+    })?;
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(true)?;
+    let mut failures = Vec::new();
+    for rec in state.records().into_iter().filter(|r| r.network == conf.name) {
+        if valid.iter().any(|(c, i)| *c == rec.container_id && *i == rec.ifname) {
+            continue;
+        }
+        let outcome = remove_from(&rec.netns, conf, &rec.container_id)
+            .and_then(|()| state.remove(&rec.network, &rec.container_id, &rec.ifname));
+        match outcome {
+            Ok(()) => info!("GC: removed stale attachment {}/{}", rec.container_id, rec.ifname),
+            Err(e) => failures.push(format!("{}/{}: {e}", rec.container_id, rec.ifname)),
+        }
+    }
+    if failures.is_empty() {
+        return Ok(None);
+    }
+    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale attachment(s)", failures.len()))
+        .with_details(failures.join("\n")))
 }

@@ -69,6 +69,8 @@ pub struct NetConf {
     pub log_file: Option<PathBuf>,
     pub log_level: String,
     pub state_dir: PathBuf,
+    /// GC: the attachments the runtime still has, as (container ID, ifname).
+    pub valid_attachments: Option<Vec<(String, String)>>,
 }
 
 fn invalid(field: &str, value: &Value, why: &str) -> CniError {
@@ -147,7 +149,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     let cni_version = f.str("cniVersion")?.ok_or_else(|| CniError::invalid_config("network configuration field \"cniVersion\" is missing"))?;
     check_version(&cni_version)?;
     for (k, v) in &map {
-        if !SPEC_FIELDS.contains(&k.as_str()) && !OWN_FIELDS.contains(&k.as_str()) {
+        // `cni.dev/` is reserved for the runtime (e.g. GC's valid attachments).
+        if !SPEC_FIELDS.contains(&k.as_str()) && !OWN_FIELDS.contains(&k.as_str()) && !k.starts_with("cni.dev/") {
             return Err(CniError::new(
                 code::UNSUPPORTED_FIELD,
                 format!("network configuration field {k:?} (value {v}) is not supported by aether-cni"),
@@ -240,6 +243,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         log_file: f.str("logFile")?.map(PathBuf::from),
         log_level,
         state_dir: f.str("stateDir")?.map(PathBuf::from).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
+        valid_attachments: valid_attachments(&map)?,
     };
     // Node-wide numbers are checked now, so a bad node configuration fails every pod
     // the same way, with the configuration named rather than the pod.
@@ -249,6 +253,22 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     }
     probe.validate().map_err(|e| CniError::invalid_config(format!("network configuration: {e}")))?;
     Ok(conf)
+}
+
+/// `cni.dev/valid-attachments` (CNI 1.1 GC), or the older `cni.dev/attachments` libcni sends.
+fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, String)>>, CniError> {
+    let Some((key, v)) = ["cni.dev/valid-attachments", "cni.dev/attachments"].iter().find_map(|k| map.get(*k).map(|v| (*k, v)))
+    else {
+        return Ok(None);
+    };
+    let list = v.as_array().ok_or_else(|| invalid(key, v, "expected a list of {containerID, ifname}"))?;
+    list.iter()
+        .map(|a| match (a.get("containerID").and_then(Value::as_str), a.get("ifname").and_then(Value::as_str)) {
+            (Some(c), Some(i)) => Ok((c.to_string(), i.to_string())),
+            _ => Err(invalid(key, a, "each attachment needs string fields containerID and ifname")),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {

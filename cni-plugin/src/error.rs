@@ -4,6 +4,7 @@
 use serde_json::json;
 
 /// Well-known CNI error codes (spec §6), plus this plugin's own (100 and up).
+#[allow(dead_code)] // the spec's table, whole
 pub mod code {
     pub const INCOMPATIBLE_VERSION: u32 = 1;
     pub const UNSUPPORTED_FIELD: u32 = 2;

@@ -5,6 +5,7 @@ mod config;
 mod env;
 mod error;
 mod log;
+mod state;
 
 use std::io::{Read, Write};
 use std::process::ExitCode;

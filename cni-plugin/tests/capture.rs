@@ -190,7 +190,7 @@ fn a_failure_at_each_step_of_add_leaves_the_netns_unchanged() {
         return;
     }
     let c = conf("1.0.0", json!({}));
-    for step in ["nftables", "policy-rule", "local-route"] {
+    for step in ["nftables", "policy-rule", "local-route", "record"] {
         let ns = TestNetns::new("fail");
         let before = ns.snapshot(TABLE);
         let out = run_plugin("ADD", Some(&ns.path()), &c, &[("AETHER_CNI_INJECT_FAILURE", step)]);
@@ -198,6 +198,9 @@ fn a_failure_at_each_step_of_add_leaves_the_netns_unchanged() {
         assert_eq!(code, 5, "{step}: {text}");
         assert!(text.contains(&format!("injected failure at step {step}")), "{step}: {text}");
         assert_eq!(ns.snapshot(TABLE), before, "ADD failing at {step} left something behind");
+        let records = std::path::Path::new(c["stateDir"].as_str().unwrap()).join("attachments");
+        let left = std::fs::read_dir(&records).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(left, 0, "ADD failing at {step} left an attachment record");
     }
     // The control: without the injection the same ADD changes the netns.
     let ns = TestNetns::new("fail");

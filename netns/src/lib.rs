@@ -27,6 +27,8 @@ pub enum Error {
     HostNamespace { path: PathBuf },
     #[error("cannot enter network namespace {path}: {source}")]
     Enter { path: PathBuf, source: nix::Error },
+    #[error("cannot create a private network namespace: {0}")]
+    Unshare(nix::Error),
     #[error("the thread working inside network namespace {path} panicked")]
     WorkerPanicked { path: PathBuf },
 }
@@ -124,6 +126,22 @@ impl Netns {
     }
 }
 
+/// Runs `work` on a new thread inside a fresh, empty network namespace that disappears
+/// with the thread: a place to try kernel features without touching any real namespace.
+pub fn run_in_private<T, F>(work: F) -> Result<T, Error>
+where
+    F: FnOnce() -> T + Send,
+    T: Send,
+{
+    std::thread::scope(|scope| {
+        let handle = scope.spawn(|| -> Result<T, Error> {
+            nix::sched::unshare(CloneFlags::CLONE_NEWNET).map_err(Error::Unshare)?;
+            Ok(work())
+        });
+        handle.join().map_err(|_| Error::WorkerPanicked { path: "(private)".into() })?
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +162,24 @@ mod tests {
                 other => panic!("{path}: expected HostNamespace, got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_private_namespace_is_not_the_callers() {
+        if unsafe { libc_geteuid() } != 0 {
+            eprintln!("SKIPPED (needs root): a_private_namespace_is_not_the_callers");
+            assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "root required");
+            return;
+        }
+        let outside = Netns::current().unwrap().id();
+        let inside = run_in_private(|| Netns::current().unwrap().id()).unwrap();
+        assert_ne!(inside, outside);
+        assert_eq!(Netns::current().unwrap().id(), outside);
+    }
+
+    extern "C" {
+        #[link_name = "geteuid"]
+        fn libc_geteuid() -> u32;
     }
 
     #[test]

@@ -1,0 +1,242 @@
+//! The node state directory: one record per attachment, the node-readiness marker, and the
+//! lock that keeps GC apart from ADD and DEL.
+//!
+//! Writes are atomic (temp file, fsync, rename), so a reader sees the old record or the new
+//! one, never a torn one; a crash leaves at worst a stray temp file, which readers ignore.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{code, CniError};
+
+/// Present while the installer has marked the node not ready; its content is the reason.
+pub const NOT_READY_MARKER: &str = "node-not-ready";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    pub network: String,
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// Digest of the capture configuration ADD programmed.
+    pub config_digest: String,
+}
+
+pub struct StateDir {
+    root: PathBuf,
+}
+
+fn io_error(what: String, e: std::io::Error) -> CniError {
+    CniError::new(code::IO_FAILURE, what).with_details(e.to_string())
+}
+
+/// A lock on the state directory, released on drop.
+pub struct Lock(File);
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl StateDir {
+    pub fn new(root: &Path) -> Self {
+        StateDir { root: root.to_path_buf() }
+    }
+
+    fn attachments(&self) -> PathBuf {
+        self.root.join("attachments")
+    }
+
+    /// Creates the directories if needed.
+    pub fn ensure(&self) -> Result<(), CniError> {
+        fs::create_dir_all(self.attachments())
+            .map_err(|e| io_error(format!("cannot create state directory {}", self.attachments().display()), e))
+    }
+
+    /// Shared for ADD and DEL (which run in parallel for different pods), exclusive for GC.
+    pub fn lock(&self, exclusive: bool) -> Result<Lock, CniError> {
+        self.ensure()?;
+        let path = self.root.join("lock");
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_error(format!("cannot open {}", path.display()), e))?;
+        let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
+            return Err(io_error(format!("cannot lock {}", path.display()), std::io::Error::last_os_error()));
+        }
+        Ok(Lock(f))
+    }
+
+    /// File names are built from validated parts (network names and container IDs are
+    /// restricted by the spec; ifnames by the kernel), joined by a separator none contains.
+    fn record_path(&self, network: &str, container_id: &str, ifname: &str) -> PathBuf {
+        let safe = |s: &str| s.replace(|c: char| !(c.is_ascii_alphanumeric() || "_.-".contains(c)), "_");
+        self.attachments().join(format!("{}+{}+{}.json", safe(network), safe(container_id), safe(ifname)))
+    }
+
+    pub fn write(&self, rec: &Record) -> Result<(), CniError> {
+        self.ensure()?;
+        let path = self.record_path(&rec.network, &rec.container_id, &rec.ifname);
+        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        let body = serde_json::to_vec_pretty(rec).expect("records serialize");
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&body)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            io_error(format!("cannot write attachment record {}", path.display()), e)
+        })
+    }
+
+    pub fn read(&self, network: &str, container_id: &str, ifname: &str) -> Option<Record> {
+        let data = fs::read(self.record_path(network, container_id, ifname)).ok()?;
+        serde_json::from_slice(&data).ok()
+    }
+
+    /// Removes a record; absence is fine.
+    pub fn remove(&self, network: &str, container_id: &str, ifname: &str) -> Result<(), CniError> {
+        let path = self.record_path(network, container_id, ifname);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io_error(format!("cannot remove attachment record {}", path.display()), e)),
+        }
+    }
+
+    /// Every readable record (of all networks); torn or foreign files are skipped.
+    pub fn records(&self) -> Vec<Record> {
+        let Ok(dir) = fs::read_dir(self.attachments()) else { return Vec::new() };
+        let mut out: Vec<Record> = dir
+            .filter_map(Result::ok)
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| fs::read(e.path()).ok())
+            .filter_map(|d| serde_json::from_slice(&d).ok())
+            .collect();
+        out.sort_by(|a, b| (&a.network, &a.container_id, &a.ifname).cmp(&(&b.network, &b.container_id, &b.ifname)));
+        out
+    }
+
+    /// The reason the node is marked not ready, if it is.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        fs::read_to_string(self.root.join(NOT_READY_MARKER)).ok().map(|s| s.trim().to_string())
+    }
+
+    /// Proves the directory is usable: create, write and remove a file in it.
+    pub fn probe_writable(&self) -> Result<(), CniError> {
+        self.ensure()?;
+        let probe = self.root.join(format!(".probe.{}", std::process::id()));
+        fs::write(&probe, b"ok").map_err(|e| io_error(format!("state directory {} is not writable", self.root.display()), e))?;
+        let _ = fs::remove_file(&probe);
+        Ok(())
+    }
+}
+
+/// FNV-1a: a stable digest of the configuration a pod was programmed with.
+pub fn digest(text: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str) -> Record {
+        Record {
+            network: "k8s-pod-network".into(),
+            container_id: id.into(),
+            ifname: "eth0".into(),
+            netns: "/run/netns/x".into(),
+            pod_namespace: Some("shop".into()),
+            pod_name: Some("cart-0".into()),
+            pod_uid: None,
+            config_digest: digest("x"),
+        }
+    }
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("aether-state-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn records_round_trip_and_removal_is_idempotent() {
+        let d = tmpdir("rt");
+        let s = StateDir::new(&d);
+        s.write(&rec("a")).unwrap();
+        s.write(&rec("b")).unwrap();
+        assert_eq!(s.read("k8s-pod-network", "a", "eth0"), Some(rec("a")));
+        assert_eq!(s.records().len(), 2);
+        s.remove("k8s-pod-network", "a", "eth0").unwrap();
+        s.remove("k8s-pod-network", "a", "eth0").unwrap();
+        assert_eq!(s.records(), vec![rec("b")]);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn torn_and_stray_files_are_ignored() {
+        let d = tmpdir("torn");
+        let s = StateDir::new(&d);
+        s.write(&rec("a")).unwrap();
+        fs::write(d.join("attachments/k8s+torn+eth0.json"), b"{\"network\": \"k8s\", \"contai").unwrap();
+        fs::write(d.join("attachments/k8s+b+eth0.tmp.123"), b"partial").unwrap();
+        assert_eq!(s.records(), vec![rec("a")]);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn parallel_writers_never_tear_a_record() {
+        let d = tmpdir("par");
+        let s = std::sync::Arc::new(StateDir::new(&d));
+        let handles: Vec<_> = (0..16)
+            .map(|i| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..20 {
+                        s.write(&rec(&format!("c{i}"))).unwrap();
+                        assert!(s.read("k8s-pod-network", &format!("c{i}"), "eth0").is_some());
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(s.records().len(), 16);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_not_ready_marker_carries_its_reason() {
+        let d = tmpdir("nr");
+        let s = StateDir::new(&d);
+        s.ensure().unwrap();
+        assert_eq!(s.not_ready_reason(), None);
+        fs::write(d.join(NOT_READY_MARKER), "installer: CNI config not chained yet\n").unwrap();
+        assert_eq!(s.not_ready_reason().as_deref(), Some("installer: CNI config not chained yet"));
+        fs::remove_dir_all(&d).unwrap();
+    }
+}
