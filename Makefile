@@ -5,7 +5,7 @@ CARGO ?= cargo
 APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
 BIN := target/release/aether-cni
 
-.PHONY: deps build test demo bench static clean
+.PHONY: deps build test demo bench static clean clients-deps
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -14,6 +14,12 @@ deps:
 		echo "installing: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
+
+## clients-deps: real CNI clients for conformance/tests/real_clients.rs: Debian's CNI plugins,
+## podman 4.3 (CNI backend, runc), and cnitool built offline from Debian's source package into
+## target/clients/cnitool (cached)
+clients-deps: deps
+	bash conformance/clients/deps.sh
 
 ## build: the release binary
 build: deps
