@@ -23,9 +23,11 @@ pub const ANNOTATION_EXCLUDE_PORTS: &str = "aether.io/exclude-outbound-ports";
 pub const ANNOTATION_EXCLUDE_CIDRS: &str = "aether.io/exclude-outbound-cidrs";
 pub const ANNOTATION_CAPTURE_DNS: &str = "aether.io/capture-dns";
 
-/// Keys the CNI spec defines for every plugin configuration.
-const SPEC_FIELDS: [&str; 11] = [
+/// Keys the CNI spec defines for plugin configurations (the conflist-level `cniVersions`,
+/// `disableCheck` and `disableGC` are for the runtime; tolerated and ignored if passed on).
+const SPEC_FIELDS: [&str; 13] = [
     "cniVersion", "cniVersions", "name", "type", "args", "capabilities", "runtimeConfig", "prevResult", "ipMasq", "ipam", "dns",
+    "disableCheck", "disableGC",
 ];
 /// This plugin's own keys.
 const OWN_FIELDS: [&str; 17] = [

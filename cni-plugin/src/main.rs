@@ -26,7 +26,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    if std::env::var_os("CNI_COMMAND").is_some() {
+    // Any CNI_* variable means a runtime is calling (a missing CNI_COMMAND is then a CNI
+    // error naming it, not a CLI usage message).
+    let cni_env = ["CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"];
+    if cni_env.iter().any(|v| std::env::var_os(v).is_some()) {
         return run_cni();
     }
     match Cli::parse().command {
