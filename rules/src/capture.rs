@@ -171,6 +171,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         interval: true,
         elements: merge_nets(nets).into_iter().map(Element::Net).collect(),
         comment: "destinations never captured nor DNATed".into(),
+        timeout_secs: None,
     };
     ports.sort();
     let excluded_ports = Set {
@@ -179,6 +180,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         interval: true,
         elements: merge_ports(ports).into_iter().map(Element::Ports).collect(),
         comment: "TCP destination ports never captured".into(),
+        timeout_secs: None,
     };
 
     let dns_comment = match cfg.dns {
@@ -256,7 +258,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
     }
 
     Ok(Ruleset {
-        table: Table { name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], chains },
+        table: Table { name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], counters: Vec::new(), chains },
         policy_route: cfg.policy_route(),
     })
 }

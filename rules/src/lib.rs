@@ -1,4 +1,5 @@
-//! The capture ruleset as data, and its programming in the current network namespace.
+//! The capture ruleset and the Service layer as data, and their programming in the current
+//! network namespace.
 //!
 //! This crate knows nftables and policy routing; it knows nothing of CNI or of namespaces:
 //! callers enter the pod netns (see `aether-netns`) and call these functions there.
@@ -8,6 +9,7 @@ mod error;
 pub mod model;
 pub mod nft;
 pub mod route;
+pub mod services;
 
 pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 pub use error::{Error, Result};

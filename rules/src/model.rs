@@ -23,6 +23,8 @@ pub struct Ruleset {
 pub struct Table {
     pub name: String,
     pub sets: Vec<Set>,
+    /// Named counter objects (`counter <name> { }`), created before the rules that use them.
+    pub counters: Vec<String>,
     pub chains: Vec<Chain>,
 }
 
@@ -34,12 +36,28 @@ pub struct Set {
     pub interval: bool,
     pub elements: Vec<Element>,
     pub comment: String,
+    /// Elements added by the datapath (`update @set`) expire after this many seconds; such a
+    /// set is `dynamic` and its contents are the kernel's, never compared.
+    pub timeout_secs: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyType {
     Ipv4Addr,
     InetService,
+    /// `ipv4_addr . inet_proto . inet_service`: a Service port, kube-proxy's key.
+    ServiceKey,
+}
+
+/// nft's concatenated datatype: each component's type in 6 bits, first one highest.
+const fn concat_type(types: &[u32]) -> u32 {
+    let mut t = 0;
+    let mut i = 0;
+    while i < types.len() {
+        t = (t << 6) | types[i];
+        i += 1;
+    }
+    t
 }
 
 impl KeyType {
@@ -49,6 +67,8 @@ impl KeyType {
         match self {
             KeyType::Ipv4Addr => 7,
             KeyType::InetService => 13,
+            // TYPE_IPADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
+            KeyType::ServiceKey => concat_type(&[7, 12, 13]),
         }
     }
 
@@ -56,6 +76,8 @@ impl KeyType {
         match self {
             KeyType::Ipv4Addr => 4,
             KeyType::InetService => 2,
+            // Each component padded to a 32-bit register.
+            KeyType::ServiceKey => 12,
         }
     }
 
@@ -63,6 +85,7 @@ impl KeyType {
         match self {
             KeyType::Ipv4Addr => "ipv4_addr",
             KeyType::InetService => "inet_service",
+            KeyType::ServiceKey => "ipv4_addr . inet_proto . inet_service",
         }
     }
 }
@@ -71,6 +94,10 @@ impl KeyType {
 pub enum Element {
     Net(Ipv4Net),
     Ports(PortRange),
+    /// One address, in a set without intervals.
+    Addr(Ipv4Addr),
+    /// `VIP . proto . port`
+    Service(Ipv4Addr, Proto, u16),
 }
 
 /// An inclusive port range; a single port is `first == last`.
@@ -175,7 +202,7 @@ impl Hook {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Proto {
     Tcp,
     Udp,
@@ -221,6 +248,12 @@ pub enum Match {
     Dport(Proto, u16),
     /// `<proto> dport @set`
     DportInSet(Proto, String),
+    /// `ct state new`: the first packet of a connection.
+    CtStateNew,
+    /// `ip daddr != @set`
+    DaddrNotInSet(String),
+    /// `ip daddr . meta l4proto . th dport @set` (a `ServiceKey` set)
+    ServiceKeyInSet(String),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,6 +265,18 @@ pub enum Action {
     TproxyAccept(u16),
     /// `dnat to <addr>:<port>`
     Dnat(Ipv4Addr, u16),
+    /// `jump <chain>`
+    Jump(String),
+    /// `counter name "<counter>" accept`
+    CountAccept(String),
+    /// `counter name "<counter>" jump <chain>`
+    CountJump(String, String),
+    /// `update @set { ip daddr . meta l4proto . th dport }`, then the next rule.
+    UpdateServiceKeySet(String),
+    /// `reject with tcp reset`
+    RejectTcpReset,
+    /// `reject` (ICMP port unreachable)
+    RejectIcmpPortUnreachable,
 }
 
 impl fmt::Display for Match {
@@ -244,6 +289,9 @@ impl fmt::Display for Match {
             Match::L4Proto(p) => write!(f, "meta l4proto {}", p.name()),
             Match::Dport(p, port) => write!(f, "{} dport {port}", p.name()),
             Match::DportInSet(p, s) => write!(f, "{} dport @{s}", p.name()),
+            Match::CtStateNew => write!(f, "ct state new"),
+            Match::DaddrNotInSet(s) => write!(f, "ip daddr != @{s}"),
+            Match::ServiceKeyInSet(s) => write!(f, "ip daddr . meta l4proto . th dport @{s}"),
         }
     }
 }
@@ -255,6 +303,12 @@ impl fmt::Display for Action {
             Action::SetMarkAccept(m) => write!(f, "meta mark set {m:#010x} accept"),
             Action::TproxyAccept(port) => write!(f, "tproxy to :{port} accept"),
             Action::Dnat(addr, port) => write!(f, "dnat to {addr}:{port}"),
+            Action::Jump(c) => write!(f, "jump {c}"),
+            Action::CountAccept(c) => write!(f, "counter name {c:?} accept"),
+            Action::CountJump(c, chain) => write!(f, "counter name {c:?} jump {chain}"),
+            Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ ip daddr . meta l4proto . th dport }}"),
+            Action::RejectTcpReset => write!(f, "reject with tcp reset"),
+            Action::RejectIcmpPortUnreachable => write!(f, "reject with icmp port-unreachable"),
         }
     }
 }
@@ -273,6 +327,8 @@ impl fmt::Display for Element {
         match self {
             Element::Net(n) => write!(f, "{n}"),
             Element::Ports(p) => write!(f, "{p}"),
+            Element::Addr(a) => write!(f, "{a}"),
+            Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
         }
     }
 }
@@ -282,9 +338,16 @@ impl fmt::Display for Element {
 impl fmt::Display for Table {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "table ip {} {{", self.name)?;
+        for c in &self.counters {
+            writeln!(f, "\tcounter {c} {{\n\t}}")?;
+        }
         for set in &self.sets {
             writeln!(f, "\tset {} {{  # {}", set.name, set.comment)?;
-            let flags = if set.interval { "; flags interval" } else { "" };
+            let flags = match (set.interval, set.timeout_secs) {
+                (true, _) => "; flags interval".to_string(),
+                (false, Some(t)) => format!("; flags dynamic,timeout; timeout {t}s"),
+                (false, None) => String::new(),
+            };
             writeln!(f, "\t\ttype {}{flags}", set.key.name())?;
             let elems: Vec<String> = set.elements.iter().map(|e| e.to_string()).collect();
             writeln!(f, "\t\telements = {{ {} }}", elems.join(", "))?;

@@ -5,6 +5,8 @@ mod netlink;
 pub mod read;
 mod render;
 
+pub use render::ElementChange;
+
 use std::ffi::CString;
 
 use nftnl::nftnl_sys as sys;
@@ -18,6 +20,49 @@ use read::TableView;
 pub(crate) fn program(table: &Table) -> Result<()> {
     let r = render::replace_table(table);
     NftSocket::open()?.transact(&r.batch, &r.labels)
+}
+
+/// Like `program`, with the named counters starting from the given values.
+pub(crate) fn program_keeping(table: &Table, counters: &std::collections::BTreeMap<String, (u64, u64)>) -> Result<()> {
+    let r = render::replace_table_keeping(table, counters);
+    NftSocket::open()?.transact(&r.batch, &r.labels)
+}
+
+/// Deletes and adds set elements of `table` in one transaction; nothing else changes.
+pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<()> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let r = render::element_changes(table, changes);
+    NftSocket::open()?.transact(&r.batch, &r.labels)
+}
+
+/// The named counters of `table` in the current netns (empty when there is no such table).
+pub fn counters(table: &str) -> Result<std::collections::BTreeMap<String, (u64, u64)>> {
+    let mut sock = NftSocket::open()?;
+    let cname = CString::new(table).map_err(|_| Error::InvalidConfig(format!("table name {table:?}")))?;
+    let objs = match sock.dump(libc::NFT_MSG_GETOBJ, "dump counters", |hdr| unsafe { obj_filter(hdr, &cname) }) {
+        Ok(o) => o,
+        Err(Error::Nftables { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    Ok(TableView::from_messages(table, objs.iter().map(Vec::as_slice)).counters)
+}
+
+unsafe fn obj_filter(hdr: *mut libc::nlmsghdr, table: &CString) {
+    unsafe {
+        let o = sys::nftnl_obj_alloc();
+        sys::nftnl_obj_set_str(o, sys::NFTNL_OBJ_TABLE as u16, table.as_ptr());
+        sys::nftnl_obj_set_u32(o, sys::NFTNL_OBJ_TYPE as u16, 1);
+        sys::nftnl_obj_nlmsg_build_payload(hdr, o);
+        sys::nftnl_obj_free(o);
+    }
+}
+
+/// The raw elements of one set of `table`: (key, interval end).
+pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
+    let Some(view) = kernel_view(table)? else { return Ok(Vec::new()) };
+    Ok(view.sets.into_iter().find(|s| s.name == set).map(|s| s.elements.into_iter().collect()).unwrap_or_default())
 }
 
 /// Deletes the table; `Ok(false)` when it was not there.
@@ -70,6 +115,7 @@ pub fn kernel_view(name: &str) -> Result<Option<TableView>> {
             sys::nftnl_set_free(s);
         })?);
     }
+    messages.extend(sock.dump(libc::NFT_MSG_GETOBJ, "dump counters", |hdr| unsafe { obj_filter(hdr, &cname) })?);
     messages.extend(sock.dump(libc::NFT_MSG_GETCHAIN, "dump chains", |_| {})?);
     messages.extend(sock.dump(libc::NFT_MSG_GETRULE, "dump rules", |hdr| unsafe {
         let r = sys::nftnl_rule_alloc();

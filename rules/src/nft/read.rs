@@ -13,6 +13,8 @@ use super::netlink::{nft_type, split_messages};
 pub struct TableView {
     pub sets: Vec<SetView>,
     pub chains: Vec<ChainView>,
+    /// Named counter objects: name -> (packets, bytes).
+    pub counters: std::collections::BTreeMap<String, (u64, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,11 +62,15 @@ impl TableView {
                         view.chains.push(c);
                     }
                 } else if msg.kind == nft_type(libc::NFT_MSG_NEWRULE) {
-                    if let Some((chain, rule)) = parse_rule(hdr, table) {
+                    if let Some((chain, rule)) = parse_rule(hdr, table, &objref_names(msg.bytes)) {
                         match view.chains.iter_mut().find(|c| c.name == chain) {
                             Some(c) => c.rules.push(rule),
                             None => view.chains.push(ChainView { name: chain, hook: None, rules: vec![rule] }),
                         }
+                    }
+                } else if msg.kind == nft_type(libc::NFT_MSG_NEWOBJ) {
+                    if let Some((name, value)) = parse_counter(hdr, table) {
+                        view.counters.insert(name, value);
                     }
                 } else if msg.kind == nft_type(libc::NFT_MSG_NEWSET) {
                     if let Some(s) = parse_set(hdr, table) {
@@ -80,6 +86,22 @@ impl TableView {
             }
         }
         view
+    }
+}
+
+/// A named counter object of `table`: (name, (packets, bytes)).
+fn parse_counter(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, (u64, u64))> {
+    unsafe {
+        let o = sys::nftnl_obj_alloc();
+        let ok = sys::nftnl_obj_nlmsg_parse(hdr, o) >= 0
+            && cstr(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_TABLE as u16)) == table
+            && sys::nftnl_obj_get_u32(o, sys::NFTNL_OBJ_TYPE as u16) == 1;
+        let out = ok.then(|| {
+            let get = |attr: u32| if sys::nftnl_obj_is_set(o, attr as u16) { sys::nftnl_obj_get_u64(o, attr as u16) } else { 0 };
+            (cstr(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_NAME as u16)), (get(sys::NFTNL_OBJ_CTR_PKTS), get(sys::NFTNL_OBJ_CTR_BYTES)))
+        });
+        sys::nftnl_obj_free(o);
+        out
     }
 }
 
@@ -105,7 +127,37 @@ fn parse_chain(hdr: *const libc::nlmsghdr, table: &str) -> Option<ChainView> {
     }
 }
 
-fn parse_rule(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, RuleView)> {
+/// The counter names of a rule's `objref` expressions, in order, read from the attributes:
+/// libnftnl sends the name without its NUL and parses it back with `strdup`, so its own
+/// reading of a message it built runs past the name (the kernel's dumps carry the NUL).
+fn objref_names(bytes: &[u8]) -> Vec<String> {
+    const RULE_EXPRESSIONS: u16 = 4;
+    const LIST_ELEM: u16 = 1;
+    const EXPR_NAME: u16 = 1;
+    const EXPR_DATA: u16 = 2;
+    const OBJREF_IMM_NAME: u16 = 2;
+    let text = |v: &[u8]| {
+        let end = v.iter().position(|&b| b == 0).unwrap_or(v.len());
+        String::from_utf8_lossy(&v[..end]).into_owned()
+    };
+    let mut out = Vec::new();
+    let Some(body) = bytes.get(16 + 4..) else { return out };
+    for (_, list) in attributes(body).into_iter().filter(|(k, _)| *k == RULE_EXPRESSIONS) {
+        for (_, elem) in attributes(list).into_iter().filter(|(k, _)| *k == LIST_ELEM) {
+            let attrs = attributes(elem);
+            if attrs.iter().any(|(k, v)| *k == EXPR_NAME && text(v) == "objref") {
+                if let Some((_, data)) = attrs.iter().find(|(k, _)| *k == EXPR_DATA) {
+                    if let Some((_, name)) = attributes(data).into_iter().find(|(k, _)| *k == OBJREF_IMM_NAME) {
+                        out.push(text(name));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn parse_rule(hdr: *const libc::nlmsghdr, table: &str, objrefs: &[String]) -> Option<(String, RuleView)> {
     unsafe {
         let r = sys::nftnl_rule_alloc();
         let ok = sys::nftnl_rule_nlmsg_parse(hdr, r) >= 0
@@ -115,6 +167,7 @@ fn parse_rule(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, RuleVi
             let mut exprs = String::new();
             let iter = sys::nftnl_expr_iter_create(r);
             let mut buf = vec![0u8; 1024];
+            let mut objrefs = objrefs.iter();
             loop {
                 let e = sys::nftnl_expr_iter_next(iter);
                 if e.is_null() {
@@ -122,7 +175,12 @@ fn parse_rule(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, RuleVi
                 }
                 let name = cstr(sys::nftnl_expr_get_str(e, sys::NFTNL_EXPR_NAME as u16));
                 sys::nftnl_expr_snprintf(buf.as_mut_ptr().cast(), buf.len(), e, sys::NFTNL_OUTPUT_DEFAULT, 0);
-                let text = cstr(buf.as_ptr().cast());
+                let mut text = cstr(buf.as_ptr().cast());
+                if name == "objref" {
+                    if let Some(n) = objrefs.next() {
+                        text = format!("type {} name {n}", sys::nftnl_expr_get_u32(e, sys::NFTNL_EXPR_OBJREF_IMM_TYPE as u16));
+                    }
+                }
                 let _ = write!(exprs, "[ {name} {} ] ", text.trim());
             }
             sys::nftnl_expr_iter_destroy(iter);
@@ -227,10 +285,20 @@ fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Vec<(Vec<u8>, bo
 }
 
 /// Prints a set key the way a person reads it: an address or a port.
-fn show_key(key: &[u8], end: bool) -> String {
+pub fn show_key(key: &[u8], end: bool) -> String {
     let k = match key.len() {
         4 => std::net::Ipv4Addr::new(key[0], key[1], key[2], key[3]).to_string(),
         2 => u16::from_be_bytes([key[0], key[1]]).to_string(),
+        12 => format!(
+            "{} . {} . {}",
+            std::net::Ipv4Addr::new(key[0], key[1], key[2], key[3]),
+            match key[4] {
+                6 => "tcp".to_string(),
+                17 => "udp".to_string(),
+                p => p.to_string(),
+            },
+            u16::from_be_bytes([key[8], key[9]])
+        ),
         _ => format!("{key:02x?}"),
     };
     if end { format!("{k} (interval end)") } else { k }
@@ -250,6 +318,10 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
                 e.name, a.flags, a.key_type, a.key_len, e.flags, e.key_type, e.key_len
             ));
         }
+        if e.flags & libc::NFT_SET_TIMEOUT as u32 != 0 {
+            // Filled by the datapath: its contents are the kernel's own.
+            continue;
+        }
         for (k, end) in e.elements.difference(&a.elements) {
             out.push(format!("set {}: element {} is missing", e.name, show_key(k, *end)));
         }
@@ -260,6 +332,16 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
     for a in &actual.sets {
         if !expected.sets.iter().any(|e| e.name == a.name) {
             out.push(format!("unexpected set {}", a.name));
+        }
+    }
+    for name in expected.counters.keys() {
+        if !actual.counters.contains_key(name) {
+            out.push(format!("counter {name} is missing"));
+        }
+    }
+    for name in actual.counters.keys() {
+        if !expected.counters.contains_key(name) {
+            out.push(format!("unexpected counter {name}"));
         }
     }
     for e in &expected.chains {

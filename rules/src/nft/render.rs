@@ -1,5 +1,6 @@
 //! Model to netlink: one nftables batch that replaces the whole table atomically.
 
+use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
 use std::net::Ipv4Addr;
 use std::ptr::NonNull;
@@ -36,13 +37,48 @@ fn cstring(s: &str) -> CString {
 /// it (and whatever an earlier attempt left in it), then create it afresh with its sets,
 /// chains and rules. The kernel applies all of it or none.
 pub(crate) fn replace_table(table: &model::Table) -> Rendered {
+    replace_table_keeping(table, &BTreeMap::new())
+}
+
+/// `replace_table`, with the named counters starting from the given (packets, bytes), so a
+/// rebuild does not lose what they counted.
+pub(crate) fn replace_table_keeping(table: &model::Table, counters: &BTreeMap<String, (u64, u64)>) -> Rendered {
     let mut b = Builder { batch: Batch::new(), labels: Vec::new() };
     let t = nftnl::Table::new(cstring(&table.name), ProtoFamily::Ipv4);
     b.add(&t, MsgType::Add, format!("table ip {}", table.name));
     b.add(&t, MsgType::Del, format!("flush of table ip {}", table.name));
     b.add(&t, MsgType::Add, format!("table ip {}", table.name));
+    for name in &table.counters {
+        let start = counters.get(name).copied().unwrap_or((0, 0));
+        b.add(&NftCounter::new(&table.name, name, start), MsgType::Add, format!("counter {name}"));
+    }
     add_contents(&mut b, &t, table);
     Rendered { batch: b.batch.finalize(), labels: b.labels }
+}
+
+/// A change of set elements only: for each set, the raw keys (with their interval-end flag)
+/// to delete and to add, in one transaction. Sets are described as the kernel reports them.
+pub(crate) fn element_changes(table: &str, changes: &[ElementChange]) -> Rendered {
+    let mut b = Builder { batch: Batch::new(), labels: Vec::new() };
+    for c in changes {
+        if !c.delete.is_empty() {
+            let s = NftSet::raw(table, &c.set, &c.delete);
+            b.add(&SetElemsMsg(&s), MsgType::Del, format!("{} element(s) removed from set {}", c.delete.len(), c.set));
+        }
+        if !c.add.is_empty() {
+            let s = NftSet::raw(table, &c.set, &c.add);
+            b.add(&SetElemsMsg(&s), MsgType::Add, format!("{} element(s) added to set {}", c.add.len(), c.set));
+        }
+    }
+    Rendered { batch: b.batch.finalize(), labels: b.labels }
+}
+
+/// What changes in one set: raw (key, interval end) elements.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ElementChange {
+    pub set: String,
+    pub delete: Vec<(Vec<u8>, bool)>,
+    pub add: Vec<(Vec<u8>, bool)>,
 }
 
 /// The transaction that deletes `name` (with everything in it).
@@ -125,16 +161,38 @@ impl NftSet {
             sys::nftnl_set_set_str(p, sys::NFTNL_SET_TABLE as u16, table.as_ptr());
             sys::nftnl_set_set_str(p, sys::NFTNL_SET_NAME as u16, name.as_ptr());
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_ID as u16, id);
-            let flags = if set.interval { libc::NFT_SET_INTERVAL as u32 } else { 0 };
+            let mut flags = if set.interval { libc::NFT_SET_INTERVAL as u32 } else { 0 };
+            if let Some(t) = set.timeout_secs {
+                // `flags dynamic,timeout`: the datapath adds elements, which expire.
+                flags |= (libc::NFT_SET_TIMEOUT | libc::NFT_SET_EVAL) as u32;
+                sys::nftnl_set_set_u64(p, sys::NFTNL_SET_TIMEOUT as u16, u64::from(t) * 1000);
+            }
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_FLAGS as u16, flags);
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_TYPE as u16, set.key.nft_type());
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_LEN as u16, set.key.len());
         }
         let s = NftSet { ptr };
         for e in &set.elements {
-            for (key, end) in interval_keys(set.key, e) {
+            let keys = if set.interval { interval_keys(set.key, e) } else { vec![(plain_key(set.key, e), false)] };
+            for (key, end) in keys {
                 s.add_element(&key, end);
             }
+        }
+        s
+    }
+
+    /// A set named for an element message only: table, name and raw elements.
+    fn raw(table: &str, name: &str, elements: &[(Vec<u8>, bool)]) -> Self {
+        let ptr = NonNull::new(unsafe { sys::nftnl_set_alloc() }).expect("nftnl_set_alloc: out of memory");
+        let (table, name) = (cstring(table), cstring(name));
+        unsafe {
+            sys::nftnl_set_set_u32(ptr.as_ptr(), sys::NFTNL_SET_FAMILY as u16, ProtoFamily::Ipv4 as u32);
+            sys::nftnl_set_set_str(ptr.as_ptr(), sys::NFTNL_SET_TABLE as u16, table.as_ptr());
+            sys::nftnl_set_set_str(ptr.as_ptr(), sys::NFTNL_SET_NAME as u16, name.as_ptr());
+        }
+        let s = NftSet { ptr };
+        for (key, end) in elements {
+            s.add_element(key, *end);
         }
         s
     }
@@ -149,6 +207,24 @@ impl NftSet {
             }
             sys::nftnl_set_elem_add(self.ptr.as_ptr(), e);
         }
+    }
+}
+
+/// The key of one element of a set without intervals.
+pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
+    match (key, e) {
+        (KeyType::Ipv4Addr, Element::Addr(a)) => a.octets().to_vec(),
+        (KeyType::Ipv4Addr, Element::Net(n)) if n.prefix_len() == 32 => n.addr().octets().to_vec(),
+        (KeyType::InetService, Element::Ports(r)) if r.first == r.last => r.first.to_be_bytes().to_vec(),
+        (KeyType::ServiceKey, Element::Service(a, proto, port)) => {
+            // Each part of a concatenation fills a 32-bit register, zero-padded.
+            let mut k = a.octets().to_vec();
+            k.extend([proto.number(), 0, 0, 0]);
+            k.extend(port.to_be_bytes());
+            k.extend([0, 0]);
+            k
+        }
+        (k, e) => panic!("element {e} does not fit a set of type {} without intervals", k.name()),
     }
 }
 
@@ -171,6 +247,47 @@ fn interval_keys(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
             v
         }
         (k, e) => panic!("element {e} does not fit a set of type {}", k.name()),
+    }
+}
+
+/// A named counter object (`NFT_MSG_NEWOBJ`), over nftnl-sys.
+struct NftCounter {
+    ptr: NonNull<sys::nftnl_obj>,
+}
+
+impl Drop for NftCounter {
+    fn drop(&mut self) {
+        unsafe { sys::nftnl_obj_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl NftCounter {
+    fn new(table: &str, name: &str, (packets, bytes): (u64, u64)) -> Self {
+        let ptr = NonNull::new(unsafe { sys::nftnl_obj_alloc() }).expect("nftnl_obj_alloc: out of memory");
+        let p = ptr.as_ptr();
+        let (table, name) = (cstring(table), cstring(name));
+        unsafe {
+            sys::nftnl_obj_set_u32(p, sys::NFTNL_OBJ_FAMILY as u16, ProtoFamily::Ipv4 as u32);
+            sys::nftnl_obj_set_str(p, sys::NFTNL_OBJ_TABLE as u16, table.as_ptr());
+            sys::nftnl_obj_set_str(p, sys::NFTNL_OBJ_NAME as u16, name.as_ptr());
+            sys::nftnl_obj_set_u32(p, sys::NFTNL_OBJ_TYPE as u16, 1 /* NFT_OBJECT_COUNTER */);
+            sys::nftnl_obj_set_u64(p, sys::NFTNL_OBJ_CTR_PKTS as u16, packets);
+            sys::nftnl_obj_set_u64(p, sys::NFTNL_OBJ_CTR_BYTES as u16, bytes);
+        }
+        NftCounter { ptr }
+    }
+}
+
+unsafe impl NlMsg for NftCounter {
+    unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
+        let (msg, flags) = match kind {
+            MsgType::Add => (libc::NFT_MSG_NEWOBJ, libc::NLM_F_CREATE | libc::NLM_F_ACK),
+            MsgType::Del => (libc::NFT_MSG_DELOBJ, libc::NLM_F_ACK),
+        };
+        unsafe {
+            let hdr = sys::nftnl_nlmsg_build_hdr(buf.cast(), msg as u16, ProtoFamily::Ipv4 as u16, flags as u16, seq);
+            sys::nftnl_obj_nlmsg_build_payload(hdr, self.ptr.as_ptr());
+        }
     }
 }
 
