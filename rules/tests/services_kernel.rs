@@ -91,3 +91,170 @@ fn tampering_is_reported() {
     assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Elements { added: 1, removed: 0 });
     let _ = Ipv4Addr::LOCALHOST;
 }
+
+/// A pod netns and a peer netns joined by a veth. The peer holds the Service VIPs and an
+/// external address on its `lo`, with TCP listeners on 53, 80, 443, 8080 and a UDP socket
+/// on 18082. In the pod, a stand-in for capture's divert decision marks TCP and UDP 18082
+/// with the divert mark in a route chain at -150 (no policy route: packets leave normally),
+/// so the layer is tested alone, on real packets.
+struct Pair {
+    pod: TestNetns,
+    peer: TestNetns,
+    _listeners: Vec<std::net::TcpListener>,
+    /// One UDP socket per peer address on 18082, so replies come from the dialled VIP.
+    udp: std::collections::BTreeMap<&'static str, std::net::UdpSocket>,
+}
+
+const VIPS: [&str; 6] = ["10.96.0.1", "10.96.1.1", "10.96.1.2", "10.96.5.5", "10.96.9.9", "192.0.2.10"];
+
+fn pair(tag: &str) -> Pair {
+    let pod = TestNetns::new(&format!("{tag}-pod"));
+    let peer = TestNetns::new(&format!("{tag}-peer"));
+    pod.exec("ip", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &peer.name]);
+    pod.exec("ip", &["addr", "add", "10.244.1.5/24", "dev", "eth0"]);
+    pod.exec("ip", &["link", "set", "eth0", "up"]);
+    pod.exec("ip", &["route", "add", "default", "via", "10.244.1.1"]);
+    peer.exec("ip", &["addr", "add", "10.244.1.1/24", "dev", "eth0"]);
+    peer.exec("ip", &["link", "set", "eth0", "up"]);
+    for vip in VIPS {
+        peer.exec("ip", &["addr", "add", &format!("{vip}/32"), "dev", "lo"]);
+    }
+    let (listeners, udp) = in_ns(&peer, || {
+        let l = [53u16, 80, 443, 8080].map(|p| std::net::TcpListener::bind(("0.0.0.0", p)).unwrap());
+        let u = VIPS.map(|v| (v, std::net::UdpSocket::bind((v, 18082)).unwrap()));
+        (l.into_iter().collect::<Vec<_>>(), u.into_iter().collect::<std::collections::BTreeMap<_, _>>())
+    });
+    for u in udp.values() {
+        u.set_read_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
+    }
+    let marker = "table ip test_divert_standin {\n\tchain out {\n\t\ttype route hook output priority -150; policy accept;\n\t\tmeta l4proto tcp meta mark set 0xae71\n\t\tudp dport 18082 meta mark set 0xae71\n\t}\n}\n";
+    let path = std::env::temp_dir().join(format!("{}.nft", pod.name));
+    std::fs::write(&path, marker).unwrap();
+    pod.exec("nft", &["-f", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(path);
+    Pair { pod, peer, _listeners: listeners, udp }
+}
+
+/// TCP connect from the pod: Ok, or the error kind.
+fn tcp(p: &Pair, addr: &str, port: u16) -> Result<(), std::io::ErrorKind> {
+    let sa: std::net::SocketAddr = format!("{addr}:{port}").parse().unwrap();
+    in_ns(&p.pod, || {
+        std::net::TcpStream::connect_timeout(&sa, std::time::Duration::from_secs(2)).map(|mut s| {
+            use std::io::Write;
+            // Established packets: never counted again.
+            for _ in 0..3 {
+                s.write_all(b"established").unwrap();
+            }
+        })
+    })
+    .map_err(|e| e.kind())
+}
+
+/// A UDP exchange from the pod to port 18082: a datagram, the peer's reply, a second
+/// datagram. Ok when the peer received both. (conntrack calls a UDP flow new until its
+/// first reply, so the reply is what makes the second datagram part of a known flow.)
+fn udp(p: &Pair, addr: &str) -> Result<(), String> {
+    let sa: std::net::SocketAddr = format!("{addr}:18082").parse().unwrap();
+    let s = in_ns(&p.pod, || std::net::UdpSocket::bind("0.0.0.0:0").unwrap());
+    s.set_read_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
+    s.connect(sa).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 16];
+    let peer = p.udp.iter().find(|(v, _)| **v == addr).map(|(_, u)| u).expect("a peer address");
+    s.send(b"one").map_err(|e| format!("send: {e}"))?;
+    let (_, from) = peer.recv_from(&mut buf).map_err(|e| format!("peer did not receive: {e}"))?;
+    peer.send_to(b"reply", from).unwrap();
+    s.recv(&mut buf).map_err(|e| format!("no reply: {e}"))?;
+    s.send(b"two").map_err(|e| format!("send: {e}"))?;
+    peer.recv_from(&mut buf).map_err(|e| format!("peer did not receive: {e}"))?;
+    Ok(())
+}
+
+fn counts(p: &Pair) -> std::collections::BTreeMap<String, u64> {
+    in_ns(&p.pod, services::counters).unwrap().expect("layer present")
+}
+
+fn expect_counts(p: &Pair, want: [u64; 6]) {
+    let c = counts(p);
+    let got: Vec<u64> = services::COUNTERS.iter().map(|n| c[*n]).collect();
+    assert_eq!(got, want, "counters {:?} (order {:?})", c, services::COUNTERS);
+}
+
+#[test]
+fn count_mode_counts_each_class_once_and_changes_nothing() {
+    if !root_or_skip("count_mode_counts_each_class_once_and_changes_nothing") {
+        return;
+    }
+    let p = pair("svc-count");
+    // Negative control: without the layer every connection reaches the peer.
+    for (a, port) in [("10.96.9.9", 80), ("10.96.1.2", 80), ("10.96.1.1", 8080)] {
+        assert_eq!(tcp(&p, a, port), Ok(()), "{a}:{port} without the layer");
+    }
+    in_ns(&p.pod, || services::apply(&layer(LayerMode::Count))).unwrap();
+    expect_counts(&p, [0; 6]);
+    // [mesh, service, external, no_endpoints, port_not_declared, no_service]
+    assert_eq!(tcp(&p, "10.96.5.5", 80), Ok(()));
+    expect_counts(&p, [1, 0, 0, 0, 0, 0]);
+    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()));
+    expect_counts(&p, [1, 1, 0, 0, 0, 0]);
+    assert_eq!(tcp(&p, "192.0.2.10", 80), Ok(()));
+    expect_counts(&p, [1, 1, 1, 0, 0, 0]);
+    assert_eq!(tcp(&p, "10.96.1.2", 80), Ok(()));
+    expect_counts(&p, [1, 1, 1, 1, 0, 0]);
+    assert_eq!(tcp(&p, "10.96.1.1", 8080), Ok(()));
+    expect_counts(&p, [1, 1, 1, 1, 1, 0]);
+    assert_eq!(tcp(&p, "10.96.9.9", 80), Ok(()));
+    expect_counts(&p, [1, 1, 1, 1, 1, 1]);
+    // Port 53 is never classified; UDP is counted once per flow.
+    assert_eq!(tcp(&p, "10.96.9.9", 53), Ok(()));
+    expect_counts(&p, [1, 1, 1, 1, 1, 1]);
+    assert_eq!(udp(&p, "10.96.1.1"), Ok(()));
+    expect_counts(&p, [1, 2, 1, 1, 1, 1]);
+    assert_eq!(udp(&p, "10.96.9.9"), Ok(()));
+    expect_counts(&p, [1, 2, 1, 1, 1, 2]);
+    let demand = in_ns(&p.pod, services::demand).unwrap();
+    let shown: Vec<String> = demand.iter().map(|(a, pr, port)| format!("{a}/{}:{port}", pr.name())).collect();
+    assert_eq!(
+        shown,
+        ["10.96.1.1/tcp:80", "10.96.1.1/tcp:8080", "10.96.1.1/udp:18082", "10.96.1.2/tcp:80", "10.96.9.9/tcp:80", "10.96.9.9/udp:18082"]
+    );
+    drop(p.peer.name.clone());
+}
+
+#[test]
+fn refuse_mode_refuses_by_reason_and_passes_the_rest() {
+    if !root_or_skip("refuse_mode_refuses_by_reason_and_passes_the_rest") {
+        return;
+    }
+    let p = pair("svc-refuse");
+    in_ns(&p.pod, || services::apply(&layer(LayerMode::Refuse))).unwrap();
+    let refused = Err(std::io::ErrorKind::ConnectionRefused);
+    assert_eq!(tcp(&p, "10.96.1.2", 80), refused, "no endpoints");
+    assert_eq!(tcp(&p, "10.96.1.1", 8080), refused, "port not declared");
+    assert_eq!(tcp(&p, "10.96.9.9", 80), refused, "no service");
+    expect_counts(&p, [0, 0, 0, 1, 1, 1]);
+    assert_eq!(tcp(&p, "10.96.5.5", 80), Ok(()), "mesh");
+    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()), "service");
+    assert_eq!(tcp(&p, "192.0.2.10", 80), Ok(()), "external");
+    assert_eq!(tcp(&p, "10.96.0.1", 8080), Ok(()), "the API server address, even on an undeclared port");
+    assert_eq!(tcp(&p, "10.96.9.9", 53), Ok(()), "port 53");
+    expect_counts(&p, [1, 2, 1, 1, 1, 1]);
+    let err = udp(&p, "10.96.9.9").unwrap_err();
+    assert!(err.starts_with("send:"), "UDP refusal is an error on send: {err}");
+    assert_eq!(udp(&p, "10.96.1.1"), Ok(()));
+    expect_counts(&p, [1, 3, 1, 1, 1, 2]);
+}
+
+#[test]
+fn demand_forgets_after_the_timeout() {
+    if !root_or_skip("demand_forgets_after_the_timeout") {
+        return;
+    }
+    let p = pair("svc-demand");
+    let mut l = layer(LayerMode::Count);
+    l.dialled_timeout_secs = 1;
+    in_ns(&p.pod, || services::apply(&l)).unwrap();
+    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()));
+    assert_eq!(in_ns(&p.pod, services::demand).unwrap().len(), 1);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    assert_eq!(in_ns(&p.pod, services::demand).unwrap(), vec![]);
+}
