@@ -33,5 +33,9 @@ test: deps
 demo: build
 	bash scripts/demo.sh $(BIN)
 
+## bench: programming a pod's capture in-process vs by exec of nft/ip, side by side (root)
+bench: deps
+	$(CARGO) bench -p aether-cni --bench capture
+
 clean:
 	$(CARGO) clean
