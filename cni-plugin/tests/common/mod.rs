@@ -77,10 +77,12 @@ pub fn prev_result(version: &str) -> Value {
 
 static STATE_DIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
-/// A state directory of the test's own (the node's default is never touched by tests).
+/// A state directory of the test's own under cargo's target/tmp (the node's default is
+/// never touched by tests).
 pub fn state_dir() -> String {
     let n = STATE_DIRS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    std::env::temp_dir().join(format!("aether-test-state-{}-{n}", std::process::id())).display().to_string()
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("state-{}-{n}", std::process::id()));
+    dir.display().to_string()
 }
 
 /// The network configuration the installer writes, plus a prevResult.
