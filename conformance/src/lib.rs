@@ -1,1 +1,63 @@
-//! Conformance tests live in tests/.
+//! A simulated Kubernetes node for datapath tests, built from network namespaces.
+//!
+//! - [`SimNode`]: a "host" netns standing for the node, with a bridge `br0` holding the
+//!   gateway address [`HOST_IP`], local routes that make the Service range ([`VIP`] and
+//!   friends) and a few other test ranges addresses of the host, an "upstream" server that
+//!   answers on every port the tests use, and a DNS stub on `HOST_IP:18054`.
+//! - [`Pod`]: a pod netns joined to the bridge by a veth pair (`eth0`, an address in
+//!   10.244.0.0/16, a default route via the gateway), attached and detached by running the
+//!   built `aether-cni` binary through the CNI protocol (env + stdin + `prevResult`), from
+//!   inside the host netns as a runtime on the node would.
+//! - [`Proxy`]: a stand-in for the mesh proxy. Like the real one it runs in the host netns
+//!   and binds its transparent listeners *inside* the pod netns (a thread enters the pod
+//!   netns, makes the sockets, and leaves): TCP on `127.0.0.1:18001`, UDP on
+//!   `127.0.0.1:18082` reading the original destination with `IP_PKTINFO`.
+//!
+//! Everything is torn down on drop, also when a test panics. Traffic only ever goes to
+//! addresses inside namespaces made here: the host netns has no default route and does not
+//! forward.
+
+pub mod cni;
+pub mod dns;
+pub mod node;
+pub mod probe;
+pub mod server;
+pub mod sock;
+
+pub use cni::{cni_bin, Outcome};
+pub use node::{Pod, Proxy, SimNode, HOST_IP};
+pub use probe::Probe;
+pub use server::{Seen, Server};
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+/// A ClusterIP-like Service address; it routes to the host netns, where the upstream answers.
+pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 35, 226);
+/// The cluster DNS Service address.
+pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// The capture listener's port.
+pub const CAPTURE_PORT: u16 = 18001;
+/// The L4 mesh port (TCP in scoped mode; UDP always).
+pub const MESH_L4_PORT: u16 = 18082;
+/// The other scoped port.
+pub const SCOPED_PORT: u16 = 18081;
+/// The node DNS proxy's port on `HOST_IP`.
+pub const DNS_PROXY_PORT: u16 = 18054;
+/// The divert and passthrough marks.
+pub const DIVERT_MARK: u32 = 0xae71;
+pub const PASSTHROUGH_MARK: u32 = 0xae7e;
+/// Policy routing of the capture (defaults).
+pub const ROUTE_TABLE: u32 = 44657;
+pub const RULE_PRIORITY: u32 = 32000;
+/// The port the pod's own application listens on.
+pub const APP_PORT: u16 = 8000;
+
+/// Every TCP port the upstream (in the host netns) answers on, on any host-local address.
+pub const UPSTREAM_TCP_PORTS: [u16; 9] = [53, 80, 81, 8080, 9050, 9101, 18081, 18082, 18083];
+/// Every UDP port the upstream answers on.
+pub const UPSTREAM_UDP_PORTS: [u16; 3] = [53, 18082, 18083];
+
+/// Shorthand for a socket address.
+pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, port)
+}
