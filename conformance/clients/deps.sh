@@ -13,22 +13,19 @@ PACKAGES=(golang-go golang-github-appc-cni-dev containernetworking-plugins podma
           busybox-static dpkg-dev xz-utils util-linux iproute2 nftables)
 SRC_LIST=/etc/apt/sources.list.d/aether-deb-src.sources
 
+tmp_log=$(mktemp) && trap 'rm -f "$tmp_log"' EXIT
 missing=()
-for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "clients-deps: installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+for p in "${PACKAGES[@]}"; do
+    # "install ok installed" only: a removed package keeps a status ("rc") that dpkg -s accepts.
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
+done
+cnitool_built() { [ -x "$OUT/cnitool" ] && { "$OUT/cnitool" 2>&1 || true; } | grep -q 'cnitool add'; }
 
-if [ -x "$OUT/cnitool" ] && { "$OUT/cnitool" 2>&1 || true; } | grep -q 'cnitool add'; then
-    echo "clients-deps: $OUT/cnitool is built"
-    exit 0
-fi
-
+update=
+[ ${#missing[@]} -eq 0 ] || update=1
 # apt-get source needs a deb-src entry. The machine's own sources (deb822, Types: deb) are left
 # as they are; a separate file adds the source index, once.
-if ! apt-cache showsrc golang-github-appc-cni 2>/dev/null | grep -q '^Package: golang-github-appc-cni'; then
+if ! cnitool_built && ! apt-cache showsrc golang-github-appc-cni 2>/dev/null | grep -q '^Package: golang-github-appc-cni'; then
     if [ ! -e "$SRC_LIST" ]; then
         echo "clients-deps: adding $SRC_LIST"
         cat >"$SRC_LIST" <<'SOURCES'
@@ -40,7 +37,18 @@ Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 SOURCES
     fi
-    apt-get update -qq
+    update=1
+fi
+[ -z "$update" ] || apt-get update -qq
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "clients-deps: installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>"$tmp_log" \
+        || { cat "$tmp_log" >&2; exit 1; }
+fi
+
+if cnitool_built; then
+    echo "clients-deps: $OUT/cnitool is built"
+    exit 0
 fi
 
 mkdir -p "$OUT/src"
