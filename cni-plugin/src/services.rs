@@ -1,0 +1,425 @@
+//! `aether-cni services`: the agent's interface to the Service-range and refusal-counter
+//! layer (DESIGN.md), and the hooks ADD and DEL call.
+//!
+//! State, under `<stateDir>/services/`:
+//! - `snapshot.json`: the last accepted snapshot, exactly as the agent sent it (atomic write);
+//! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
+//!   backwards when pods go);
+//! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
+//! - `lock`: `services apply` holds it exclusively while it stores the snapshot and applies
+//!   it to every recorded pod; ADD holds it shared while it applies the stored snapshot to
+//!   its pod. ADD must call `apply_current_snapshot_in_netns` after its attachment record is
+//!   written: then either the apply sees the record, or ADD reads the apply's snapshot, so no
+//!   pod misses a generation (a lock, not a generation check).
+
+pub mod snapshot;
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use aether_netns::Netns;
+use aether_rules::services::{self as layer, Applied, COUNTERS};
+use serde_json::{json, Value};
+
+use crate::error::{code, CniError};
+use crate::state::StateDir;
+use snapshot::Snapshot;
+
+#[derive(clap::Args)]
+pub struct ServicesArgs {
+    /// The node state directory (the `stateDir` of the network configuration).
+    #[arg(long, global = true, default_value = crate::config::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    #[command(subcommand)]
+    command: ServicesCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum ServicesCommand {
+    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) on stdin, validate
+    /// it, store it and apply it to every managed pod.
+    Apply,
+    /// Print node totals and per-pod counters.
+    Counters {
+        #[arg(long, value_enum, default_value = "json")]
+        format: Format,
+    },
+    /// Print the node's demand: the union of the VIP:port pairs pods dialled.
+    Demand {
+        #[arg(long, value_enum, default_value = "json")]
+        format: DemandFormat,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Format {
+    Json,
+    Prometheus,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DemandFormat {
+    Json,
+    Text,
+}
+
+pub fn run(args: ServicesArgs) -> ExitCode {
+    let dir = ServicesDir::new(&args.state_dir);
+    let out = match args.command {
+        ServicesCommand::Apply => {
+            let mut text = Vec::new();
+            if let Err(e) = std::io::stdin().read_to_end(&mut text) {
+                eprintln!("aether-cni services apply: cannot read stdin: {e}");
+                return ExitCode::FAILURE;
+            }
+            match apply_document(&dir, &text) {
+                Ok(report) => {
+                    println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
+                    return if report.failed() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
+                }
+                Err(errs) => {
+                    for e in &errs {
+                        eprintln!("aether-cni services apply: {e}");
+                    }
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        ServicesCommand::Counters { format } => node_counters(&dir).map(|c| match format {
+            Format::Json => serde_json::to_string_pretty(&c.to_json()).unwrap(),
+            Format::Prometheus => c.to_prometheus(),
+        }),
+        ServicesCommand::Demand { format } => node_demand(&dir).map(|d| match format {
+            DemandFormat::Json => serde_json::to_string_pretty(&json!({ "demand": d })).unwrap(),
+            DemandFormat::Text => d.join("\n"),
+        }),
+    };
+    match out {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("aether-cni services: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The services part of the state directory.
+pub struct ServicesDir {
+    state: PathBuf,
+    root: PathBuf,
+}
+
+struct Lock(File);
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl ServicesDir {
+    pub fn new(state_dir: &Path) -> Self {
+        ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services") }
+    }
+
+    fn lock(&self, exclusive: bool) -> Result<Lock, String> {
+        fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let path = self.root.join("lock");
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
+            return Err(format!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error()));
+        }
+        Ok(Lock(f))
+    }
+
+    fn write_atomic(&self, name: &str, body: &[u8]) -> Result<(), String> {
+        fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let path = self.root.join(name);
+        let tmp = self.root.join(format!(".{name}.tmp.{}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(body)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            format!("cannot write {}: {e}", path.display())
+        })
+    }
+
+    /// The stored snapshot: its text and its parse. A stored file that no longer parses is
+    /// reported, never silently ignored.
+    fn stored(&self) -> Result<Option<(Vec<u8>, Snapshot)>, String> {
+        let path = self.root.join("snapshot.json");
+        match fs::read(&path) {
+            Ok(text) => snapshot::parse(&text)
+                .map(|s| Some((text, s)))
+                .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; "))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        }
+    }
+
+    fn divert_mark(&self) -> u32 {
+        fs::read_to_string(self.root.join("divert-mark"))
+            .ok()
+            .and_then(|s| u32::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok())
+            .unwrap_or(aether_rules::capture::DIVERT_MARK)
+    }
+
+    fn accumulator(&self) -> BTreeMap<String, u64> {
+        fs::read(self.root.join("accumulator.json"))
+            .ok()
+            .and_then(|d| serde_json::from_slice(&d).ok())
+            .unwrap_or_default()
+    }
+}
+
+/// One pod's outcome in an apply.
+#[derive(Debug)]
+pub struct PodOutcome {
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: String,
+    pub result: Result<Applied, String>,
+    /// The netns is gone: the pod was skipped, which is not a failure.
+    pub vanished: bool,
+}
+
+#[derive(Debug)]
+pub struct ApplyReport {
+    pub generation: u64,
+    pub pods: Vec<PodOutcome>,
+}
+
+impl ApplyReport {
+    pub fn failed(&self) -> bool {
+        self.pods.iter().any(|p| p.result.is_err() && !p.vanished)
+    }
+
+    pub fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|p| {
+                let mut v = json!({"containerID": p.container_id, "ifname": p.ifname, "netns": p.netns});
+                match &p.result {
+                    Ok(a) => v["result"] = json!(describe(a)),
+                    Err(e) if p.vanished => {
+                        v["result"] = json!("skipped");
+                        v["reason"] = json!(e);
+                    }
+                    Err(e) => {
+                        v["result"] = json!("failed");
+                        v["error"] = json!(e);
+                    }
+                }
+                v
+            })
+            .collect();
+        json!({"generation": self.generation, "pods": pods})
+    }
+}
+
+fn describe(a: &Applied) -> String {
+    match a {
+        Applied::Rebuilt => "rebuilt".into(),
+        Applied::Elements { added, removed } => format!("elements +{added} -{removed}"),
+        Applied::Unchanged => "unchanged".into(),
+        Applied::Removed(true) => "removed".into(),
+        Applied::Removed(false) => "off".into(),
+    }
+}
+
+/// `services apply`: validate the whole document, refuse an older generation, store it,
+/// apply it to every recorded pod. Validation errors change nothing.
+pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec<String>> {
+    let snap = snapshot::parse(text)?;
+    let _lock = dir.lock(true).map_err(|e| vec![e])?;
+    if let Some((old_text, old)) = dir.stored().map_err(|e| vec![e])? {
+        if snap.generation < old.generation {
+            return Err(vec![format!(
+                "generation: {} is older than the stored generation {}; nothing changed",
+                snap.generation, old.generation
+            )]);
+        }
+        if snap.generation == old.generation && old_text != text && old != snap {
+            return Err(vec![format!(
+                "generation: {} is already stored with different content; a new snapshot needs a new generation",
+                snap.generation
+            )]);
+        }
+    }
+    dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
+    let l = snap.layer(dir.divert_mark());
+    let pods = StateDir::new(&dir.state)
+        .records()
+        .into_iter()
+        .map(|r| {
+            let (result, vanished) = match Netns::open_foreign(&r.netns) {
+                Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
+                Err(e) => (Err(e.to_string()), false),
+                Ok(ns) => match ns.run(|| layer::apply(&l)) {
+                    Ok(Ok(a)) => (Ok(a), false),
+                    Ok(Err(e)) => (Err(e.to_string()), false),
+                    Err(e) => (Err(e.to_string()), false),
+                },
+            };
+            PodOutcome { container_id: r.container_id, ifname: r.ifname, netns: r.netns, result, vanished }
+        })
+        .collect();
+    Ok(ApplyReport { generation: snap.generation, pods })
+}
+
+/// For ADD, in the host netns, after the attachment record is written: applies the stored
+/// snapshot (if any) to the pod netns `netns`, under the shared services lock, and records
+/// capture's divert mark for later applies. Returns the generation applied, `None` when the
+/// agent has sent no snapshot yet (the pod then has no layer until the first apply).
+#[allow(dead_code)] // wired into ADD by cni.rs
+pub fn apply_current_snapshot_in_netns(state_dir: &Path, netns: &Netns, divert_mark: u32) -> Result<Option<u64>, CniError> {
+    let dir = ServicesDir::new(state_dir);
+    let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot apply the Service layer").with_details(what);
+    let _lock = dir.lock(false).map_err(fail)?;
+    if dir.divert_mark() != divert_mark {
+        dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes()).map_err(fail)?;
+    }
+    let Some((_, snap)) = dir.stored().map_err(fail)? else { return Ok(None) };
+    let l = snap.layer(divert_mark);
+    netns
+        .run(|| layer::apply(&l))
+        .map_err(|e| fail(e.to_string()))?
+        .map_err(|e| fail(e.to_string()))?;
+    Ok(Some(snap.generation))
+}
+
+/// For DEL, in the host netns, before the netns goes: folds the pod's final counts into the
+/// node accumulator, then removes the layer. A missing netns or layer folds nothing (a
+/// repeated DEL does not count twice). Returns the counts folded in.
+#[allow(dead_code)] // wired into DEL by cni.rs
+pub fn fold_counters_on_del(state_dir: &Path, netns_path: &Path) -> Result<BTreeMap<String, u64>, CniError> {
+    let dir = ServicesDir::new(state_dir);
+    let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot fold the Service counters").with_details(what);
+    let ns = match Netns::open_foreign(netns_path) {
+        Ok(ns) => ns,
+        Err(aether_netns::Error::NotFound { .. }) => return Ok(BTreeMap::new()),
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    let counts = ns.run(layer::counters).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+    let Some(counts) = counts else { return Ok(BTreeMap::new()) };
+    {
+        let _lock = dir.lock(true).map_err(fail)?;
+        let mut acc = dir.accumulator();
+        for (k, v) in &counts {
+            *acc.entry(k.clone()).or_default() += v;
+        }
+        dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()).map_err(fail)?;
+    }
+    ns.run(layer::remove).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+    Ok(counts)
+}
+
+pub struct NodeCounters {
+    pub generation: Option<u64>,
+    pub totals: BTreeMap<String, u64>,
+    pub folded: BTreeMap<String, u64>,
+    pub pods: Vec<(crate::state::Record, BTreeMap<String, u64>)>,
+}
+
+impl NodeCounters {
+    fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|(r, c)| {
+                json!({
+                    "containerID": r.container_id, "ifname": r.ifname, "netns": r.netns,
+                    "podNamespace": r.pod_namespace, "podName": r.pod_name, "counters": c,
+                })
+            })
+            .collect();
+        json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods})
+    }
+
+    /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
+    fn to_prometheus(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP aether_cni_service_connections_total New captured connections by destination class (refusals included as their class).\n");
+        out.push_str("# TYPE aether_cni_service_connections_total counter\n");
+        let class = |name: &str| match name {
+            "mesh" | "service" | "external" => name.to_string(),
+            _ => "refused".to_string(),
+        };
+        let mut by_class: BTreeMap<String, u64> = BTreeMap::new();
+        for (k, v) in &self.totals {
+            *by_class.entry(class(k)).or_default() += v;
+        }
+        for (k, v) in &by_class {
+            out.push_str(&format!("aether_cni_service_connections_total{{class=\"{k}\"}} {v}\n"));
+        }
+        out.push_str("# HELP aether_cni_service_refused_total Connections the Service layer refused (or, in count mode, would refuse), by reason.\n");
+        out.push_str("# TYPE aether_cni_service_refused_total counter\n");
+        for (k, v) in &self.totals {
+            if let Some(reason) = k.strip_prefix("refused_") {
+                out.push_str(&format!("aether_cni_service_refused_total{{reason=\"{}\"}} {v}\n", reason.replace('_', "-")));
+            }
+        }
+        out.push_str("# HELP aether_cni_pod_service_connections_total Per-pod counts by counter.\n");
+        out.push_str("# TYPE aether_cni_pod_service_connections_total counter\n");
+        for (r, c) in &self.pods {
+            for (k, v) in c {
+                out.push_str(&format!(
+                    "aether_cni_pod_service_connections_total{{container_id=\"{}\",namespace=\"{}\",pod=\"{}\",counter=\"{k}\"}} {v}\n",
+                    r.container_id,
+                    r.pod_namespace.as_deref().unwrap_or(""),
+                    r.pod_name.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        out.trim_end().to_string()
+    }
+}
+
+/// Node totals (folded counts of removed pods + live pods) and per-pod rows. A pod whose
+/// netns is gone or has no layer has no row.
+pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
+    let folded = dir.accumulator();
+    let mut totals: BTreeMap<String, u64> = COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
+    let mut pods = Vec::new();
+    for r in StateDir::new(&dir.state).records() {
+        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+        if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
+            for (k, v) in &c {
+                *totals.entry(k.clone()).or_default() += v;
+            }
+            pods.push((r, c));
+        }
+    }
+    let generation = dir.stored().ok().flatten().map(|(_, s)| s.generation);
+    Ok(NodeCounters { generation, totals, folded, pods })
+}
+
+/// The union of what the node's pods dialled, as `VIP:port/proto`.
+pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
+    let mut all = std::collections::BTreeSet::new();
+    for r in StateDir::new(&dir.state).records() {
+        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+        if let Ok(Ok(d)) = ns.run(layer::demand) {
+            all.extend(d);
+        }
+    }
+    Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
+}

@@ -1,0 +1,405 @@
+//! The node's Service snapshot: the JSON document `aether-cni services apply` reads, its
+//! whole-document validation (every message names the place), and its conversion into the
+//! layer's model. Schema: testdata/services/snapshot.schema.json.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use aether_rules::model::Proto;
+use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
+use ipnet::Ipv4Net;
+use serde_json::Value;
+
+/// The longest demand timeout accepted: a week.
+pub const MAX_DIALLED_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub generation: u64,
+    pub mode: LayerMode,
+    pub service_ranges: Vec<Ipv4Net>,
+    pub mesh_vips: Vec<Ipv4Addr>,
+    pub services: Vec<Service>,
+    pub dialled_timeout_secs: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Service {
+    pub namespace: String,
+    pub name: String,
+    pub vip: Ipv4Addr,
+    pub ports: Vec<(Proto, u16)>,
+    pub usable_endpoints: bool,
+}
+
+impl Snapshot {
+    /// The layer for one pod, given capture's divert mark.
+    pub fn layer(&self, divert_mark: u32) -> ServiceLayer {
+        let mut l = ServiceLayer::new(self.mode);
+        l.divert_mark = divert_mark;
+        l.ranges = self.service_ranges.clone();
+        l.mesh_vips = self.mesh_vips.clone();
+        l.dialled_timeout_secs = self.dialled_timeout_secs;
+        l.ports = self
+            .services
+            .iter()
+            .flat_map(|s| {
+                s.ports.iter().map(|&(proto, port)| ServicePort { vip: s.vip, proto, port, has_endpoints: s.usable_endpoints })
+            })
+            .collect();
+        l
+    }
+}
+
+/// Parses and validates a whole document. All problems are collected, each naming its place
+/// (`services[2].ports[0].port`), so the agent sees everything wrong at once.
+pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
+    let doc: Value = serde_json::from_slice(text).map_err(|e| vec![format!("the snapshot is not JSON: {e}")])?;
+    let mut errs = Vec::new();
+    let Some(obj) = doc.as_object() else {
+        return Err(vec!["the snapshot must be a JSON object".into()]);
+    };
+    const TOP: [&str; 6] = ["generation", "mode", "serviceRanges", "meshVIPs", "services", "dialledTimeoutSeconds"];
+    for k in obj.keys() {
+        if !TOP.contains(&k.as_str()) {
+            errs.push(format!("{k}: unknown field (expected one of {})", TOP.join(", ")));
+        }
+    }
+    let generation = match obj.get("generation") {
+        None => {
+            errs.push("generation: missing (a positive integer that grows with each snapshot)".into());
+            0
+        }
+        Some(v) => match v.as_u64() {
+            Some(g) if g >= 1 => g,
+            _ => {
+                errs.push(format!("generation: {v} is not a positive integer"));
+                0
+            }
+        },
+    };
+    let mode = match obj.get("mode").map(|v| (v, v.as_str())) {
+        None => {
+            errs.push("mode: missing (off, count or refuse)".into());
+            LayerMode::Off
+        }
+        Some((_, Some("off"))) => LayerMode::Off,
+        Some((_, Some("count"))) => LayerMode::Count,
+        Some((_, Some("refuse"))) => LayerMode::Refuse,
+        Some((v, _)) => {
+            errs.push(format!("mode: {v} is not one of off, count, refuse"));
+            LayerMode::Off
+        }
+    };
+    let dialled_timeout_secs = match obj.get("dialledTimeoutSeconds") {
+        None => aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS,
+        Some(v) => match v.as_u64() {
+            Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
+            _ => {
+                errs.push(format!("dialledTimeoutSeconds: {v} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}"));
+                1
+            }
+        },
+    };
+
+    let mut service_ranges: Vec<Ipv4Net> = Vec::new();
+    match array(obj, "serviceRanges", true, &mut errs) {
+        Some(items) if items.is_empty() && mode != LayerMode::Off => {
+            errs.push("serviceRanges: empty, but mode is not off (the layer needs at least one range)".into())
+        }
+        Some(items) => {
+            for (i, v) in items.iter().enumerate() {
+                let place = format!("serviceRanges[{i}]");
+                let Some(s) = v.as_str() else {
+                    errs.push(format!("{place}: {v} is not a string"));
+                    continue;
+                };
+                let net = match s.parse::<Ipv4Net>() {
+                    Ok(n) => n,
+                    Err(_) if s.parse::<Ipv4Addr>().is_ok() => {
+                        errs.push(format!("{place}: {s:?} has no prefix length (write {s}/32 for a ClusterSetIP)"));
+                        continue;
+                    }
+                    Err(_) if s.contains(':') => {
+                        errs.push(format!("{place}: {s:?} is IPv6; only IPv4 ranges are supported"));
+                        continue;
+                    }
+                    Err(_) => {
+                        errs.push(format!("{place}: {s:?} is not an IPv4 CIDR (e.g. 10.96.0.0/12)"));
+                        continue;
+                    }
+                };
+                if net.trunc() != net {
+                    errs.push(format!("{place}: {s:?} has host bits set (the network is {})", net.trunc()));
+                    continue;
+                }
+                if ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "0.0.0.0/8"]
+                    .iter()
+                    .any(|x| x.parse::<Ipv4Net>().unwrap().contains(&net.network()) || net.contains(&x.parse::<Ipv4Net>().unwrap().network()))
+                {
+                    errs.push(format!("{place}: {s:?} overlaps loopback, link-local, multicast or 0.0.0.0/8, which are never Service ranges"));
+                    continue;
+                }
+                if let Some(j) = service_ranges.iter().position(|o| o.contains(&net.network()) || net.contains(&o.network())) {
+                    errs.push(format!("{place}: {s:?} overlaps serviceRanges[{j}] ({})", service_ranges[j]));
+                    // Keep indexes aligned with the document.
+                }
+                service_ranges.push(net);
+            }
+        }
+        None => {}
+    }
+    let in_ranges = |a: &Ipv4Addr| service_ranges.iter().any(|n| n.contains(a));
+
+    let mut mesh_vips = Vec::new();
+    if let Some(items) = array(obj, "meshVIPs", false, &mut errs) {
+        let mut seen = BTreeMap::new();
+        for (i, v) in items.iter().enumerate() {
+            let place = format!("meshVIPs[{i}]");
+            let Some(a) = addr(v, &place, &mut errs) else { continue };
+            if let Some(j) = seen.insert(a, i) {
+                errs.push(format!("{place}: {a} duplicates meshVIPs[{j}]"));
+            } else if !in_ranges(&a) {
+                errs.push(format!("{place}: {a} is outside every Service range"));
+            }
+            mesh_vips.push(a);
+        }
+    }
+
+    let mut services = Vec::new();
+    if let Some(items) = array(obj, "services", true, &mut errs) {
+        let mut names: BTreeMap<(String, String), usize> = BTreeMap::new();
+        let mut vips: BTreeMap<Ipv4Addr, usize> = BTreeMap::new();
+        for (i, v) in items.iter().enumerate() {
+            let place = format!("services[{i}]");
+            if let Some(s) = service(v, &place, &mut errs) {
+                if let Some(j) = names.insert((s.namespace.clone(), s.name.clone()), i) {
+                    errs.push(format!("{place}: Service {}/{} duplicates services[{j}]", s.namespace, s.name));
+                }
+                if let Some(j) = vips.insert(s.vip, i) {
+                    errs.push(format!("{place}.vip: {} is also the VIP of services[{j}]", s.vip));
+                }
+                if !in_ranges(&s.vip) {
+                    errs.push(format!("{place}.vip: {} is outside every Service range", s.vip));
+                }
+                if mesh_vips.contains(&s.vip) {
+                    errs.push(format!("{place}.vip: {} is also a mesh VIP (mesh Services are listed in meshVIPs only)", s.vip));
+                }
+                services.push(s);
+            }
+        }
+    }
+    if errs.is_empty() {
+        Ok(Snapshot { generation, mode, service_ranges, mesh_vips, services, dialled_timeout_secs })
+    } else {
+        Err(errs)
+    }
+}
+
+fn array<'a>(obj: &'a serde_json::Map<String, Value>, key: &str, required: bool, errs: &mut Vec<String>) -> Option<&'a Vec<Value>> {
+    match obj.get(key) {
+        None if required => {
+            errs.push(format!("{key}: missing (an array, possibly empty)"));
+            None
+        }
+        None => None,
+        Some(Value::Array(a)) => Some(a),
+        Some(v) => {
+            errs.push(format!("{key}: {v} is not an array"));
+            None
+        }
+    }
+}
+
+fn addr(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Ipv4Addr> {
+    match v.as_str().map(|s| (s, s.parse::<Ipv4Addr>())) {
+        Some((_, Ok(a))) => Some(a),
+        Some((s, Err(_))) => {
+            errs.push(format!("{place}: {s:?} is not an IPv4 address"));
+            None
+        }
+        None => {
+            errs.push(format!("{place}: {v} is not a string"));
+            None
+        }
+    }
+}
+
+fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
+    let Some(obj) = v.as_object() else {
+        errs.push(format!("{place}: {v} is not an object"));
+        return None;
+    };
+    const KEYS: [&str; 5] = ["namespace", "name", "vip", "ports", "usableEndpoints"];
+    let before = errs.len();
+    for k in obj.keys() {
+        if !KEYS.contains(&k.as_str()) {
+            errs.push(format!("{place}.{k}: unknown field (expected one of {})", KEYS.join(", ")));
+        }
+    }
+    let text = |k: &str, errs: &mut Vec<String>| match obj.get(k).and_then(Value::as_str) {
+        Some(s) if !s.is_empty() => s.to_string(),
+        _ => {
+            errs.push(format!("{place}.{k}: missing or not a non-empty string"));
+            String::new()
+        }
+    };
+    let namespace = text("namespace", errs);
+    let name = text("name", errs);
+    let vip = match obj.get("vip") {
+        Some(v) => addr(v, &format!("{place}.vip"), errs),
+        None => {
+            errs.push(format!("{place}.vip: missing (the Service's ClusterIP)"));
+            None
+        }
+    };
+    let usable_endpoints = match obj.get("usableEndpoints") {
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            errs.push(format!("{place}.usableEndpoints: {v} is not true or false"));
+            false
+        }
+        None => {
+            errs.push(format!("{place}.usableEndpoints: missing (true when the Service has a ready, serving or terminating endpoint)"));
+            false
+        }
+    };
+    let mut ports = Vec::new();
+    match obj.get("ports") {
+        Some(Value::Array(items)) if !items.is_empty() => {
+            let mut seen = BTreeSet::new();
+            for (j, p) in items.iter().enumerate() {
+                let pp = format!("{place}.ports[{j}]");
+                let Some(po) = p.as_object() else {
+                    errs.push(format!("{pp}: {p} is not an object"));
+                    continue;
+                };
+                for k in po.keys() {
+                    if k != "protocol" && k != "port" {
+                        errs.push(format!("{pp}.{k}: unknown field (expected protocol, port)"));
+                    }
+                }
+                let proto = match po.get("protocol").and_then(Value::as_str) {
+                    Some("TCP") => Some(Proto::Tcp),
+                    Some("UDP") => Some(Proto::Udp),
+                    Some("SCTP") => {
+                        errs.push(format!("{pp}.protocol: SCTP is not supported (TCP or UDP)"));
+                        None
+                    }
+                    _ => {
+                        errs.push(format!("{pp}.protocol: {} is not TCP or UDP", po.get("protocol").cloned().unwrap_or(Value::Null)));
+                        None
+                    }
+                };
+                let port = match po.get("port").and_then(Value::as_u64) {
+                    Some(n @ 1..=65535) => Some(n as u16),
+                    _ => {
+                        errs.push(format!("{pp}.port: {} is not a port (1-65535)", po.get("port").cloned().unwrap_or(Value::Null)));
+                        None
+                    }
+                };
+                if let (Some(proto), Some(port)) = (proto, port) {
+                    if !seen.insert((proto, port)) {
+                        errs.push(format!("{pp}: {}/{port} is declared twice", proto.name()));
+                    }
+                    ports.push((proto, port));
+                }
+            }
+        }
+        Some(Value::Array(_)) => errs.push(format!("{place}.ports: empty (a Service has at least one port)")),
+        Some(v) => errs.push(format!("{place}.ports: {v} is not an array")),
+        None => errs.push(format!("{place}.ports: missing")),
+    }
+    if errs.len() > before {
+        return None;
+    }
+    Some(Service { namespace, name, vip: vip?, ports, usable_endpoints })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn good() -> Value {
+        json!({
+            "generation": 3,
+            "mode": "refuse",
+            "serviceRanges": ["10.96.0.0/16", "10.200.0.7/32"],
+            "meshVIPs": ["10.96.5.5"],
+            "services": [
+                {"namespace": "default", "name": "kubernetes", "vip": "10.96.0.1", "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": true},
+                {"namespace": "shop", "name": "cart", "vip": "10.96.1.1", "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "UDP", "port": 18082}], "usableEndpoints": true},
+                {"namespace": "shop", "name": "empty", "vip": "10.96.1.2", "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": false}
+            ],
+            "dialledTimeoutSeconds": 600
+        })
+    }
+
+    #[test]
+    fn a_good_snapshot_parses_into_the_layer() {
+        let s = parse(good().to_string().as_bytes()).unwrap();
+        assert_eq!(s.generation, 3);
+        let l = s.layer(0xae71);
+        assert_eq!(l.ports.len(), 4);
+        assert_eq!(l.dialled_timeout_secs, 600);
+        assert!(aether_rules::services::services_table(&l).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_example_parses() {
+        let text = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/services/example.json")).unwrap();
+        parse(&text).unwrap();
+    }
+
+    /// Each malformed document is refused with a message naming the place.
+    #[test]
+    fn malformed_snapshots_are_refused_naming_the_place() {
+        let cases: Vec<(Box<dyn Fn(&mut Value)>, &str)> = vec![
+            (Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.0/33")), "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR"),
+            (Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")), "serviceRanges[0]: \"10.96.0.5/16\" has host bits set"),
+            (Box::new(|v| v["serviceRanges"][1] = json!("fd00::/108")), "serviceRanges[1]: \"fd00::/108\" is IPv6"),
+            (Box::new(|v| v["serviceRanges"][1] = json!("10.96.3.0/24")), "serviceRanges[1]: \"10.96.3.0/24\" overlaps serviceRanges[0]"),
+            (Box::new(|v| v["serviceRanges"][1] = json!("10.200.0.7")), "serviceRanges[1]: \"10.200.0.7\" has no prefix length"),
+            (Box::new(|v| v["serviceRanges"][1] = json!("127.0.0.0/8")), "serviceRanges[1]: \"127.0.0.0/8\" overlaps loopback"),
+            (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)), "services[1].ports[0].port: 0 is not a port"),
+            (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(70000)), "services[1].ports[0].port: 70000 is not a port"),
+            (Box::new(|v| v["services"][1]["ports"][1] = json!({"protocol": "TCP", "port": 80})), "services[1].ports[1]: tcp/80 is declared twice"),
+            (Box::new(|v| v["services"][1]["ports"][0]["protocol"] = json!("SCTP")), "services[1].ports[0].protocol: SCTP is not supported"),
+            (Box::new(|v| v["services"][2]["name"] = json!("cart")), "services[2]: Service shop/cart duplicates services[1]"),
+            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.1")), "services[2].vip: 10.96.1.1 is also the VIP of services[1]"),
+            (Box::new(|v| v["services"][2]["vip"] = json!("192.168.1.1")), "services[2].vip: 192.168.1.1 is outside every Service range"),
+            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.300")), "services[2].vip: \"10.96.1.300\" is not an IPv4 address"),
+            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")), "services[2].vip: 10.96.5.5 is also a mesh VIP"),
+            (Box::new(|v| v["services"][0]["ports"] = json!([])), "services[0].ports: empty"),
+            (Box::new(|v| v["services"][0]["usableEndpoints"] = json!("yes")), "services[0].usableEndpoints: \"yes\" is not true or false"),
+            (Box::new(|v| v["services"][0]["selector"] = json!({})), "services[0].selector: unknown field"),
+            (Box::new(|v| v["meshVIPs"] = json!(["10.96.5.5", "10.96.5.5"])), "meshVIPs[1]: 10.96.5.5 duplicates meshVIPs[0]"),
+            (Box::new(|v| v["meshVIPs"] = json!(["8.8.8.8"])), "meshVIPs[0]: 8.8.8.8 is outside every Service range"),
+            (Box::new(|v| v["mode"] = json!("enforce")), "mode: \"enforce\" is not one of off, count, refuse"),
+            (Box::new(|v| v["generation"] = json!(-1)), "generation: -1 is not a positive integer"),
+            (Box::new(|v| { v.as_object_mut().unwrap().remove("generation"); }), "generation: missing"),
+            (Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)), "dialledTimeoutSeconds: 0 is not a number of seconds"),
+            (Box::new(|v| v["serviceRange"] = json!([])), "serviceRange: unknown field"),
+            (Box::new(|v| v["serviceRanges"] = json!([])), "serviceRanges: empty, but mode is not off"),
+            (Box::new(|v| *v = json!([1, 2])), "the snapshot must be a JSON object"),
+        ];
+        assert!(cases.len() >= 15);
+        for (tweak, want) in cases {
+            let mut v = good();
+            tweak(&mut v);
+            let errs = parse(v.to_string().as_bytes()).expect_err(want);
+            assert!(errs.iter().any(|e| e.starts_with(want)), "want {want:?}, got {errs:#?}");
+        }
+        let errs = parse(b"{\"generation\": 1,").unwrap_err();
+        assert!(errs[0].starts_with("the snapshot is not JSON"), "{errs:?}");
+    }
+
+    #[test]
+    fn all_problems_are_reported_at_once() {
+        let mut v = good();
+        v["services"][1]["ports"][0]["port"] = json!(0);
+        v["mode"] = json!("x");
+        assert_eq!(parse(v.to_string().as_bytes()).unwrap_err().len(), 2);
+    }
+}
