@@ -5,6 +5,7 @@ mod config;
 mod env;
 mod error;
 mod log;
+mod services;
 mod state;
 
 use std::io::{Read, Write};
@@ -23,6 +24,8 @@ struct Cli {
 enum Command {
     /// Print the CNI versions this plugin supports.
     Versions,
+    /// The Service-range and refusal-counter layer: apply a snapshot, read counters, demand.
+    Services(services::ServicesArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +40,7 @@ fn main() -> ExitCode {
             println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
             ExitCode::SUCCESS
         }
+        Command::Services(args) => services::run(args),
     }
 }
 
