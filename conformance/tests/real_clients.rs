@@ -142,9 +142,15 @@ fn must(what: &str, out: Output) -> String {
 /// `ip netns exec`, so it works on any netns path, podman's included).
 fn capture_state(netns: &str) -> (String, String, String, String) {
     let ns = format!("--net={netns}");
-    let run = |args: &[&str]| must(&format!("nsenter {ns} {}", args.join(" ")), exec(Command::new("nsenter").arg(&ns).args(args)));
+    let run = |args: &[&str]| {
+        must(&format!("nsenter {ns} {}", args.join(" ")), exec(Command::new("nsenter").arg(&ns).args(args)))
+    };
     let route = exec(Command::new("nsenter").arg(&ns).args(["ip", "-4", "route", "show", "table", ROUTE_TABLE]));
-    let route = if route.ok || route.stderr.contains("FIB table does not exist") { route.stdout } else { panic!("{}", route.stderr) };
+    let route = if route.ok || route.stderr.contains("FIB table does not exist") {
+        route.stdout
+    } else {
+        panic!("{}", route.stderr)
+    };
     (run(&["nft", "list", "ruleset"]), run(&["ip", "-4", "rule"]), route, run(&["ip", "-4", "-o", "addr", "show"]))
 }
 
@@ -165,6 +171,27 @@ fn assert_clean(netns: &str) {
     assert!(!rules.contains("0xae71"), "policy rule left in {netns}:\n{rules}");
     assert!(route.trim().is_empty(), "route left in table {ROUTE_TABLE} of {netns}:\n{route}");
     assert!(!addrs.contains("eth0"), "eth0 left in {netns}:\n{addrs}");
+}
+
+/// The kernel's handle of the capture table: a table deleted and made again gets a new one.
+fn table_handle(netns: &str) -> String {
+    let out = must(
+        "nft -a list table",
+        exec(Command::new("nsenter").arg(format!("--net={netns}")).args([
+            "nft",
+            "-a",
+            "list",
+            "table",
+            "ip",
+            "aether_capture",
+        ])),
+    );
+    out.lines()
+        .next()
+        .and_then(|l| l.split("# handle ").nth(1))
+        .unwrap_or_else(|| panic!("no table handle in\n{out}"))
+        .trim()
+        .to_string()
 }
 
 /// Attachment records the plugin keeps in its state directory, if any.
@@ -241,7 +268,8 @@ fn cnitool_chain(cni_version: &str) {
     let dir = TempDir::new(&tag);
     let network = format!("aether-cnitool-{tag}-{}", std::process::id());
     let _cache = LibcniCache(network.clone());
-    let (net_dir, bin_dir, state_dir, ipam_dir) = (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("state"), dir.mkdir("ipam"));
+    let (net_dir, bin_dir, state_dir, ipam_dir) =
+        (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("state"), dir.mkdir("ipam"));
     std::os::unix::fs::symlink(&plugin, bin_dir.join("aether-cni")).unwrap();
     let conflist = render(
         "cnitool.conflist.in",
@@ -265,7 +293,8 @@ fn cnitool_chain(cni_version: &str) {
         cni_path: format!("/usr/lib/cni:{}", bin_dir.display()),
         network: network.clone(),
     };
-    let cni_args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=0123;K8S_POD_UID=u-1";
+    let cni_args =
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=0123;K8S_POD_UID=u-1";
 
     // --- a managed pod: annotations excluding ports and a CIDR.
     let pod = TestNetns::new(&format!("{tag}pod"));
@@ -282,7 +311,8 @@ fn cnitool_chain(cni_version: &str) {
     assert_eq!(result["cniVersion"], cni_version, "{result:#}");
     let address = result["ips"][0]["address"].as_str().unwrap_or_else(|| panic!("no address in {result:#}"));
     assert!(address.starts_with("10.250.7."), "{result:#}");
-    let eth0 = result["interfaces"].as_array().unwrap().iter().find(|i| i["name"] == "eth0").expect("eth0 in the result");
+    let eth0 =
+        result["interfaces"].as_array().unwrap().iter().find(|i| i["name"] == "eth0").expect("eth0 in the result");
     assert_eq!(eth0["sandbox"], pod_path.as_str(), "{result:#}");
     // The pod got its address, from bridge + host-local, through the whole chain.
     let (_, _, _, addrs) = capture_state(&pod_path);
@@ -305,8 +335,15 @@ fn cnitool_chain(cni_version: &str) {
     // DEL leaves the pod netns clean, releases the address, and is idempotent.
     must("cnitool del", cni.run("del", &pod_path, &caps, cni_args));
     assert_clean(&pod_path);
-    assert!(!ipam_dir.join(&network).join(address.split('/').next().unwrap()).exists(), "host-local still holds {address}");
-    assert!(records(&state_dir).is_empty(), "attachment records left after DEL: {:?} (after ADD: {recs:?})", records(&state_dir));
+    assert!(
+        !ipam_dir.join(&network).join(address.split('/').next().unwrap()).exists(),
+        "host-local still holds {address}"
+    );
+    assert!(
+        records(&state_dir).is_empty(),
+        "attachment records left after DEL: {:?} (after ADD: {recs:?})",
+        records(&state_dir)
+    );
     must("cnitool del (again)", cni.run("del", &pod_path, &caps, cni_args));
 
     // --- a pod with a host port: portmap does its part in the node netns (never on the
@@ -329,7 +366,9 @@ fn cnitool_chain(cni_version: &str) {
     // --- a pod that opts out: it gets its address, and nothing from aether-cni.
     let optout = TestNetns::new(&format!("{tag}off"));
     let off_caps = serde_json::json!({ "io.kubernetes.cri.pod-annotations": { "aether.io/capture": "disabled" } });
-    let result: Value = serde_json::from_str(&must("cnitool add (disabled)", cni.run("add", &optout.path(), &off_caps, cni_args))).unwrap();
+    let result: Value =
+        serde_json::from_str(&must("cnitool add (disabled)", cni.run("add", &optout.path(), &off_caps, cni_args)))
+            .unwrap();
     assert!(result["ips"][0]["address"].as_str().is_some_and(|a| a.starts_with("10.250.7.")), "{result:#}");
     let (ruleset, rules, _, _) = capture_state(&optout.path());
     assert!(!ruleset.contains("aether") && !rules.contains("0xae71"), "a disabled pod was captured:\n{ruleset}{rules}");
@@ -340,7 +379,8 @@ fn cnitool_chain(cni_version: &str) {
     // --- a malformed annotation: ADD fails through libcni with the annotation named, and
     // leaves no capture behind (bridge's part is undone by the runtime's DEL).
     let bad = TestNetns::new(&format!("{tag}bad"));
-    let bad_caps = serde_json::json!({ "io.kubernetes.cri.pod-annotations": { "aether.io/exclude-outbound-ports": "http" } });
+    let bad_caps =
+        serde_json::json!({ "io.kubernetes.cri.pod-annotations": { "aether.io/exclude-outbound-ports": "http" } });
     let out = cni.run("add", &bad.path(), &bad_caps, cni_args);
     assert!(!out.ok, "ADD with a malformed annotation succeeded:\n{}", out.stdout);
     assert!(
@@ -354,7 +394,10 @@ fn cnitool_chain(cni_version: &str) {
     assert_clean(&bad.path());
     assert!(records(&state_dir).is_empty(), "records left: {:?}", records(&state_dir));
 
-    eprintln!("{test}: libcni (cnitool) add/check/del through bridge+host-local+portmap+aether-cni in {:?}", started.elapsed());
+    eprintln!(
+        "{test}: libcni (cnitool) add/check/del through bridge+host-local+portmap+aether-cni in {:?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -431,7 +474,8 @@ fn podman_cni_backend_start_reload_stop() {
 
     let dir = TempDir::new("podman");
     let network = format!("aether-podman-{}", std::process::id());
-    let (net_dir, bin_dir, state_dir, ipam_dir) = (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("state"), dir.mkdir("ipam"));
+    let (net_dir, bin_dir, state_dir, ipam_dir) =
+        (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("state"), dir.mkdir("ipam"));
     for d in ["root", "runroot", "tmp"] {
         dir.mkdir(d);
     }
@@ -501,10 +545,13 @@ fn podman_cni_backend_start_reload_stop() {
     let recs = records(&state_dir);
     assert!(!node.exec("nft", &["list", "ruleset"]).contains("aether"), "aether-cni programmed the node netns");
 
-    // Reload: podman tears the container's network down and sets it up again (DEL, ADD).
+    // Reload: podman tears the container's network down and sets it up again (DEL, ADD): the
+    // same ruleset, in a table the kernel made anew (a new table handle).
+    let handle_before = table_handle(&sandbox);
     must("podman network reload", podman.run(&["network", "reload", &name]));
     let after = assert_captured(&sandbox, &["9443"]);
     assert_eq!(before, after, "the ruleset after podman network reload differs");
+    assert_ne!(handle_before, table_handle(&sandbox), "podman network reload did not re-create the capture");
     assert_eq!(records(&state_dir).len(), recs.len(), "attachment records after reload: {:?}", records(&state_dir));
 
     // Stop: DEL. Podman releases its netns; the kept handle shows what DEL left in it.
@@ -512,9 +559,13 @@ fn podman_cni_backend_start_reload_stop() {
     assert!(!Path::new(&sandbox).exists(), "podman kept {sandbox}");
     assert_clean(&kept_path);
     assert!(records(&state_dir).is_empty(), "attachment records left after stop: {:?}", records(&state_dir));
-    let ipam = std::fs::read_dir(ipam_dir.join(&network)).map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>());
+    let ipam = std::fs::read_dir(ipam_dir.join(&network))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>());
     assert!(!ipam.unwrap_or_default().contains(&address), "host-local still holds {address}");
     must("podman rm", podman.run(&["rm", &name]));
 
-    eprintln!("{test}: podman 4.3 (CNI backend) run/reload/stop through bridge+host-local+aether-cni in {:?}", started.elapsed());
+    eprintln!(
+        "{test}: podman 4.3 (CNI backend) run/reload/stop through bridge+host-local+aether-cni in {:?}",
+        started.elapsed()
+    );
 }
