@@ -29,9 +29,9 @@ build: deps
 test: deps
 	$(CARGO) test --workspace --features aether-cni/fault-injection
 
-## demo: a pod netns captured, checked and released, through the real CNI protocol
+## demo: a simulated node; a pod attached through the CNI protocol, its traffic captured, DNS answered, then DEL
 demo: build
-	bash scripts/demo.sh $(BIN)
+	CARGO=$(CARGO) bash scripts/demo.sh $(BIN)
 
 ## bench: programming a pod's capture in-process vs by exec of nft/ip, side by side (root)
 bench: deps

@@ -64,11 +64,11 @@ pub struct Server {
 const POLL: Duration = Duration::from_millis(20);
 const IO_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The payload as text if it is text, else its length (binary payloads such as DNS queries
+/// The payload as one line of text if it is text, else its length (binary payloads such as DNS queries
 /// carry random ids, and answers must be comparable across runs).
 fn shown(payload: &[u8]) -> String {
     match std::str::from_utf8(payload) {
-        Ok(s) if s.chars().all(|c| !c.is_control() || c.is_whitespace()) => s.trim().to_string(),
+        Ok(s) if s.chars().all(|c| !c.is_control() || c.is_whitespace()) => s.split_whitespace().collect::<Vec<_>>().join(" "),
         _ => format!("<{} bytes>", payload.len()),
     }
 }
