@@ -194,7 +194,7 @@ fn table_handle(netns: &str) -> String {
         .to_string()
 }
 
-/// Attachment records the plugin keeps in its state directory, if any.
+/// The attachment records the plugin keeps in its state directory (`attachments/*.json`).
 fn records(state_dir: &Path) -> Vec<String> {
     fn walk(d: &Path, out: &mut Vec<String>) {
         for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
@@ -207,7 +207,7 @@ fn records(state_dir: &Path) -> Vec<String> {
         }
     }
     let mut v = Vec::new();
-    walk(state_dir, &mut v);
+    walk(&state_dir.join("attachments"), &mut v);
     v
 }
 
@@ -321,6 +321,7 @@ fn cnitool_chain(cni_version: &str) {
     let ruleset = assert_captured(&pod_path, &["8443", "9000-9100", "192.0.2.0/24", "dnat to 10.250.7.1:18054"]);
     assert!(!node.exec("nft", &["list", "ruleset"]).contains("aether"), "aether-cni programmed the node netns");
     let recs = records(&state_dir);
+    assert!(recs.len() == 1 && recs[0].contains(&network), "one attachment record expected after ADD: {recs:?}");
 
     // CHECK through libcni (it replays the cached result as prevResult) passes...
     must("cnitool check", cni.run("check", &pod_path, &caps, cni_args));
@@ -543,6 +544,8 @@ fn podman_cni_backend_start_reload_stop() {
     assert!(addrs.contains(&format!("eth0    inet {address}/24")), "{address} not on eth0:\n{addrs}");
     let before = assert_captured(&sandbox, &["9443", "dnat to 10.250.8.1:18054"]);
     let recs = records(&state_dir);
+    let id = inspect[0]["Id"].as_str().expect("Id");
+    assert!(recs.len() == 1 && recs[0].contains(id), "one attachment record for {id} expected: {recs:?}");
     assert!(!node.exec("nft", &["list", "ruleset"]).contains("aether"), "aether-cni programmed the node netns");
 
     // Reload: podman tears the container's network down and sets it up again (DEL, ADD): the
