@@ -9,7 +9,7 @@ BIN := target/release/aether-cni
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
@@ -26,7 +26,7 @@ build: deps
 	$(CARGO) build --release -p aether-cni
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
-test: deps
+test: deps clients-deps
 	$(CARGO) test --workspace --features aether-cni/fault-injection
 
 ## demo: a simulated node; a pod attached through the CNI protocol, its traffic captured, DNS answered, then DEL
