@@ -73,7 +73,8 @@ fn row_tcp_redirect_all_is_captured_with_its_original_destination() {
 
     // Controls, one fresh pod each: without the divert rule, the policy route, or the tproxy
     // rule, the same connection does not reach the listener.
-    let controls: [(&str, fn(&Pod)); 4] = [
+    type BreakIt = fn(&Pod);
+    let controls: [(&str, BreakIt); 4] = [
         ("divert rule deleted", |p| {
             p.delete_rule("egress_divert", "meta l4proto tcp meta mark set");
         }),
@@ -215,6 +216,31 @@ fn row_dns_udp_and_tcp_to_any_address_reach_the_node_dns_proxy() {
     b.delete_rule("egress_divert", "tcp dport 53 accept");
     let got = b.dns_tcp(sa(DNS_VIP, 53));
     control(proxy_b.seen().len() == 1 && got != answer, "egress_divert `tcp dport 53 accept` deleted", format!("{got}; {:?}", proxy_b.seen()));
+}
+
+/// Row "TCP or UDP to port 53", second half: with DNS capture off, port 53 is left alone
+/// entirely, neither DNATed nor captured (even in redirect-all).
+#[test]
+fn row_dns_capture_off_leaves_port_53_alone() {
+    let Some(mut node) = node("row_dns_capture_off_leaves_port_53_alone", "dnsoff") else { return };
+    let dns53 = sa(DNS_VIP, 53);
+    let a = node.add_pod("a");
+    a.add(json!({"captureDNS": false}));
+    let proxy = Proxy::start(&a);
+    let via_upstream = |proto: &str| Probe::Answer(format!("not a DNS answer: upstream {proto} dst={dns53} from={} got=<{} bytes>", a.ip, if proto == "udp" { 45 } else { 47 }));
+    assert_eq!(a.dns_udp(dns53), via_upstream("udp"), "UDP :53 goes where the pod sent it");
+    assert_eq!(a.dns_tcp(dns53), via_upstream("tcp"), "TCP :53 goes where the pod sent it");
+    assert!(proxy.seen().is_empty() && node.dns_seen().is_empty(), "{:?} {:?}", proxy.seen(), node.dns_seen());
+
+    // Control for "not DNATed": the same queries from a pod with DNS capture on reach the stub.
+    let b = node.add_pod("b");
+    b.add(json!({}));
+    let got = b.dns_udp(dns53);
+    control(got.text().starts_with("dns ") && node.dns_seen().len() == 1, "DNS capture on", &got);
+    // Control for "not captured": without `tcp dport 53 accept`, TCP :53 is captured.
+    a.delete_rule("egress_divert", "tcp dport 53 accept");
+    let got = a.dns_tcp(dns53);
+    control(proxy.seen().len() == 1 && proxy.seen()[0].dst == dns53, "egress_divert `tcp dport 53 accept` deleted (DNS off)", &got);
 }
 
 /// Row "to an excluded network" and row "TCP to an excluded port or port range": not
