@@ -29,6 +29,40 @@ fn layer(mode: LayerMode) -> ServiceLayer {
     l
 }
 
+/// The listing with each `elements = { ... }` block on one line, sorted: hash sets list
+/// their elements in an order seeded at random per set.
+fn sorted_elements(listing: &str) -> String {
+    let mut out = String::new();
+    let mut pending: Option<(String, String)> = None;
+    for line in listing.lines() {
+        if let Some((indent, mut body)) = pending.take() {
+            body.push(' ');
+            body.push_str(line.trim());
+            if line.trim_end().ends_with('}') {
+                out.push_str(&finish(&indent, &body));
+            } else {
+                pending = Some((indent, body));
+            }
+            continue;
+        }
+        match line.find("elements = {") {
+            Some(i) if !line.trim_end().ends_with('}') => pending = Some((line[..i].to_string(), line[i..].to_string())),
+            Some(i) => out.push_str(&finish(&line[..i], &line[i..])),
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    fn finish(indent: &str, body: &str) -> String {
+        let inner = body.trim_start_matches("elements = {").trim_end().trim_end_matches('}');
+        let mut items: Vec<&str> = inner.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        items.sort();
+        format!("{indent}elements = {{ {} }}\n", items.join(", "))
+    }
+    out
+}
+
 #[test]
 fn layer_round_trip_and_element_only_updates() {
     if !root_or_skip("layer_round_trip_and_element_only_updates") {
@@ -38,7 +72,7 @@ fn layer_round_trip_and_element_only_updates() {
     let l = layer(LayerMode::Refuse);
     assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Rebuilt);
     let listing = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
-    println!("{listing}");
+    aether_testkit::assert_golden("services-refuse.txt", &sorted_elements(&listing));
     for want in [
         "counter refused_no_service",
         "type filter hook output priority mangle + 10; policy accept;",
@@ -257,4 +291,33 @@ fn demand_forgets_after_the_timeout() {
     assert_eq!(in_ns(&p.pod, services::demand).unwrap().len(), 1);
     std::thread::sleep(std::time::Duration::from_millis(2500));
     assert_eq!(in_ns(&p.pod, services::demand).unwrap(), vec![]);
+}
+
+/// A measurement, not a timed test: run with `--ignored --nocapture`.
+#[test]
+#[ignore]
+fn measure_apply_scale() {
+    if !root_or_skip("measure_apply_scale") {
+        return;
+    }
+    let ns = TestNetns::new("svc-scale");
+    for n in [1_000u32, 10_000] {
+        let mut l = layer(LayerMode::Refuse);
+        l.ranges = vec!["10.96.0.0/12".parse().unwrap()];
+        l.ports = (0..n)
+            .map(|i| ServicePort { vip: Ipv4Addr::from(0x0a60_0000 + 2 + i), proto: Proto::Tcp, port: 80, has_endpoints: i % 10 != 0 })
+            .collect();
+        in_ns(&ns, services::remove).unwrap();
+        let t = std::time::Instant::now();
+        in_ns(&ns, || services::apply(&l)).unwrap();
+        let build = t.elapsed();
+        l.ports.push(port("10.111.0.1", Proto::Tcp, 443, true));
+        let t = std::time::Instant::now();
+        let what = in_ns(&ns, || services::apply(&l)).unwrap();
+        let one = t.elapsed();
+        let t = std::time::Instant::now();
+        assert!(in_ns(&ns, || services::verify(&l)).unwrap().is_empty());
+        let verify = t.elapsed();
+        println!("{n} Service ports: build {build:?}; one Service more {one:?} ({what:?}); read back and compare {verify:?}");
+    }
 }

@@ -74,7 +74,19 @@ impl NftSocket {
         let seqs = batch.sequence_numbers();
         // nftnl numbers the begin/end markers only on kernels that acknowledge them.
         let first_data_seq = if seqs.len() == labels.len() + 2 { seqs.start + 1 } else { seqs.start };
-        self.sock.send_all(batch).map_err(|source| Error::Nftables { op: "send transaction", source })?;
+        // The kernel reads a batch from one message only: a batch that spans several pages
+        // goes in one send, with a send buffer large enough for it (as nft does).
+        let pages: Vec<&[u8]> = batch.iter().collect();
+        if pages.len() == 1 {
+            self.sock.send_all(pages).map_err(|source| Error::Nftables { op: "send transaction", source })?;
+        } else {
+            let whole: Vec<u8> = pages.concat();
+            self.grow_send_buffer(whole.len())?;
+            let sent = self.sock.send(&whole).map_err(|source| Error::Nftables { op: "send transaction", source })?;
+            if sent < whole.len() {
+                return Err(Error::Nftables { op: "send transaction", source: io::Error::other("short send") });
+            }
+        }
         // A request after the batch: its answer arrives after every answer to the batch, so
         // it marks the end of the verdict whatever the kernel acknowledges.
         let fence = self.send_request(libc::NFT_MSG_GETGEN, ProtoFamily::Unspec, 0, |_| {})?;
@@ -103,6 +115,24 @@ impl NftSocket {
                 }
             }
         }
+    }
+
+    fn grow_send_buffer(&mut self, len: usize) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let size = (len + 4096) as libc::c_int;
+        let r = unsafe {
+            libc::setsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUFFORCE,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(Error::Nftables { op: "size the send buffer", source: io::Error::last_os_error() });
+        }
+        Ok(())
     }
 
     /// Sends a dump request and returns every message of the answer, raw.

@@ -11,6 +11,10 @@ use nftnl::{Batch, FinalizedBatch, MsgType, NlMsg, ProtoFamily};
 use super::expr::{lower_action, lower_match};
 use crate::model::{self, Element, KeyType};
 
+/// Elements per NEWSETELEM/DELSETELEM message: well under the 64 KiB a message can hold
+/// (an element with a 12-byte key and an interval end takes under 100 bytes).
+const ELEMENTS_PER_MESSAGE: usize = 256;
+
 /// A batch and, for each message in it, what it is (for error messages).
 pub(crate) struct Rendered {
     pub batch: FinalizedBatch,
@@ -61,13 +65,14 @@ pub(crate) fn replace_table_keeping(table: &model::Table, counters: &BTreeMap<St
 pub(crate) fn element_changes(table: &str, changes: &[ElementChange]) -> Rendered {
     let mut b = Builder { batch: Batch::new(), labels: Vec::new() };
     for c in changes {
-        if !c.delete.is_empty() {
-            let s = NftSet::raw(table, &c.set, &c.delete);
-            b.add(&SetElemsMsg(&s), MsgType::Del, format!("{} element(s) removed from set {}", c.delete.len(), c.set));
+        // Changes of interval sets are rebuilt whole, so a chunk never splits a range.
+        for chunk in c.delete.chunks(ELEMENTS_PER_MESSAGE) {
+            let s = NftSet::raw(table, &c.set, chunk);
+            b.add(&SetElemsMsg(&s), MsgType::Del, format!("{} element(s) removed from set {}", chunk.len(), c.set));
         }
-        if !c.add.is_empty() {
-            let s = NftSet::raw(table, &c.set, &c.add);
-            b.add(&SetElemsMsg(&s), MsgType::Add, format!("{} element(s) added to set {}", c.add.len(), c.set));
+        for chunk in c.add.chunks(ELEMENTS_PER_MESSAGE) {
+            let s = NftSet::raw(table, &c.set, chunk);
+            b.add(&SetElemsMsg(&s), MsgType::Add, format!("{} element(s) added to set {}", chunk.len(), c.set));
         }
     }
     Rendered { batch: b.batch.finalize(), labels: b.labels }
@@ -91,9 +96,12 @@ pub(crate) fn delete_table(name: &str) -> Rendered {
 
 fn add_contents(b: &mut Builder, t: &nftnl::Table, table: &model::Table) {
     for (i, set) in table.sets.iter().enumerate() {
-        let s = NftSet::new(&table.name, set, i as u32 + 1);
+        let id = i as u32 + 1;
+        let s = NftSet::new(&table.name, set, id, &[]);
         b.add(&SetMsg(&s), MsgType::Add, format!("set {}", set.name));
-        if !set.elements.is_empty() {
+        // A netlink message holds at most 64 KiB: elements go in chunks.
+        for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
+            let s = NftSet::new(&table.name, set, id, chunk);
             b.add(&SetElemsMsg(&s), MsgType::Add, format!("elements of set {}", set.name));
         }
     }
@@ -152,7 +160,8 @@ impl Drop for NftSet {
 }
 
 impl NftSet {
-    fn new(table: &str, set: &model::Set, id: u32) -> Self {
+    /// The set, carrying `elements` (a part of `set.elements`, for an element message).
+    fn new(table: &str, set: &model::Set, id: u32, elements: &[Element]) -> Self {
         let ptr = NonNull::new(unsafe { sys::nftnl_set_alloc() }).expect("nftnl_set_alloc: out of memory");
         let p = ptr.as_ptr();
         let (table, name) = (cstring(table), cstring(&set.name));
@@ -172,7 +181,7 @@ impl NftSet {
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_LEN as u16, set.key.len());
         }
         let s = NftSet { ptr };
-        for e in &set.elements {
+        for e in elements {
             let keys = if set.interval { interval_keys(set.key, e) } else { vec![(plain_key(set.key, e), false)] };
             for (key, end) in keys {
                 s.add_element(&key, end);
