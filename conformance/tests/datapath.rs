@@ -120,7 +120,9 @@ fn row_tcp_scoped_captures_only_18081_and_18082() {
         assert_eq!(a.tcp(sa(VIP, port)), capture(&a, "tcp", sa(VIP, port)));
     }
     assert_eq!(a.tcp(sa(VIP, 80)), upstream(&a, "tcp", sa(VIP, 80)), "scoped: TCP to 80 is not captured");
-    assert_eq!(proxy.seen().len(), 2, "{:?}", proxy.seen());
+    // Row "UDP to 18082" holds in scoped mode too.
+    assert_eq!(a.udp(sa(VIP, MESH_L4_PORT)), capture(&a, "udp", sa(VIP, MESH_L4_PORT)));
+    assert_eq!(proxy.seen().len(), 3, "{:?}", proxy.seen());
     assert_eq!(node.upstream_seen().len(), 1);
 
     // Control for "not captured": the same probe from a redirect-all pod is captured.
@@ -264,7 +266,13 @@ fn row_excluded_networks_and_ports_are_not_captured() {
     for (element, _, dst, want) in &cases {
         assert_eq!(&a.tcp(*dst), want, "{dst} (excluded by {element}) goes where it was sent");
     }
+    // "...not captured, not DNATed": DNS to an excluded address (a node-local cache on
+    // link-local, say) goes where it was sent, not to the node DNS proxy.
+    let local_dns = sa(Ipv4Addr::new(169, 254, 20, 10), 53);
+    let want_local_dns = Probe::Answer(format!("not a DNS answer: upstream udp dst={local_dns} from={} got=<45 bytes>", a.ip));
+    assert_eq!(a.dns_udp(local_dns), want_local_dns);
     assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+    assert!(node.dns_seen().is_empty(), "{:?}", node.dns_seen());
     assert_eq!(app.seen().len(), 1);
 
     // Controls at the edges: the neighbours just outside each exclusion are captured.
@@ -278,6 +286,9 @@ fn row_excluded_networks_and_ports_are_not_captured() {
         let got = a.tcp(*dst);
         control(captured_by(&got, &a, "tcp", *dst), &format!("{element} removed from {set}"), format!("{got}\n{}", a.ruleset()));
     }
+    // Control for "not DNATed": with 169.254.0.0/16 gone (above), the same query is DNATed.
+    let got = a.dns_udp(local_dns);
+    control(got.text().starts_with("dns ") && node.dns_seen().len() == 1, "169.254.0.0/16 removed (DNS)", &got);
 }
 
 /// Row "a reply on a tracked flow (`ct direction reply`)": accepted first, never captured;
