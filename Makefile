@@ -26,8 +26,9 @@ build: deps
 	$(CARGO) build --release -p aether-cni
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
+# The conformance tests use the very binary this build makes (no second build of their own).
 test: deps clients-deps
-	$(CARGO) test --workspace --features aether-cni/fault-injection
+	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni $(CARGO) test --workspace --features aether-cni/fault-injection
 
 ## demo: a simulated node; a pod attached through the CNI protocol, its traffic captured, DNS answered, then DEL
 demo: build

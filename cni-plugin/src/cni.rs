@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 use crate::config::{self, NetConf, SUPPORTED_VERSIONS};
 use crate::env::Env;
 use crate::error::{code, CniError};
+use crate::services;
 use crate::state::{self, Record, StateDir};
 use crate::{debug, info, warn};
 
@@ -106,17 +107,33 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         pod_name: env.args.pod_name.clone(),
         pod_uid: env.args.pod_uid.clone(),
         config_digest: state::digest(&format!("{cfg:?}")),
+        capture: Some(cfg.clone()),
     };
     let recorded = if fail.as_deref() == Some("record") {
         Err(CniError::new(code::IO_FAILURE, "injected failure at step record"))
     } else {
         state.write(&record)
     };
-    if let Err(e) = recorded {
+    // The Service layer comes after the record: `services apply` either sees the record or
+    // ADD reads the snapshot that apply stored (both under the services lock).
+    let layered = recorded.and_then(|()| {
+        if fail.as_deref() == Some("services") {
+            return Err(CniError::new(code::IO_FAILURE, "injected failure at step services"));
+        }
+        services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
+    });
+    if let Err(e) = layered {
         // All or nothing: a pod with rules but no record would escape GC and CHECK.
         let pr = ruleset.policy_route;
-        if let Err(undo) = netns.run(|| aether_rules::remove(capture::TABLE, &pr)).map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
-            warn!("ADD {id}: undoing after a failed record write also failed: {undo}");
+        let undo = netns.run(|| {
+            aether_rules::services::remove()?;
+            aether_rules::remove(capture::TABLE, &pr)
+        });
+        if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
+            warn!("ADD {id}: undoing after a failure also failed: {undo}");
+        }
+        if let Err(undo) = state.remove(&conf.name, id, ifname) {
+            warn!("ADD {id}: removing the record after a failure also failed: {undo}");
         }
         return Err(e);
     }
@@ -150,6 +167,11 @@ fn remove_from(path: &str, conf: &NetConf, id: &str) -> Result<(), CniError> {
         }
         Err(e) => return Err(e.into()),
     };
+    // The pod's Service counts join the node totals before its layer goes. A failure here
+    // must not keep the pod from being deleted: it is logged, and the capture removed.
+    if let Err(e) = services::fold_counters_on_del(&conf.state_dir, std::path::Path::new(path)) {
+        warn!("{id}: the pod's Service counters could not be folded into the node totals: {e}");
+    }
     // Table and policy route are node-wide settings: no record is needed to find them.
     let policy_route = conf.base.policy_route();
     let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;

@@ -4,6 +4,7 @@ mod cni;
 mod config;
 mod env;
 mod error;
+mod inspect;
 mod log;
 mod services;
 mod state;
@@ -26,13 +27,17 @@ enum Command {
     Versions,
     /// The Service-range and refusal-counter layer: apply a snapshot, read counters, demand.
     Services(services::ServicesArgs),
+    /// Show a pod's capture and Service layers, and whether the kernel holds them intact.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
-    // Any CNI_* variable means a runtime is calling (a missing CNI_COMMAND is then a CNI
-    // error naming it, not a CLI usage message).
+    // Runtimes call plugins with no arguments and CNI_* variables; then a missing
+    // CNI_COMMAND is a CNI error naming it, not a CLI usage message. With arguments, this
+    // is the operator CLI even if CNI_* variables linger in the environment.
     let cni_env = ["CNI_COMMAND", "CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_ARGS", "CNI_PATH"];
-    if cni_env.iter().any(|v| std::env::var_os(v).is_some()) {
+    let no_args = std::env::args_os().len() == 1;
+    if std::env::var_os("CNI_COMMAND").is_some() || (no_args && cni_env.iter().any(|v| std::env::var_os(v).is_some())) {
         return run_cni();
     }
     match Cli::parse().command {
@@ -41,6 +46,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Services(args) => services::run(args),
+        Command::Inspect(args) => inspect::run(args),
     }
 }
 

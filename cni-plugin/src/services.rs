@@ -289,7 +289,6 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
 /// snapshot (if any) to the pod netns `netns`, under the shared services lock, and records
 /// capture's divert mark for later applies. Returns the generation applied, `None` when the
 /// agent has sent no snapshot yet (the pod then has no layer until the first apply).
-#[allow(dead_code)] // wired into ADD by cni.rs
 pub fn apply_current_snapshot_in_netns(state_dir: &Path, netns: &Netns, divert_mark: u32) -> Result<Option<u64>, CniError> {
     let dir = ServicesDir::new(state_dir);
     let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot apply the Service layer").with_details(what);
@@ -309,7 +308,6 @@ pub fn apply_current_snapshot_in_netns(state_dir: &Path, netns: &Netns, divert_m
 /// For DEL, in the host netns, before the netns goes: folds the pod's final counts into the
 /// node accumulator, then removes the layer. A missing netns or layer folds nothing (a
 /// repeated DEL does not count twice). Returns the counts folded in.
-#[allow(dead_code)] // wired into DEL by cni.rs
 pub fn fold_counters_on_del(state_dir: &Path, netns_path: &Path) -> Result<BTreeMap<String, u64>, CniError> {
     let dir = ServicesDir::new(state_dir);
     let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot fold the Service counters").with_details(what);
@@ -548,4 +546,55 @@ mod tests {
         assert_eq!(node_counters(&dir).unwrap().totals, before);
         let _ = fs::remove_dir_all(&state);
     }
+}
+
+/// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
+/// says it should be, whether the kernel holds exactly that, and its counters).
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns) -> Vec<String> {
+    let dir = ServicesDir::new(state_dir);
+    let mut out = Vec::new();
+    let stored = match dir.stored() {
+        Ok(s) => s,
+        Err(e) => return vec![format!("stored snapshot: {e}")],
+    };
+    match &stored {
+        None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
+        Some((_, snap)) => {
+            let l = snap.layer(dir.divert_mark());
+            out.push(format!(
+                "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
+                snap.generation,
+                l.mode,
+                l.ranges.len(),
+                l.mesh_vips.len(),
+                l.ports.len()
+            ));
+            match netns.run(|| layer::verify(&l)) {
+                Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
+                Ok(Ok(d)) => {
+                    out.push("kernel: NOT as the snapshot says:".into());
+                    out.extend(d.into_iter().map(|x| format!("  - {x}")));
+                }
+                Ok(Err(e)) => out.push(format!("kernel: cannot read the layer: {e}")),
+                Err(e) => out.push(format!("kernel: cannot enter the netns: {e}")),
+            }
+        }
+    }
+    match netns.run(layer::counters) {
+        Ok(Ok(Some(c))) => {
+            let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            out.push(format!("counters: {}", text.join(" ")));
+        }
+        Ok(Ok(None)) => out.push(format!("table ip {} is absent", layer::TABLE)),
+        Ok(Err(e)) => out.push(format!("counters: {e}")),
+        Err(e) => out.push(format!("counters: {e}")),
+    }
+    match netns.run(layer::demand) {
+        Ok(Ok(d)) if !d.is_empty() => {
+            let text: Vec<String> = d.iter().map(|(vip, proto, port)| format!("{vip} {} {port}", proto.name())).collect();
+            out.push(format!("dialled: {}", text.join(", ")));
+        }
+        _ => {}
+    }
+    out
 }

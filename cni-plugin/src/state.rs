@@ -31,6 +31,9 @@ pub struct Record {
     pub pod_uid: Option<String>,
     /// Digest of the capture configuration ADD programmed.
     pub config_digest: String,
+    /// The capture configuration itself, so `inspect` can rebuild what ADD programmed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture: Option<aether_rules::CaptureConfig>,
 }
 
 pub struct StateDir {
@@ -173,6 +176,7 @@ mod tests {
             pod_name: Some("cart-0".into()),
             pod_uid: None,
             config_digest: digest("x"),
+            capture: Some(aether_rules::CaptureConfig::new(aether_rules::CaptureMode::Scoped)),
         }
     }
 

@@ -42,7 +42,8 @@ pub const CHAIN_DIVERT: &str = "egress_divert";
 pub const CHAIN_TPROXY: &str = "loopback_tproxy";
 pub const CHAIN_DNS: &str = "dns_dnat";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum CaptureMode {
     /// All TCP is captured (the managed-pod default).
     RedirectAll,
@@ -50,7 +51,9 @@ pub enum CaptureMode {
     Scoped,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Serializable so the attachment record can keep exactly what ADD programmed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct CaptureConfig {
     pub mode: CaptureMode,
     pub capture_port: u16,
@@ -66,7 +69,8 @@ pub struct CaptureConfig {
     pub rule_priority: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct DnsDivert {
     pub host_ip: Ipv4Addr,
     pub port: u16,

@@ -101,7 +101,7 @@ pub enum Element {
 }
 
 /// An inclusive port range; a single port is `first == last`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PortRange {
     pub first: u16,
     pub last: u16,

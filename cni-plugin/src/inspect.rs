@@ -1,0 +1,109 @@
+//! `aether-cni inspect <container-id | netns path>`: a pod's capture and Service layers,
+//! readable on a node that has no `nft` binary.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use aether_netns::Netns;
+use aether_rules::capture;
+
+use crate::services;
+use crate::state::{Record, StateDir};
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// A container ID with an attachment record, or a netns path.
+    target: String,
+    /// The node state directory (the `stateDir` of the network configuration).
+    #[arg(long, default_value = crate::config::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+}
+
+pub fn run(args: InspectArgs) -> ExitCode {
+    let state = StateDir::new(&args.state_dir);
+    let records: Vec<Record> = state.records().into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
+    let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| args.target.clone());
+    let netns = match Netns::open_foreign(&netns_path) {
+        Ok(ns) => ns,
+        Err(e) => {
+            eprintln!("aether-cni inspect: {} is neither a recorded container nor a usable netns: {e}", args.target);
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("netns {netns_path} ({})", netns.id());
+    let mut intact = true;
+    match records.first() {
+        Some(r) => {
+            println!(
+                "pod {}/{} container {} ifname {} network {}",
+                r.pod_namespace.as_deref().unwrap_or("?"),
+                r.pod_name.as_deref().unwrap_or("?"),
+                r.container_id,
+                r.ifname,
+                r.network
+            );
+            match &r.capture {
+                Some(cfg) => intact &= describe_capture(&netns, cfg),
+                None => println!("capture: the record predates stored configurations; showing the kernel only"),
+            }
+        }
+        None => println!("no attachment record names this netns: showing what the kernel holds"),
+    }
+    if records.first().and_then(|r| r.capture.as_ref()).is_none() {
+        match netns.run(|| aether_rules::nft::kernel_view(capture::TABLE)) {
+            Ok(Ok(Some(view))) => {
+                for c in &view.chains {
+                    println!("chain {} {:?}", c.name, c.hook);
+                    for r in &c.rules {
+                        println!("  {}  # {}", r.exprs, r.comment);
+                    }
+                }
+            }
+            Ok(Ok(None)) => println!("capture: table ip {} is absent", capture::TABLE),
+            Ok(Err(e)) => println!("capture: cannot read: {e}"),
+            Err(e) => println!("capture: cannot enter the netns: {e}"),
+        }
+    }
+    println!("\nService layer:");
+    for line in services::describe_pod_layer(&args.state_dir, &netns) {
+        println!("  {line}");
+    }
+    if intact { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// Prints the capture as ADD built it, then whether the kernel holds exactly that.
+fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
+    let ruleset = match capture::capture_ruleset(cfg) {
+        Ok(rs) => rs,
+        Err(e) => {
+            println!("capture: the recorded configuration no longer builds: {e}");
+            return false;
+        }
+    };
+    let pr = ruleset.policy_route;
+    println!("capture: mode {:?}, DNS {}", cfg.mode, cfg.dns.map(|d| format!("to {}:{}", d.host_ip, d.port)).unwrap_or("off".into()));
+    print!("{}", ruleset.table);
+    println!("ip rule: fwmark {:#x} lookup {} priority {}", pr.fwmark, pr.table, pr.priority);
+    println!("ip route: local 0.0.0.0/0 dev lo table {}", pr.table);
+    match netns.run(|| aether_rules::verify(&ruleset)) {
+        Ok(Ok(d)) if d.is_empty() => {
+            println!("kernel: intact (every set, chain, rule, the policy rule and the route as above)");
+            true
+        }
+        Ok(Ok(d)) => {
+            println!("kernel: NOT INTACT:");
+            for x in d {
+                println!("  - {x}");
+            }
+            false
+        }
+        Ok(Err(e)) => {
+            println!("kernel: cannot read: {e}");
+            false
+        }
+        Err(e) => {
+            println!("kernel: cannot enter the netns: {e}");
+            false
+        }
+    }
+}
