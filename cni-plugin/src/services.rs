@@ -444,6 +444,7 @@ mod tests {
             pod_name: Some(cid.into()),
             pod_uid: None,
             config_digest: "0".into(),
+            capture: None,
         }
     }
 
