@@ -77,8 +77,10 @@ fn run(ns_name: &str, path: &str) {
     });
 
     // The golden listing is valid nft input: the same ruleset, as text.
-    let golden = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden/redirect-all.txt")).unwrap();
-    let nft_text: String = golden.lines().skip(1).take_while(|l| !l.starts_with("# ip")).map(|l| format!("{l}\n")).collect();
+    let golden =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden/redirect-all.txt")).unwrap();
+    let nft_text: String =
+        golden.lines().skip(1).take_while(|l| !l.starts_with("# ip")).map(|l| format!("{l}\n")).collect();
     let nft_file = std::env::temp_dir().join(format!("aether-bench-{}.nft", std::process::id()));
     std::fs::write(&nft_file, &nft_text).unwrap();
     let nft_file = nft_file.to_str().unwrap().to_string();

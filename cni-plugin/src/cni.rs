@@ -22,7 +22,10 @@ pub fn run(env: &Env, stdin: &[u8]) -> Result<Output, CniError> {
         "CHECK" => check(env, &load(stdin)?),
         "STATUS" => status(&load(stdin)?),
         "GC" => gc(env, &load(stdin)?),
-        other => Err(CniError::invalid_env("CNI_COMMAND", format!("is {other:?}, expected ADD, DEL, CHECK, STATUS, GC or VERSION"))),
+        other => Err(CniError::invalid_env(
+            "CNI_COMMAND",
+            format!("is {other:?}, expected ADD, DEL, CHECK, STATUS, GC or VERSION"),
+        )),
     }
 }
 
@@ -46,7 +49,9 @@ fn version(stdin: &[u8]) -> Result<Output, CniError> {
     let requested = match serde_json::from_slice::<Value>(stdin) {
         Ok(v) => v.get("cniVersion").and_then(Value::as_str).map(str::to_string),
         Err(_) if stdin.iter().all(u8::is_ascii_whitespace) => None,
-        Err(e) => return Err(CniError::new(code::DECODE_FAILURE, "stdin is not valid JSON").with_details(e.to_string())),
+        Err(e) => {
+            return Err(CniError::new(code::DECODE_FAILURE, "stdin is not valid JSON").with_details(e.to_string()))
+        }
     };
     let v = match requested {
         Some(v) => {
@@ -61,11 +66,12 @@ fn version(stdin: &[u8]) -> Result<Output, CniError> {
 /// The chained result: `prevResult` untouched, at the configuration's version.
 fn pass_through(conf: &NetConf) -> Result<Value, CniError> {
     let mut result = conf.prev_result.clone().ok_or_else(|| {
-        CniError::invalid_config("prevResult is missing: aether-cni is a chained plugin and must run after the main CNI plugin")
+        CniError::invalid_config(
+            "prevResult is missing: aether-cni is a chained plugin and must run after the main CNI plugin",
+        )
     })?;
-    let obj = result
-        .as_object_mut()
-        .ok_or_else(|| CniError::new(code::DECODE_FAILURE, "prevResult is not a JSON object"))?;
+    let obj =
+        result.as_object_mut().ok_or_else(|| CniError::new(code::DECODE_FAILURE, "prevResult is not a JSON object"))?;
     obj.insert("cniVersion".into(), json!(conf.cni_version));
     Ok(result)
 }
@@ -183,7 +189,9 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
     if conf.prev_result.is_none() {
-        return Err(CniError::invalid_config("prevResult is missing: the runtime must pass the result of ADD to CHECK"));
+        return Err(CniError::invalid_config(
+            "prevResult is missing: the runtime must pass the result of ADD to CHECK",
+        ));
     }
     let ifname = env.require_ifname()?;
     let netns = Netns::open_foreign(netns_path)?;
@@ -194,9 +202,9 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
             match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
                 None => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
-                Some(r) if r.config_digest != state::digest(&format!("{cfg:?}")) => {
-                    diffs.push("the pod's capture configuration changed since ADD (annotations or network configuration)".into())
-                }
+                Some(r) if r.config_digest != state::digest(&format!("{cfg:?}")) => diffs.push(
+                    "the pod's capture configuration changed since ADD (annotations or network configuration)".into(),
+                ),
                 Some(_) => {}
             }
             diffs
@@ -210,8 +218,11 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         info!("CHECK {id}: capture intact in {netns_path}");
         return Ok(None);
     }
-    Err(CniError::new(code::CAPTURE_NOT_INTACT, format!("the capture ruleset in {netns_path} is not intact: {}", diffs[0]))
-        .with_details(diffs.join("\n")))
+    Err(CniError::new(
+        code::CAPTURE_NOT_INTACT,
+        format!("the capture ruleset in {netns_path} is not intact: {}", diffs[0]),
+    )
+    .with_details(diffs.join("\n")))
 }
 
 /// STATUS (CNI 1.1): ready when the state directory is usable, the kernel can hold the
@@ -231,7 +242,8 @@ fn status(conf: &NetConf) -> Result<Output, CniError> {
 /// only honest way to know nf_tables, tproxy, NAT and policy routing all work here.
 pub fn kernel_probe() -> Result<(), String> {
     let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
-    cfg.dns = Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
+    cfg.dns =
+        Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
     let ruleset = capture::capture_ruleset(&cfg).map_err(|e| e.to_string())?;
     aether_netns::run_in_private(|| -> Result<(), String> {
         aether_rules::install(&ruleset, None).map_err(|e| e.to_string())?;

@@ -26,14 +26,39 @@ pub const ANNOTATION_CAPTURE_DNS: &str = "aether.io/capture-dns";
 /// Keys the CNI spec defines for plugin configurations (the conflist-level `cniVersions`,
 /// `disableCheck` and `disableGC` are for the runtime; tolerated and ignored if passed on).
 const SPEC_FIELDS: [&str; 13] = [
-    "cniVersion", "cniVersions", "name", "type", "args", "capabilities", "runtimeConfig", "prevResult", "ipMasq", "ipam", "dns",
-    "disableCheck", "disableGC",
+    "cniVersion",
+    "cniVersions",
+    "name",
+    "type",
+    "args",
+    "capabilities",
+    "runtimeConfig",
+    "prevResult",
+    "ipMasq",
+    "ipam",
+    "dns",
+    "disableCheck",
+    "disableGC",
 ];
 /// This plugin's own keys.
 const OWN_FIELDS: [&str; 17] = [
-    "captureMode", "hostIP", "captureDNS", "capturePort", "meshL4Port", "scopedPorts", "dnsProxyPort",
-    "divertMark", "passthroughMark", "routeTable", "rulePriority", "excludeOutboundCIDRs",
-    "excludeOutboundPorts", "excludeNamespaces", "logFile", "logLevel", "stateDir",
+    "captureMode",
+    "hostIP",
+    "captureDNS",
+    "capturePort",
+    "meshL4Port",
+    "scopedPorts",
+    "dnsProxyPort",
+    "divertMark",
+    "passthroughMark",
+    "routeTable",
+    "rulePriority",
+    "excludeOutboundCIDRs",
+    "excludeOutboundPorts",
+    "excludeNamespaces",
+    "logFile",
+    "logLevel",
+    "stateDir",
 ];
 
 /// A pod's capture policy before annotations: the node default.
@@ -109,7 +134,9 @@ impl Fields<'_> {
             },
             _ => None,
         };
-        parsed.map(Some).ok_or_else(|| invalid(f, v, "expected an unsigned 32-bit number (decimal, or a \"0x...\" string)"))
+        parsed
+            .map(Some)
+            .ok_or_else(|| invalid(f, v, "expected an unsigned 32-bit number (decimal, or a \"0x...\" string)"))
     }
 
     fn port(&self, f: &str) -> Result<Option<u16>, CniError> {
@@ -142,13 +169,17 @@ pub fn check_version(version: &str) -> Result<(), CniError> {
 
 /// Decodes stdin. Errors carry codes 6 (not JSON), 1 (version), 2 (unknown field), 7 (value).
 pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
-    let root: Value = serde_json::from_slice(stdin)
-        .map_err(|e| CniError::new(code::DECODE_FAILURE, "the network configuration on stdin is not valid JSON").with_details(e.to_string()))?;
+    let root: Value = serde_json::from_slice(stdin).map_err(|e| {
+        CniError::new(code::DECODE_FAILURE, "the network configuration on stdin is not valid JSON")
+            .with_details(e.to_string())
+    })?;
     let Value::Object(map) = root else {
         return Err(CniError::new(code::DECODE_FAILURE, "the network configuration on stdin is not a JSON object"));
     };
     let f = Fields(&map);
-    let cni_version = f.str("cniVersion")?.ok_or_else(|| CniError::invalid_config("network configuration field \"cniVersion\" is missing"))?;
+    let cni_version = f
+        .str("cniVersion")?
+        .ok_or_else(|| CniError::invalid_config("network configuration field \"cniVersion\" is missing"))?;
     check_version(&cni_version)?;
     for (k, v) in &map {
         // `cni.dev/` is reserved for the runtime (e.g. GC's valid attachments).
@@ -160,15 +191,21 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .with_details(format!("supported fields: {}", OWN_FIELDS.join(", "))));
         }
     }
-    let name = f.str("name")?.ok_or_else(|| CniError::invalid_config("network configuration field \"name\" is missing"))?;
+    let name =
+        f.str("name")?.ok_or_else(|| CniError::invalid_config("network configuration field \"name\" is missing"))?;
 
     let capture = match f.str("captureMode")? {
         None => Capture::Mode(CaptureMode::RedirectAll),
-        Some(s) => s.parse().map_err(|()| invalid("captureMode", &Value::String(s.clone()), "expected redirect-all, scoped or disabled"))?,
+        Some(s) => s.parse().map_err(|()| {
+            invalid("captureMode", &Value::String(s.clone()), "expected redirect-all, scoped or disabled")
+        })?,
     };
     let host_ip = match f.str("hostIP")? {
         None => None,
-        Some(s) => Some(s.parse::<Ipv4Addr>().map_err(|_| invalid("hostIP", &Value::String(s.clone()), "expected an IPv4 address"))?),
+        Some(s) => Some(
+            s.parse::<Ipv4Addr>()
+                .map_err(|_| invalid("hostIP", &Value::String(s.clone()), "expected an IPv4 address"))?,
+        ),
     };
     let capture_dns = f.bool("captureDNS")?.unwrap_or(true);
     if capture_dns && host_ip.is_none() {
@@ -223,7 +260,11 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         Some(_) => f
             .list("excludeNamespaces")?
             .iter()
-            .map(|v| v.as_str().map(str::to_string).ok_or_else(|| invalid("excludeNamespaces", v, "expected namespace names")))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| invalid("excludeNamespaces", v, "expected namespace names"))
+            })
             .collect::<Result<_, _>>()?,
     };
     let log_level = f.str("logLevel")?.unwrap_or_else(|| "info".into());
@@ -259,7 +300,8 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
 
 /// `cni.dev/valid-attachments` (CNI 1.1 GC), or the older `cni.dev/attachments` libcni sends.
 fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, String)>>, CniError> {
-    let Some((key, v)) = ["cni.dev/valid-attachments", "cni.dev/attachments"].iter().find_map(|k| map.get(*k).map(|v| (*k, v)))
+    let Some((key, v)) =
+        ["cni.dev/valid-attachments", "cni.dev/attachments"].iter().find_map(|k| map.get(*k).map(|v| (*k, v)))
     else {
         return Ok(None);
     };
@@ -280,7 +322,7 @@ fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
         return Ok(net);
     }
     s.parse::<Ipv4Addr>()
-        .map(|a| Ipv4Net::from(a))
+        .map(Ipv4Net::from)
         .map_err(|_| format!("{s:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address"))
 }
 
@@ -291,12 +333,20 @@ fn pod_annotations(map: &Map<String, Value>) -> Result<BTreeMap<String, String>,
         return Ok(BTreeMap::new());
     };
     let Value::Object(obj) = v else {
-        return Err(invalid(&format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}"), v, "expected a map of annotations"));
+        return Err(invalid(
+            &format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}"),
+            v,
+            "expected a map of annotations",
+        ));
     };
     obj.iter()
         .map(|(k, v)| match v {
             Value::String(s) => Ok((k.clone(), s.clone())),
-            other => Err(invalid(&format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}.{k}"), other, "annotation values are strings")),
+            other => Err(invalid(
+                &format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}.{k}"),
+                other,
+                "annotation values are strings",
+            )),
         })
         .collect()
 }
@@ -314,7 +364,9 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
     let a = &conf.annotations;
     let capture = match a.get(ANNOTATION_CAPTURE) {
         None => conf.capture,
-        Some(v) => v.parse().map_err(|()| bad_annotation(ANNOTATION_CAPTURE, v, "expected redirect-all, scoped or disabled"))?,
+        Some(v) => v
+            .parse()
+            .map_err(|()| bad_annotation(ANNOTATION_CAPTURE, v, "expected redirect-all, scoped or disabled"))?,
     };
     let dns = match a.get(ANNOTATION_CAPTURE_DNS).map(String::as_str) {
         None => conf.capture_dns,
@@ -330,7 +382,10 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
     }
     if let Some(v) = a.get(ANNOTATION_EXCLUDE_CIDRS) {
         for item in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            cfg.excluded_cidrs.push(parse_cidr(&Value::String(item.into())).map_err(|why| bad_annotation(ANNOTATION_EXCLUDE_CIDRS, v, why))?);
+            cfg.excluded_cidrs.push(
+                parse_cidr(&Value::String(item.into()))
+                    .map_err(|why| bad_annotation(ANNOTATION_EXCLUDE_CIDRS, v, why))?,
+            );
         }
     }
     let Capture::Mode(mode) = capture else { return Ok(None) };

@@ -41,7 +41,10 @@ impl Env {
         let id = self.container_id.as_deref().ok_or_else(|| CniError::invalid_env("CNI_CONTAINERID", "is not set"))?;
         // Spec: alphanumerics plus underscore, dot and hyphen; it also names state files.
         if !id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')) || id.starts_with('.') {
-            return Err(CniError::invalid_env("CNI_CONTAINERID", format!("{id:?} has characters outside [A-Za-z0-9_.-]")));
+            return Err(CniError::invalid_env(
+                "CNI_CONTAINERID",
+                format!("{id:?} has characters outside [A-Za-z0-9_.-]"),
+            ));
         }
         Ok(id)
     }
@@ -53,7 +56,11 @@ impl Env {
     pub fn require_ifname(&self) -> Result<&str, CniError> {
         let name = self.ifname.as_deref().ok_or_else(|| CniError::invalid_env("CNI_IFNAME", "is not set"))?;
         // The kernel's rules for an interface name (dev_valid_name).
-        if name.len() > 15 || name == "." || name == ".." || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace()) {
+        if name.len() > 15
+            || name == "."
+            || name == ".."
+            || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
+        {
             return Err(CniError::invalid_env("CNI_IFNAME", format!("{name:?} is not a usable interface name")));
         }
         Ok(name)
@@ -87,7 +94,10 @@ mod tests {
 
     #[test]
     fn kubernetes_args_are_read_and_others_ignored() {
-        let a = parse_args("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u-1").unwrap();
+        let a = parse_args(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u-1",
+        )
+        .unwrap();
         assert_eq!(a.pod_namespace.as_deref(), Some("shop"));
         assert_eq!(a.pod_name.as_deref(), Some("cart-0"));
         assert_eq!(a.pod_uid.as_deref(), Some("u-1"));

@@ -59,10 +59,13 @@ impl From<aether_netns::Error> for CniError {
     fn from(e: aether_netns::Error) -> Self {
         use aether_netns::Error as E;
         match &e {
-            E::NotFound { .. } => CniError::new(code::CONTAINER_UNKNOWN, "the container's network namespace does not exist")
-                .with_details(e.to_string()),
+            E::NotFound { .. } => {
+                CniError::new(code::CONTAINER_UNKNOWN, "the container's network namespace does not exist")
+                    .with_details(e.to_string())
+            }
             E::HostNamespace { .. } | E::NotANamespace { .. } => CniError::invalid_env("CNI_NETNS", e.to_string()),
-            _ => CniError::new(code::IO_FAILURE, "cannot work in the container's network namespace").with_details(e.to_string()),
+            _ => CniError::new(code::IO_FAILURE, "cannot work in the container's network namespace")
+                .with_details(e.to_string()),
         }
     }
 }

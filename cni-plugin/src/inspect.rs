@@ -21,7 +21,8 @@ pub struct InspectArgs {
 
 pub fn run(args: InspectArgs) -> ExitCode {
     let state = StateDir::new(&args.state_dir);
-    let records: Vec<Record> = state.records().into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
+    let records: Vec<Record> =
+        state.records().into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
     let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| args.target.clone());
     let netns = match Netns::open_foreign(&netns_path) {
         Ok(ns) => ns,
@@ -68,7 +69,11 @@ pub fn run(args: InspectArgs) -> ExitCode {
     for line in services::describe_pod_layer(&args.state_dir, &netns) {
         println!("  {line}");
     }
-    if intact { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    if intact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// Prints the capture as ADD built it, then whether the kernel holds exactly that.
@@ -81,7 +86,11 @@ fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
         }
     };
     let pr = ruleset.policy_route;
-    println!("capture: mode {:?}, DNS {}", cfg.mode, cfg.dns.map(|d| format!("to {}:{}", d.host_ip, d.port)).unwrap_or("off".into()));
+    println!(
+        "capture: mode {:?}, DNS {}",
+        cfg.mode,
+        cfg.dns.map(|d| format!("to {}:{}", d.host_ip, d.port)).unwrap_or("off".into())
+    );
     print!("{}", ruleset.table);
     println!("ip rule: fwmark {:#x} lookup {} priority {}", pr.fwmark, pr.table, pr.priority);
     println!("ip route: local 0.0.0.0/0 dev lo table {}", pr.table);

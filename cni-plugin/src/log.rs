@@ -39,7 +39,8 @@ pub fn log(level: Level, msg: std::fmt::Arguments) {
     if level as u8 > *LEVEL.lock().unwrap() {
         return;
     }
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
     let line = format!("{secs:.3} {:?} pid={} {msg}\n", level, std::process::id());
     let _ = std::io::stderr().write_all(line.as_bytes());
     if let Some(f) = FILE.lock().unwrap().as_mut() {

@@ -15,7 +15,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "aether-cni", version, about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools.")]
+#[command(
+    name = "aether-cni",
+    version,
+    about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -289,7 +289,11 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
 /// snapshot (if any) to the pod netns `netns`, under the shared services lock, and records
 /// capture's divert mark for later applies. Returns the generation applied, `None` when the
 /// agent has sent no snapshot yet (the pod then has no layer until the first apply).
-pub fn apply_current_snapshot_in_netns(state_dir: &Path, netns: &Netns, divert_mark: u32) -> Result<Option<u64>, CniError> {
+pub fn apply_current_snapshot_in_netns(
+    state_dir: &Path,
+    netns: &Netns,
+    divert_mark: u32,
+) -> Result<Option<u64>, CniError> {
     let dir = ServicesDir::new(state_dir);
     let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot apply the Service layer").with_details(what);
     let _lock = dir.lock(false).map_err(fail)?;
@@ -298,10 +302,7 @@ pub fn apply_current_snapshot_in_netns(state_dir: &Path, netns: &Netns, divert_m
     }
     let Some((_, snap)) = dir.stored().map_err(fail)? else { return Ok(None) };
     let l = snap.layer(divert_mark);
-    netns
-        .run(|| layer::apply(&l))
-        .map_err(|e| fail(e.to_string()))?
-        .map_err(|e| fail(e.to_string()))?;
+    netns.run(|| layer::apply(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
     Ok(Some(snap.generation))
 }
 
@@ -372,7 +373,10 @@ impl NodeCounters {
         out.push_str("# TYPE aether_cni_service_refused_total counter\n");
         for (k, v) in &self.totals {
             if let Some(reason) = k.strip_prefix("refused_") {
-                out.push_str(&format!("aether_cni_service_refused_total{{reason=\"{}\"}} {v}\n", reason.replace('_', "-")));
+                out.push_str(&format!(
+                    "aether_cni_service_refused_total{{reason=\"{}\"}} {v}\n",
+                    reason.replace('_', "-")
+                ));
             }
         }
         out.push_str("# HELP aether_cni_pod_service_connections_total Per-pod counts by counter.\n");
@@ -395,7 +399,8 @@ impl NodeCounters {
 /// netns is gone or has no layer has no row.
 pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     let folded = dir.accumulator();
-    let mut totals: BTreeMap<String, u64> = COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
+    let mut totals: BTreeMap<String, u64> =
+        COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
     let mut pods = Vec::new();
     for r in StateDir::new(&dir.state).records() {
         let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
@@ -420,6 +425,58 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
         }
     }
     Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
+}
+
+/// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
+/// says it should be, whether the kernel holds exactly that, and its counters).
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns) -> Vec<String> {
+    let dir = ServicesDir::new(state_dir);
+    let mut out = Vec::new();
+    let stored = match dir.stored() {
+        Ok(s) => s,
+        Err(e) => return vec![format!("stored snapshot: {e}")],
+    };
+    match &stored {
+        None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
+        Some((_, snap)) => {
+            let l = snap.layer(dir.divert_mark());
+            out.push(format!(
+                "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
+                snap.generation,
+                l.mode,
+                l.ranges.len(),
+                l.mesh_vips.len(),
+                l.ports.len()
+            ));
+            match netns.run(|| layer::verify(&l)) {
+                Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
+                Ok(Ok(d)) => {
+                    out.push("kernel: NOT as the snapshot says:".into());
+                    out.extend(d.into_iter().map(|x| format!("  - {x}")));
+                }
+                Ok(Err(e)) => out.push(format!("kernel: cannot read the layer: {e}")),
+                Err(e) => out.push(format!("kernel: cannot enter the netns: {e}")),
+            }
+        }
+    }
+    match netns.run(layer::counters) {
+        Ok(Ok(Some(c))) => {
+            let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            out.push(format!("counters: {}", text.join(" ")));
+        }
+        Ok(Ok(None)) => out.push(format!("table ip {} is absent", layer::TABLE)),
+        Ok(Err(e)) => out.push(format!("counters: {e}")),
+        Err(e) => out.push(format!("counters: {e}")),
+    }
+    match netns.run(layer::demand) {
+        Ok(Ok(d)) if !d.is_empty() => {
+            let text: Vec<String> =
+                d.iter().map(|(vip, proto, port)| format!("{vip} {} {port}", proto.name())).collect();
+            out.push(format!("dialled: {}", text.join(", ")));
+        }
+        _ => {}
+    }
+    out
 }
 
 #[cfg(test)]
@@ -528,7 +585,8 @@ mod tests {
         let _ = fs::remove_file(&path);
         n.run(|| {
             for addr in ["10.96.1.1:1001", "10.96.7.7:80", "192.0.2.1:80"] {
-                let _ = std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), std::time::Duration::from_millis(50));
+                let _ =
+                    std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), std::time::Duration::from_millis(50));
             }
         })
         .unwrap();
@@ -547,55 +605,4 @@ mod tests {
         assert_eq!(node_counters(&dir).unwrap().totals, before);
         let _ = fs::remove_dir_all(&state);
     }
-}
-
-/// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
-/// says it should be, whether the kernel holds exactly that, and its counters).
-pub fn describe_pod_layer(state_dir: &Path, netns: &Netns) -> Vec<String> {
-    let dir = ServicesDir::new(state_dir);
-    let mut out = Vec::new();
-    let stored = match dir.stored() {
-        Ok(s) => s,
-        Err(e) => return vec![format!("stored snapshot: {e}")],
-    };
-    match &stored {
-        None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
-        Some((_, snap)) => {
-            let l = snap.layer(dir.divert_mark());
-            out.push(format!(
-                "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
-                snap.generation,
-                l.mode,
-                l.ranges.len(),
-                l.mesh_vips.len(),
-                l.ports.len()
-            ));
-            match netns.run(|| layer::verify(&l)) {
-                Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
-                Ok(Ok(d)) => {
-                    out.push("kernel: NOT as the snapshot says:".into());
-                    out.extend(d.into_iter().map(|x| format!("  - {x}")));
-                }
-                Ok(Err(e)) => out.push(format!("kernel: cannot read the layer: {e}")),
-                Err(e) => out.push(format!("kernel: cannot enter the netns: {e}")),
-            }
-        }
-    }
-    match netns.run(layer::counters) {
-        Ok(Ok(Some(c))) => {
-            let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            out.push(format!("counters: {}", text.join(" ")));
-        }
-        Ok(Ok(None)) => out.push(format!("table ip {} is absent", layer::TABLE)),
-        Ok(Err(e)) => out.push(format!("counters: {e}")),
-        Err(e) => out.push(format!("counters: {e}")),
-    }
-    match netns.run(layer::demand) {
-        Ok(Ok(d)) if !d.is_empty() => {
-            let text: Vec<String> = d.iter().map(|(vip, proto, port)| format!("{vip} {} {port}", proto.name())).collect();
-            out.push(format!("dialled: {}", text.join(", ")));
-        }
-        _ => {}
-    }
-    out
 }

@@ -146,7 +146,8 @@ impl StateDir {
     pub fn probe_writable(&self) -> Result<(), CniError> {
         self.ensure()?;
         let probe = self.root.join(format!(".probe.{}", std::process::id()));
-        fs::write(&probe, b"ok").map_err(|e| io_error(format!("state directory {} is not writable", self.root.display()), e))?;
+        fs::write(&probe, b"ok")
+            .map_err(|e| io_error(format!("state directory {} is not writable", self.root.display()), e))?;
         let _ = fs::remove_file(&probe);
         Ok(())
     }

@@ -75,7 +75,8 @@ fn golden_annotations_scoped_with_exclusions() {
 /// The handle of the rule in `chain` whose comment contains `comment`.
 fn handle_of(ns: &TestNetns, chain: &str, comment: &str) -> String {
     let listing = ns.exec("nft", &["-a", "list", "chain", "ip", "aether_capture", chain]);
-    let line = listing.lines().find(|l| l.contains(comment)).unwrap_or_else(|| panic!("no rule {comment:?} in\n{listing}"));
+    let line =
+        listing.lines().find(|l| l.contains(comment)).unwrap_or_else(|| panic!("no rule {comment:?} in\n{listing}"));
     line.rsplit("# handle ").next().unwrap().trim().to_string()
 }
 
@@ -87,28 +88,81 @@ fn check_catches_each_tamper() {
     }
     type Tamper = fn(&TestNetns);
     let tampers: [(&str, Tamper, &str); 6] = [
-        ("rule deleted", |ns| {
-            let h = handle_of(ns, "egress_divert", "excluded TCP ports");
-            ns.exec("nft", &["delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
-        }, "excluded TCP ports are not captured"),
-        ("rule added to our chain", |ns| {
-            ns.exec("nft", &["add", "rule", "ip", "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"]);
-        }, "unexpected rule"),
-        ("port changed", |ns| {
-            let h = handle_of(ns, "loopback_tproxy", "transparent capture listener");
-            ns.exec("nft", &["replace", "rule", "ip", "aether_capture", "loopback_tproxy", "handle", &h,
-                "iif", "lo", "meta", "mark", "0xae71", "meta", "l4proto", "tcp", "tproxy", "to", ":18002", "accept",
-                "comment", "\"diverted TCP goes to the transparent capture listener\""]);
-        }, "chain loopback_tproxy rule 1"),
-        ("set element removed", |ns| {
-            ns.exec("nft", &["delete", "element", "ip", "aether_capture", "excluded_nets", "{", "169.254.0.0/16", "}"]);
-        }, "element 169.254.0.0 is missing"),
-        ("ip rule removed", |ns| {
-            ns.exec("ip", &["rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-        }, "policy rule"),
-        ("route removed", |ns| {
-            ns.exec("ip", &["route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-        }, "route 'local 0.0.0.0/0 dev lo table 44657' is missing"),
+        (
+            "rule deleted",
+            |ns| {
+                let h = handle_of(ns, "egress_divert", "excluded TCP ports");
+                ns.exec("nft", &["delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
+            },
+            "excluded TCP ports are not captured",
+        ),
+        (
+            "rule added to our chain",
+            |ns| {
+                ns.exec(
+                    "nft",
+                    &["add", "rule", "ip", "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"],
+                );
+            },
+            "unexpected rule",
+        ),
+        (
+            "port changed",
+            |ns| {
+                let h = handle_of(ns, "loopback_tproxy", "transparent capture listener");
+                ns.exec(
+                    "nft",
+                    &[
+                        "replace",
+                        "rule",
+                        "ip",
+                        "aether_capture",
+                        "loopback_tproxy",
+                        "handle",
+                        &h,
+                        "iif",
+                        "lo",
+                        "meta",
+                        "mark",
+                        "0xae71",
+                        "meta",
+                        "l4proto",
+                        "tcp",
+                        "tproxy",
+                        "to",
+                        ":18002",
+                        "accept",
+                        "comment",
+                        "\"diverted TCP goes to the transparent capture listener\"",
+                    ],
+                );
+            },
+            "chain loopback_tproxy rule 1",
+        ),
+        (
+            "set element removed",
+            |ns| {
+                ns.exec(
+                    "nft",
+                    &["delete", "element", "ip", "aether_capture", "excluded_nets", "{", "169.254.0.0/16", "}"],
+                );
+            },
+            "element 169.254.0.0 is missing",
+        ),
+        (
+            "ip rule removed",
+            |ns| {
+                ns.exec("ip", &["rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+            },
+            "policy rule",
+        ),
+        (
+            "route removed",
+            |ns| {
+                ns.exec("ip", &["route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+            },
+            "route 'local 0.0.0.0/0 dev lo table 44657' is missing",
+        ),
     ];
     let c = conf("1.0.0", json!({}));
     for (what, tamper, expect) in tampers {
@@ -254,14 +308,22 @@ fn unmanaged_pods_get_nothing_and_their_prev_result_back() {
     }
     let ns = TestNetns::new("unm");
     let before = ns.snapshot(TABLE);
-    let disabled = conf("1.0.0", json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/capture": "disabled"}}}));
+    let disabled = conf(
+        "1.0.0",
+        json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/capture": "disabled"}}}),
+    );
     let out = run_plugin("ADD", Some(&ns.path()), &disabled, &[]);
     assert!(out.ok);
     assert_eq!(out.json(), disabled["prevResult"]);
     assert_eq!(ns.snapshot(TABLE), before);
     assert!(run_plugin("CHECK", Some(&ns.path()), &disabled, &[]).ok);
     let c = conf("1.0.0", json!({}));
-    let kube = run_plugin("ADD", Some(&ns.path()), &c, &[("CNI_ARGS", "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns-1")]);
+    let kube = run_plugin(
+        "ADD",
+        Some(&ns.path()),
+        &c,
+        &[("CNI_ARGS", "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns-1")],
+    );
     assert!(kube.ok);
     assert_eq!(ns.snapshot(TABLE), before);
     // The control: the same pod in another namespace is captured.
@@ -276,7 +338,10 @@ fn a_malformed_annotation_fails_add_and_programs_nothing() {
     }
     let ns = TestNetns::new("bada");
     let before = ns.snapshot(TABLE);
-    let c = conf("1.0.0", json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/exclude-outbound-ports": "80,https"}}}));
+    let c = conf(
+        "1.0.0",
+        json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/exclude-outbound-ports": "80,https"}}}),
+    );
     let (code, text) = run_plugin("ADD", Some(&ns.path()), &c, &[]).error();
     assert_eq!(code, 7);
     assert!(text.contains("aether.io/exclude-outbound-ports") && text.contains("80,https"), "{text}");

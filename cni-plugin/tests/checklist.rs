@@ -24,11 +24,19 @@ fn l01_runs_in_the_host_netns_and_changes_only_the_pod_netns() {
     if !root_or_skip("l01") {
         return;
     }
-    let host = (aether_testkit::run("nft", &["list", "ruleset"]), aether_testkit::run("ip", &["rule"]), aether_testkit::run("ip", &["route"]));
+    let host = (
+        aether_testkit::run("nft", &["list", "ruleset"]),
+        aether_testkit::run("ip", &["rule"]),
+        aether_testkit::run("ip", &["route"]),
+    );
     let ns = TestNetns::new("l01");
     add_ok(&ns, &conf("1.1.0", json!({})));
     assert!(has_capture(&ns));
-    let after = (aether_testkit::run("nft", &["list", "ruleset"]), aether_testkit::run("ip", &["rule"]), aether_testkit::run("ip", &["route"]));
+    let after = (
+        aether_testkit::run("nft", &["list", "ruleset"]),
+        aether_testkit::run("ip", &["rule"]),
+        aether_testkit::run("ip", &["route"]),
+    );
     assert_eq!(host, after, "the host's ruleset, rules or routes changed");
 }
 
@@ -39,7 +47,10 @@ fn l02_l06_config_is_one_plugin_object_with_args_and_capabilities() {
     }
     for v in VERSIONS {
         let ns = TestNetns::new("l02");
-        let c = conf(v, json!({"args": {"cni": {"labels": [{"key": "app", "value": "cart"}]}}, "capabilities": {"io.kubernetes.cri.pod-annotations": true, "portMappings": true}}));
+        let c = conf(
+            v,
+            json!({"args": {"cni": {"labels": [{"key": "app", "value": "cart"}]}}, "capabilities": {"io.kubernetes.cri.pod-annotations": true, "portMappings": true}}),
+        );
         add_ok(&ns, &c);
         assert!(has_capture(&ns), "{v}");
     }
@@ -74,7 +85,8 @@ fn l03_each_missing_environment_variable_is_named_with_code_4() {
 #[test]
 fn l04_an_unusable_ifname_is_an_error() {
     for bad in ["a/b", "this-name-is-too-long", ".."] {
-        let (code, text) = run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({})), &[("CNI_IFNAME", bad)]).error();
+        let (code, text) =
+            run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({})), &[("CNI_IFNAME", bad)]).error();
         assert_eq!(code, 4);
         assert!(text.contains("CNI_IFNAME") && text.contains(bad), "{text}");
     }
@@ -89,7 +101,8 @@ fn l05_kubernetes_cni_args_are_accepted() {
     let args = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=0123abcd;K8S_POD_UID=5f0c-11";
     let out = run_plugin("ADD", Some(&ns.path()), &conf("1.0.0", json!({})), &[("CNI_ARGS", args)]);
     assert!(out.ok, "{}", out.stdout);
-    let (code, text) = run_plugin("ADD", Some(&ns.path()), &conf("1.0.0", json!({})), &[("CNI_ARGS", "K8S_POD_NAME")]).error();
+    let (code, text) =
+        run_plugin("ADD", Some(&ns.path()), &conf("1.0.0", json!({})), &[("CNI_ARGS", "K8S_POD_NAME")]).error();
     assert_eq!(code, 4, "{text}");
 }
 
@@ -99,7 +112,10 @@ fn l07_runtime_data_comes_from_runtime_config() {
         return;
     }
     let ns = TestNetns::new("l07");
-    let c = conf("1.1.0", json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/exclude-outbound-ports": "6379"}}}));
+    let c = conf(
+        "1.1.0",
+        json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/exclude-outbound-ports": "6379"}}}),
+    );
     add_ok(&ns, &c);
     assert!(ns.exec("nft", &["list", "set", "ip", "aether_capture", "excluded_ports"]).contains("6379"));
     // The control: without it, the port is not excluded.
@@ -134,7 +150,8 @@ fn l08_l09_add_returns_prev_result_unchanged_at_the_input_version() {
 
 #[test]
 fn l10_no_prev_result_is_refused_clearly() {
-    let (code, text) = run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({"prevResult": null})), &[]).error();
+    let (code, text) =
+        run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({"prevResult": null})), &[]).error();
     assert_eq!(code, 7);
     assert!(text.contains("prevResult") && text.contains("chained"), "{text}");
 }
@@ -165,7 +182,12 @@ fn l12_to_l15_del_is_idempotent_silent_and_needs_neither_netns_nor_prev_result()
         assert!(out.ok && out.stdout.is_empty(), "{v}: {}", out.stdout);
         add_ok(&ns, &c);
         for _ in 0..2 {
-            let out = run_plugin("DEL", Some(&ns.path()), &conf(v, json!({"prevResult": null, "stateDir": c["stateDir"].clone()})), &[]);
+            let out = run_plugin(
+                "DEL",
+                Some(&ns.path()),
+                &conf(v, json!({"prevResult": null, "stateDir": c["stateDir"].clone()})),
+                &[],
+            );
             assert!(out.ok && out.stdout.is_empty(), "{v}: {}", out.stdout);
             assert!(!has_capture(&ns));
         }
@@ -183,7 +205,8 @@ fn l12_del_after_a_failed_add_succeeds() {
         return;
     }
     let ns = TestNetns::new("l12b");
-    let bad = conf("1.0.0", json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/capture": "bogus"}}}));
+    let bad =
+        conf("1.0.0", json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/capture": "bogus"}}}));
     assert!(!run_plugin("ADD", Some(&ns.path()), &bad, &[]).ok);
     let out = run_plugin("DEL", Some(&ns.path()), &bad, &[]);
     assert!(out.ok, "{}", out.stdout);
@@ -243,7 +266,8 @@ fn l19_old_versions_and_check_without_prev_result_are_refused() {
             assert!(text.contains(old));
         }
     }
-    let (code, text) = run_plugin("CHECK", Some("/run/netns/x"), &conf("1.0.0", json!({"prevResult": null})), &[]).error();
+    let (code, text) =
+        run_plugin("CHECK", Some("/run/netns/x"), &conf("1.0.0", json!({"prevResult": null})), &[]).error();
     assert_eq!(code, 7);
     assert!(text.contains("prevResult"), "{text}");
 }
@@ -285,7 +309,8 @@ fn l22_status_is_ready_or_says_why_not_with_code_50() {
     // An unusable state directory (a file stands where it should be).
     let file = std::path::PathBuf::from(state_dir());
     std::fs::write(&file, "not a directory").unwrap();
-    let (code, text) = run_plugin("STATUS", None, &conf("1.1.0", json!({"stateDir": file.display().to_string()})), &[]).error();
+    let (code, text) =
+        run_plugin("STATUS", None, &conf("1.1.0", json!({"stateDir": file.display().to_string()})), &[]).error();
     assert_eq!(code, 50, "{text}");
     let _ = std::fs::remove_file(&file);
 }
@@ -318,7 +343,8 @@ fn l23_l24_gc_removes_only_stale_attachments_of_this_network() {
     add(&gone, &mine(json!({})), "gone-1");
     drop(gone);
 
-    let gc_conf = mine(json!({"prevResult": null, "cni.dev/valid-attachments": [{"containerID": "keep-1", "ifname": "eth0"}]}));
+    let gc_conf =
+        mine(json!({"prevResult": null, "cni.dev/valid-attachments": [{"containerID": "keep-1", "ifname": "eth0"}]}));
     let out = run_plugin("GC", None, &gc_conf, &[("CNI_CONTAINERID", ""), ("CNI_IFNAME", ""), ("CNI_NETNS", "")]);
     assert!(out.ok && out.stdout.is_empty(), "{}\n{}", out.stdout, out.stderr);
     assert!(has_capture(&keep), "GC removed a valid attachment");
@@ -347,7 +373,8 @@ fn l25_failures_print_the_spec_error_on_stdout_and_logs_elsewhere() {
     assert!(out.stderr.contains("ADD failed"), "the log line goes to stderr: {}", out.stderr);
     assert_eq!(out.stdout.lines().count(), 1, "stdout carries only the error");
     // Code 2 names the unsupported key and its value.
-    let (code, text) = run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({"captureMod": "scoped"})), &[]).error();
+    let (code, text) =
+        run_plugin("ADD", Some("/run/netns/x"), &conf("1.0.0", json!({"captureMod": "scoped"})), &[]).error();
     assert_eq!(code, 2);
     assert!(text.contains("captureMod") && text.contains("scoped"));
     // Code 6: not JSON at all.

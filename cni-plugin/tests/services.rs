@@ -64,7 +64,10 @@ fn malformed_snapshots_change_nothing_and_name_the_place() {
     let stored = std::fs::read(state.join("services/snapshot.json")).unwrap();
     let cases: Vec<(Value, &str)> = vec![
         (json!({"serviceRanges": ["10.96.0.0/33"]}), "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR"),
-        (json!({"serviceRanges": ["10.96.0.0/16", "10.96.8.0/24"]}), "serviceRanges[1]: \"10.96.8.0/24\" overlaps serviceRanges[0]"),
+        (
+            json!({"serviceRanges": ["10.96.0.0/16", "10.96.8.0/24"]}),
+            "serviceRanges[1]: \"10.96.8.0/24\" overlaps serviceRanges[0]",
+        ),
         (json!({"mode": "block"}), "mode: \"block\" is not one of off, count, refuse"),
         (json!({"generation": 41}), "generation: 41 is older than the stored generation 42"),
         (json!({"meshVIPs": ["10.96.5.5", "10.96.5.5"]}), "meshVIPs[1]: 10.96.5.5 duplicates meshVIPs[0]"),
@@ -79,7 +82,11 @@ fn malformed_snapshots_change_nothing_and_name_the_place() {
         let out = services(&state, &["apply"], doc.to_string().as_bytes());
         assert_eq!(out.code, 2, "{want}: {}", out.stdout);
         assert!(out.stderr.contains(want), "want {want:?} in {}", out.stderr);
-        assert_eq!(std::fs::read(state.join("services/snapshot.json")).unwrap(), stored, "{want}: the stored snapshot changed");
+        assert_eq!(
+            std::fs::read(state.join("services/snapshot.json")).unwrap(),
+            stored,
+            "{want}: the stored snapshot changed"
+        );
     }
     let mut doc = example();
     doc["services"][1]["ports"][0]["port"] = json!(0);

@@ -53,7 +53,10 @@ fn main() {
     say(&format!("In the pod: curl http://{url}/  (a ClusterIP)"));
     println!("client got: {}", curl());
     for s in proxy.seen() {
-        println!("capture listener accepted a connection from {}; getsockname() = original destination {}", s.peer, s.dst);
+        println!(
+            "capture listener accepted a connection from {}; getsockname() = original destination {}",
+            s.peer, s.dst
+        );
     }
 
     say(&format!("In the pod: DNS query for {} to {DNS_VIP}:53 (UDP, then TCP)", dns::NAME));

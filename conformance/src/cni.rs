@@ -1,8 +1,8 @@
 //! Finding the built `aether-cni` binary, and running it as a container runtime does.
 
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -22,8 +22,11 @@ pub fn cni_bin() -> &'static Path {
             return p;
         }
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf();
-        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
-        let cargo = std::env::var_os("CARGO").or_else(|| option_env!("CARGO").map(Into::into)).unwrap_or_else(|| "cargo".into());
+        let target =
+            std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
+        let cargo = std::env::var_os("CARGO")
+            .or_else(|| option_env!("CARGO").map(Into::into))
+            .unwrap_or_else(|| "cargo".into());
         let status = Command::new(&cargo)
             .args(["build", "-q", "-p", "aether-cni", "--features", "aether-cni/fault-injection"])
             .current_dir(&workspace)

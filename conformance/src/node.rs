@@ -64,12 +64,21 @@ impl SimNode {
         let mut dns_stub = Server::new("dns-stub", Some(&path));
         let (tcps, udps, stub_tcp, stub_udp) = sock::in_netns(&path, || {
             let any = Ipv4Addr::UNSPECIFIED;
-            let tcps: Vec<_> =
-                crate::UPSTREAM_TCP_PORTS.iter().map(|&p| sock::tcp_listener(sa(any, p), false).expect("upstream TCP")).collect();
-            let udps: Vec<_> =
-                crate::UPSTREAM_UDP_PORTS.iter().map(|&p| sock::udp_server(sa(any, p), false).expect("upstream UDP")).collect();
+            let tcps: Vec<_> = crate::UPSTREAM_TCP_PORTS
+                .iter()
+                .map(|&p| sock::tcp_listener(sa(any, p), false).expect("upstream TCP"))
+                .collect();
+            let udps: Vec<_> = crate::UPSTREAM_UDP_PORTS
+                .iter()
+                .map(|&p| sock::udp_server(sa(any, p), false).expect("upstream UDP"))
+                .collect();
             let stub = sa(HOST_IP, crate::DNS_PROXY_PORT);
-            (tcps, udps, sock::tcp_listener(stub, false).expect("stub TCP"), sock::udp_server(stub, false).expect("stub UDP"))
+            (
+                tcps,
+                udps,
+                sock::tcp_listener(stub, false).expect("stub TCP"),
+                sock::udp_server(stub, false).expect("stub UDP"),
+            )
         });
         for l in tcps {
             upstream.add_tcp(l, Role::Banner);
@@ -97,7 +106,9 @@ impl SimNode {
         ip_in(p, &["addr", "add", &format!("{ip}/{POD_PREFIX}"), "dev", "eth0"]);
         ip_in(p, &["link", "set", "eth0", "up"]);
         ip_in(p, &["route", "add", "default", "via", &HOST_IP.to_string()]);
-        let mac = |ns: &str, dev: &str| ip_in(ns, &["-br", "link", "show", dev]).split_whitespace().nth(2).unwrap_or("").to_string();
+        let mac = |ns: &str, dev: &str| {
+            ip_in(ns, &["-br", "link", "show", dev]).split_whitespace().nth(2).unwrap_or("").to_string()
+        };
         Pod {
             name: name.to_string(),
             ip,
@@ -271,7 +282,8 @@ impl Pod {
     pub fn start_app(&self) -> Server {
         let path = self.path();
         let mut app = Server::new(&format!("app[{}]", self.name), Some(&path));
-        let l = sock::in_netns(&path, || sock::tcp_listener(sa(Ipv4Addr::UNSPECIFIED, crate::APP_PORT), false)).expect("app listener");
+        let l = sock::in_netns(&path, || sock::tcp_listener(sa(Ipv4Addr::UNSPECIFIED, crate::APP_PORT), false))
+            .expect("app listener");
         app.add_tcp(l, Role::Banner);
         app
     }

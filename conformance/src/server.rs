@@ -68,7 +68,9 @@ const IO_TIMEOUT: Duration = Duration::from_secs(1);
 /// carry random ids, and answers must be comparable across runs).
 fn shown(payload: &[u8]) -> String {
     match std::str::from_utf8(payload) {
-        Ok(s) if s.chars().all(|c| !c.is_control() || c.is_whitespace()) => s.split_whitespace().collect::<Vec<_>>().join(" "),
+        Ok(s) if s.chars().all(|c| !c.is_control() || c.is_whitespace()) => {
+            s.split_whitespace().collect::<Vec<_>>().join(" ")
+        }
         _ => format!("<{} bytes>", payload.len()),
     }
 }
@@ -118,7 +120,10 @@ impl Server {
                     continue;
                 }
                 let Ok((mut stream, peer)) = listener.accept() else { continue };
-                let (Ok(std::net::SocketAddr::V4(dst)), std::net::SocketAddr::V4(peer)) = (stream.local_addr(), peer) else { continue };
+                let (Ok(std::net::SocketAddr::V4(dst)), std::net::SocketAddr::V4(peer)) = (stream.local_addr(), peer)
+                else {
+                    continue;
+                };
                 let _ = stream.set_nonblocking(false);
                 let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
                 let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
@@ -134,7 +139,14 @@ impl Server {
                     _ => None,
                 }
                 .unwrap_or_else(|| banner(&who, "tcp", dst, peer, &payload));
-                seen.lock().unwrap().push(Seen { who: who.clone(), proto: "tcp", dst, pktinfo_dst: None, peer, payload });
+                seen.lock().unwrap().push(Seen {
+                    who: who.clone(),
+                    proto: "tcp",
+                    dst,
+                    pktinfo_dst: None,
+                    peer,
+                    payload,
+                });
                 let _ = stream.write_all(&reply);
             }
         });
@@ -162,11 +174,20 @@ impl Server {
                     Role::Banner => None,
                 }
                 .unwrap_or_else(|| banner(&who, "udp", dst, d.peer, &payload));
-                seen.lock().unwrap().push(Seen { who: who.clone(), proto: "udp", dst, pktinfo_dst: d.pktinfo_dst, peer: d.peer, payload });
+                seen.lock().unwrap().push(Seen {
+                    who: who.clone(),
+                    proto: "udp",
+                    dst,
+                    pktinfo_dst: d.pktinfo_dst,
+                    peer: d.peer,
+                    payload,
+                });
                 let sent = match reply_mode {
                     UdpReply::FromSocket => socket.send_to(&reply, d.peer),
                     UdpReply::PktInfo => sock::send_from(&socket, &reply, *dst.ip(), d.peer),
-                    UdpReply::TransparentFromOrigDst => sock::transparent_udp_sender(dst).and_then(|s| s.send_to(&reply, d.peer)),
+                    UdpReply::TransparentFromOrigDst => {
+                        sock::transparent_udp_sender(dst).and_then(|s| s.send_to(&reply, d.peer))
+                    }
                 };
                 if let Err(e) = sent {
                     eprintln!("{who}: UDP reply to {} from {dst} failed: {e}", d.peer);

@@ -100,7 +100,9 @@ pub fn recv_with_dst(sock: &UdpSocket, buf: &mut [u8]) -> io::Result<Datagram> {
     };
     for c in msg.cmsgs()? {
         match c {
-            ControlMessageOwned::Ipv4PacketInfo(pi) => d.pktinfo_dst = Some(Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr))),
+            ControlMessageOwned::Ipv4PacketInfo(pi) => {
+                d.pktinfo_dst = Some(Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr)))
+            }
             ControlMessageOwned::Ipv4OrigDstAddr(sa) => d.orig_dst = Some(v4(&sa)),
             _ => {}
         }
@@ -117,7 +119,13 @@ pub fn send_from(sock: &UdpSocket, data: &[u8], src: Ipv4Addr, peer: SocketAddrV
         ipi_spec_dst: libc::in_addr { s_addr: u32::from(src).to_be() },
         ipi_addr: libc::in_addr { s_addr: 0 },
     };
-    Ok(sendmsg(sock.as_raw_fd(), &[IoSlice::new(data)], &[ControlMessage::Ipv4PacketInfo(&pi)], MsgFlags::empty(), Some(&SockaddrIn::from(peer)))?)
+    Ok(sendmsg(
+        sock.as_raw_fd(),
+        &[IoSlice::new(data)],
+        &[ControlMessage::Ipv4PacketInfo(&pi)],
+        MsgFlags::empty(),
+        Some(&SockaddrIn::from(peer)),
+    )?)
 }
 
 /// A TCP connection to `dst`, optionally with `SO_MARK`, giving up after `timeout` (the
@@ -132,7 +140,9 @@ pub fn tcp_connect(dst: SocketAddrV4, mark: Option<u32>, timeout: Duration) -> i
     stream.set_read_timeout(Some(timeout))?;
     match connect(stream.as_raw_fd(), &SockaddrIn::from(dst)) {
         Ok(()) => Ok(stream),
-        Err(Errno::EINPROGRESS) | Err(Errno::EAGAIN) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+        Err(Errno::EINPROGRESS) | Err(Errno::EAGAIN) => {
+            Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))
+        }
         Err(e) => Err(e.into()),
     }
 }

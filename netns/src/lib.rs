@@ -70,9 +70,7 @@ impl Netns {
         if fs.filesystem_type().0 as i64 != NSFS_MAGIC {
             return Err(Error::NotANamespace { path });
         }
-        let meta = file
-            .metadata()
-            .map_err(|source| Error::Open { path: path.clone(), source })?;
+        let meta = file.metadata().map_err(|source| Error::Open { path: path.clone(), source })?;
         let id = NetnsId { dev: meta.dev(), ino: meta.ino() };
         Ok(Netns { file, path, id })
     }
@@ -119,9 +117,7 @@ impl Netns {
                     .map_err(|source| Error::Enter { path: self.path.clone(), source })?;
                 Ok(work())
             });
-            handle
-                .join()
-                .map_err(|_| Error::WorkerPanicked { path: self.path.clone() })?
+            handle.join().map_err(|_| Error::WorkerPanicked { path: self.path.clone() })?
         })
     }
 }

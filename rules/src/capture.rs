@@ -160,11 +160,8 @@ impl CaptureConfig {
 /// Builds the capture ruleset. Rule order is the table of DESIGN.md, top to bottom.
 pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
     cfg.validate()?;
-    let rule = |matches: Vec<Match>, action: Action, comment: &str| Rule {
-        matches,
-        action,
-        comment: comment.to_string(),
-    };
+    let rule =
+        |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.to_string() };
 
     let mut nets: Vec<Ipv4Net> = FIXED_EXCLUDED_NETS.iter().map(|n| n.parse().expect("constant")).collect();
     nets.extend(cfg.excluded_cidrs.iter().map(|n| n.trunc()));
@@ -192,12 +189,28 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         None => "DNS is not captured (DNS capture is off: it goes where the pod sends it)",
     };
     let mut divert = vec![
-        rule(vec![Match::CtDirectionReply], Action::Accept, "replies of tracked flows (inbound connections too) are never captured"),
-        rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is never re-captured"),
-        rule(vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())], Action::Accept, "excluded destinations are not captured"),
+        rule(
+            vec![Match::CtDirectionReply],
+            Action::Accept,
+            "replies of tracked flows (inbound connections too) are never captured",
+        ),
+        rule(
+            vec![Match::Mark(cfg.passthrough_mark)],
+            Action::Accept,
+            "the proxy's own passthrough traffic is never re-captured",
+        ),
+        rule(
+            vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())],
+            Action::Accept,
+            "excluded destinations are not captured",
+        ),
         rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, dns_comment),
         rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Accept, dns_comment),
-        rule(vec![Match::DportInSet(Proto::Tcp, SET_EXCLUDED_PORTS.into())], Action::Accept, "excluded TCP ports are not captured"),
+        rule(
+            vec![Match::DportInSet(Proto::Tcp, SET_EXCLUDED_PORTS.into())],
+            Action::Accept,
+            "excluded TCP ports are not captured",
+        ),
     ];
     match cfg.mode {
         CaptureMode::RedirectAll => divert.push(rule(
@@ -253,10 +266,26 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
             name: CHAIN_DNS.into(),
             hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
             rules: vec![
-                rule(vec![Match::Mark(cfg.passthrough_mark)], Action::Accept, "the proxy's own passthrough traffic is left alone"),
-                rule(vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())], Action::Accept, "excluded destinations are not DNATed"),
-                rule(vec![Match::Dport(Proto::Udp, 53)], Action::Dnat(dns.host_ip, dns.port), "DNS over UDP goes to the node DNS proxy"),
-                rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Dnat(dns.host_ip, dns.port), "DNS over TCP goes to the node DNS proxy"),
+                rule(
+                    vec![Match::Mark(cfg.passthrough_mark)],
+                    Action::Accept,
+                    "the proxy's own passthrough traffic is left alone",
+                ),
+                rule(
+                    vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())],
+                    Action::Accept,
+                    "excluded destinations are not DNATed",
+                ),
+                rule(
+                    vec![Match::Dport(Proto::Udp, 53)],
+                    Action::Dnat(dns.host_ip, dns.port),
+                    "DNS over UDP goes to the node DNS proxy",
+                ),
+                rule(
+                    vec![Match::Dport(Proto::Tcp, 53)],
+                    Action::Dnat(dns.host_ip, dns.port),
+                    "DNS over TCP goes to the node DNS proxy",
+                ),
             ],
         });
     }
@@ -341,14 +370,21 @@ mod tests {
     #[test]
     fn bad_numbers_are_refused() {
         let base = CaptureConfig::new(CaptureMode::RedirectAll);
-        let cases: Vec<(Box<dyn Fn(&mut CaptureConfig)>, &str)> = vec![
+        type Tweak = Box<dyn Fn(&mut CaptureConfig)>;
+        let cases: Vec<(Tweak, &str)> = vec![
             (Box::new(|c| c.route_table = 254), "reserved"),
             (Box::new(|c| c.route_table = 0), "reserved"),
             (Box::new(|c| c.rule_priority = 0), "between"),
             (Box::new(|c| c.rule_priority = 32766), "between"),
             (Box::new(|c| c.capture_port = 0), "capture port"),
             (Box::new(|c| c.mesh_l4_port = 0), "mesh L4 port"),
-            (Box::new(|c| { c.mode = CaptureMode::Scoped; c.scoped_ports.clear() }), "scoped"),
+            (
+                Box::new(|c| {
+                    c.mode = CaptureMode::Scoped;
+                    c.scoped_ports.clear()
+                }),
+                "scoped",
+            ),
             (Box::new(|c| c.dns = Some(DnsDivert { host_ip: Ipv4Addr::LOCALHOST, port: 18054 })), "host IP"),
             (Box::new(|c| c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 0 })), "DNS proxy port"),
         ];
@@ -384,8 +420,10 @@ mod tests {
         let divert = rules_of(&rs, CHAIN_DIVERT);
         assert!(!divert.iter().any(|r| r.matches == vec![Match::L4Proto(Proto::Tcp)]));
         for port in [18081, 18082] {
-            assert!(divert.iter().any(|r| r.matches == vec![Match::Dport(Proto::Tcp, port)]
-                && r.action == Action::SetMarkAccept(DIVERT_MARK)));
+            assert!(divert
+                .iter()
+                .any(|r| r.matches == vec![Match::Dport(Proto::Tcp, port)]
+                    && r.action == Action::SetMarkAccept(DIVERT_MARK)));
         }
     }
 
@@ -403,8 +441,14 @@ mod tests {
     #[test]
     fn exclusions_are_merged_into_non_overlapping_elements() {
         let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
-        c.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "10.1.2.0/24".parse().unwrap(), "127.5.0.0/16".parse().unwrap()];
-        c.excluded_ports = vec!["9000-9100".parse().unwrap(), "8080".parse().unwrap(), "9050-9200".parse().unwrap(), "9201".parse().unwrap()];
+        c.excluded_cidrs =
+            vec!["10.1.0.0/16".parse().unwrap(), "10.1.2.0/24".parse().unwrap(), "127.5.0.0/16".parse().unwrap()];
+        c.excluded_ports = vec![
+            "9000-9100".parse().unwrap(),
+            "8080".parse().unwrap(),
+            "9050-9200".parse().unwrap(),
+            "9201".parse().unwrap(),
+        ];
         let rs = capture_ruleset(&c).unwrap();
         let nets: Vec<String> = rs.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
         assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);

@@ -97,7 +97,10 @@ pub fn verify(rs: &Ruleset) -> Result<Vec<String>> {
     let pr = &rs.policy_route;
     let state = pr.read_state()?;
     if !state.rule_present {
-        diffs.push(format!("policy rule 'fwmark {:#x} lookup {} priority {}' is missing", pr.fwmark, pr.table, pr.priority));
+        diffs.push(format!(
+            "policy rule 'fwmark {:#x} lookup {} priority {}' is missing",
+            pr.fwmark, pr.table, pr.priority
+        ));
     }
     if !state.route_present {
         diffs.push(format!("route 'local 0.0.0.0/0 dev lo table {}' is missing", pr.table));

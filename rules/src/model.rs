@@ -72,7 +72,7 @@ impl KeyType {
         }
     }
 
-    pub fn len(self) -> u32 {
+    pub fn byte_len(self) -> u32 {
         match self {
             KeyType::Ipv4Addr => 4,
             KeyType::InetService => 2,

@@ -11,8 +11,8 @@
 use std::io;
 
 use netlink_packet_core::{
-    NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLMSG_DONE, NLMSG_ERROR,
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_EXCL, NLM_F_REQUEST,
+    NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLMSG_DONE, NLMSG_ERROR, NLM_F_ACK, NLM_F_CREATE,
+    NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_EXCL, NLM_F_REQUEST,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -50,28 +50,17 @@ impl PolicyRoute {
     pub fn add_rule(&self) -> Result<bool> {
         // NLM_F_EXCL matters: without it the kernel happily adds a duplicate rule.
         let msg = RouteNetlinkMessage::NewRule(rule_message(self));
-        absent_ok(
-            transact(msg, NLM_F_CREATE | NLM_F_EXCL),
-            libc::EEXIST,
-            "add rule",
-        )
+        absent_ok(transact(msg, NLM_F_CREATE | NLM_F_EXCL), libc::EEXIST, "add rule")
     }
 
     /// Adds the route. Ok(true) if created, Ok(false) if exactly this route already existed.
     pub fn add_route(&self) -> Result<bool> {
         let msg = RouteNetlinkMessage::NewRoute(route_message(self, false));
-        let created = absent_ok(
-            transact(msg, NLM_F_CREATE | NLM_F_EXCL),
-            libc::EEXIST,
-            "add route",
-        )?;
+        let created = absent_ok(transact(msg, NLM_F_CREATE | NLM_F_EXCL), libc::EEXIST, "add route")?;
         // The kernel's EEXIST only means "some route for 0.0.0.0/0 at metric 0 is in the
         // table", whatever its type or device: make sure it is ours before calling it done.
         if !created && !self.read_state()?.route_present {
-            return Err(route_err(
-                "add route",
-                io::Error::from_raw_os_error(libc::EEXIST),
-            ));
+            return Err(route_err("add route", io::Error::from_raw_os_error(libc::EEXIST)));
         }
         Ok(created)
     }
@@ -94,10 +83,7 @@ impl PolicyRoute {
     pub fn read_state(&self) -> Result<PolicyRouteState> {
         let mut state = PolicyRouteState::default();
         let mut rule_copies = 0;
-        for msg in dump(
-            RouteNetlinkMessage::GetRule(rule_dump_message()),
-            "dump rules",
-        )? {
+        for msg in dump(RouteNetlinkMessage::GetRule(rule_dump_message()), "dump rules")? {
             let RouteNetlinkMessage::NewRule(rule) = msg else {
                 continue;
             };
@@ -116,31 +102,20 @@ impl PolicyRoute {
                     view.describe()
                 ));
             } else if view.fwmark == Some(self.fwmark) || view.table == self.table {
-                state.notes.push(format!(
-                    "a rule differs from ours ({}): {}",
-                    self.describe_rule(),
-                    view.describe()
-                ));
+                state.notes.push(format!("a rule differs from ours ({}): {}", self.describe_rule(), view.describe()));
             }
         }
         state.rule_present = rule_copies > 0;
         if rule_copies > 1 {
-            state
-                .notes
-                .push(format!("our rule is present {rule_copies} times"));
+            state.notes.push(format!("our rule is present {rule_copies} times"));
         }
 
         let mut others = Vec::new();
-        for msg in dump(
-            RouteNetlinkMessage::GetRoute(route_dump_message()),
-            "dump routes",
-        )? {
+        for msg in dump(RouteNetlinkMessage::GetRoute(route_dump_message()), "dump routes")? {
             let RouteNetlinkMessage::NewRoute(route) = msg else {
                 continue;
             };
-            if route_table(&route) != self.table
-                || route.header.address_family != AddressFamily::Inet
-            {
+            if route_table(&route) != self.table || route.header.address_family != AddressFamily::Inet {
                 continue;
             }
             if is_our_route(&route) {
@@ -149,16 +124,9 @@ impl PolicyRoute {
                 others.push(describe_route(&route));
             }
         }
-        let how = if state.route_present {
-            "besides"
-        } else {
-            "instead of"
-        };
+        let how = if state.route_present { "besides" } else { "instead of" };
         for other in others {
-            state.notes.push(format!(
-                "table {} holds route {other} {how} local 0.0.0.0/0 dev lo",
-                self.table
-            ));
+            state.notes.push(format!("table {} holds route {other} {how} local 0.0.0.0/0 dev lo", self.table));
         }
         Ok(state)
     }
@@ -173,10 +141,7 @@ impl PolicyRoute {
     }
 
     fn describe_rule(&self) -> String {
-        format!(
-            "{}: fwmark {:#x} lookup {}",
-            self.priority, self.fwmark, self.table
-        )
+        format!("{}: fwmark {:#x} lookup {}", self.priority, self.fwmark, self.table)
     }
 }
 
@@ -203,10 +168,7 @@ impl RuleView {
             priority: 0, // the kernel omits FRA_PRIORITY for priority 0
             fwmark: None,
             fwmask: None,
-            extra_selectors: h.src_len != 0
-                || h.dst_len != 0
-                || h.tos != 0
-                || h.flags.contains(RuleFlags::Invert),
+            extra_selectors: h.src_len != 0 || h.dst_len != 0 || h.tos != 0 || h.flags.contains(RuleFlags::Invert),
         };
         for attr in &rule.attributes {
             match attr {
@@ -239,11 +201,7 @@ impl RuleView {
             (Some(m), _) => format!(" fwmark {m:#x}"),
             _ => String::new(),
         };
-        let extra = if self.extra_selectors {
-            " (with other selectors)"
-        } else {
-            ""
-        };
+        let extra = if self.extra_selectors { " (with other selectors)" } else { "" };
         let action = match self.action {
             RuleAction::ToTable => format!("lookup {}", self.table),
             other => format!("{other:?}").to_lowercase(),
@@ -281,10 +239,7 @@ fn is_our_route(route: &RouteMessage) -> bool {
         && h.source_prefix_length == 0
         && h.tos == 0
         && route_oif(route) == Some(LOOPBACK_IFINDEX)
-        && !route
-            .attributes
-            .iter()
-            .any(|a| matches!(a, RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_)))
+        && !route.attributes.iter().any(|a| matches!(a, RouteAttribute::Gateway(_) | RouteAttribute::MultiPath(_)))
 }
 
 fn describe_route(route: &RouteMessage) -> String {
@@ -300,11 +255,7 @@ fn describe_route(route: &RouteMessage) -> String {
     let oif = route_oif(route).map_or(String::new(), |i| format!(" dev ifindex {i}"));
     let dst = dst.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED);
     let kind = format!("{:?}", h.kind).to_lowercase();
-    format!(
-        "{kind} {dst}/{}{}{oif}",
-        h.destination_prefix_length,
-        via.unwrap_or_default()
-    )
+    format!("{kind} {dst}/{}{}{oif}", h.destination_prefix_length, via.unwrap_or_default())
 }
 
 /// `fwmark <mark> lookup <table> priority <priority>`, for both RTM_NEWRULE and RTM_DELRULE.
@@ -314,11 +265,8 @@ fn rule_message(pr: &PolicyRoute) -> RuleMessage {
     msg.header.family = AddressFamily::Inet;
     msg.header.action = RuleAction::ToTable;
     msg.header.table = header_table(pr.table);
-    msg.attributes = vec![
-        RuleAttribute::FwMark(pr.fwmark),
-        RuleAttribute::Table(pr.table),
-        RuleAttribute::Priority(pr.priority),
-    ];
+    msg.attributes =
+        vec![RuleAttribute::FwMark(pr.fwmark), RuleAttribute::Table(pr.table), RuleAttribute::Priority(pr.priority)];
     msg
 }
 
@@ -336,10 +284,7 @@ fn route_message(pr: &PolicyRoute, for_delete: bool) -> RouteMessage {
     } else {
         (RouteScope::Host, RouteProtocol::Static)
     };
-    msg.attributes = vec![
-        RouteAttribute::Table(pr.table),
-        RouteAttribute::Oif(LOOPBACK_IFINDEX),
-    ];
+    msg.attributes = vec![RouteAttribute::Table(pr.table), RouteAttribute::Oif(LOOPBACK_IFINDEX)];
     msg
 }
 
@@ -414,10 +359,7 @@ fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<Replies> {
         // MSG_TRUNC makes recv report the datagram's real size, so truncation is detectable.
         let n = sock.recv(&mut buf, libc::MSG_TRUNC)?;
         if n > buf.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("netlink reply of {n} bytes truncated"),
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("netlink reply of {n} bytes truncated")));
         }
         let mut data = &buf[..n];
         while !data.is_empty() {
@@ -441,9 +383,7 @@ fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<Replies> {
                     None => return Ok(replies),
                     Some(code) => return Err(io::Error::from_raw_os_error(-code.get())),
                 },
-                NetlinkPayload::Done(d) if d.code < 0 => {
-                    return Err(io::Error::from_raw_os_error(-d.code))
-                }
+                NetlinkPayload::Done(d) if d.code < 0 => return Err(io::Error::from_raw_os_error(-d.code)),
                 NetlinkPayload::Done(_) => return Ok(replies),
                 NetlinkPayload::InnerMessage(m) => replies.messages.push(m),
                 _ => {}
@@ -462,11 +402,7 @@ mod tests {
     use std::process::Command;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    const PR: PolicyRoute = PolicyRoute {
-        fwmark: 0xae71,
-        table: 44657,
-        priority: 32000,
-    };
+    const PR: PolicyRoute = PolicyRoute { fwmark: 0xae71, table: 44657, priority: 32000 };
 
     #[test]
     fn rule_and_route_messages_carry_the_right_attributes() {
@@ -474,26 +410,16 @@ mod tests {
         assert_eq!(rule.header.family, AddressFamily::Inet);
         assert_eq!(rule.header.action, RuleAction::ToTable);
         assert_eq!(rule.header.table, 0, "table > 255 goes in FRA_TABLE only");
-        for a in [
-            RuleAttribute::FwMark(0xae71),
-            RuleAttribute::Table(44657),
-            RuleAttribute::Priority(32000),
-        ] {
+        for a in [RuleAttribute::FwMark(0xae71), RuleAttribute::Table(44657), RuleAttribute::Priority(32000)] {
             assert!(rule.attributes.contains(&a), "missing {a:?}");
         }
         let v = RuleView::of(&rule);
-        assert!(
-            PR.is_our_rule(&v),
-            "our own message must read back as our rule"
-        );
+        assert!(PR.is_our_rule(&v), "our own message must read back as our rule");
 
         let route = route_message(&PR, false);
         let h = &route.header;
         assert_eq!(h.address_family, AddressFamily::Inet);
-        assert_eq!(
-            (h.kind, h.scope, h.protocol),
-            (RouteType::Local, RouteScope::Host, RouteProtocol::Static)
-        );
+        assert_eq!((h.kind, h.scope, h.protocol), (RouteType::Local, RouteScope::Host, RouteProtocol::Static));
         assert_eq!((h.table, h.destination_prefix_length), (0, 0));
         assert!(route.attributes.contains(&RouteAttribute::Table(44657)));
         assert!(route.attributes.contains(&RouteAttribute::Oif(1)));
@@ -504,28 +430,18 @@ mod tests {
         assert_eq!(route_message(&small, false).header.table, 100);
 
         // The wire form round-trips and carries the ACK/EXCL flags.
-        let msg = request(
-            RouteNetlinkMessage::NewRule(rule),
-            NLM_F_CREATE | NLM_F_EXCL,
-        );
+        let msg = request(RouteNetlinkMessage::NewRule(rule), NLM_F_CREATE | NLM_F_EXCL);
         let mut bytes = vec![0; msg.buffer_len()];
         msg.serialize(&mut bytes);
         let back = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap();
         assert_eq!(back, msg);
-        assert_eq!(
-            back.header.flags,
-            NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
-        );
+        assert_eq!(back.header.flags, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
         assert_eq!(back.header.message_type, 32, "RTM_NEWRULE");
     }
 
     fn ip(args: &[&str]) -> String {
         let out = Command::new("ip").args(args).output().expect("run ip");
-        assert!(
-            out.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -548,9 +464,7 @@ mod tests {
             assert_eq!(rc, 0, "setns: {}", io::Error::last_os_error());
             f()
         });
-        handle
-            .join()
-            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        handle.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
     }
 
     #[test]
@@ -559,17 +473,11 @@ mod tests {
             if std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() == Ok("1") {
                 panic!("AETHER_REQUIRE_ROOT_TESTS=1 but not running as root");
             }
-            eprintln!(
-                "SKIPPED (needs root): programs_reads_back_and_removes_policy_routing_as_root"
-            );
+            eprintln!("SKIPPED (needs root): programs_reads_back_and_removes_policy_routing_as_root");
             return;
         }
         static N: AtomicUsize = AtomicUsize::new(0);
-        let name = format!(
-            "aether-rt-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::SeqCst)
-        );
+        let name = format!("aether-rt-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
         ip(&["netns", "add", &name]);
         let _guard = NetnsGuard(name.clone());
         ip(&["-n", &name, "link", "set", "lo", "up"]);
@@ -585,13 +493,8 @@ mod tests {
         assert!(state.notes.is_empty(), "{state:?}");
 
         let rules = ip(&["netns", "exec", &name, "ip", "rule"]);
-        assert!(
-            rules.contains("32000:") && rules.contains("fwmark 0xae71 lookup 44657"),
-            "{rules}"
-        );
-        let routes = ip(&[
-            "netns", "exec", &name, "ip", "-4", "route", "show", "table", "44657",
-        ]);
+        assert!(rules.contains("32000:") && rules.contains("fwmark 0xae71 lookup 44657"), "{rules}");
+        let routes = ip(&["netns", "exec", &name, "ip", "-4", "route", "show", "table", "44657"]);
         assert!(routes.contains("local default dev lo"), "{routes}");
 
         let (state, near) = in_netns(&name, || {
@@ -601,10 +504,7 @@ mod tests {
             assert!(!PR.del_route().unwrap(), "route already gone");
             let state = PR.read_state().unwrap();
             // A near-miss is reported: our mark at another priority.
-            let other = PolicyRoute {
-                priority: 100,
-                ..PR
-            };
+            let other = PolicyRoute { priority: 100, ..PR };
             other.add_rule().unwrap();
             let near = PR.read_state().unwrap();
             other.del_rule().unwrap();
@@ -613,25 +513,12 @@ mod tests {
         assert_eq!(state, PolicyRouteState::default());
         assert!(!near.rule_present, "{near:?}");
         assert!(
-            near.notes
-                .iter()
-                .any(|n| n.contains("fwmark 0xae71 exists at priority 100 instead of 32000")),
+            near.notes.iter().any(|n| n.contains("fwmark 0xae71 exists at priority 100 instead of 32000")),
             "{near:?}"
         );
 
         // Someone else's default route in our table: EEXIST must not pass for "ours exists".
-        ip(&[
-            "netns",
-            "exec",
-            &name,
-            "ip",
-            "route",
-            "add",
-            "unreachable",
-            "default",
-            "table",
-            "44657",
-        ]);
+        ip(&["netns", "exec", &name, "ip", "route", "add", "unreachable", "default", "table", "44657"]);
         let (added, state) = in_netns(&name, || (PR.add_route(), PR.read_state().unwrap()));
         assert!(
             matches!(&added, Err(Error::Route { op: "add route", source }) if source.raw_os_error() == Some(libc::EEXIST)),
@@ -639,10 +526,7 @@ mod tests {
         );
         assert!(!state.route_present, "{state:?}");
         assert!(
-            state
-                .notes
-                .iter()
-                .any(|n| n.contains("table 44657 holds route") && n.contains("instead of")),
+            state.notes.iter().any(|n| n.contains("table 44657 holds route") && n.contains("instead of")),
             "{state:?}"
         );
     }

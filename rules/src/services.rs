@@ -96,7 +96,11 @@ impl ServiceLayer {
             .iter()
             .map(|n| {
                 let n = n.trunc();
-                if n.prefix_len() >= 31 { n.network() } else { Ipv4Addr::from(u32::from(n.network()) + 1) }
+                if n.prefix_len() >= 31 {
+                    n.network()
+                } else {
+                    Ipv4Addr::from(u32::from(n.network()) + 1)
+                }
             })
             .collect()
     }
@@ -132,13 +136,38 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
     let empty: BTreeSet<(Ipv4Addr, Proto, u16)> =
         layer.ports.iter().filter(|p| !p.has_endpoints).map(|p| (p.vip, p.proto, p.port)).collect();
     let vips: BTreeSet<Ipv4Addr> = layer.ports.iter().map(|p| p.vip).collect();
-    let svc = |s: &BTreeSet<(Ipv4Addr, Proto, u16)>| s.iter().map(|&(a, p, port)| Element::Service(a, p, port)).collect();
-    let mut dialled = set(SET_DIALLED, KeyType::ServiceKey, false, Vec::new(), "VIP . proto . port dialled in the Service ranges (demand)");
+    let svc =
+        |s: &BTreeSet<(Ipv4Addr, Proto, u16)>| s.iter().map(|&(a, p, port)| Element::Service(a, p, port)).collect();
+    let mut dialled = set(
+        SET_DIALLED,
+        KeyType::ServiceKey,
+        false,
+        Vec::new(),
+        "VIP . proto . port dialled in the Service ranges (demand)",
+    );
     dialled.timeout_secs = Some(layer.dialled_timeout_secs);
     let sets = vec![
-        set(SET_RANGES, KeyType::Ipv4Addr, true, ranges.into_iter().map(Element::Net).collect(), "ServiceCIDRs and ClusterSetIPs"),
-        set(SET_MESH_VIPS, KeyType::Ipv4Addr, false, mesh.into_iter().map(Element::Addr).collect(), "VIPs of mesh Services"),
-        set(SET_SERVICE_PORTS, KeyType::ServiceKey, false, svc(&live), "the Service index: ports of Services with endpoints"),
+        set(
+            SET_RANGES,
+            KeyType::Ipv4Addr,
+            true,
+            ranges.into_iter().map(Element::Net).collect(),
+            "ServiceCIDRs and ClusterSetIPs",
+        ),
+        set(
+            SET_MESH_VIPS,
+            KeyType::Ipv4Addr,
+            false,
+            mesh.into_iter().map(Element::Addr).collect(),
+            "VIPs of mesh Services",
+        ),
+        set(
+            SET_SERVICE_PORTS,
+            KeyType::ServiceKey,
+            false,
+            svc(&live),
+            "the Service index: ports of Services with endpoints",
+        ),
         set(SET_EMPTY, KeyType::ServiceKey, false, svc(&empty), "ports of Services without a usable endpoint"),
         set(SET_VIPS, KeyType::Ipv4Addr, false, vips.into_iter().map(Element::Addr).collect(), "every Service VIP"),
         set(
@@ -164,17 +193,41 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
     let classify = vec![
         rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, "DNS goes to the node DNS proxy: never classified"),
         rule(vec![Match::Dport(Proto::Tcp, 53)], Action::Accept, "DNS goes to the node DNS proxy: never classified"),
-        rule(vec![Match::DaddrInSet(SET_MESH_VIPS.into())], Action::CountAccept("mesh".into()), "mesh: the proxy owns it"),
-        rule(vec![Match::DaddrNotInSet(SET_RANGES.into())], Action::CountAccept("external".into()), "external: outside every Service range"),
-        rule(vec![], Action::UpdateServiceKeySet(SET_DIALLED.into()), "demand: remember what was dialled in the Service ranges"),
-        rule(vec![Match::ServiceKeyInSet(SET_SERVICE_PORTS.into())], Action::CountAccept("service".into()), "a known Service port with endpoints"),
+        rule(
+            vec![Match::DaddrInSet(SET_MESH_VIPS.into())],
+            Action::CountAccept("mesh".into()),
+            "mesh: the proxy owns it",
+        ),
+        rule(
+            vec![Match::DaddrNotInSet(SET_RANGES.into())],
+            Action::CountAccept("external".into()),
+            "external: outside every Service range",
+        ),
+        rule(
+            vec![],
+            Action::UpdateServiceKeySet(SET_DIALLED.into()),
+            "demand: remember what was dialled in the Service ranges",
+        ),
+        rule(
+            vec![Match::ServiceKeyInSet(SET_SERVICE_PORTS.into())],
+            Action::CountAccept("service".into()),
+            "a known Service port with endpoints",
+        ),
         rule(
             vec![Match::DaddrInSet(SET_NEVER_REFUSED.into())],
             Action::CountAccept("service".into()),
             "the API server Service is never refused, whatever the snapshot says",
         ),
-        rule(vec![Match::ServiceKeyInSet(SET_EMPTY.into())], refusal("refused_no_endpoints"), "a Service port without a usable endpoint"),
-        rule(vec![Match::DaddrInSet(SET_VIPS.into())], refusal("refused_port_not_declared"), "a Service VIP, on a port the Service does not declare"),
+        rule(
+            vec![Match::ServiceKeyInSet(SET_EMPTY.into())],
+            refusal("refused_no_endpoints"),
+            "a Service port without a usable endpoint",
+        ),
+        rule(
+            vec![Match::DaddrInSet(SET_VIPS.into())],
+            refusal("refused_port_not_declared"),
+            "a Service VIP, on a port the Service does not declare",
+        ),
         rule(vec![], refusal("refused_no_service"), "in a Service range, and no Service owns the address"),
     ];
     let mut chains = vec![
@@ -190,17 +243,16 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
             name: CHAIN_REFUSE.into(),
             hook: None,
             rules: vec![
-                rule(vec![Match::L4Proto(Proto::Tcp)], Action::RejectTcpReset, "refused: the client sees a connection reset"),
+                rule(
+                    vec![Match::L4Proto(Proto::Tcp)],
+                    Action::RejectTcpReset,
+                    "refused: the client sees a connection reset",
+                ),
                 rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
             ],
         });
     }
-    Ok(Some(Table {
-        name: TABLE.into(),
-        sets,
-        counters: COUNTERS.iter().map(|c| c.to_string()).collect(),
-        chains,
-    }))
+    Ok(Some(Table { name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
 }
 
 /// What `apply` did in the current netns.
@@ -360,7 +412,12 @@ mod tests {
         let small = services_table(&layer()).unwrap().unwrap();
         let mut big = layer();
         for i in 0..5000u32 {
-            big.ports.push(ServicePort { vip: Ipv4Addr::from(0x0a60_0000 + i), proto: Proto::Tcp, port: 443, has_endpoints: i % 7 != 0 });
+            big.ports.push(ServicePort {
+                vip: Ipv4Addr::from(0x0a60_0000 + i),
+                proto: Proto::Tcp,
+                port: 443,
+                has_endpoints: i % 7 != 0,
+            });
         }
         let big = services_table(&big).unwrap().unwrap();
         let rules = |t: &Table| t.chains.iter().map(|c| c.rules.len()).sum::<usize>();

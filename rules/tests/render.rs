@@ -41,7 +41,8 @@ fn rules_lower_to_the_registers_nft_itself_uses() {
          [ meta load l4proto => reg 1 ] [ cmp eq reg 1 0x00000011 ] [ payload load 2b @ transport header + 2 => reg 1 ] \
          [ cmp eq reg 1 0x0000a246 ] [ immediate reg 1 0x0000a246 ] [ tproxy ip port reg 1 ] [ immediate reg 0 accept ]"
     );
-    assert!(rule_exprs(&v, "dns_dnat", "DNS over UDP").contains("[ nat dnat ip addr_min reg 1 addr_max reg 1 proto_min reg 2 proto_max reg 2 flags 0x3 ]"));
+    assert!(rule_exprs(&v, "dns_dnat", "DNS over UDP")
+        .contains("[ nat dnat ip addr_min reg 1 addr_max reg 1 proto_min reg 2 proto_max reg 2 flags 0x3 ]"));
 }
 
 #[test]
@@ -63,8 +64,11 @@ fn interval_elements_are_half_open_and_stop_at_the_top_of_the_key_space() {
     cfg.excluded_cidrs = vec!["240.0.0.0/4".parse().unwrap()];
     let v = view(&cfg);
     let ports = &v.sets.iter().find(|s| s.name == "excluded_ports").unwrap().elements;
-    let want: Vec<(Vec<u8>, bool)> =
-        vec![(8080u16.to_be_bytes().to_vec(), false), (8081u16.to_be_bytes().to_vec(), true), (65000u16.to_be_bytes().to_vec(), false)];
+    let want: Vec<(Vec<u8>, bool)> = vec![
+        (8080u16.to_be_bytes().to_vec(), false),
+        (8081u16.to_be_bytes().to_vec(), true),
+        (65000u16.to_be_bytes().to_vec(), false),
+    ];
     assert_eq!(ports.iter().cloned().collect::<Vec<_>>(), {
         let mut w = want.clone();
         w.sort();

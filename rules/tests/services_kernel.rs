@@ -46,7 +46,9 @@ fn sorted_elements(listing: &str) -> String {
             continue;
         }
         match line.find("elements = {") {
-            Some(i) if !line.trim_end().ends_with('}') => pending = Some((line[..i].to_string(), line[i..].to_string())),
+            Some(i) if !line.trim_end().ends_with('}') => {
+                pending = Some((line[..i].to_string(), line[i..].to_string()))
+            }
             Some(i) => out.push_str(&finish(&line[..i], &line[i..])),
             None => {
                 out.push_str(line);
@@ -118,7 +120,10 @@ fn tampering_is_reported() {
     let ns = TestNetns::new("svc-tamper");
     let l = layer(LayerMode::Count);
     in_ns(&ns, || services::apply(&l)).unwrap();
-    ns.exec("nft", &["delete", "element", "ip", services::TABLE, services::SET_SERVICE_PORTS, "{ 10.96.1.1 . tcp . 80 }"]);
+    ns.exec(
+        "nft",
+        &["delete", "element", "ip", services::TABLE, services::SET_SERVICE_PORTS, "{ 10.96.1.1 . tcp . 80 }"],
+    );
     let diffs = in_ns(&ns, || services::verify(&l)).unwrap();
     assert!(diffs.iter().any(|d| d.contains("10.96.1.1 . tcp . 80")), "{diffs:#?}");
     // apply repairs it with one element.
@@ -249,7 +254,14 @@ fn count_mode_counts_each_class_once_and_changes_nothing() {
     let shown: Vec<String> = demand.iter().map(|(a, pr, port)| format!("{a}/{}:{port}", pr.name())).collect();
     assert_eq!(
         shown,
-        ["10.96.1.1/tcp:80", "10.96.1.1/tcp:8080", "10.96.1.1/udp:18082", "10.96.1.2/tcp:80", "10.96.9.9/tcp:80", "10.96.9.9/udp:18082"]
+        [
+            "10.96.1.1/tcp:80",
+            "10.96.1.1/tcp:8080",
+            "10.96.1.1/udp:18082",
+            "10.96.1.2/tcp:80",
+            "10.96.9.9/tcp:80",
+            "10.96.9.9/udp:18082"
+        ]
     );
     drop(p.peer.name.clone());
 }
@@ -305,7 +317,12 @@ fn measure_apply_scale() {
         let mut l = layer(LayerMode::Refuse);
         l.ranges = vec!["10.96.0.0/12".parse().unwrap()];
         l.ports = (0..n)
-            .map(|i| ServicePort { vip: Ipv4Addr::from(0x0a60_0000 + 2 + i), proto: Proto::Tcp, port: 80, has_endpoints: i % 10 != 0 })
+            .map(|i| ServicePort {
+                vip: Ipv4Addr::from(0x0a60_0000 + 2 + i),
+                proto: Proto::Tcp,
+                port: 80,
+                has_endpoints: i % 10 != 0,
+            })
             .collect();
         in_ns(&ns, services::remove).unwrap();
         let t = std::time::Instant::now();
@@ -318,6 +335,8 @@ fn measure_apply_scale() {
         let t = std::time::Instant::now();
         assert!(in_ns(&ns, || services::verify(&l)).unwrap().is_empty());
         let verify = t.elapsed();
-        println!("{n} Service ports: build {build:?}; one Service more {one:?} ({what:?}); read back and compare {verify:?}");
+        println!(
+            "{n} Service ports: build {build:?}; one Service more {one:?} ({what:?}); read back and compare {verify:?}"
+        );
     }
 }

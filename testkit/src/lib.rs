@@ -21,13 +21,7 @@ pub fn root_or_skip(test: &str) -> bool {
 /// Runs a command and returns its stdout; panics with its stderr if it fails.
 pub fn run(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd} {}: {}\n{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{cmd} {}: {}\n{}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -112,9 +106,6 @@ pub fn assert_golden(name: &str, actual: &str) {
     let expected = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("golden file {}: {e} (write it with AETHER_BLESS=1 and review it)", path.display()));
     if expected != actual {
-        panic!(
-            "{} differs from the kernel's output.\n--- expected\n{expected}\n--- actual\n{actual}",
-            path.display()
-        );
+        panic!("{} differs from the kernel's output.\n--- expected\n{expected}\n--- actual\n{actual}", path.display());
     }
 }

@@ -44,7 +44,12 @@ impl Snapshot {
             .services
             .iter()
             .flat_map(|s| {
-                s.ports.iter().map(|&(proto, port)| ServicePort { vip: s.vip, proto, port, has_endpoints: s.usable_endpoints })
+                s.ports.iter().map(|&(proto, port)| ServicePort {
+                    vip: s.vip,
+                    proto,
+                    port,
+                    has_endpoints: s.usable_endpoints,
+                })
             })
             .collect();
         l
@@ -93,13 +98,15 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     };
     let dialled_timeout_secs = match obj.get("dialledTimeoutSeconds") {
         None => aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS,
-        Some(v) => match v.as_u64() {
-            Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
-            _ => {
-                errs.push(format!("dialledTimeoutSeconds: {v} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}"));
-                1
+        Some(v) => {
+            match v.as_u64() {
+                Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
+                _ => {
+                    errs.push(format!("dialledTimeoutSeconds: {v} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}"));
+                    1
+                }
             }
-        },
+        }
     };
 
     let mut service_ranges: Vec<Ipv4Net> = Vec::new();
@@ -133,14 +140,16 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
                     errs.push(format!("{place}: {s:?} has host bits set (the network is {})", net.trunc()));
                     continue;
                 }
-                if ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "0.0.0.0/8"]
-                    .iter()
-                    .any(|x| x.parse::<Ipv4Net>().unwrap().contains(&net.network()) || net.contains(&x.parse::<Ipv4Net>().unwrap().network()))
-                {
+                if ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "0.0.0.0/8"].iter().any(|x| {
+                    x.parse::<Ipv4Net>().unwrap().contains(&net.network())
+                        || net.contains(&x.parse::<Ipv4Net>().unwrap().network())
+                }) {
                     errs.push(format!("{place}: {s:?} overlaps loopback, link-local, multicast or 0.0.0.0/8, which are never Service ranges"));
                     continue;
                 }
-                if let Some(j) = service_ranges.iter().position(|o| o.contains(&net.network()) || net.contains(&o.network())) {
+                if let Some(j) =
+                    service_ranges.iter().position(|o| o.contains(&net.network()) || net.contains(&o.network()))
+                {
                     errs.push(format!("{place}: {s:?} overlaps serviceRanges[{j}] ({})", service_ranges[j]));
                     // Keep indexes aligned with the document.
                 }
@@ -183,7 +192,10 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
                     errs.push(format!("{place}.vip: {} is outside every Service range", s.vip));
                 }
                 if mesh_vips.contains(&s.vip) {
-                    errs.push(format!("{place}.vip: {} is also a mesh VIP (mesh Services are listed in meshVIPs only)", s.vip));
+                    errs.push(format!(
+                        "{place}.vip: {} is also a mesh VIP (mesh Services are listed in meshVIPs only)",
+                        s.vip
+                    ));
                 }
                 services.push(s);
             }
@@ -196,7 +208,12 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     }
 }
 
-fn array<'a>(obj: &'a serde_json::Map<String, Value>, key: &str, required: bool, errs: &mut Vec<String>) -> Option<&'a Vec<Value>> {
+fn array<'a>(
+    obj: &'a serde_json::Map<String, Value>,
+    key: &str,
+    required: bool,
+    errs: &mut Vec<String>,
+) -> Option<&'a Vec<Value>> {
     match obj.get(key) {
         None if required => {
             errs.push(format!("{key}: missing (an array, possibly empty)"));
@@ -260,7 +277,9 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
             false
         }
         None => {
-            errs.push(format!("{place}.usableEndpoints: missing (true when the Service has a ready, serving or terminating endpoint)"));
+            errs.push(format!(
+                "{place}.usableEndpoints: missing (true when the Service has a ready, serving or terminating endpoint)"
+            ));
             false
         }
     };
@@ -287,14 +306,20 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
                         None
                     }
                     _ => {
-                        errs.push(format!("{pp}.protocol: {} is not TCP or UDP", po.get("protocol").cloned().unwrap_or(Value::Null)));
+                        errs.push(format!(
+                            "{pp}.protocol: {} is not TCP or UDP",
+                            po.get("protocol").cloned().unwrap_or(Value::Null)
+                        ));
                         None
                     }
                 };
                 let port = match po.get("port").and_then(Value::as_u64) {
                     Some(n @ 1..=65535) => Some(n as u16),
                     _ => {
-                        errs.push(format!("{pp}.port: {} is not a port (1-65535)", po.get("port").cloned().unwrap_or(Value::Null)));
+                        errs.push(format!(
+                            "{pp}.port: {} is not a port (1-65535)",
+                            po.get("port").cloned().unwrap_or(Value::Null)
+                        ));
                         None
                     }
                 };
@@ -355,31 +380,88 @@ mod tests {
     /// Each malformed document is refused with a message naming the place.
     #[test]
     fn malformed_snapshots_are_refused_naming_the_place() {
-        let cases: Vec<(Box<dyn Fn(&mut Value)>, &str)> = vec![
-            (Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.0/33")), "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR"),
-            (Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")), "serviceRanges[0]: \"10.96.0.5/16\" has host bits set"),
+        type Tweak = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Tweak, &str)> = vec![
+            (
+                Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.0/33")),
+                "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")),
+                "serviceRanges[0]: \"10.96.0.5/16\" has host bits set",
+            ),
             (Box::new(|v| v["serviceRanges"][1] = json!("fd00::/108")), "serviceRanges[1]: \"fd00::/108\" is IPv6"),
-            (Box::new(|v| v["serviceRanges"][1] = json!("10.96.3.0/24")), "serviceRanges[1]: \"10.96.3.0/24\" overlaps serviceRanges[0]"),
-            (Box::new(|v| v["serviceRanges"][1] = json!("10.200.0.7")), "serviceRanges[1]: \"10.200.0.7\" has no prefix length"),
-            (Box::new(|v| v["serviceRanges"][1] = json!("127.0.0.0/8")), "serviceRanges[1]: \"127.0.0.0/8\" overlaps loopback"),
-            (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)), "services[1].ports[0].port: 0 is not a port"),
-            (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(70000)), "services[1].ports[0].port: 70000 is not a port"),
-            (Box::new(|v| v["services"][1]["ports"][1] = json!({"protocol": "TCP", "port": 80})), "services[1].ports[1]: tcp/80 is declared twice"),
-            (Box::new(|v| v["services"][1]["ports"][0]["protocol"] = json!("SCTP")), "services[1].ports[0].protocol: SCTP is not supported"),
-            (Box::new(|v| v["services"][2]["name"] = json!("cart")), "services[2]: Service shop/cart duplicates services[1]"),
-            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.1")), "services[2].vip: 10.96.1.1 is also the VIP of services[1]"),
-            (Box::new(|v| v["services"][2]["vip"] = json!("192.168.1.1")), "services[2].vip: 192.168.1.1 is outside every Service range"),
-            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.300")), "services[2].vip: \"10.96.1.300\" is not an IPv4 address"),
-            (Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")), "services[2].vip: 10.96.5.5 is also a mesh VIP"),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("10.96.3.0/24")),
+                "serviceRanges[1]: \"10.96.3.0/24\" overlaps serviceRanges[0]",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("10.200.0.7")),
+                "serviceRanges[1]: \"10.200.0.7\" has no prefix length",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("127.0.0.0/8")),
+                "serviceRanges[1]: \"127.0.0.0/8\" overlaps loopback",
+            ),
+            (
+                Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)),
+                "services[1].ports[0].port: 0 is not a port",
+            ),
+            (
+                Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(70000)),
+                "services[1].ports[0].port: 70000 is not a port",
+            ),
+            (
+                Box::new(|v| v["services"][1]["ports"][1] = json!({"protocol": "TCP", "port": 80})),
+                "services[1].ports[1]: tcp/80 is declared twice",
+            ),
+            (
+                Box::new(|v| v["services"][1]["ports"][0]["protocol"] = json!("SCTP")),
+                "services[1].ports[0].protocol: SCTP is not supported",
+            ),
+            (
+                Box::new(|v| v["services"][2]["name"] = json!("cart")),
+                "services[2]: Service shop/cart duplicates services[1]",
+            ),
+            (
+                Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.1")),
+                "services[2].vip: 10.96.1.1 is also the VIP of services[1]",
+            ),
+            (
+                Box::new(|v| v["services"][2]["vip"] = json!("192.168.1.1")),
+                "services[2].vip: 192.168.1.1 is outside every Service range",
+            ),
+            (
+                Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.300")),
+                "services[2].vip: \"10.96.1.300\" is not an IPv4 address",
+            ),
+            (
+                Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")),
+                "services[2].vip: 10.96.5.5 is also a mesh VIP",
+            ),
             (Box::new(|v| v["services"][0]["ports"] = json!([])), "services[0].ports: empty"),
-            (Box::new(|v| v["services"][0]["usableEndpoints"] = json!("yes")), "services[0].usableEndpoints: \"yes\" is not true or false"),
+            (
+                Box::new(|v| v["services"][0]["usableEndpoints"] = json!("yes")),
+                "services[0].usableEndpoints: \"yes\" is not true or false",
+            ),
             (Box::new(|v| v["services"][0]["selector"] = json!({})), "services[0].selector: unknown field"),
-            (Box::new(|v| v["meshVIPs"] = json!(["10.96.5.5", "10.96.5.5"])), "meshVIPs[1]: 10.96.5.5 duplicates meshVIPs[0]"),
+            (
+                Box::new(|v| v["meshVIPs"] = json!(["10.96.5.5", "10.96.5.5"])),
+                "meshVIPs[1]: 10.96.5.5 duplicates meshVIPs[0]",
+            ),
             (Box::new(|v| v["meshVIPs"] = json!(["8.8.8.8"])), "meshVIPs[0]: 8.8.8.8 is outside every Service range"),
             (Box::new(|v| v["mode"] = json!("enforce")), "mode: \"enforce\" is not one of off, count, refuse"),
             (Box::new(|v| v["generation"] = json!(-1)), "generation: -1 is not a positive integer"),
-            (Box::new(|v| { v.as_object_mut().unwrap().remove("generation"); }), "generation: missing"),
-            (Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)), "dialledTimeoutSeconds: 0 is not a number of seconds"),
+            (
+                Box::new(|v| {
+                    v.as_object_mut().unwrap().remove("generation");
+                }),
+                "generation: missing",
+            ),
+            (
+                Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)),
+                "dialledTimeoutSeconds: 0 is not a number of seconds",
+            ),
             (Box::new(|v| v["serviceRange"] = json!([])), "serviceRange: unknown field"),
             (Box::new(|v| v["serviceRanges"] = json!([])), "serviceRanges: empty, but mode is not off"),
             (Box::new(|v| *v = json!([1, 2])), "the snapshot must be a JSON object"),

@@ -37,9 +37,17 @@ const LOOPBACK_IFINDEX: u32 = 1;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Expr {
     /// Load `len` bytes at `offset` of a header into `dreg`.
-    Payload { base: u32, offset: u32, len: u32, dreg: u32 },
+    Payload {
+        base: u32,
+        offset: u32,
+        len: u32,
+        dreg: u32,
+    },
     /// Load a meta key into `dreg`.
-    Meta { key: u32, dreg: u32 },
+    Meta {
+        key: u32,
+        dreg: u32,
+    },
     /// Set a meta key from register 1.
     MetaSet(u32),
     /// Load the conntrack direction into register 1.
@@ -51,7 +59,10 @@ pub(crate) enum Expr {
     /// Load the conntrack state bits into register 1.
     CtState,
     /// Register 1 = (register 1 & mask) ^ xor.
-    Bitwise { mask: Vec<u8>, xor: Vec<u8> },
+    Bitwise {
+        mask: Vec<u8>,
+        xor: Vec<u8>,
+    },
     /// Jump to a chain.
     Jump(String),
     /// Count in the named counter object.
@@ -59,13 +70,22 @@ pub(crate) enum Expr {
     /// Add the key in register 1 to the named set, or refresh its timeout.
     DynsetUpdate(String),
     /// Reject: (type, ICMP code).
-    Reject { kind: u32, code: u32 },
+    Reject {
+        kind: u32,
+        code: u32,
+    },
     /// Load `data` into a register.
-    Immediate { reg: u32, data: Vec<u8> },
+    Immediate {
+        reg: u32,
+        data: Vec<u8>,
+    },
     Accept,
     /// Register 1 (and the registers after it, for a concatenation) is in the named set, or
     /// with `invert` is not.
-    Lookup { set: String, invert: bool },
+    Lookup {
+        set: String,
+        invert: bool,
+    },
     /// Assign the packet to the transparent socket on the port in register 1.
     Tproxy,
     /// DNAT to the address in register 1 and the port in register 2.
@@ -125,11 +145,9 @@ pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
             Expr::MetaSet(libc::NFT_META_MARK as u32),
             Expr::Accept,
         ],
-        Action::TproxyAccept(port) => vec![
-            Expr::Immediate { reg: REG_1, data: port.to_be_bytes().to_vec() },
-            Expr::Tproxy,
-            Expr::Accept,
-        ],
+        Action::TproxyAccept(port) => {
+            vec![Expr::Immediate { reg: REG_1, data: port.to_be_bytes().to_vec() }, Expr::Tproxy, Expr::Accept]
+        }
         Action::Dnat(addr, port) => vec![
             Expr::Immediate { reg: REG_1, data: Ipv4Addr::octets(addr).to_vec() },
             Expr::Immediate { reg: REG_2, data: port.to_be_bytes().to_vec() },
@@ -144,7 +162,9 @@ pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
             e
         }
         Action::RejectTcpReset => vec![Expr::Reject { kind: NFT_REJECT_TCP_RST, code: 0 }],
-        Action::RejectIcmpPortUnreachable => vec![Expr::Reject { kind: NFT_REJECT_ICMP_UNREACH, code: ICMP_PORT_UNREACH }],
+        Action::RejectIcmpPortUnreachable => {
+            vec![Expr::Reject { kind: NFT_REJECT_ICMP_UNREACH, code: ICMP_PORT_UNREACH }]
+        }
     }
 }
 
@@ -290,4 +310,3 @@ impl Expression for Expr {
         }
     }
 }
-

@@ -64,7 +64,8 @@ pub(crate) fn nft_type(msg: i32) -> u16 {
 
 impl NftSocket {
     pub fn open() -> Result<Self> {
-        let sock = mnl::Socket::new(mnl::Bus::Netfilter).map_err(|source| Error::Nftables { op: "open socket", source })?;
+        let sock =
+            mnl::Socket::new(mnl::Bus::Netfilter).map_err(|source| Error::Nftables { op: "open socket", source })?;
         Ok(NftSocket { sock, buf: vec![0; nftnl::nft_nlmsg_maxsize() as usize], next_seq: 0x1000_0000 })
     }
 
@@ -106,12 +107,18 @@ impl NftSocket {
                                 .and_then(|i| labels.get(i as usize))
                                 .map(String::as_str)
                                 .unwrap_or("the transaction");
-                            Err(Error::Transaction { object: what.to_string(), source: io::Error::from_raw_os_error(code) })
+                            Err(Error::Transaction {
+                                object: what.to_string(),
+                                source: io::Error::from_raw_os_error(code),
+                            })
                         }
                     };
                 }
                 if msg.seq == fence {
-                    return Err(Error::Nftables { op: "generation fence", source: io::Error::from_raw_os_error(msg.error_code()) });
+                    return Err(Error::Nftables {
+                        op: "generation fence",
+                        source: io::Error::from_raw_os_error(msg.error_code()),
+                    });
                 }
             }
         }
@@ -185,4 +192,3 @@ impl NftSocket {
         self.sock.recv(&mut self.buf).map_err(|source| Error::Nftables { op, source })
     }
 }
-

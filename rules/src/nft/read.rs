@@ -97,8 +97,17 @@ fn parse_counter(hdr: *const libc::nlmsghdr, table: &str) -> Option<(String, (u6
             && cstr(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_TABLE as u16)) == table
             && sys::nftnl_obj_get_u32(o, sys::NFTNL_OBJ_TYPE as u16) == 1;
         let out = ok.then(|| {
-            let get = |attr: u32| if sys::nftnl_obj_is_set(o, attr as u16) { sys::nftnl_obj_get_u64(o, attr as u16) } else { 0 };
-            (cstr(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_NAME as u16)), (get(sys::NFTNL_OBJ_CTR_PKTS), get(sys::NFTNL_OBJ_CTR_BYTES)))
+            let get = |attr: u32| {
+                if sys::nftnl_obj_is_set(o, attr as u16) {
+                    sys::nftnl_obj_get_u64(o, attr as u16)
+                } else {
+                    0
+                }
+            };
+            (
+                cstr(sys::nftnl_obj_get_str(o, sys::NFTNL_OBJ_NAME as u16)),
+                (get(sys::NFTNL_OBJ_CTR_PKTS), get(sys::NFTNL_OBJ_CTR_BYTES)),
+            )
         });
         sys::nftnl_obj_free(o);
         out
@@ -178,7 +187,10 @@ fn parse_rule(hdr: *const libc::nlmsghdr, table: &str, objrefs: &[String]) -> Op
                 let mut text = cstr(buf.as_ptr().cast());
                 if name == "objref" {
                     if let Some(n) = objrefs.next() {
-                        text = format!("type {} name {n}", sys::nftnl_expr_get_u32(e, sys::NFTNL_EXPR_OBJREF_IMM_TYPE as u16));
+                        text = format!(
+                            "type {} name {n}",
+                            sys::nftnl_expr_get_u32(e, sys::NFTNL_EXPR_OBJREF_IMM_TYPE as u16)
+                        );
                     }
                 }
                 let _ = write!(exprs, "[ {name} {} ] ", text.trim());
@@ -216,7 +228,8 @@ fn parse_set(hdr: *const libc::nlmsghdr, table: &str) -> Option<SetView> {
         let s = sys::nftnl_set_alloc();
         let ok = sys::nftnl_set_nlmsg_parse(hdr, s) >= 0
             && cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_TABLE as u16)) == table;
-        let get = |attr: u32| if sys::nftnl_set_is_set(s, attr as u16) { sys::nftnl_set_get_u32(s, attr as u16) } else { 0 };
+        let get =
+            |attr: u32| if sys::nftnl_set_is_set(s, attr as u16) { sys::nftnl_set_get_u32(s, attr as u16) } else { 0 };
         let view = ok.then(|| SetView {
             name: cstr(sys::nftnl_set_get_str(s, sys::NFTNL_SET_NAME as u16)),
             flags: get(sys::NFTNL_SET_FLAGS),
@@ -247,7 +260,10 @@ fn attributes(mut buf: &[u8]) -> Vec<(u16, &[u8])> {
 /// Set elements, read attribute by attribute: libnftnl numbers the elements it sends 1, 2,
 /// 3... (the kernel ignores the numbers) but its own parser accepts only 1, so it cannot
 /// read back what it wrote.
-fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Vec<(Vec<u8>, bool)>)> {
+/// (key bytes, interval end) of each element.
+type Elements = Vec<(Vec<u8>, bool)>;
+
+fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Elements)> {
     // linux/netfilter/nf_tables.h
     const NFGENMSG_LEN: usize = 4;
     const LIST_TABLE: u16 = 1;
@@ -258,7 +274,10 @@ fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Vec<(Vec<u8>, bo
     const DATA_VALUE: u16 = 1;
     let attrs = attributes(bytes.get(16 + NFGENMSG_LEN..)?);
     let text = |kind: u16| {
-        attrs.iter().find(|(k, _)| *k == kind).map(|(_, v)| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned())
+        attrs
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, v)| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned())
     };
     if text(LIST_TABLE)? != table {
         return None;
@@ -301,7 +320,11 @@ pub fn show_key(key: &[u8], end: bool) -> String {
         ),
         _ => format!("{key:02x?}"),
     };
-    if end { format!("{k} (interval end)") } else { k }
+    if end {
+        format!("{k} (interval end)")
+    } else {
+        k
+    }
 }
 
 /// What differs between what we expect and what the kernel holds, one line per difference.
@@ -350,14 +373,22 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
             continue;
         };
         if a.hook != e.hook {
-            out.push(format!("chain {}: hook (type, hook, priority, policy) is {:?}, expected {:?}", e.name, a.hook, e.hook));
+            out.push(format!(
+                "chain {}: hook (type, hook, priority, policy) is {:?}, expected {:?}",
+                e.name, a.hook, e.hook
+            ));
         }
         if a.rules.len() == e.rules.len() {
             for (i, (er, ar)) in e.rules.iter().zip(&a.rules).enumerate() {
                 if er != ar {
                     out.push(format!(
                         "chain {} rule {} ({}) differs: expected {} found {} (comment {:?})",
-                        e.name, i + 1, er.comment, er.exprs, ar.exprs, ar.comment
+                        e.name,
+                        i + 1,
+                        er.comment,
+                        er.exprs,
+                        ar.exprs,
+                        ar.comment
                     ));
                 }
             }
@@ -384,4 +415,3 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
     }
     out
 }
-

@@ -178,7 +178,7 @@ impl NftSet {
             }
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_FLAGS as u16, flags);
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_TYPE as u16, set.key.nft_type());
-            sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_LEN as u16, set.key.len());
+            sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_LEN as u16, set.key.byte_len());
         }
         let s = NftSet { ptr };
         for e in elements {
@@ -212,7 +212,11 @@ impl NftSet {
             assert!(!e.is_null(), "nftnl_set_elem_alloc: out of memory");
             sys::nftnl_set_elem_set(e, sys::NFTNL_SET_ELEM_KEY as u16, key.as_ptr().cast::<c_void>(), key.len() as u32);
             if interval_end {
-                sys::nftnl_set_elem_set_u32(e, sys::NFTNL_SET_ELEM_FLAGS as u16, libc::NFT_SET_ELEM_INTERVAL_END as u32);
+                sys::nftnl_set_elem_set_u32(
+                    e,
+                    sys::NFTNL_SET_ELEM_FLAGS as u16,
+                    libc::NFT_SET_ELEM_INTERVAL_END as u32,
+                );
             }
             sys::nftnl_set_elem_add(self.ptr.as_ptr(), e);
         }
