@@ -44,6 +44,9 @@ fn main() -> ExitCode {
     if std::env::var_os("CNI_COMMAND").is_some() || (no_args && cni_env.iter().any(|v| std::env::var_os(v).is_some())) {
         return run_cni();
     }
+    // An operator piping into `head` should see the CLI end quietly, as Unix tools do,
+    // not a panic from println! on a closed pipe.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     match Cli::parse().command {
         Command::Versions => {
             println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
