@@ -244,15 +244,7 @@ pub fn kernel_probe() -> Result<(), String> {
     let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
     cfg.dns =
         Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
-    let ruleset = capture::capture_ruleset(&cfg).map_err(|e| e.to_string())?;
-    aether_netns::run_in_private(|| -> Result<(), String> {
-        aether_rules::install(&ruleset, None).map_err(|e| e.to_string())?;
-        match aether_rules::verify(&ruleset).map_err(|e| e.to_string())? {
-            d if d.is_empty() => Ok(()),
-            d => Err(d.join("; ")),
-        }
-    })
-    .map_err(|e| e.to_string())?
+    crate::doctor::probe(&cfg)
 }
 
 /// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing

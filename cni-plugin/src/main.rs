@@ -2,6 +2,7 @@
 
 mod cni;
 mod config;
+mod doctor;
 mod env;
 mod error;
 mod inspect;
@@ -33,6 +34,8 @@ enum Command {
     Services(services::ServicesArgs),
     /// Show a pod's capture and Service layers, and whether the kernel holds them intact.
     Inspect(inspect::InspectArgs),
+    /// Check that this kernel can hold the capture ruleset (in a private netns; changes nothing).
+    Doctor,
 }
 
 fn main() -> ExitCode {
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
         }
         Command::Services(args) => services::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Doctor => doctor::run(),
     }
 }
 
