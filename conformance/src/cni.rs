@@ -57,10 +57,26 @@ impl Outcome {
 /// Runs the plugin with a clean environment (`env`) and `conf` on stdin, inside the network
 /// namespace at `run_in` (the simulated node's host netns: where a runtime runs plugins).
 pub fn run(run_in: &str, env: &[(&str, &str)], conf: &Value) -> Outcome {
+    spawn_in(run_in, &[], env, conf.to_string().as_bytes())
+}
+
+/// Runs the binary as the operator CLI (`args`, e.g. `["services", "--state-dir", D,
+/// "apply"]`) with a clean environment and `stdin`, inside the network namespace at `run_in`
+/// (the simulated node's host netns: where the node agent runs it).
+pub fn run_cli(run_in: &str, args: &[&str], stdin: &[u8]) -> Outcome {
+    spawn_in(run_in, args, &[], stdin)
+}
+
+fn spawn_in(run_in: &str, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
     let ns = std::fs::File::open(run_in).unwrap_or_else(|e| panic!("open {run_in}: {e}"));
     let fd = ns.as_raw_fd();
     let mut cmd = Command::new(cni_bin());
-    cmd.env_clear().envs(env.iter().copied()).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     // SAFETY: setns is async-signal-safe; the fd stays open in the parent until spawn returns.
     unsafe {
         cmd.pre_exec(move || {
@@ -72,7 +88,7 @@ pub fn run(run_in: &str, env: &[(&str, &str)], conf: &Value) -> Outcome {
     }
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {}: {e}", cni_bin().display()));
     drop(ns);
-    child.stdin.take().unwrap().write_all(conf.to_string().as_bytes()).unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
     let out = child.wait_with_output().unwrap();
     Outcome {
         ok: out.status.success(),

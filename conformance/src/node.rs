@@ -2,7 +2,7 @@
 //! DNS stub and the proxy stand-in.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use aether_testkit::{run, try_run, TestNetns};
 use serde_json::{json, Value};
@@ -120,6 +120,20 @@ impl SimNode {
             state_dir: self.state_dir.0.display().to_string(),
             ns,
         }
+    }
+
+    /// The node state directory the pods' network configuration names (`stateDir`).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir.0
+    }
+
+    /// `aether-cni services --state-dir <the node's> <args>` with `stdin`, run from inside
+    /// the host netns as the node agent would.
+    pub fn services(&self, args: &[&str], stdin: &[u8]) -> cni::Outcome {
+        let dir = self.state_dir.0.display().to_string();
+        let mut full = vec!["services", "--state-dir", dir.as_str()];
+        full.extend_from_slice(args);
+        cni::run_cli(&self.host.path(), &full, stdin)
     }
 
     /// What reached the upstream (any host-local address, any `UPSTREAM_*_PORTS` port).
