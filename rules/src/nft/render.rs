@@ -37,27 +37,55 @@ fn cstring(s: &str) -> CString {
     CString::new(s).expect("model names contain no NUL byte")
 }
 
-/// The transaction that makes the kernel hold exactly `table`: create it if missing, delete
-/// it (and whatever an earlier attempt left in it), then create it afresh with its sets,
-/// chains and rules. The kernel applies all of it or none.
-pub(crate) fn replace_table(table: &model::Table) -> Rendered {
-    replace_table_keeping(table, &BTreeMap::new())
+/// What a table batch does about a table of the same name the kernel may already hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Existing {
+    /// There is none (the caller looked): the table is created with `NLM_F_EXCL`, so if one
+    /// appeared since, the kernel refuses the whole transaction (`EEXIST` on the table, the
+    /// first message) and changes nothing. No delete: deleting a table in a transaction, even
+    /// one that does not exist yet, costs the kernel an RCU grace period (milliseconds).
+    Refuse,
+    /// Replace it atomically: create it if missing, delete it (and whatever is in it), then
+    /// create it afresh.
+    Replace,
 }
 
-/// `replace_table`, with the named counters starting from the given (packets, bytes), so a
+/// The transaction that makes the kernel hold exactly `table`, with its sets, counters,
+/// chains and rules; `existing` says what becomes of a table already there. The kernel
+/// applies all of it or none.
+pub(crate) fn table_batch(table: &model::Table, existing: Existing) -> Rendered {
+    table_batch_keeping(table, &BTreeMap::new(), existing)
+}
+
+/// `table_batch`, with the named counters starting from the given (packets, bytes), so a
 /// rebuild does not lose what they counted.
-pub(crate) fn replace_table_keeping(table: &model::Table, counters: &BTreeMap<String, (u64, u64)>) -> Rendered {
+pub(crate) fn table_batch_keeping(
+    table: &model::Table,
+    counters: &BTreeMap<String, (u64, u64)>,
+    existing: Existing,
+) -> Rendered {
     let mut b = Builder { batch: Batch::new(), labels: Vec::new() };
     let t = nftnl::Table::new(cstring(&table.name), ProtoFamily::Ipv4);
-    b.add(&t, MsgType::Add, format!("table ip {}", table.name));
-    b.add(&t, MsgType::Del, format!("flush of table ip {}", table.name));
-    b.add(&t, MsgType::Add, format!("table ip {}", table.name));
+    let label = table_label(&table.name);
+    match existing {
+        Existing::Refuse => b.add(&NewTableExclusive::new(&table.name), MsgType::Add, label),
+        Existing::Replace => {
+            b.add(&t, MsgType::Add, label.clone());
+            b.add(&t, MsgType::Del, format!("flush of table ip {}", table.name));
+            b.add(&t, MsgType::Add, label);
+        }
+    }
     for name in &table.counters {
         let start = counters.get(name).copied().unwrap_or((0, 0));
         b.add(&NftCounter::new(&table.name, name, start), MsgType::Add, format!("counter {name}"));
     }
     add_contents(&mut b, &t, table);
     Rendered { batch: b.batch.finalize(), labels: b.labels }
+}
+
+/// The label of the (first) table message of a table batch.
+pub(crate) fn table_label(name: &str) -> String {
+    format!("table ip {name}")
 }
 
 /// A change of set elements only: for each set, the raw keys (with their interval-end flag)
@@ -329,6 +357,47 @@ unsafe impl NlMsg for SetElemsMsg<'_> {
         unsafe {
             let hdr = sys::nftnl_nlmsg_build_hdr(buf.cast(), msg as u16, ProtoFamily::Ipv4 as u16, flags as u16, seq);
             sys::nftnl_set_elems_nlmsg_build_payload(hdr, self.0.ptr.as_ptr());
+        }
+    }
+}
+
+/// `NFT_MSG_NEWTABLE` with `NLM_F_CREATE | NLM_F_EXCL` (nftnl's `Table` sends neither flag):
+/// creation only, `EEXIST` if the table is there.
+struct NewTableExclusive {
+    ptr: NonNull<sys::nftnl_table>,
+}
+
+impl Drop for NewTableExclusive {
+    fn drop(&mut self) {
+        unsafe { sys::nftnl_table_free(self.ptr.as_ptr()) }
+    }
+}
+
+impl NewTableExclusive {
+    fn new(name: &str) -> Self {
+        let ptr = NonNull::new(unsafe { sys::nftnl_table_alloc() }).expect("nftnl_table_alloc: out of memory");
+        let name = cstring(name);
+        unsafe {
+            sys::nftnl_table_set_u32(ptr.as_ptr(), sys::NFTNL_TABLE_FAMILY as u16, ProtoFamily::Ipv4 as u32);
+            sys::nftnl_table_set_str(ptr.as_ptr(), sys::NFTNL_TABLE_NAME as u16, name.as_ptr());
+        }
+        NewTableExclusive { ptr }
+    }
+}
+
+unsafe impl NlMsg for NewTableExclusive {
+    unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
+        assert!(kind == MsgType::Add, "an exclusive create has no delete");
+        let flags = libc::NLM_F_CREATE | libc::NLM_F_EXCL | libc::NLM_F_ACK;
+        unsafe {
+            let hdr = sys::nftnl_nlmsg_build_hdr(
+                buf.cast(),
+                libc::NFT_MSG_NEWTABLE as u16,
+                ProtoFamily::Ipv4 as u16,
+                flags as u16,
+                seq,
+            );
+            sys::nftnl_table_nlmsg_build_payload(hdr, self.ptr.as_ptr());
         }
     }
 }
