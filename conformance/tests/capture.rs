@@ -234,20 +234,12 @@ fn a_failure_at_each_step_of_add_leaves_the_netns_unchanged() {
     if !root_or_skip("a_failure_at_each_step_of_add_leaves_the_netns_unchanged") {
         return;
     }
-    if !cfg!(feature = "fault-injection") {
-        assert_ne!(
-            std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(),
-            Ok("1"),
-            "failure injection needs --features aether-cni/fault-injection (make test sets it)"
-        );
-        eprintln!("SKIPPED: a_failure_at_each_step_of_add_leaves_the_netns_unchanged needs --features fault-injection");
-        return;
-    }
     let c = conf("1.0.0", json!({}));
-    for step in ["nftables", "policy-rule", "local-route", "record"] {
+    for step in ["nftables", "policy-rule", "local-route", "record", "services"] {
         let ns = TestNetns::new("fail");
         let before = ns.snapshot(TABLE);
         let out = run_plugin("ADD", Some(&ns.path()), &c, &[("AETHER_CNI_INJECT_FAILURE", step)]);
+        assert!(!out.ok, "ADD ignored AETHER_CNI_INJECT_FAILURE={step}: the binary under test was built without --features fault-injection (make test builds it with)");
         let (code, text) = out.error();
         assert_eq!(code, 5, "{step}: {text}");
         assert!(text.contains(&format!("injected failure at step {step}")), "{step}: {text}");

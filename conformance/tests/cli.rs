@@ -5,11 +5,11 @@ mod common;
 use std::process::Command;
 
 use aether_testkit::{root_or_skip, TestNetns};
-use common::{conf, run_plugin, BIN};
+use common::{bin, conf, run_plugin};
 use serde_json::json;
 
 fn cli(args: &[&str]) -> (bool, String) {
-    let out = Command::new(BIN).args(args).output().unwrap();
+    let out = Command::new(bin()).args(args).output().unwrap();
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 

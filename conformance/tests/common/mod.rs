@@ -7,7 +7,10 @@ use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
+/// The binary under test (see `aether_conformance::cni::cni_bin`).
+pub fn bin() -> &'static std::path::Path {
+    aether_conformance::cni::cni_bin()
+}
 
 pub struct Outcome {
     pub ok: bool,
@@ -30,7 +33,7 @@ impl Outcome {
 }
 
 pub fn run_plugin(command: &str, netns: Option<&str>, conf: &Value, extra_env: &[(&str, &str)]) -> Outcome {
-    let mut cmd = Command::new(BIN);
+    let mut cmd = Command::new(bin());
     cmd.env_clear()
         .env("CNI_COMMAND", command)
         .env("CNI_CONTAINERID", "ctr-0123")
