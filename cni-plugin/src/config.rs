@@ -318,12 +318,18 @@ fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, Str
 fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
     let s = v.as_str().ok_or("expected an IPv4 CIDR string such as 10.0.0.0/8")?;
     let s = s.trim();
-    if let Ok(net) = s.parse::<Ipv4Net>() {
-        return Ok(net);
-    }
-    s.parse::<Ipv4Addr>()
-        .map(Ipv4Net::from)
-        .map_err(|_| format!("{s:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address"))
+    let bad = || format!("{s:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address");
+    // The address part goes through std's parser, which refuses leading zeros ("010.0.0.1"
+    // reads as octal to some tools and decimal to others); ipnet's alone would accept it.
+    let (addr, prefix) = match s.split_once('/') {
+        Some((a, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            (a, Some(p.parse::<u8>().map_err(|_| bad())?))
+        }
+        Some(_) => return Err(bad()),
+        None => (s, None),
+    };
+    let addr = addr.parse::<Ipv4Addr>().map_err(|_| bad())?;
+    Ipv4Net::new(addr, prefix.unwrap_or(32)).map_err(|_| bad())
 }
 
 /// `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, inserted by the runtime because
@@ -471,6 +477,8 @@ mod tests {
             (json!({"rulePriority": 40000}), 7, "rule priority", "40000"),
             (json!({"excludeOutboundCIDRs": ["10.0.0.0/33"]}), 7, "excludeOutboundCIDRs", "10.0.0.0/33"),
             (json!({"excludeOutboundCIDRs": ["fd00::/8"]}), 7, "excludeOutboundCIDRs", "fd00::/8"),
+            (json!({"excludeOutboundCIDRs": ["10.96.01.0/24"]}), 7, "excludeOutboundCIDRs", "10.96.01.0/24"),
+            (json!({"excludeOutboundCIDRs": ["10.0.0.0/+8"]}), 7, "excludeOutboundCIDRs", "10.0.0.0/+8"),
             (json!({"excludeOutboundPorts": ["90-80"]}), 7, "excludeOutboundPorts", "90-80"),
             (json!({"excludeOutboundPorts": [true]}), 7, "excludeOutboundPorts", "true"),
             (json!({"excludeNamespaces": [1]}), 7, "excludeNamespaces", "1"),
