@@ -317,19 +317,24 @@ fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, Str
 
 fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
     let s = v.as_str().ok_or("expected an IPv4 CIDR string such as 10.0.0.0/8")?;
-    let s = s.trim();
-    let bad = || format!("{s:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address");
-    // The address part goes through std's parser, which refuses leading zeros ("010.0.0.1"
-    // reads as octal to some tools and decimal to others); ipnet's alone would accept it.
+    parse_ipv4_net(s.trim(), true)
+        .ok_or_else(|| format!("{:?} is not an IPv4 CIDR (such as 10.0.0.0/8) or address", s.trim()))
+}
+
+/// An IPv4 CIDR (or, with `bare_address_ok`, an address as a /32). The address goes
+/// through std's parser, which refuses leading zeros ("010.0.0.1" reads as octal to some
+/// tools and decimal to others; ipnet alone would accept it), and the prefix must be plain
+/// digits without a leading zero.
+pub fn parse_ipv4_net(s: &str, bare_address_ok: bool) -> Option<Ipv4Net> {
     let (addr, prefix) = match s.split_once('/') {
-        Some((a, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
-            (a, Some(p.parse::<u8>().map_err(|_| bad())?))
+        Some((a, p)) if p.bytes().all(|b| b.is_ascii_digit()) && (p == "0" || !p.starts_with('0')) => {
+            (a, p.parse::<u8>().ok()?)
         }
-        Some(_) => return Err(bad()),
-        None => (s, None),
+        Some(_) => return None,
+        None if bare_address_ok => (s, 32),
+        None => return None,
     };
-    let addr = addr.parse::<Ipv4Addr>().map_err(|_| bad())?;
-    Ipv4Net::new(addr, prefix.unwrap_or(32)).map_err(|_| bad())
+    Ipv4Net::new(addr.parse::<Ipv4Addr>().ok()?, prefix).ok()
 }
 
 /// `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, inserted by the runtime because

@@ -121,7 +121,7 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
                     errs.push(format!("{place}: {v} is not a string"));
                     continue;
                 };
-                let net = match s.parse::<Ipv4Net>() {
+                let net = match crate::config::parse_ipv4_net(s, false).ok_or(()) {
                     Ok(n) => n,
                     Err(_) if s.parse::<Ipv4Addr>().is_ok() => {
                         errs.push(format!("{place}: {s:?} has no prefix length (write {s}/32 for a ClusterSetIP)"));
@@ -385,6 +385,10 @@ mod tests {
             (
                 Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.0/33")),
                 "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][0] = json!("10.96.01.0/24")),
+                "serviceRanges[0]: \"10.96.01.0/24\" is not an IPv4 CIDR",
             ),
             (
                 Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")),
