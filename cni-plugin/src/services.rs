@@ -266,6 +266,9 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
     }
     dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
     let l = snap.layer(dir.divert_mark());
+    // Mode `off` removes each pod's table: its counts join the node accumulator first, so
+    // node totals never go backwards (as at DEL).
+    let mut folded: BTreeMap<String, u64> = BTreeMap::new();
     let pods = StateDir::new(&dir.state)
         .records()
         .into_iter()
@@ -273,15 +276,35 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
             let (result, vanished) = match Netns::open_foreign(&r.netns) {
                 Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
                 Err(e) => (Err(e.to_string()), false),
-                Ok(ns) => match ns.run(|| layer::apply(&l)) {
-                    Ok(Ok(a)) => (Ok(a), false),
-                    Ok(Err(e)) => (Err(e.to_string()), false),
-                    Err(e) => (Err(e.to_string()), false),
-                },
+                Ok(ns) => {
+                    let last_counts = match l.mode {
+                        layer::LayerMode::Off => ns.run(layer::counters).ok().and_then(Result::ok).flatten(),
+                        _ => None,
+                    };
+                    match ns.run(|| layer::apply(&l)) {
+                        Ok(Ok(a)) => {
+                            if let (Applied::Removed(true), Some(counts)) = (&a, last_counts) {
+                                for (k, v) in counts {
+                                    *folded.entry(k).or_default() += v;
+                                }
+                            }
+                            (Ok(a), false)
+                        }
+                        Ok(Err(e)) => (Err(e.to_string()), false),
+                        Err(e) => (Err(e.to_string()), false),
+                    }
+                }
             };
             PodOutcome { container_id: r.container_id, ifname: r.ifname, netns: r.netns, result, vanished }
         })
         .collect();
+    if !folded.is_empty() {
+        let mut acc = dir.accumulator();
+        for (k, v) in folded {
+            *acc.entry(k).or_default() += v;
+        }
+        dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()).map_err(|e| vec![e])?;
+    }
     Ok(ApplyReport { generation: snap.generation, pods })
 }
 

@@ -452,3 +452,30 @@ fn del_folds_the_pods_counts_into_the_node_totals() {
     control(after != totals, "pod b's layer deleted before its DEL", format!("{totals:?} -> {after:?}"));
     assert_eq!(after, sum(&ca, &only(None, 0)));
 }
+
+#[test]
+fn mode_off_folds_the_pods_counts_so_node_totals_never_go_backwards() {
+    let Some(mut node) = node("mode_off_folds_the_pods_counts_so_node_totals_never_go_backwards", "svcoff") else {
+        return;
+    };
+    let a = node.add_pod("a");
+    let _conf_a = a.add(json!({}));
+    let _pa = Proxy::start(&a);
+    apply(&node, &snapshot(1, "count"));
+    for dst in [sa(VIP, 80), sa(EXTERNAL, 80)] {
+        assert_eq!(a.tcp(dst), capture(&a, "tcp", dst));
+    }
+    let before = node_totals(&counters(&node));
+    let mut want = only(Some("service"), 1);
+    want.insert("external".into(), 1);
+    assert_eq!(before, want);
+    // Mode off removes the pod's table; its counts stay in the node totals.
+    apply(&node, &snapshot(2, "off"));
+    assert!(!has_layer(&a), "mode off removed the layer");
+    assert_eq!(node_totals(&counters(&node)), before, "mode off made the node totals go backwards");
+    // Back on: the pod starts from zero, the node totals keep growing from where they were.
+    apply(&node, &snapshot(3, "count"));
+    assert_eq!(a.tcp(sa(VIP, 80)), capture(&a, "tcp", sa(VIP, 80)));
+    let after = node_totals(&counters(&node));
+    assert_eq!(after, sum(&before, &only(Some("service"), 1)), "{after:?}");
+}
