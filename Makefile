@@ -34,9 +34,12 @@ test: deps clients-deps
 demo: build
 	CARGO=$(CARGO) bash scripts/demo.sh $(BIN)
 
-## bench: programming a pod's capture in-process vs by exec of nft/ip, side by side (root)
+## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process
+## vs plugin exec vs shelling out to nft/ip; 2. the Service layer at 1,000 and 10,000 ports:
+## full build vs one Service more vs verify. Medians and ratios.
 bench: deps
 	$(CARGO) bench -p aether-cni --bench capture
+	$(CARGO) bench -p aether-rules --bench services_apply
 
 clean:
 	$(CARGO) clean

@@ -1,47 +1,71 @@
-//! `make bench`: programming a pod's capture, side by side in one run.
+//! `make bench`, part 1: programming a pod's capture, side by side in one run.
 //!
-//! - in-process: `aether_rules::install` + `remove` (what ADD and DEL do after start-up)
+//! - in-process, the parts apart: `aether_rules::install` into a fresh pod netns (the
+//!   common ADD), `install` over an intact one (a re-ADD: the table is replaced atomically),
+//!   and `aether_rules::remove` (DEL); then fresh install + remove together, as one pod's life
 //! - plugin exec: the `aether-cni` binary driven through the CNI protocol, ADD then DEL
 //! - shell-out baseline: the same ruleset by `nft -f` plus `ip rule` and `ip route`, the way
 //!   a plugin that execs the tools would do it, then `nft delete table` + `ip rule del`
 //! - CHECK in-process (`verify`) against `nft list table` by exec
 //!
-//! Needs root (it makes its own netns). Prints medians and ratios; asserts nothing.
+//! Needs root (it makes its own netns, deleted again even on a panic). Prints medians, p90s
+//! and ratios; asserts only that each step succeeds. `AETHER_BENCH_ROUNDS` overrides the
+//! number of rounds.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_netns::Netns;
-use aether_rules::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
+use aether_rules::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert, Ruleset};
+use aether_testkit::TestNetns;
 
-const ROUNDS: usize = 200;
+const WARM_UP: usize = 5;
+
+fn rounds() -> usize {
+    std::env::var("AETHER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(200)
+}
 
 fn sh(args: &[&str]) {
     let st = Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).status().unwrap();
     assert!(st.success(), "{args:?}");
 }
 
-fn measure(name: &str, mut f: impl FnMut()) -> (String, Duration) {
-    for _ in 0..5 {
-        f(); // warm up: module loads, page cache
+/// Median and p90 of some samples.
+#[derive(Clone, Copy)]
+struct Stat {
+    median: Duration,
+    p90: Duration,
+}
+
+fn stat(name: &str, mut samples: Vec<Duration>) -> Stat {
+    samples.sort();
+    let s = Stat { median: samples[samples.len() / 2], p90: samples[samples.len() * 9 / 10] };
+    println!("  {name:<52} median {:>8.3} ms   p90 {:>8.3} ms", ms(s.median), ms(s.p90));
+    s
+}
+
+/// Times `f` `rounds` times after a warm-up (module loads, page cache).
+fn measure(name: &str, mut f: impl FnMut()) -> Stat {
+    for _ in 0..WARM_UP {
+        f();
     }
-    let mut samples: Vec<Duration> = (0..ROUNDS)
+    let samples = (0..rounds())
         .map(|_| {
             let t = Instant::now();
             f();
             t.elapsed()
         })
         .collect();
-    samples.sort();
-    let median = samples[ROUNDS / 2];
-    let p90 = samples[ROUNDS * 9 / 10];
-    println!("{name:<44} median {:>9.3} ms   p90 {:>9.3} ms", ms(median), ms(p90));
-    (name.to_string(), median)
+    stat(name, samples)
 }
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+fn ratio(name: &str, num: Stat, den: Stat) {
+    println!("  {name:<52} {:>6.2}x", ms(num.median) / ms(den.median));
 }
 
 fn main() {
@@ -49,24 +73,57 @@ fn main() {
         eprintln!("make bench needs root (it creates its own network namespace)");
         std::process::exit(1);
     }
-    let ns_name = format!("aether-bench-{}", std::process::id());
-    sh(&["ip", "netns", "add", &ns_name]);
-    let path = format!("/run/netns/{ns_name}");
-    let result = std::panic::catch_unwind(|| run(&ns_name, &path));
-    let _ = Command::new("ip").args(["netns", "del", &ns_name]).status();
-    if result.is_err() {
-        std::process::exit(1);
-    }
+    // Deleted on drop, also when a step panics (the panic unwinds through main).
+    let ns = TestNetns::new("bench");
+    run(&ns);
 }
 
-fn run(ns_name: &str, path: &str) {
-    sh(&["ip", "-n", ns_name, "link", "set", "lo", "up"]);
+/// Times install and remove apart, each round in the netns as ADD and DEL find it. The
+/// clock runs inside the netns thread, so the thread's creation and `setns` are not counted
+/// (the plugin pays them once per command, as the exec line shows).
+fn install_remove(netns: &Netns, rs: &Ruleset, reinstall: bool) -> (Vec<Duration>, Vec<Duration>) {
+    netns
+        .run(|| {
+            let (mut adds, mut dels) = (Vec::new(), Vec::new());
+            for i in 0..WARM_UP + rounds() {
+                if reinstall {
+                    aether_rules::install(rs, None).unwrap();
+                }
+                let t = Instant::now();
+                aether_rules::install(rs, None).unwrap();
+                let add = t.elapsed();
+                let t = Instant::now();
+                let removed = aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap();
+                let del = t.elapsed();
+                assert!(removed.table && removed.rule && removed.route, "{removed:?}");
+                if i >= WARM_UP {
+                    adds.push(add);
+                    dels.push(del);
+                }
+            }
+            (adds, dels)
+        })
+        .unwrap()
+}
+
+fn run(ns: &TestNetns) {
     let mut cfg = CaptureConfig::new(CaptureMode::RedirectAll);
     cfg.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
     let rs = capture_ruleset(&cfg).unwrap();
-    let netns = Netns::open_foreign(path).unwrap();
-    println!("{ROUNDS} rounds each, one pod netns, default ruleset with DNS capture\n");
+    let netns = Netns::open_foreign(ns.path()).unwrap();
+    println!("capture: {} rounds each, one pod netns, default ruleset with DNS capture\n", rounds());
 
+    println!("in-process (aether_rules), the parts apart:");
+    let (adds, dels) = install_remove(&netns, &rs, false);
+    let fresh = stat("install, fresh netns (ADD)", adds);
+    let remove = stat("remove (DEL)", dels);
+    let (readds, _) = install_remove(&netns, &rs, true);
+    let readd = stat("install over an intact install (re-ADD)", readds);
+    let absent = measure("remove, nothing there (repeated DEL)", || {
+        netns.run(|| aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap()).unwrap();
+    });
+
+    println!("\none pod's life (fresh install + remove), and the alternatives:");
     let inproc = measure("in-process install + remove", || {
         netns
             .run(|| {
@@ -84,6 +141,7 @@ fn run(ns_name: &str, path: &str) {
     let nft_file = std::env::temp_dir().join(format!("aether-bench-{}.nft", std::process::id()));
     std::fs::write(&nft_file, &nft_text).unwrap();
     let nft_file = nft_file.to_str().unwrap().to_string();
+    let ns_name = ns.name.as_str();
     let shell = measure("shell-out: nft -f + ip rule + ip route, and back", || {
         sh(&["ip", "netns", "exec", ns_name, "nft", "-f", &nft_file]);
         sh(&["ip", "-n", ns_name, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
@@ -101,11 +159,12 @@ fn run(ns_name: &str, path: &str) {
         "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.244.1.5/24"}]}
     })
     .to_string();
+    let path = ns.path();
     let plugin = |cmd: &str| {
         let mut child = Command::new(env!("CARGO_BIN_EXE_aether-cni"))
             .env("CNI_COMMAND", cmd)
             .env("CNI_CONTAINERID", "bench")
-            .env("CNI_NETNS", path)
+            .env("CNI_NETNS", &path)
             .env("CNI_IFNAME", "eth0")
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -120,6 +179,7 @@ fn run(ns_name: &str, path: &str) {
         plugin("DEL");
     });
 
+    println!("\nCHECK:");
     netns.run(|| aether_rules::install(&rs, None).unwrap()).unwrap();
     let check = measure("in-process CHECK (dump + compare)", || {
         assert!(netns.run(|| aether_rules::verify(&rs).unwrap()).unwrap().is_empty())
@@ -127,11 +187,15 @@ fn run(ns_name: &str, path: &str) {
     let list = measure("exec: nft list table (no comparison)", || {
         sh(&["ip", "netns", "exec", ns_name, "nft", "list", "table", "ip", "aether_capture"]);
     });
+    netns.run(|| aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&state);
 
-    println!();
-    println!("ratio shell-out / in-process          {:>6.1}x", ms(shell.1) / ms(inproc.1));
-    println!("ratio plugin exec / in-process        {:>6.1}x", ms(exec.1) / ms(inproc.1));
-    println!("ratio shell-out / plugin exec         {:>6.1}x", ms(shell.1) / ms(exec.1));
-    println!("ratio nft list exec / in-process CHECK {:>5.1}x", ms(list.1) / ms(check.1));
+    println!("\nratios (of medians):");
+    ratio("remove / fresh install", remove, fresh);
+    ratio("re-ADD install / fresh install", readd, fresh);
+    ratio("remove / remove with nothing there", remove, absent);
+    ratio("shell-out / in-process", shell, inproc);
+    ratio("plugin exec / in-process", exec, inproc);
+    ratio("shell-out / plugin exec", shell, exec);
+    ratio("nft list exec / in-process CHECK", list, check);
 }

@@ -304,39 +304,3 @@ fn demand_forgets_after_the_timeout() {
     std::thread::sleep(std::time::Duration::from_millis(2500));
     assert_eq!(in_ns(&p.pod, services::demand).unwrap(), vec![]);
 }
-
-/// A measurement, not a timed test: run with `--ignored --nocapture`.
-#[test]
-#[ignore]
-fn measure_apply_scale() {
-    if !root_or_skip("measure_apply_scale") {
-        return;
-    }
-    let ns = TestNetns::new("svc-scale");
-    for n in [1_000u32, 10_000] {
-        let mut l = layer(LayerMode::Refuse);
-        l.ranges = vec!["10.96.0.0/12".parse().unwrap()];
-        l.ports = (0..n)
-            .map(|i| ServicePort {
-                vip: Ipv4Addr::from(0x0a60_0000 + 2 + i),
-                proto: Proto::Tcp,
-                port: 80,
-                has_endpoints: i % 10 != 0,
-            })
-            .collect();
-        in_ns(&ns, services::remove).unwrap();
-        let t = std::time::Instant::now();
-        in_ns(&ns, || services::apply(&l)).unwrap();
-        let build = t.elapsed();
-        l.ports.push(port("10.111.0.1", Proto::Tcp, 443, true));
-        let t = std::time::Instant::now();
-        let what = in_ns(&ns, || services::apply(&l)).unwrap();
-        let one = t.elapsed();
-        let t = std::time::Instant::now();
-        assert!(in_ns(&ns, || services::verify(&l)).unwrap().is_empty());
-        let verify = t.elapsed();
-        println!(
-            "{n} Service ports: build {build:?}; one Service more {one:?} ({what:?}); read back and compare {verify:?}"
-        );
-    }
-}
