@@ -5,7 +5,7 @@ CARGO ?= cargo
 APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
 BIN := target/release/aether-cni
 
-.PHONY: deps build test demo bench static clean clients-deps
+.PHONY: deps build test demo bench clean clients-deps
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
