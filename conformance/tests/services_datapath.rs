@@ -479,3 +479,31 @@ fn mode_off_folds_the_pods_counts_so_node_totals_never_go_backwards() {
     let after = node_totals(&counters(&node));
     assert_eq!(after, sum(&before, &only(Some("service"), 1)), "{after:?}");
 }
+
+/// Three datagrams of one UDP flow that never gets a reply (no listener: the datagrams
+/// are diverted and find no socket): conntrack calls each of them `new`, yet the flow is
+/// one connection and is counted once.
+#[test]
+fn a_udp_flow_without_replies_is_counted_once() {
+    let Some(mut node) = node("a_udp_flow_without_replies_is_counted_once", "svcudp") else { return };
+    let a = node.add_pod("a");
+    let _conf = a.add(json!({}));
+    apply(&node, &snapshot(1, "count"));
+    let dst = sa(VIP, 18082);
+    let send_three = |port: u16| {
+        sock::in_netns(&a.path(), || {
+            let s = std::net::UdpSocket::bind(("0.0.0.0", port)).expect("UDP socket");
+            for _ in 0..3 {
+                s.send_to(b"probe", dst).expect("send");
+            }
+        })
+    };
+    let before = node_totals(&counters(&node));
+    send_three(40001);
+    let after = node_totals(&counters(&node));
+    assert_eq!(delta(&before, &after), only(Some("service"), 1), "one UDP flow, three datagrams, no reply");
+    // Control: another source port is another flow, counted again.
+    send_three(40002);
+    let last = node_totals(&counters(&node));
+    control(delta(&after, &last) == only(Some("service"), 1), "a second UDP flow", format!("{after:?} -> {last:?}"));
+}

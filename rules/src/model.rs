@@ -250,6 +250,8 @@ pub enum Match {
     DportInSet(Proto, String),
     /// `ct state new`: the first packet of a connection.
     CtStateNew,
+    /// `ct status & confirmed == 0`: the first packet of a flow, exactly once.
+    CtUnconfirmed,
     /// `ip daddr != @set`
     DaddrNotInSet(String),
     /// `ip daddr . meta l4proto . th dport @set` (a `ServiceKey` set)
@@ -290,6 +292,7 @@ impl fmt::Display for Match {
             Match::Dport(p, port) => write!(f, "{} dport {port}", p.name()),
             Match::DportInSet(p, s) => write!(f, "{} dport @{s}", p.name()),
             Match::CtStateNew => write!(f, "ct state new"),
+            Match::CtUnconfirmed => write!(f, "ct status & confirmed == 0"),
             Match::DaddrNotInSet(s) => write!(f, "ip daddr != @{s}"),
             Match::ServiceKeyInSet(s) => write!(f, "ip daddr . meta l4proto . th dport @{s}"),
         }

@@ -186,9 +186,9 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
         _ => Action::CountAccept(counter.into()),
     };
     let egress = vec![rule(
-        vec![Match::Mark(layer.divert_mark), Match::CtStateNew],
+        vec![Match::Mark(layer.divert_mark), Match::CtStateNew, Match::CtUnconfirmed],
         Action::Jump(CHAIN_CLASSIFY.into()),
-        "classify the first packet of each connection capture diverts (nothing it excludes)",
+        "classify the first packet of each connection capture diverts (nothing it excludes), once",
     )];
     let classify = vec![
         rule(vec![Match::Dport(Proto::Udp, 53)], Action::Accept, "DNS goes to the node DNS proxy: never classified"),

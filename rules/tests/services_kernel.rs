@@ -83,7 +83,7 @@ fn layer_round_trip_and_element_only_updates() {
         "update @dialled { ip daddr . meta l4proto . th dport }",
         "reject with tcp reset",
         "10.96.1.1 . tcp . 80",
-        "ct state new jump classify",
+        "ct state new ct status ! confirmed jump classify",
     ] {
         assert!(listing.contains(want), "missing {want:?} in\n{listing}");
     }

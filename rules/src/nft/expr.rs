@@ -22,6 +22,8 @@ const REG32_01: u32 = 9;
 const REG32_02: u32 = 10;
 /// `NF_CT_STATE_BIT(IP_CT_NEW)`
 const CT_STATE_NEW_BIT: u32 = 1 << 3;
+/// `IPS_CONFIRMED`: set once the first packet of a flow has left the stack.
+const CT_STATUS_CONFIRMED: u32 = 1 << 3;
 const NFT_OBJECT_COUNTER: u32 = 1;
 const NFT_DYNSET_OP_UPDATE: u32 = 1;
 const NFT_REJECT_ICMP_UNREACH: u32 = 0;
@@ -58,6 +60,7 @@ pub(crate) enum Expr {
     CmpNeq(Vec<u8>),
     /// Load the conntrack state bits into register 1.
     CtState,
+    CtStatus,
     /// Register 1 = (register 1 & mask) ^ xor.
     Bitwise {
         mask: Vec<u8>,
@@ -104,6 +107,13 @@ pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
         Match::InputLoopback => vec![meta(libc::NFT_META_IIF), Expr::CmpEq(LOOPBACK_IFINDEX.to_ne_bytes().to_vec())],
         Match::DaddrInSet(set) => vec![daddr(), lookup(set, false)],
         Match::DaddrNotInSet(set) => vec![daddr(), lookup(set, true)],
+        // Only the very first packet of a flow sees its conntrack entry unconfirmed: later
+        // packets of a UDP flow stay `new` until a reply, but are confirmed.
+        Match::CtUnconfirmed => vec![
+            Expr::CtStatus,
+            Expr::Bitwise { mask: CT_STATUS_CONFIRMED.to_ne_bytes().to_vec(), xor: vec![0; 4] },
+            Expr::CmpEq(vec![0; 4]),
+        ],
         Match::CtStateNew => vec![
             Expr::CtState,
             Expr::Bitwise { mask: CT_STATE_NEW_BIT.to_ne_bytes().to_vec(), xor: vec![0; 4] },
@@ -224,9 +234,10 @@ impl Expression for Expr {
                 set_data(e, sys::NFTNL_EXPR_CMP_DATA, data);
                 e
             }
-            Expr::CtState => {
+            Expr::CtState | Expr::CtStatus => {
+                let key = if matches!(self, Expr::CtState) { libc::NFT_CT_STATE } else { libc::NFT_CT_STATUS };
                 let e = alloc(c"ct");
-                set_u32(e, sys::NFTNL_EXPR_CT_KEY, libc::NFT_CT_STATE as u32);
+                set_u32(e, sys::NFTNL_EXPR_CT_KEY, key as u32);
                 set_u32(e, sys::NFTNL_EXPR_CT_DREG, REG_1);
                 e
             }
