@@ -38,11 +38,18 @@ fn main() {
     assert!(out.ok, "ADD failed: {}\n{}", out.stdout, out.stderr);
     println!("result (prevResult passed through): {}", out.stdout.trim());
 
-    say("What ADD wrote in the pod netns (nft list ruleset; ip rule)");
+    say("What ADD wrote in the pod netns (nft list ruleset; ip rule; ip route show table 44657)");
     print!("{}", pod.ruleset());
     for line in pod.ip(&["rule"]).lines().filter(|l| l.contains("fwmark")) {
         println!("ip rule: {line}");
     }
+    for line in pod.ip(&["route", "show", "table", "44657"]).lines() {
+        println!("ip route (table 44657): {line}");
+    }
+
+    say("CNI CHECK (silent when the capture is intact)");
+    let check = pod.cni("CHECK", &conf);
+    println!("CHECK {}", if check.ok && check.stdout.is_empty() { "passed" } else { "FAILED" });
 
     say("The mesh proxy stand-in binds its transparent listeners inside the pod: TCP 127.0.0.1:18001, UDP 127.0.0.1:18082");
     let proxy = Proxy::start(&pod);
@@ -67,10 +74,18 @@ fn main() {
     }
     println!("the capture listener saw none of it ({} connection in all: the curl)", proxy.seen().len());
 
+    say("Someone deletes the passthrough rule in the pod; CHECK names what changed");
+    pod.delete_rule("egress_divert", "passthrough");
+    let check = pod.cni("CHECK", &conf);
+    let msg = check.json()["msg"].as_str().unwrap_or_default().to_string();
+    println!("CHECK failed (code {}): {msg}", check.json()["code"]);
+
     say("CNI DEL");
     pod.del(&conf);
     let left = pod.ruleset();
     println!("pod ruleset after DEL: {}", if left.is_empty() { "(empty)" } else { &left });
+    let rules: Vec<String> = pod.ip(&["rule"]).lines().map(str::to_string).collect();
+    println!("ip rule after DEL: {}", rules.join(" | "));
 
     say(&format!("In the pod again: curl http://{url}/"));
     let before = proxy.seen().len();
