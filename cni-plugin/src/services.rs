@@ -15,9 +15,8 @@
 pub mod snapshot;
 
 use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -26,7 +25,7 @@ use aether_rules::services::{self as layer, Applied, COUNTERS};
 use serde_json::{json, Value};
 
 use crate::error::{code, CniError};
-use crate::state::StateDir;
+use crate::state::{self, StateDir};
 use snapshot::Snapshot;
 
 #[derive(clap::Args)]
@@ -116,49 +115,21 @@ pub struct ServicesDir {
     root: PathBuf,
 }
 
-struct Lock(File);
-
-impl Drop for Lock {
-    fn drop(&mut self) {
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
-    }
-}
-
 impl ServicesDir {
     pub fn new(state_dir: &Path) -> Self {
         ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services") }
     }
 
-    fn lock(&self, exclusive: bool) -> Result<Lock, String> {
+    fn lock(&self, exclusive: bool) -> Result<state::Lock, String> {
         fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
         let path = self.root.join("lock");
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-        let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
-        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
-            return Err(format!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error()));
-        }
-        Ok(Lock(f))
+        state::lock_file(&path, exclusive).map_err(|e| format!("cannot lock {}: {e}", path.display()))
     }
 
     fn write_atomic(&self, name: &str, body: &[u8]) -> Result<(), String> {
         fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
         let path = self.root.join(name);
-        let tmp = self.root.join(format!(".{name}.tmp.{}", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(body)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            format!("cannot write {}: {e}", path.display())
-        })
+        state::write_atomic(&path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))
     }
 
     /// The stored snapshot: its text and its parse. A stored file that no longer parses is

@@ -53,6 +53,32 @@ impl Drop for Lock {
     }
 }
 
+/// Takes a shared or exclusive `flock` on `path` (created if missing), held until dropped.
+pub fn lock_file(path: &Path, exclusive: bool) -> std::io::Result<Lock> {
+    let f = OpenOptions::new().create(true).truncate(false).write(true).open(path)?;
+    let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(Lock(f))
+}
+
+/// Writes `body` to `path` so readers see the old content or the new, never a torn file:
+/// a temp file beside it, fsync, rename.
+pub fn write_atomic(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(body)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    };
+    write().inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })
+}
+
 impl StateDir {
     pub fn new(root: &Path) -> Self {
         StateDir { root: root.to_path_buf() }
@@ -72,17 +98,7 @@ impl StateDir {
     pub fn lock(&self, exclusive: bool) -> Result<Lock, CniError> {
         self.ensure()?;
         let path = self.root.join("lock");
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io_error(format!("cannot open {}", path.display()), e))?;
-        let op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
-        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
-            return Err(io_error(format!("cannot lock {}", path.display()), std::io::Error::last_os_error()));
-        }
-        Ok(Lock(f))
+        lock_file(&path, exclusive).map_err(|e| io_error(format!("cannot lock {}", path.display()), e))
     }
 
     /// File names are built from validated parts (network names and container IDs are
@@ -95,18 +111,9 @@ impl StateDir {
     pub fn write(&self, rec: &Record) -> Result<(), CniError> {
         self.ensure()?;
         let path = self.record_path(&rec.network, &rec.container_id, &rec.ifname);
-        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
         let body = serde_json::to_vec_pretty(rec).expect("records serialize");
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&body)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            io_error(format!("cannot write attachment record {}", path.display()), e)
-        })
+        write_atomic(&path, &body)
+            .map_err(|e| io_error(format!("cannot write attachment record {}", path.display()), e))
     }
 
     pub fn read(&self, network: &str, container_id: &str, ifname: &str) -> Option<Record> {

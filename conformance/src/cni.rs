@@ -52,24 +52,36 @@ impl Outcome {
     pub fn json(&self) -> Value {
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", self.stdout))
     }
+
+    /// The CNI error printed on failure: (code, msg + details).
+    pub fn error(&self) -> (u64, String) {
+        assert!(!self.ok, "expected a failure, got success: {}", self.stdout);
+        let v = self.json();
+        let text = format!("{} {}", v["msg"].as_str().unwrap_or(""), v["details"].as_str().unwrap_or(""));
+        (v["code"].as_u64().expect("error has a code"), text)
+    }
 }
 
 /// Runs the plugin with a clean environment (`env`) and `conf` on stdin, inside the network
 /// namespace at `run_in` (the simulated node's host netns: where a runtime runs plugins).
 pub fn run(run_in: &str, env: &[(&str, &str)], conf: &Value) -> Outcome {
-    spawn_in(run_in, &[], env, conf.to_string().as_bytes())
+    spawn_in(Some(run_in), &[], env, conf.to_string().as_bytes())
+}
+
+/// Like `run`, in the caller's own network namespace (the tests' stand-in for the node).
+pub fn run_here(env: &[(&str, &str)], conf: &Value) -> Outcome {
+    spawn_in(None, &[], env, conf.to_string().as_bytes())
 }
 
 /// Runs the binary as the operator CLI (`args`, e.g. `["services", "--state-dir", D,
 /// "apply"]`) with a clean environment and `stdin`, inside the network namespace at `run_in`
 /// (the simulated node's host netns: where the node agent runs it).
 pub fn run_cli(run_in: &str, args: &[&str], stdin: &[u8]) -> Outcome {
-    spawn_in(run_in, args, &[], stdin)
+    spawn_in(Some(run_in), args, &[], stdin)
 }
 
-fn spawn_in(run_in: &str, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
-    let ns = std::fs::File::open(run_in).unwrap_or_else(|e| panic!("open {run_in}: {e}"));
-    let fd = ns.as_raw_fd();
+fn spawn_in(run_in: Option<&str>, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
+    let ns = run_in.map(|p| std::fs::File::open(p).unwrap_or_else(|e| panic!("open {p}: {e}")));
     let mut cmd = Command::new(cni_bin());
     cmd.args(args)
         .env_clear()
@@ -77,14 +89,16 @@ fn spawn_in(run_in: &str, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> 
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: setns is async-signal-safe; the fd stays open in the parent until spawn returns.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+    if let Some(fd) = ns.as_ref().map(|f| f.as_raw_fd()) {
+        // SAFETY: setns is async-signal-safe; the fd stays open in the parent until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
     }
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {}: {e}", cni_bin().display()));
     drop(ns);

@@ -2,9 +2,6 @@
 
 #![allow(dead_code)]
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
 use serde_json::{json, Value};
 
 /// The binary under test (see `aether_conformance::cni::cni_bin`).
@@ -12,51 +9,26 @@ pub fn bin() -> &'static std::path::Path {
     aether_conformance::cni::cni_bin()
 }
 
-pub struct Outcome {
-    pub ok: bool,
-    pub stdout: String,
-    pub stderr: String,
-}
+pub use aether_conformance::cni::Outcome;
 
-impl Outcome {
-    pub fn json(&self) -> Value {
-        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}", self.stdout))
-    }
-
-    /// The CNI error printed on failure: (code, msg + details).
-    pub fn error(&self) -> (u64, String) {
-        assert!(!self.ok, "expected a failure, got success: {}", self.stdout);
-        let v = self.json();
-        let text = format!("{} {}", v["msg"].as_str().unwrap_or(""), v["details"].as_str().unwrap_or(""));
-        (v["code"].as_u64().expect("error has a code"), text)
-    }
-}
-
+/// Runs the plugin as a runtime does, from the test's own netns, with a pod's usual
+/// environment (`extra_env` overrides or adds; an empty value stands for an unset variable).
 pub fn run_plugin(command: &str, netns: Option<&str>, conf: &Value, extra_env: &[(&str, &str)]) -> Outcome {
-    let mut cmd = Command::new(bin());
-    cmd.env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", "ctr-0123")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", "/opt/cni/bin")
-        .env("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut env: Vec<(&str, &str)> = vec![
+        ("CNI_COMMAND", command),
+        ("CNI_CONTAINERID", "ctr-0123"),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_PATH", "/opt/cni/bin"),
+        ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0"),
+    ];
     if let Some(ns) = netns {
-        cmd.env("CNI_NETNS", ns);
+        env.push(("CNI_NETNS", ns));
     }
     for (k, v) in extra_env {
-        cmd.env(k, v);
+        env.retain(|(e, _)| e != k);
+        env.push((k, v));
     }
-    let mut child = cmd.spawn().expect("spawn aether-cni");
-    child.stdin.take().unwrap().write_all(conf.to_string().as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    Outcome {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    aether_conformance::cni::run_here(&env, conf)
 }
 
 /// A realistic prevResult from a main plugin (bridge + host-local).
