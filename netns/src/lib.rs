@@ -163,7 +163,11 @@ mod tests {
     #[test]
     fn a_private_namespace_is_not_the_callers() {
         if unsafe { libc_geteuid() } != 0 {
-            eprintln!("SKIPPED (needs root): a_private_namespace_is_not_the_callers");
+            {
+                // Straight to stderr: libtest captures eprintln!, and a skip must be seen.
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED (needs root): a_private_namespace_is_not_the_callers");
+            }
             assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "root required");
             return;
         }

@@ -473,7 +473,14 @@ mod tests {
             if std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() == Ok("1") {
                 panic!("AETHER_REQUIRE_ROOT_TESTS=1 but not running as root");
             }
-            eprintln!("SKIPPED (needs root): programs_reads_back_and_removes_policy_routing_as_root");
+            {
+                // Straight to stderr: libtest captures eprintln!, and a skip must be seen.
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED (needs root): programs_reads_back_and_removes_policy_routing_as_root"
+                );
+            }
             return;
         }
         static N: AtomicUsize = AtomicUsize::new(0);

@@ -14,7 +14,14 @@ pub fn root_or_skip(test: &str) -> bool {
     if std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() == Ok("1") {
         panic!("{test}: needs root, and AETHER_REQUIRE_ROOT_TESTS=1 forbids skipping it");
     }
-    eprintln!("SKIPPED (needs root): {test} -- run as root, or set AETHER_REQUIRE_ROOT_TESTS=1 to make this a failure");
+    {
+        // Straight to stderr: libtest captures eprintln!, and a skip must be seen.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED (needs root): {test} -- run as root, or set AETHER_REQUIRE_ROOT_TESTS=1 to make this a failure"
+        );
+    }
     false
 }
 
