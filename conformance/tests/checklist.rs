@@ -428,3 +428,20 @@ fn l27_runtime_only_keys_are_tolerated() {
     let ns = TestNetns::new("l27");
     add_ok(&ns, &conf("1.1.0", json!({"cniVersions": ["1.0.0", "1.1.0"], "disableCheck": false, "disableGC": false})));
 }
+
+#[test]
+fn l25_logs_go_to_the_configured_file_and_stderr_never_stdout() {
+    if !root_or_skip("l25b") {
+        return;
+    }
+    let ns = TestNetns::new("l25b");
+    let log = std::path::Path::new(&state_dir()).with_extension("log");
+    let c = conf("1.0.0", json!({"logFile": log.display().to_string(), "logLevel": "debug"}));
+    let out = add_ok(&ns, &c);
+    assert_eq!(out.json(), c["prevResult"], "stdout carries only the result");
+    let text = std::fs::read_to_string(&log).expect("the log file was written");
+    assert!(text.contains("ADD ctr-0123: capture programmed"), "{text}");
+    assert!(text.contains("table ip aether_capture {"), "debug level logs the ruleset: {text}");
+    assert!(out.stderr.contains("ADD ctr-0123: capture programmed"), "{}", out.stderr);
+    let _ = std::fs::remove_file(&log);
+}
