@@ -156,32 +156,38 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let record = state.read(&conf.name, id, ifname);
     // Without CNI_NETNS, the record still knows where the pod lived.
     let netns_path = env.netns.clone().or_else(|| record.as_ref().map(|r| r.netns.clone()));
-    if let Some(path) = netns_path {
-        remove_from(&path, conf, id)?;
-    }
-    state.remove(&conf.name, id, ifname)?;
+    detach(netns_path.as_deref(), conf, id, || state.remove(&conf.name, id, ifname))?;
     Ok(None)
 }
 
-/// Removes the capture from the netns at `path`; a netns already gone is fine.
-fn remove_from(path: &str, conf: &NetConf, id: &str) -> Result<(), CniError> {
-    let netns = match Netns::open_foreign(path) {
-        Ok(ns) => ns,
-        Err(aether_netns::Error::NotFound { .. }) => {
-            info!("{id}: netns {path} is already gone");
-            return Ok(());
+/// Undoes an attachment: the pod's Service layer (its counts folded into the node totals)
+/// and its record go together under the services lock, then the capture. A netns that is
+/// already gone is fine.
+fn detach(
+    path: Option<&str>,
+    conf: &NetConf,
+    id: &str,
+    forget: impl FnOnce() -> Result<(), CniError>,
+) -> Result<(), CniError> {
+    let netns = match path.map(Netns::open_foreign) {
+        None => None,
+        Some(Ok(ns)) => Some(ns),
+        Some(Err(aether_netns::Error::NotFound { .. })) => {
+            info!("{id}: netns {} is already gone", path.unwrap_or_default());
+            None
         }
-        Err(e) => return Err(e.into()),
+        Some(Err(e)) => return Err(e.into()),
     };
-    // The pod's Service counts join the node totals before its layer goes. A failure here
-    // must not keep the pod from being deleted: it is logged, and the capture removed.
-    if let Err(e) = services::fold_counters_on_del(&conf.state_dir, std::path::Path::new(path)) {
-        warn!("{id}: the pod's Service counters could not be folded into the node totals: {e}");
+    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), forget)?;
+    for w in &retired.warnings {
+        warn!("{id}: {w}");
     }
-    // Table and policy route are node-wide settings: no record is needed to find them.
-    let policy_route = conf.base.policy_route();
-    let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
-    info!("{id}: removed {removed:?} from {path}");
+    if let Some(netns) = netns {
+        // Table and policy route are node-wide settings: no record is needed to find them.
+        let policy_route = conf.base.policy_route();
+        let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
+        info!("{id}: removed {removed:?} from {}; Service counts folded: {:?}", netns.path().display(), retired.folded);
+    }
     Ok(())
 }
 
@@ -261,8 +267,9 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         if valid.iter().any(|(c, i)| *c == rec.container_id && *i == rec.ifname) {
             continue;
         }
-        let outcome = remove_from(&rec.netns, conf, &rec.container_id)
-            .and_then(|()| state.remove(&rec.network, &rec.container_id, &rec.ifname));
+        let outcome = detach(Some(&rec.netns), conf, &rec.container_id, || {
+            state.remove(&rec.network, &rec.container_id, &rec.ifname)
+        });
         match outcome {
             Ok(()) => info!("GC: removed stale attachment {}/{}", rec.container_id, rec.ifname),
             Err(e) => failures.push(format!("{}/{}: {e}", rec.container_id, rec.ifname)),

@@ -10,7 +10,9 @@
 //!   it to every recorded pod; ADD holds it shared while it applies the stored snapshot to
 //!   its pod. ADD must call `apply_current_snapshot_in_netns` after its attachment record is
 //!   written: then either the apply sees the record, or ADD reads the apply's snapshot, so no
-//!   pod misses a generation (a lock, not a generation check).
+//!   pod misses a generation (a lock, not a generation check). DEL and GC hold it exclusively
+//!   while they fold a pod's counts, remove its layer and forget its record
+//!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
 pub mod snapshot;
 
@@ -300,29 +302,55 @@ pub fn apply_current_snapshot_in_netns(
     Ok(Some(snap.generation))
 }
 
-/// For DEL, in the host netns, before the netns goes: folds the pod's final counts into the
-/// node accumulator, then removes the layer. A missing netns or layer folds nothing (a
-/// repeated DEL does not count twice). Returns the counts folded in.
-pub fn fold_counters_on_del(state_dir: &Path, netns_path: &Path) -> Result<BTreeMap<String, u64>, CniError> {
+/// What DEL (or GC) did to a pod's Service layer.
+#[derive(Debug, Default)]
+pub struct Retired {
+    /// The pod's final counts, now in the node accumulator.
+    pub folded: BTreeMap<String, u64>,
+    /// What went wrong without stopping the pod's deletion (logged by the caller).
+    pub warnings: Vec<String>,
+}
+
+/// For DEL and GC, in the host netns: under the services lock (exclusive), folds the pod's
+/// final counts into the node accumulator, removes its layer, and runs `forget` (which
+/// removes the attachment record). `services apply` holds the same lock while it walks the
+/// records, so it either ran before (and its layer is removed here) or runs after (and no
+/// longer sees the pod): it never re-creates a layer in a pod being deleted.
+///
+/// `netns` is `None` when the pod's netns is already gone: nothing to fold, and a repeated
+/// DEL never counts twice. Only `forget` and the lock can fail the call; a count or a layer
+/// that cannot be read or removed must not keep a pod from being deleted, so it is reported
+/// in `warnings`.
+pub fn retire_layer(
+    state_dir: &Path,
+    netns: Option<&Netns>,
+    forget: impl FnOnce() -> Result<(), CniError>,
+) -> Result<Retired, CniError> {
     let dir = ServicesDir::new(state_dir);
-    let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot fold the Service counters").with_details(what);
-    let ns = match Netns::open_foreign(netns_path) {
-        Ok(ns) => ns,
-        Err(aether_netns::Error::NotFound { .. }) => return Ok(BTreeMap::new()),
-        Err(e) => return Err(fail(e.to_string())),
-    };
-    let counts = ns.run(layer::counters).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
-    let Some(counts) = counts else { return Ok(BTreeMap::new()) };
-    {
-        let _lock = dir.lock(true).map_err(fail)?;
-        let mut acc = dir.accumulator();
-        for (k, v) in &counts {
-            *acc.entry(k.clone()).or_default() += v;
+    let _lock =
+        dir.lock(true).map_err(|e| CniError::new(code::IO_FAILURE, "cannot lock the Service state").with_details(e))?;
+    let mut out = Retired::default();
+    if let Some(ns) = netns {
+        match ns.run(layer::counters).map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+            Ok(Some(counts)) => {
+                let mut acc = dir.accumulator();
+                for (k, v) in &counts {
+                    *acc.entry(k.clone()).or_default() += v;
+                }
+                match dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()) {
+                    Ok(()) => out.folded = counts,
+                    Err(e) => out.warnings.push(format!("the pod's Service counts are lost: {e}")),
+                }
+            }
+            Ok(None) => {}
+            Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
         }
-        dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()).map_err(fail)?;
+        if let Err(e) = ns.run(layer::remove).map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
+            out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
+        }
     }
-    ns.run(layer::remove).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
-    Ok(counts)
+    forget()?;
+    Ok(out)
 }
 
 pub struct NodeCounters {
@@ -553,6 +581,49 @@ mod tests {
         let _ = fs::remove_dir_all(&state);
     }
 
+    /// 50 parallel DELs (`retire_layer` forgetting the record) against 20 applies: no apply
+    /// re-creates a layer in a pod that is being deleted.
+    #[test]
+    fn parallel_dels_and_applies_leave_no_layer_behind() {
+        if !root_or_skip("parallel_dels_and_applies_leave_no_layer_behind") {
+            return;
+        }
+        let state = tmp("delrace");
+        let dir = ServicesDir::new(&state);
+        apply_document(&dir, &doc(1)).unwrap();
+        let netns: Vec<TestNetns> = (0..50).map(|_| TestNetns::new("svc-delrace")).collect();
+        for (i, ns) in netns.iter().enumerate() {
+            StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
+            let n = Netns::open_foreign(ns.path()).unwrap();
+            apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+        }
+        std::thread::scope(|s| {
+            for (i, ns) in netns.iter().enumerate() {
+                let state = state.clone();
+                s.spawn(move || {
+                    let n = Netns::open_foreign(ns.path()).unwrap();
+                    let forget = || StateDir::new(&state).remove("k8s-pod-network", &format!("c{i}"), "eth0");
+                    let retired = retire_layer(&state, Some(&n), forget).unwrap();
+                    assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
+                });
+            }
+            for g in 2..=21u64 {
+                let dir = ServicesDir::new(&state);
+                s.spawn(move || {
+                    if let Err(e) = apply_document(&dir, &doc(g)) {
+                        assert!(e[0].contains("is older than the stored generation"), "{e:?}");
+                    }
+                });
+            }
+        });
+        for ns in &netns {
+            let left = Netns::open_foreign(ns.path()).unwrap().run(layer::counters).unwrap().unwrap();
+            assert!(left.is_none(), "{}: an apply re-created the layer of a deleted pod", ns.name);
+        }
+        assert!(StateDir::new(&state).records().is_empty());
+        let _ = fs::remove_dir_all(&state);
+    }
+
     /// Counters survive pod churn: ADD, traffic, DEL; the node total still includes it, and a
     /// repeated DEL does not count it twice.
     #[test]
@@ -586,16 +657,17 @@ mod tests {
         .unwrap();
         let before = node_counters(&dir).unwrap().totals;
         assert_eq!((before["service"], before["refused_no_service"], before["external"]), (1, 1, 1), "{before:?}");
-        let folded = fold_counters_on_del(&state, Path::new(&ns.path())).unwrap();
-        assert_eq!(folded["service"], 1);
-        StateDir::new(&state).remove("k8s-pod-network", "f", "eth0").unwrap();
+        let forget = || StateDir::new(&state).remove("k8s-pod-network", "f", "eth0");
+        let retired = retire_layer(&state, Some(&n), forget).unwrap();
+        assert_eq!(retired.folded["service"], 1);
+        assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
+        assert!(StateDir::new(&state).records().is_empty(), "the record is forgotten under the lock");
         assert_eq!(node_counters(&dir).unwrap().totals, before, "node totals went backwards");
         // DEL again (and DEL after the netns is gone): nothing counted twice.
-        assert!(fold_counters_on_del(&state, Path::new(&ns.path())).unwrap().is_empty());
+        assert!(retire_layer(&state, Some(&n), || Ok(())).unwrap().folded.is_empty());
         drop(n);
-        let path = ns.path();
         drop(ns);
-        assert!(fold_counters_on_del(&state, Path::new(&path)).unwrap().is_empty());
+        assert!(retire_layer(&state, None, || Ok(())).unwrap().folded.is_empty());
         assert_eq!(node_counters(&dir).unwrap().totals, before);
         let _ = fs::remove_dir_all(&state);
     }
