@@ -5,7 +5,7 @@ CARGO ?= cargo
 APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
 BIN := target/release/aether-cni
 
-.PHONY: deps build test demo bench clean clients-deps
+.PHONY: deps build test demo bench soak clean clients-deps
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -40,6 +40,11 @@ demo: build
 bench: deps
 	$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
+
+## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a
+## Service apply each round), then checks nothing is left behind (root; bounded)
+soak: build
+	AETHER_CNI_BIN=$(CURDIR)/$(BIN) $(CARGO) bench -p aether-conformance --bench churn
 
 clean:
 	$(CARGO) clean
