@@ -304,3 +304,36 @@ fn demand_forgets_after_the_timeout() {
     std::thread::sleep(std::time::Duration::from_millis(2500));
     assert_eq!(in_ns(&p.pod, services::demand).unwrap(), vec![]);
 }
+
+/// 100,000 Service ports: hundreds of element messages in one transaction, built, changed
+/// by a large deletion, and read back; the kernel's answers must not overflow the socket.
+#[test]
+fn a_hundred_thousand_service_ports_apply_and_verify() {
+    if !root_or_skip("a_hundred_thousand_service_ports_apply_and_verify") {
+        return;
+    }
+    let ns = TestNetns::new("svc-100k");
+    let big = |n: u32| {
+        let mut l = ServiceLayer::new(LayerMode::Refuse);
+        l.ranges = vec!["10.64.0.0/10".parse().unwrap()];
+        l.ports = (0..n)
+            .map(|i| ServicePort {
+                vip: Ipv4Addr::from(0x0a40_0002 + i),
+                proto: Proto::Tcp,
+                port: 80,
+                has_endpoints: i % 10 != 0,
+            })
+            .collect();
+        l
+    };
+    let (l100k, l30k) = (big(100_000), big(30_000));
+    assert_eq!(in_ns(&ns, || services::apply(&l100k)).unwrap(), Applied::Rebuilt);
+    assert!(in_ns(&ns, || services::verify(&l100k)).unwrap().is_empty());
+    match in_ns(&ns, || services::apply(&l30k)).unwrap() {
+        // 70,000 ports leave service_ports or empty_services, and their 70,000 VIPs leave
+        // service_vips.
+        Applied::Elements { removed, .. } => assert_eq!(removed, 140_000),
+        other => panic!("expected an element-only update, got {other:?}"),
+    }
+    assert!(in_ns(&ns, || services::verify(&l30k)).unwrap().is_empty());
+}

@@ -13,6 +13,10 @@ const NLMSG_HDRLEN: usize = 16;
 const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
 const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// What one queued ACK costs the receive buffer (the skb's truesize, generously).
+const ACK_TRUESIZE: usize = 1024;
+/// Below this, the kernel's default socket buffers already suffice.
+const DEFAULT_SOCKET_BUFFER: usize = 208 * 1024;
 
 pub(crate) struct NftSocket {
     sock: mnl::Socket,
@@ -82,12 +86,16 @@ impl NftSocket {
             self.sock.send_all(pages).map_err(|source| Error::Nftables { op: "send transaction", source })?;
         } else {
             let whole: Vec<u8> = pages.concat();
-            self.grow_send_buffer(whole.len())?;
+            self.grow_buffer(libc::SO_SNDBUFFORCE, whole.len() + 4096)?;
             let sent = self.sock.send(&whole).map_err(|source| Error::Nftables { op: "send transaction", source })?;
             if sent < whole.len() {
                 return Err(Error::Nftables { op: "send transaction", source: io::Error::other("short send") });
             }
         }
+        // Our own messages ask for no ACK (errors are reported anyway); nftnl's tables,
+        // chains and rules do, one ACK each. Room for all of them, so a large batch's answers
+        // never overflow the socket (ENOBUFS after the kernel has committed).
+        self.grow_buffer(libc::SO_RCVBUFFORCE, labels.len() * ACK_TRUESIZE)?;
         // A request after the batch: its answer arrives after every answer to the batch, so
         // it marks the end of the verdict whatever the kernel acknowledges.
         let fence = self.send_request(libc::NFT_MSG_GETGEN, ProtoFamily::Unspec, 0, |_| {})?;
@@ -124,20 +132,25 @@ impl NftSocket {
         }
     }
 
-    fn grow_send_buffer(&mut self, len: usize) -> Result<()> {
+    /// Raises a socket buffer to at least `len` bytes (the *FORCE options: root may exceed
+    /// the system maximum, as nft does for large batches).
+    fn grow_buffer(&mut self, option: libc::c_int, len: usize) -> Result<()> {
         use std::os::fd::AsRawFd;
-        let size = (len + 4096) as libc::c_int;
+        if len <= DEFAULT_SOCKET_BUFFER {
+            return Ok(());
+        }
+        let size = len.min(i32::MAX as usize) as libc::c_int;
         let r = unsafe {
             libc::setsockopt(
                 self.sock.as_raw_fd(),
                 libc::SOL_SOCKET,
-                libc::SO_SNDBUFFORCE,
+                option,
                 (&size as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             )
         };
         if r != 0 {
-            return Err(Error::Nftables { op: "size the send buffer", source: io::Error::last_os_error() });
+            return Err(Error::Nftables { op: "size a socket buffer", source: io::Error::last_os_error() });
         }
         Ok(())
     }

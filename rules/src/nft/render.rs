@@ -322,8 +322,8 @@ impl NftCounter {
 unsafe impl NlMsg for NftCounter {
     unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
         let (msg, flags) = match kind {
-            MsgType::Add => (libc::NFT_MSG_NEWOBJ, libc::NLM_F_CREATE | libc::NLM_F_ACK),
-            MsgType::Del => (libc::NFT_MSG_DELOBJ, libc::NLM_F_ACK),
+            MsgType::Add => (libc::NFT_MSG_NEWOBJ, libc::NLM_F_CREATE),
+            MsgType::Del => (libc::NFT_MSG_DELOBJ, 0),
         };
         unsafe {
             let hdr = sys::nftnl_nlmsg_build_hdr(buf.cast(), msg as u16, ProtoFamily::Ipv4 as u16, flags as u16, seq);
@@ -338,8 +338,8 @@ struct SetElemsMsg<'a>(&'a NftSet);
 unsafe impl NlMsg for SetMsg<'_> {
     unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
         let (msg, flags) = match kind {
-            MsgType::Add => (libc::NFT_MSG_NEWSET, libc::NLM_F_CREATE | libc::NLM_F_ACK),
-            MsgType::Del => (libc::NFT_MSG_DELSET, libc::NLM_F_ACK),
+            MsgType::Add => (libc::NFT_MSG_NEWSET, libc::NLM_F_CREATE),
+            MsgType::Del => (libc::NFT_MSG_DELSET, 0),
         };
         unsafe {
             let hdr = sys::nftnl_nlmsg_build_hdr(buf.cast(), msg as u16, ProtoFamily::Ipv4 as u16, flags as u16, seq);
@@ -351,8 +351,8 @@ unsafe impl NlMsg for SetMsg<'_> {
 unsafe impl NlMsg for SetElemsMsg<'_> {
     unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
         let (msg, flags) = match kind {
-            MsgType::Add => (libc::NFT_MSG_NEWSETELEM, libc::NLM_F_CREATE | libc::NLM_F_ACK),
-            MsgType::Del => (libc::NFT_MSG_DELSETELEM, libc::NLM_F_ACK),
+            MsgType::Add => (libc::NFT_MSG_NEWSETELEM, libc::NLM_F_CREATE),
+            MsgType::Del => (libc::NFT_MSG_DELSETELEM, 0),
         };
         unsafe {
             let hdr = sys::nftnl_nlmsg_build_hdr(buf.cast(), msg as u16, ProtoFamily::Ipv4 as u16, flags as u16, seq);
@@ -388,7 +388,7 @@ impl NewTableExclusive {
 unsafe impl NlMsg for NewTableExclusive {
     unsafe fn write(&self, buf: *mut c_void, seq: u32, kind: MsgType) {
         assert!(kind == MsgType::Add, "an exclusive create has no delete");
-        let flags = libc::NLM_F_CREATE | libc::NLM_F_EXCL | libc::NLM_F_ACK;
+        let flags = libc::NLM_F_CREATE | libc::NLM_F_EXCL;
         unsafe {
             let hdr = sys::nftnl_nlmsg_build_hdr(
                 buf.cast(),
