@@ -339,3 +339,19 @@ fn a_malformed_annotation_fails_add_and_programs_nothing() {
     assert!(text.contains("aether.io/exclude-outbound-ports") && text.contains("80,https"), "{text}");
     assert_eq!(ns.snapshot(TABLE), before);
 }
+
+/// A dormant table keeps every rule and hooks none: nothing is captured. CHECK must see it.
+#[test]
+fn check_catches_a_dormant_table() {
+    if !root_or_skip("check_catches_a_dormant_table") {
+        return;
+    }
+    let ns = TestNetns::new("dorm");
+    let c = conf("1.0.0", json!({}));
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+    assert!(run_plugin("CHECK", Some(&ns.path()), &c, &[]).ok, "the control: intact before");
+    ns.exec("nft", &["add", "table", "ip", "aether_capture", "{ flags dormant; }"]);
+    let (code, text) = run_plugin("CHECK", Some(&ns.path()), &c, &[]).error();
+    assert_eq!(code, 100);
+    assert!(text.contains("dormant"), "{text}");
+}

@@ -136,13 +136,25 @@ fn cname(name: &str) -> Result<CString> {
 
 /// Whether the current netns has table ip `name`.
 fn table_exists(sock: &mut NftSocket, name: &CString) -> Result<bool> {
+    Ok(table_flags(sock, name)?.is_some())
+}
+
+/// The flags of table `name` (e.g. dormant), or `None` when there is no such table.
+fn table_flags(sock: &mut NftSocket, name: &CString) -> Result<Option<u32>> {
     let tables = sock.dump(libc::NFT_MSG_GETTABLE, "dump tables", |_| {})?;
-    Ok(tables.iter().any(|m| unsafe {
+    Ok(tables.iter().find_map(|m| unsafe {
         let t = sys::nftnl_table_alloc();
         let found = sys::nftnl_table_nlmsg_parse(m.as_ptr().cast(), t) >= 0
             && std::ffi::CStr::from_ptr(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)) == name.as_c_str();
+        let flags = found.then(|| {
+            if sys::nftnl_table_is_set(t, sys::NFTNL_TABLE_FLAGS as u16) {
+                sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FLAGS as u16)
+            } else {
+                0
+            }
+        });
         sys::nftnl_table_free(t);
-        found
+        flags
     }))
 }
 
@@ -151,9 +163,9 @@ fn table_exists(sock: &mut NftSocket, name: &CString) -> Result<bool> {
 pub fn kernel_view(name: &str) -> Result<Option<TableView>> {
     let mut sock = NftSocket::open()?;
     let cname = cname(name)?;
-    if !table_exists(&mut sock, &cname)? {
+    let Some(flags) = table_flags(&mut sock, &cname)? else {
         return Ok(None);
-    }
+    };
     let sets = sock.dump(libc::NFT_MSG_GETSET, "dump sets", |hdr| unsafe {
         let s = sys::nftnl_set_alloc();
         sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, cname.as_ptr());
@@ -180,7 +192,9 @@ pub fn kernel_view(name: &str) -> Result<Option<TableView>> {
         sys::nftnl_rule_nlmsg_build_payload(hdr, r);
         sys::nftnl_rule_free(r);
     })?);
-    Ok(Some(TableView::from_messages(name, messages.iter().map(Vec::as_slice))))
+    let mut view = TableView::from_messages(name, messages.iter().map(Vec::as_slice));
+    view.flags = flags;
+    Ok(Some(view))
 }
 
 #[cfg(test)]

@@ -11,6 +11,8 @@ use super::netlink::{nft_type, split_messages};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableView {
+    /// Table flags: a dormant table (`NFT_TABLE_F_DORMANT`) keeps every rule and hooks none.
+    pub flags: u32,
     pub sets: Vec<SetView>,
     pub chains: Vec<ChainView>,
     /// Named counter objects: name -> (packets, bytes).
@@ -330,6 +332,11 @@ pub fn show_key(key: &[u8], end: bool) -> String {
 /// What differs between what we expect and what the kernel holds, one line per difference.
 pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
     let mut out = Vec::new();
+    if actual.flags != expected.flags {
+        // NFT_TABLE_F_DORMANT (linux/netfilter/nf_tables.h)
+        let dormant = if actual.flags & 0x1 != 0 { " (dormant: no chain is hooked)" } else { "" };
+        out.push(format!("table flags are {:#x}{dormant}, expected {:#x}", actual.flags, expected.flags));
+    }
     for e in &expected.sets {
         let Some(a) = actual.sets.iter().find(|a| a.name == e.name) else {
             out.push(format!("set {} is missing", e.name));
