@@ -222,6 +222,14 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         base.mesh_l4_port = p;
     }
     let scoped = f.list("scopedPorts")?;
+    if f.0.contains_key("scopedPorts") && scoped.is_empty() {
+        // Scoped mode is always reachable (the node default or a pod's annotation).
+        return Err(invalid(
+            "scopedPorts",
+            &Value::Array(scoped),
+            "scoped mode would capture nothing; list at least one port",
+        ));
+    }
     if f.0.contains_key("scopedPorts") {
         base.scoped_ports = scoped
             .iter()
@@ -291,6 +299,9 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
     // Node-wide numbers are checked now, so a bad node configuration fails every pod
     // the same way, with the configuration named rather than the pod.
     let mut probe = conf.base.clone();
+    if let Capture::Mode(mode) = conf.capture {
+        probe.mode = mode;
+    }
     if conf.capture_dns {
         probe.dns = conf.host_ip.map(|host_ip| DnsDivert { host_ip, port: conf.dns_proxy_port });
     }
@@ -474,6 +485,7 @@ mod tests {
             (json!({"meshL4Port": "x"}), 7, "meshL4Port", "x"),
             (json!({"scopedPorts": [80, 0]}), 7, "scopedPorts", "0"),
             (json!({"scopedPorts": "80"}), 7, "scopedPorts", "80"),
+            (json!({"captureMode": "scoped", "scopedPorts": []}), 7, "scopedPorts", "[]"),
             (json!({"dnsProxyPort": -1}), 7, "dnsProxyPort", "-1"),
             (json!({"divertMark": "0xzz"}), 7, "divertMark", "0xzz"),
             (json!({"divertMark": "0xae7e"}), 7, "divert mark", "0xae7e"),
