@@ -156,7 +156,7 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let record = state.read(&conf.name, id, ifname);
     // Without CNI_NETNS, the record still knows where the pod lived.
     let netns_path = env.netns.clone().or_else(|| record.as_ref().map(|r| r.netns.clone()));
-    detach(netns_path.as_deref(), conf, id, || state.remove(&conf.name, id, ifname))?;
+    detach(netns_path.as_deref(), conf, record.as_ref(), id, || state.remove(&conf.name, id, ifname))?;
     Ok(None)
 }
 
@@ -166,6 +166,7 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
 fn detach(
     path: Option<&str>,
     conf: &NetConf,
+    record: Option<&Record>,
     id: &str,
     forget: impl FnOnce() -> Result<(), CniError>,
 ) -> Result<(), CniError> {
@@ -183,8 +184,10 @@ fn detach(
         warn!("{id}: {w}");
     }
     if let Some(netns) = netns {
-        // Table and policy route are node-wide settings: no record is needed to find them.
-        let policy_route = conf.base.policy_route();
+        // The policy route ADD installed is in the record; without one (a record lost, or an
+        // ADD that failed before writing it) the node's settings name it.
+        let policy_route =
+            record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
         let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
         info!("{id}: removed {removed:?} from {}; Service counts folded: {:?}", netns.path().display(), retired.folded);
     }
@@ -267,7 +270,7 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         if valid.iter().any(|(c, i)| *c == rec.container_id && *i == rec.ifname) {
             continue;
         }
-        let outcome = detach(Some(&rec.netns), conf, &rec.container_id, || {
+        let outcome = detach(Some(&rec.netns), conf, Some(&rec), &rec.container_id, || {
             state.remove(&rec.network, &rec.container_id, &rec.ifname)
         });
         match outcome {

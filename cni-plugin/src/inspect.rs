@@ -66,7 +66,8 @@ pub fn run(args: InspectArgs) -> ExitCode {
         }
     }
     println!("\nService layer:");
-    for line in services::describe_pod_layer(&args.state_dir, &netns) {
+    let mark = records.first().and_then(|r| r.capture.as_ref()).map(|c| c.divert_mark);
+    for line in services::describe_pod_layer(&args.state_dir, &netns, mark) {
         println!("  {line}");
     }
     if intact {

@@ -238,7 +238,7 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         }
     }
     dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
-    let l = snap.layer(dir.divert_mark());
+    let node_mark = dir.divert_mark();
     // Mode `off` removes each pod's table: its counts join the node accumulator first, so
     // node totals never go backwards (as at DEL).
     let mut folded: BTreeMap<String, u64> = BTreeMap::new();
@@ -246,6 +246,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         .records()
         .into_iter()
         .map(|r| {
+            // Each pod's layer matches the divert mark its own capture sets.
+            let l = snap.layer(r.capture.as_ref().map_or(node_mark, |c| c.divert_mark));
             let (result, vanished) = match Netns::open_foreign(&r.netns) {
                 Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
                 Err(e) => (Err(e.to_string()), false),
@@ -451,7 +453,7 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
 
 /// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
 /// says it should be, whether the kernel holds exactly that, and its counters).
-pub fn describe_pod_layer(state_dir: &Path, netns: &Netns) -> Vec<String> {
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> Vec<String> {
     let dir = ServicesDir::new(state_dir);
     let mut out = Vec::new();
     let stored = match dir.stored() {
@@ -461,7 +463,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns) -> Vec<String> {
     match &stored {
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
         Some((_, snap)) => {
-            let l = snap.layer(dir.divert_mark());
+            let l = snap.layer(divert_mark.unwrap_or_else(|| dir.divert_mark()));
             out.push(format!(
                 "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
                 snap.generation,

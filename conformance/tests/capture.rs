@@ -355,3 +355,22 @@ fn check_catches_a_dormant_table() {
     assert_eq!(code, 100);
     assert!(text.contains("dormant"), "{text}");
 }
+
+/// The node configuration changed between ADD and DEL (another route table and mark): DEL
+/// still removes exactly what ADD made, from the record.
+#[test]
+fn del_removes_what_add_made_even_after_the_node_settings_changed() {
+    if !root_or_skip("del_removes_what_add_made_even_after_the_node_settings_changed") {
+        return;
+    }
+    let ns = TestNetns::new("chg");
+    let before = ns.snapshot(100);
+    let at_add = conf("1.0.0", json!({"routeTable": 100, "divertMark": "0x1e71"}));
+    assert!(run_plugin("ADD", Some(&ns.path()), &at_add, &[]).ok);
+    assert!(aether_testkit::run("ip", &["netns", "exec", &ns.name, "ip", "rule"]).contains("fwmark 0x1e71 lookup 100"));
+    let mut at_del = conf("1.0.0", json!({}));
+    at_del["stateDir"] = at_add["stateDir"].clone();
+    let out = run_plugin("DEL", Some(&ns.path()), &at_del, &[]);
+    assert!(out.ok, "{}", out.stdout);
+    assert_eq!(ns.snapshot(100), before, "DEL left ADD's rule or route behind");
+}
