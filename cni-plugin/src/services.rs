@@ -422,6 +422,9 @@ impl NodeCounters {
 /// Node totals (folded counts of removed pods + live pods) and per-pod rows. A pod whose
 /// netns is gone or has no layer has no row.
 pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
+    // Shared with other readers, exclusive of DEL/GC folding a pod: a pod is then counted
+    // either in the accumulator or in its own row, never in neither (totals never dip).
+    let _lock = dir.lock(false)?;
     let folded = dir.accumulator();
     let mut totals: BTreeMap<String, u64> =
         COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
@@ -441,6 +444,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
 
 /// The union of what the node's pods dialled, as `VIP:port/proto`.
 pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
+    let _lock = dir.lock(false)?;
     let mut all = std::collections::BTreeSet::new();
     for r in StateDir::new(&dir.state).records() {
         let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
@@ -623,6 +627,63 @@ mod tests {
             assert!(left.is_none(), "{}: an apply re-created the layer of a deleted pod", ns.name);
         }
         assert!(StateDir::new(&state).records().is_empty());
+        let _ = fs::remove_dir_all(&state);
+    }
+
+    /// Node totals read while pods are deleted one after another never dip: a pod is counted
+    /// in its own row or in the accumulator, never in neither.
+    #[test]
+    fn node_totals_never_dip_while_pods_are_deleted() {
+        if !root_or_skip("node_totals_never_dip_while_pods_are_deleted") {
+            return;
+        }
+        let state = tmp("dip");
+        let dir = ServicesDir::new(&state);
+        apply_document(&dir, &doc(1)).unwrap();
+        let pods: Vec<TestNetns> = (0..8).map(|_| TestNetns::new("svc-dip")).collect();
+        for (i, ns) in pods.iter().enumerate() {
+            StateDir::new(&state).write(&rec(&format!("d{i}"), &ns.path())).unwrap();
+            let n = Netns::open_foreign(ns.path()).unwrap();
+            apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+            // Every packet leaves through lo, marked as capture would mark it: each
+            // connection to an external address counts once.
+            ns.exec("ip", &["route", "add", "default", "dev", "lo"]);
+            let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
+            fs::write(&path, "table ip standin {\n\tchain out {\n\t\ttype route hook output priority -150; policy accept;\n\t\tmeta l4proto tcp meta mark set 0xae71\n\t}\n}\n").unwrap();
+            ns.exec("nft", &["-f", path.to_str().unwrap()]);
+            let _ = fs::remove_file(&path);
+            n.run(|| {
+                for port in 1..=5 {
+                    let addr = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+                    let _ = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(50));
+                }
+            })
+            .unwrap();
+        }
+        let full = node_counters(&dir).unwrap().totals["external"];
+        assert_eq!(full, 40, "8 pods x 5 connections");
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let samples = std::thread::scope(|s| {
+            let poller = s.spawn(|| {
+                let mut seen = Vec::new();
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    seen.push(node_counters(&ServicesDir::new(&state)).unwrap().totals["external"]);
+                }
+                seen
+            });
+            for (i, ns) in pods.iter().enumerate() {
+                let n = Netns::open_foreign(ns.path()).unwrap();
+                retire_layer(&state, Some(&n), || {
+                    StateDir::new(&state).remove("k8s-pod-network", &format!("d{i}"), "eth0")
+                })
+                .unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            poller.join().unwrap()
+        });
+        assert!(!samples.is_empty());
+        assert!(samples.iter().all(|&v| v == full), "node totals dipped while pods were deleted: {samples:?}");
+        assert_eq!(node_counters(&dir).unwrap().totals["external"], full);
         let _ = fs::remove_dir_all(&state);
     }
 
