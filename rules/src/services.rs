@@ -310,9 +310,6 @@ fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) 
     };
     let structural = nft::read::diff(&strip(expected), &strip(actual));
     if !structural.is_empty() {
-        if std::env::var_os("AETHER_DEBUG_DIFF").is_some() {
-            eprintln!("structural differences: {structural:#?}");
-        }
         return None;
     }
     let mut changes = Vec::new();

@@ -337,3 +337,26 @@ fn a_hundred_thousand_service_ports_apply_and_verify() {
     }
     assert!(in_ns(&ns, || services::verify(&l30k)).unwrap().is_empty());
 }
+
+/// The demand timeout is part of the layer: changing only it rebuilds the `dialled` set, and
+/// verify notices a set left with another timeout.
+#[test]
+fn a_new_dialled_timeout_reaches_existing_pods() {
+    if !root_or_skip("a_new_dialled_timeout_reaches_existing_pods") {
+        return;
+    }
+    let ns = TestNetns::new("svc-tmo");
+    let mut l = layer(LayerMode::Count);
+    l.dialled_timeout_secs = 3600;
+    in_ns(&ns, || services::apply(&l)).unwrap();
+    let mut shorter = l.clone();
+    shorter.dialled_timeout_secs = 60;
+    let diffs = in_ns(&ns, || services::verify(&shorter)).unwrap();
+    assert!(
+        diffs.iter().any(|d| d.contains("set dialled: element timeout is 3600000 ms, expected 60000 ms")),
+        "{diffs:#?}"
+    );
+    assert_eq!(in_ns(&ns, || services::apply(&shorter)).unwrap(), Applied::Rebuilt);
+    assert!(ns.exec("nft", &["list", "set", "ip", "aether_services", "dialled"]).contains("timeout 1m"));
+    assert!(in_ns(&ns, || services::verify(&shorter)).unwrap().is_empty());
+}

@@ -40,6 +40,8 @@ pub struct SetView {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
+    /// Default element timeout in milliseconds (0: none).
+    pub timeout_ms: u64,
     /// (key bytes, interval end)
     pub elements: BTreeSet<(Vec<u8>, bool)>,
 }
@@ -237,6 +239,11 @@ fn parse_set(hdr: *const libc::nlmsghdr, table: &str) -> Option<SetView> {
             flags: get(sys::NFTNL_SET_FLAGS),
             key_type: get(sys::NFTNL_SET_KEY_TYPE),
             key_len: get(sys::NFTNL_SET_KEY_LEN),
+            timeout_ms: if sys::nftnl_set_is_set(s, sys::NFTNL_SET_TIMEOUT as u16) {
+                sys::nftnl_set_get_u64(s, sys::NFTNL_SET_TIMEOUT as u16)
+            } else {
+                0
+            },
             elements: BTreeSet::new(),
         });
         sys::nftnl_set_free(s);
@@ -347,6 +354,9 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
                 "set {}: flags/key type/key length are {:#x}/{}/{}, expected {:#x}/{}/{}",
                 e.name, a.flags, a.key_type, a.key_len, e.flags, e.key_type, e.key_len
             ));
+        }
+        if a.timeout_ms != e.timeout_ms {
+            out.push(format!("set {}: element timeout is {} ms, expected {} ms", e.name, a.timeout_ms, e.timeout_ms));
         }
         if e.flags & libc::NFT_SET_TIMEOUT as u32 != 0 {
             // Filled by the datapath: its contents are the kernel's own.
