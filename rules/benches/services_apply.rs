@@ -1,7 +1,8 @@
 //! `make bench`, part 2: the Service layer at scale. At 1,000 and 10,000 Service ports, side
-//! by side: the full build into a netns without the layer, a rebuild (a mode change: the
-//! table replaced, counters kept), one Service more (set elements only), an apply that finds
-//! nothing to change, and `verify` (read back and compare).
+//! by side: the full build into a netns without the layer, a rebuild (a new Service range:
+//! the table replaced, counters kept), a mode change (count <-> refuse: one set's elements),
+//! one Service more (set elements only), an apply that finds nothing to change, and `verify`
+//! (read back and compare).
 //!
 //! Needs root (it makes its own netns, deleted again even on a panic). Prints medians and
 //! ratios; asserts only what each apply reports. `AETHER_BENCH_ROUNDS` overrides the number
@@ -49,6 +50,7 @@ fn ms(d: Duration) -> f64 {
 struct Row {
     build: Duration,
     rebuild: Duration,
+    mode_change: Duration,
     one_more: Duration,
     unchanged: Duration,
     verify: Duration,
@@ -71,6 +73,8 @@ fn measure(netns: &Netns, n: u32) -> Row {
         .run(|| {
             let l = layer(n, LayerMode::Refuse);
             let count = ServiceLayer { mode: LayerMode::Count, ..l.clone() };
+            let mut wider = l.clone();
+            wider.ranges.push("10.200.0.0/16".parse().unwrap());
             let mut more = l.clone();
             more.ports.push(ServicePort {
                 vip: "10.111.0.1".parse().unwrap(),
@@ -88,9 +92,15 @@ fn measure(netns: &Netns, n: u32) -> Row {
             });
             assert_eq!(services::apply(&l).unwrap(), Applied::Rebuilt);
             let rebuild = time(|| {
-                let (what, d) = timed(|| services::apply(&count).unwrap());
+                let (what, d) = timed(|| services::apply(&wider).unwrap());
                 assert_eq!(what, Applied::Rebuilt);
                 assert_eq!(services::apply(&l).unwrap(), Applied::Rebuilt);
+                d
+            });
+            let mode_change = time(|| {
+                let (what, d) = timed(|| services::apply(&count).unwrap());
+                assert_eq!(what, Applied::Elements { added: 0, removed: 2 });
+                assert_eq!(services::apply(&l).unwrap(), Applied::Elements { added: 2, removed: 0 });
                 d
             });
             let one_more = time(|| {
@@ -110,7 +120,7 @@ fn measure(netns: &Netns, n: u32) -> Row {
                 d
             });
             services::remove().unwrap();
-            Row { build, rebuild, one_more, unchanged, verify }
+            Row { build, rebuild, mode_change, one_more, unchanged, verify }
         })
         .unwrap()
 }
@@ -132,7 +142,8 @@ fn main() {
         println!("  {name:<48} {x:>9.3} ms {y:>9.3} ms {:>7.1}x", y / x);
     };
     line("full build (no layer yet: the table created)", |r| r.build);
-    line("rebuild (mode change: replaced, counters kept)", |r| r.rebuild);
+    line("rebuild (a new range: replaced, counters kept)", |r| r.rebuild);
+    line("mode change (count <-> refuse: 2 elements)", |r| r.mode_change);
     line("one Service more (2 set elements added)", |r| r.one_more);
     line("apply, nothing changed (read back + compare)", |r| r.unchanged);
     line("verify (read back + compare)", |r| r.verify);

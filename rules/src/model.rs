@@ -47,6 +47,8 @@ pub enum KeyType {
     InetService,
     /// `ipv4_addr . inet_proto . inet_service`: a Service port, kube-proxy's key.
     ServiceKey,
+    /// `inet_proto`: a transport protocol.
+    InetProto,
 }
 
 /// nft's concatenated datatype: each component's type in 6 bits, first one highest.
@@ -69,6 +71,7 @@ impl KeyType {
             KeyType::InetService => 13,
             // TYPE_IPADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
             KeyType::ServiceKey => concat_type(&[7, 12, 13]),
+            KeyType::InetProto => 12,
         }
     }
 
@@ -78,6 +81,7 @@ impl KeyType {
             KeyType::InetService => 2,
             // Each component padded to a 32-bit register.
             KeyType::ServiceKey => 12,
+            KeyType::InetProto => 1,
         }
     }
 
@@ -86,6 +90,7 @@ impl KeyType {
             KeyType::Ipv4Addr => "ipv4_addr",
             KeyType::InetService => "inet_service",
             KeyType::ServiceKey => "ipv4_addr . inet_proto . inet_service",
+            KeyType::InetProto => "inet_proto",
         }
     }
 }
@@ -98,6 +103,8 @@ pub enum Element {
     Addr(Ipv4Addr),
     /// `VIP . proto . port`
     Service(Ipv4Addr, Proto, u16),
+    /// A transport protocol.
+    Proto(Proto),
 }
 
 /// An inclusive port range; a single port is `first == last`.
@@ -254,6 +261,8 @@ pub enum Match {
     CtUnconfirmed,
     /// `ip daddr != @set`
     DaddrNotInSet(String),
+    /// `meta l4proto != @set`
+    L4ProtoNotInSet(String),
     /// `ip daddr . meta l4proto . th dport @set` (a `ServiceKey` set)
     ServiceKeyInSet(String),
 }
@@ -294,6 +303,7 @@ impl fmt::Display for Match {
             Match::CtStateNew => write!(f, "ct state new"),
             Match::CtUnconfirmed => write!(f, "ct status & confirmed == 0"),
             Match::DaddrNotInSet(s) => write!(f, "ip daddr != @{s}"),
+            Match::L4ProtoNotInSet(s) => write!(f, "meta l4proto != @{s}"),
             Match::ServiceKeyInSet(s) => write!(f, "ip daddr . meta l4proto . th dport @{s}"),
         }
     }
@@ -332,6 +342,7 @@ impl fmt::Display for Element {
             Element::Ports(p) => write!(f, "{p}"),
             Element::Addr(a) => write!(f, "{a}"),
             Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
+            Element::Proto(p) => write!(f, "{}", p.name()),
         }
     }
 }

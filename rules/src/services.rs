@@ -37,6 +37,9 @@ pub const SET_EMPTY: &str = "empty_services";
 pub const SET_VIPS: &str = "service_vips";
 pub const SET_NEVER_REFUSED: &str = "never_refused";
 pub const SET_DIALLED: &str = "dialled";
+/// The protocols refused: TCP and UDP in `refuse` mode, none in `count` mode. The mode is
+/// data, not structure, so switching it is an element update that keeps every counter.
+pub const SET_REFUSING: &str = "refusing";
 /// Demand entries expire after this long without a new connection.
 pub const DEFAULT_DIALLED_TIMEOUT_SECS: u32 = 3600;
 
@@ -178,13 +181,20 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
             "first address of each range: the API server Service",
         ),
         dialled,
+        set(
+            SET_REFUSING,
+            KeyType::InetProto,
+            false,
+            match layer.mode {
+                LayerMode::Refuse => vec![Element::Proto(Proto::Tcp), Element::Proto(Proto::Udp)],
+                _ => Vec::new(),
+            },
+            "protocols refused: tcp and udp in refuse mode, none in count mode",
+        ),
     ];
 
     let rule = |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.into() };
-    let refusal = |counter: &str| match layer.mode {
-        LayerMode::Refuse => Action::CountJump(counter.into(), CHAIN_REFUSE.into()),
-        _ => Action::CountAccept(counter.into()),
-    };
+    let refusal = |counter: &str| Action::CountJump(counter.into(), CHAIN_REFUSE.into());
     let egress = vec![rule(
         vec![Match::Mark(layer.divert_mark), Match::CtStateNew, Match::CtUnconfirmed],
         Action::Jump(CHAIN_CLASSIFY.into()),
@@ -238,20 +248,23 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
         },
         Chain { name: CHAIN_CLASSIFY.into(), hook: None, rules: classify },
     ];
-    if layer.mode == LayerMode::Refuse {
-        chains.push(Chain {
-            name: CHAIN_REFUSE.into(),
-            hook: None,
-            rules: vec![
-                rule(
-                    vec![Match::L4Proto(Proto::Tcp)],
-                    Action::RejectTcpReset,
-                    "refused: the client sees a connection reset",
-                ),
-                rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
-            ],
-        });
-    }
+    chains.push(Chain {
+        name: CHAIN_REFUSE.into(),
+        hook: None,
+        rules: vec![
+            rule(
+                vec![Match::L4ProtoNotInSet(SET_REFUSING.into())],
+                Action::Accept,
+                "count mode: counted as it would be refused, and passes",
+            ),
+            rule(
+                vec![Match::L4Proto(Proto::Tcp)],
+                Action::RejectTcpReset,
+                "refused: the client sees a connection reset",
+            ),
+            rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
+        ],
+    });
     Ok(Some(Table { name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
 }
 
@@ -381,6 +394,7 @@ pub fn demand() -> Result<Vec<(Ipv4Addr, Proto, u16)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Table;
 
     fn layer() -> ServiceLayer {
         let mut l = ServiceLayer::new(LayerMode::Refuse);
@@ -423,11 +437,19 @@ mod tests {
     }
 
     #[test]
-    fn count_mode_never_jumps_to_refuse() {
+    fn count_and_refuse_differ_only_in_the_refusing_set() {
         let mut l = layer();
         l.mode = LayerMode::Count;
-        let t = services_table(&l).unwrap().unwrap();
-        assert!(t.chains.iter().all(|c| c.name != CHAIN_REFUSE));
-        assert!(t.chains.iter().flat_map(|c| &c.rules).all(|r| !matches!(r.action, Action::CountJump(..))));
+        let count = services_table(&l).unwrap().unwrap();
+        l.mode = LayerMode::Refuse;
+        let refuse = services_table(&l).unwrap().unwrap();
+        assert_eq!(count.chains, refuse.chains, "a mode change must not change rules (it would rebuild the table)");
+        let refusing = |t: &Table| t.sets.iter().find(|s| s.name == SET_REFUSING).unwrap().elements.clone();
+        assert_eq!(refusing(&count), vec![]);
+        assert_eq!(refusing(&refuse), vec![Element::Proto(Proto::Tcp), Element::Proto(Proto::Udp)]);
+        // In count mode the refuse chain lets everything pass first.
+        let chain = count.chains.iter().find(|c| c.name == CHAIN_REFUSE).unwrap();
+        assert_eq!(chain.rules[0].matches, vec![Match::L4ProtoNotInSet(SET_REFUSING.into())]);
+        assert_eq!(chain.rules[0].action, Action::Accept);
     }
 }

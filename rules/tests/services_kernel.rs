@@ -103,9 +103,10 @@ fn layer_round_trip_and_element_only_updates() {
     l3.ports.last_mut().unwrap().has_endpoints = false;
     assert_eq!(in_ns(&ns, || services::apply(&l3)).unwrap(), Applied::Elements { added: 1, removed: 1 });
     assert!(in_ns(&ns, || services::verify(&l3)).unwrap().is_empty());
-    // A mode change rebuilds, keeping the counters.
+    // A mode change is data: the refusing set loses tcp and udp; rules and counters stay.
     let l4 = ServiceLayer { mode: LayerMode::Count, ..l3.clone() };
-    assert_eq!(in_ns(&ns, || services::apply(&l4)).unwrap(), Applied::Rebuilt);
+    assert_eq!(in_ns(&ns, || services::apply(&l4)).unwrap(), Applied::Elements { added: 0, removed: 2 });
+    assert_eq!(ns.exec("nft", &["-a", "list", "chain", "ip", services::TABLE, services::CHAIN_CLASSIFY]), handle_after);
     assert!(in_ns(&ns, || services::verify(&l4)).unwrap().is_empty());
     let off = ServiceLayer { mode: LayerMode::Off, ..l3 };
     assert_eq!(in_ns(&ns, || services::apply(&off)).unwrap(), Applied::Removed(true));

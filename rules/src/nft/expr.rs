@@ -107,6 +107,7 @@ pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
         Match::InputLoopback => vec![meta(libc::NFT_META_IIF), Expr::CmpEq(LOOPBACK_IFINDEX.to_ne_bytes().to_vec())],
         Match::DaddrInSet(set) => vec![daddr(), lookup(set, false)],
         Match::DaddrNotInSet(set) => vec![daddr(), lookup(set, true)],
+        Match::L4ProtoNotInSet(set) => vec![meta(libc::NFT_META_L4PROTO), lookup(set, true)],
         // Only the very first packet of a flow sees its conntrack entry unconfirmed: later
         // packets of a UDP flow stay `new` until a reply, but are confirmed.
         Match::CtUnconfirmed => vec![

@@ -317,6 +317,11 @@ pub fn show_key(key: &[u8], end: bool) -> String {
     let k = match key.len() {
         4 => std::net::Ipv4Addr::new(key[0], key[1], key[2], key[3]).to_string(),
         2 => u16::from_be_bytes([key[0], key[1]]).to_string(),
+        1 => match key[0] {
+            6 => "tcp".to_string(),
+            17 => "udp".to_string(),
+            p => p.to_string(),
+        },
         12 => format!(
             "{} . {} . {}",
             std::net::Ipv4Addr::new(key[0], key[1], key[2], key[3]),

@@ -265,6 +265,7 @@ pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
             k.extend([0, 0]);
             k
         }
+        (KeyType::InetProto, Element::Proto(p)) => vec![p.number()],
         (k, e) => panic!("element {e} does not fit a set of type {} without intervals", k.name()),
     }
 }
