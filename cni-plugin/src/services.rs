@@ -154,11 +154,24 @@ impl ServicesDir {
             .unwrap_or(aether_rules::capture::DIVERT_MARK)
     }
 
-    fn accumulator(&self) -> BTreeMap<String, u64> {
-        fs::read(self.root.join("accumulator.json"))
-            .ok()
-            .and_then(|d| serde_json::from_slice(&d).ok())
-            .unwrap_or_default()
+    /// The folded counts of deleted pods. Missing means none yet; unreadable is an error,
+    /// never "zero": overwriting it would make the node totals go backwards for good.
+    fn accumulator(&self) -> Result<BTreeMap<String, u64>, String> {
+        let path = self.root.join("accumulator.json");
+        match fs::read(&path) {
+            Ok(d) => serde_json::from_slice(&d).map_err(|e| format!("{} is unreadable: {e}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        }
+    }
+
+    /// Adds `counts` to the accumulator.
+    fn fold(&self, counts: &BTreeMap<String, u64>) -> Result<(), String> {
+        let mut acc = self.accumulator()?;
+        for (k, v) in counts {
+            *acc.entry(k.clone()).or_default() += v;
+        }
+        self.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).expect("counts serialize"))
     }
 }
 
@@ -177,6 +190,9 @@ pub struct PodOutcome {
 pub struct ApplyReport {
     pub generation: u64,
     pub pods: Vec<PodOutcome>,
+    /// What was wrong but did not stop the apply (e.g. a stored snapshot that no longer
+    /// parses, replaced by this one).
+    pub warnings: Vec<String>,
 }
 
 impl ApplyReport {
@@ -204,7 +220,11 @@ impl ApplyReport {
                 v
             })
             .collect();
-        json!({"generation": self.generation, "pods": pods})
+        let mut v = json!({"generation": self.generation, "pods": pods});
+        if !self.warnings.is_empty() {
+            v["warnings"] = json!(self.warnings);
+        }
+        v
     }
 }
 
@@ -223,7 +243,14 @@ fn describe(a: &Applied) -> String {
 pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec<String>> {
     let snap = snapshot::parse(text)?;
     let _lock = dir.lock(true).map_err(|e| vec![e])?;
-    if let Some((old_text, old)) = dir.stored().map_err(|e| vec![e])? {
+    let mut warnings = Vec::new();
+    // A stored snapshot that no longer parses (a stricter release, a damaged file) must not
+    // lock the agent out: the new, valid one replaces it.
+    let stored = dir.stored().unwrap_or_else(|e| {
+        warnings.push(format!("{e}; replaced by this snapshot"));
+        None
+    });
+    if let Some((old_text, old)) = stored {
         if snap.generation < old.generation {
             return Err(vec![format!(
                 "generation: {} is older than the stored generation {}; nothing changed",
@@ -274,13 +301,9 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         })
         .collect();
     if !folded.is_empty() {
-        let mut acc = dir.accumulator();
-        for (k, v) in folded {
-            *acc.entry(k).or_default() += v;
-        }
-        dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()).map_err(|e| vec![e])?;
+        dir.fold(&folded).map_err(|e| vec![e])?;
     }
-    Ok(ApplyReport { generation: snap.generation, pods })
+    Ok(ApplyReport { generation: snap.generation, pods, warnings })
 }
 
 /// For ADD, in the host netns, after the attachment record is written: applies the stored
@@ -298,10 +321,25 @@ pub fn apply_current_snapshot_in_netns(
     if dir.divert_mark() != divert_mark {
         dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes()).map_err(fail)?;
     }
-    let Some((_, snap)) = dir.stored().map_err(fail)? else { return Ok(None) };
+    // A stored snapshot that cannot be read must not keep pods from starting: the pod starts
+    // without the layer (fail open, as before any snapshot), and the agent's next apply, which
+    // replaces the damaged file, reaches it through its record.
+    let snap = match dir.stored() {
+        Ok(Some((_, snap))) => snap,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            crate::warn!("the pod starts without the Service layer: {e}");
+            return Ok(None);
+        }
+    };
     let l = snap.layer(divert_mark);
     netns.run(|| layer::apply(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
     Ok(Some(snap.generation))
+}
+
+/// The outcome of work done inside a netns, as one message.
+fn flat<T>(r: Result<aether_rules::Result<T>, aether_netns::Error>) -> Result<T, String> {
+    r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()))
 }
 
 /// What DEL (or GC) did to a pod's Service layer.
@@ -333,22 +371,23 @@ pub fn retire_layer(
         dir.lock(true).map_err(|e| CniError::new(code::IO_FAILURE, "cannot lock the Service state").with_details(e))?;
     let mut out = Retired::default();
     if let Some(ns) = netns {
-        match ns.run(layer::counters).map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-            Ok(Some(counts)) => {
-                let mut acc = dir.accumulator();
-                for (k, v) in &counts {
-                    *acc.entry(k.clone()).or_default() += v;
-                }
-                match dir.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).unwrap()) {
+        match flat(ns.run(layer::counters)) {
+            // Removed first, folded after: a DEL that is retried (its layer then gone)
+            // never folds the same counts twice.
+            Ok(Some(counts)) => match flat(ns.run(layer::remove)) {
+                Ok(_) => match dir.fold(&counts) {
                     Ok(()) => out.folded = counts,
-                    Err(e) => out.warnings.push(format!("the pod's Service counts are lost: {e}")),
+                    Err(e) => out.warnings.push(format!("the pod's Service counts {counts:?} are lost: {e}")),
+                },
+                Err(e) => out.warnings.push(format!("cannot remove the pod's Service layer (counts not folded): {e}")),
+            },
+            Ok(None) => {}
+            Err(e) => {
+                out.warnings.push(format!("cannot read the pod's Service counters: {e}"));
+                if let Err(e) = flat(ns.run(layer::remove)) {
+                    out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
                 }
             }
-            Ok(None) => {}
-            Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
-        }
-        if let Err(e) = ns.run(layer::remove).map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
-            out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
         }
     }
     forget()?;
@@ -425,7 +464,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     // Shared with other readers, exclusive of DEL/GC folding a pod: a pod is then counted
     // either in the accumulator or in its own row, never in neither (totals never dip).
     let _lock = dir.lock(false)?;
-    let folded = dir.accumulator();
+    let folded = dir.accumulator()?;
     let mut totals: BTreeMap<String, u64> =
         COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
     let mut pods = Vec::new();

@@ -28,7 +28,7 @@ fn snapshot(generation: u64) -> Vec<u8> {
             "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true})
         })
         .collect();
-    let mode = if generation % 10 == 0 { "refuse" } else { "count" };
+    let mode = if generation.is_multiple_of(10) { "refuse" } else { "count" };
     serde_json::to_vec(&json!({"generation": generation, "mode": mode, "serviceRanges": ["10.96.0.0/16"],
         "meshVIPs": [], "services": services}))
     .unwrap()
