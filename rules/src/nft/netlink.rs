@@ -13,6 +13,8 @@ const NLMSG_HDRLEN: usize = 16;
 const NLMSG_ERROR: u16 = libc::NLMSG_ERROR as u16;
 const NLMSG_DONE: u16 = libc::NLMSG_DONE as u16;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// How often an interrupted dump is read again before giving up.
+const DUMP_ATTEMPTS: usize = 5;
 /// What one queued ACK costs the receive buffer (the skb's truesize, generously).
 const ACK_TRUESIZE: usize = 1024;
 /// Below this, the kernel's default socket buffers already suffice.
@@ -28,6 +30,7 @@ pub(crate) struct NftSocket {
 /// One netlink message: its header fields and the whole message bytes.
 pub(crate) struct Msg<'a> {
     pub kind: u16,
+    pub flags: u16,
     pub seq: u32,
     pub bytes: &'a [u8],
 }
@@ -53,8 +56,9 @@ pub(crate) fn split_messages(mut buf: &[u8]) -> Vec<Msg<'_>> {
             break;
         }
         let kind = u16::from_ne_bytes(buf[4..6].try_into().unwrap());
+        let flags = u16::from_ne_bytes(buf[6..8].try_into().unwrap());
         let seq = u32::from_ne_bytes(buf[8..12].try_into().unwrap());
-        out.push(Msg { kind, seq, bytes: &buf[..len] });
+        out.push(Msg { kind, flags, seq, bytes: &buf[..len] });
         let aligned = (len + 3) & !3;
         buf = &buf[aligned.min(buf.len())..];
     }
@@ -156,22 +160,36 @@ impl NftSocket {
     }
 
     /// Sends a dump request and returns every message of the answer, raw.
-    pub fn dump(
+    pub fn dump(&mut self, msg: i32, op: &'static str, payload: impl Fn(*mut libc::nlmsghdr)) -> Result<Vec<Vec<u8>>> {
+        // A dump that raced with a change of the ruleset comes back flagged as interrupted
+        // (possibly inconsistent): read it again.
+        for _ in 0..DUMP_ATTEMPTS {
+            let (out, interrupted) = self.dump_once(msg, op, &payload)?;
+            if !interrupted {
+                return Ok(out);
+            }
+        }
+        Err(Error::Nftables { op, source: io::Error::other("the dump kept being interrupted by concurrent changes") })
+    }
+
+    fn dump_once(
         &mut self,
         msg: i32,
         op: &'static str,
-        payload: impl FnOnce(*mut libc::nlmsghdr),
-    ) -> Result<Vec<Vec<u8>>> {
+        payload: &impl Fn(*mut libc::nlmsghdr),
+    ) -> Result<(Vec<Vec<u8>>, bool)> {
         let seq = self.send_request(msg, ProtoFamily::Ipv4, libc::NLM_F_DUMP as u16, payload)?;
         let mut out = Vec::new();
+        let mut interrupted = false;
         loop {
             let n = self.recv(op)?;
             for m in split_messages(&self.buf[..n]) {
                 if m.seq != seq {
                     continue;
                 }
+                interrupted |= m.flags & libc::NLM_F_DUMP_INTR as u16 != 0;
                 match m.kind {
-                    NLMSG_DONE => return Ok(out),
+                    NLMSG_DONE => return Ok((out, interrupted)),
                     NLMSG_ERROR if m.error_code() != 0 => {
                         return Err(Error::Nftables { op, source: io::Error::from_raw_os_error(m.error_code()) })
                     }
