@@ -586,6 +586,19 @@ mod tests {
     }
 
     /// Issue 5: "an apply racing with ADDs ends with every pod at the newest generation";
+    /// Generations 2..=21 applied by 20 threads at once. They race each other too: one older
+    /// than the stored generation is refused, as it must be.
+    fn spawn_racing_applies<'s>(s: &'s std::thread::Scope<'s, '_>, state: &Path) {
+        for g in 2..=21u64 {
+            let dir = ServicesDir::new(state);
+            s.spawn(move || {
+                if let Err(e) = apply_document(&dir, &doc(g)) {
+                    assert!(e[0].contains("is older than the stored generation"), "{e:?}");
+                }
+            });
+        }
+    }
+
     /// 50 parallel ADDs (record, then `apply_current_snapshot_in_netns`) against 20 applies.
     #[test]
     fn parallel_adds_and_applies_leave_every_pod_at_the_newest_generation() {
@@ -605,16 +618,7 @@ mod tests {
                     apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
                 });
             }
-            for g in 2..=21u64 {
-                let dir = ServicesDir::new(&state);
-                s.spawn(move || {
-                    // Applies race each other too: an older generation than the stored one
-                    // is refused, as it must be.
-                    if let Err(e) = apply_document(&dir, &doc(g)) {
-                        assert!(e[0].contains("is older than the stored generation"), "{e:?}");
-                    }
-                });
-            }
+            spawn_racing_applies(s, &state);
         });
         let (_, newest) = dir.stored().unwrap().unwrap();
         assert_eq!(newest.generation, 21);
@@ -652,14 +656,7 @@ mod tests {
                     assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
                 });
             }
-            for g in 2..=21u64 {
-                let dir = ServicesDir::new(&state);
-                s.spawn(move || {
-                    if let Err(e) = apply_document(&dir, &doc(g)) {
-                        assert!(e[0].contains("is older than the stored generation"), "{e:?}");
-                    }
-                });
-            }
+            spawn_racing_applies(s, &state);
         });
         for ns in &netns {
             let left = Netns::open_foreign(ns.path()).unwrap().run(layer::counters).unwrap().unwrap();
