@@ -109,21 +109,21 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
     assert!(ok && text.contains("pod shop/plain-0"), "aether-cni inspect of {plain}:\n{text}");
 
     // --- Annotations take effect: exclusions, and scoped mode without DNS.
+    let annotations = json!({
+        "aether.io/capture": "redirect-all",
+        "aether.io/exclude-outbound-ports": "8443,9000-9100",
+        "aether.io/exclude-outbound-cidrs": "192.0.2.0/24",
+        "kubernetes.io/config.source": "api",
+    });
     let annotated = ctrd
-        .run_pod(
-            "shop",
-            "cart-0",
-            Some(json!({
-                "aether.io/capture": "redirect-all",
-                "aether.io/exclude-outbound-ports": "8443,9000-9100",
-                "aether.io/exclude-outbound-cidrs": "192.0.2.0/24",
-                "kubernetes.io/config.source": "api",
-            })),
-        )
+        .run_pod("shop", "cart-0", Some(annotations.clone()))
         .unwrap_or_else(|e| panic!("RunPodSandbox (annotated):\n{e}\n{}", log(&ctrd)));
     let annotated_sb = ready_sandbox(&ctrd, &annotated);
     let annotated_ns = annotated_sb.netns.clone();
-    assert_captured(&annotated_ns, &["8443", "9000-9100", "192.0.2.0/24", "dnat to 10.250.9.1:18054"]);
+    let ruleset = assert_captured(&annotated_ns, &["8443", "9000-9100", "192.0.2.0/24", "dnat to 10.250.9.1:18054"]);
+    // Exactly what the plugin makes from the same entry and annotations handed to it directly
+    // (the CNI protocol, as the golden-file tests drive it): containerd passed them whole.
+    assert_eq!(ruleset, direct_add_ruleset(&ctrd, &annotations), "containerd's pod differs from a direct ADD");
     let (ok, text) = inspect(&ctrd, &annotated);
     assert!(ok && text.contains("pod shop/cart-0"), "aether-cni inspect of {annotated}:\n{text}");
 
@@ -201,6 +201,35 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
     assert!(ctrd.runc_containers().is_empty(), "containers left: {:?}", ctrd.runc_containers());
 
     eprintln!("{test}: containerd 1.6 CRI run/status/stop/remove and a restart, through bridge+host-local+portmap+aether-cni, in {:?}", started.elapsed());
+}
+
+/// The ruleset ADD makes in a fresh netns when the plugin is run directly with the conflist's
+/// `aether-cni` entry and these annotations (state in a dir of its own; the netns goes on drop).
+fn direct_add_ruleset(ctrd: &Containerd, annotations: &serde_json::Value) -> String {
+    let conflist: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ctrd.net_dir.join("10-aether.conflist")).unwrap()).unwrap();
+    let mut entry = conflist["plugins"][2].clone();
+    assert_eq!(entry["type"], "aether-cni", "{conflist:#}");
+    entry["cniVersion"] = conflist["cniVersion"].clone();
+    entry["name"] = conflist["name"].clone();
+    entry["stateDir"] = json!(ctrd.dir.mkdir("direct-add-state").display().to_string());
+    entry["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": annotations });
+    entry["prevResult"] = json!({"cniVersion": "1.0.0", "interfaces": [], "ips": []});
+    let pod = aether_testkit::TestNetns::new("ctrddirect");
+    let path = pod.path();
+    let out = aether_conformance::cni::run_here(
+        &[
+            ("CNI_COMMAND", "ADD"),
+            ("CNI_CONTAINERID", "direct-add"),
+            ("CNI_NETNS", &path),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+            ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0"),
+        ],
+        &entry,
+    );
+    assert!(out.ok, "direct ADD failed: {}\n{}", out.stdout, out.stderr);
+    capture_state(&path).0
 }
 
 /// The plugin's log, for failure messages.
