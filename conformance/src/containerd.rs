@@ -53,6 +53,18 @@ pub struct NodeNet {
     pub gateway: &'static str,
 }
 
+/// A pod sandbox as the CRI and containerd report it.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub ready: bool,
+    pub ip: String,
+    pub netns: String,
+    /// The pause process.
+    pub pid: u64,
+    /// The CRI's PodSandboxStatus, as JSON.
+    pub status: Value,
+}
+
 pub struct Containerd {
     pub dir: TempDir,
     pub node: TestNetns,
@@ -234,23 +246,24 @@ impl Containerd {
         Ok(id)
     }
 
-    /// PodSandboxStatus, verbose: `status` and containerd's `info` (decoded).
-    pub fn status(&self, id: &str) -> Result<(Value, Value), String> {
+    /// PodSandboxStatus, verbose: what the CRI reports, and from containerd's `info` the
+    /// sandbox's netns path (its runtime spec) and pause process.
+    pub fn sandbox(&self, id: &str) -> Result<Sandbox, String> {
         let r = self.cri("PodSandboxStatus", &json!({"pod_sandbox_id": id, "verbose": true}))?;
-        let info = r["info"]["info"].as_str().map(|s| serde_json::from_str(s).unwrap()).unwrap_or(Value::Null);
-        Ok((r["status"].clone(), info))
-    }
-
-    /// The sandbox's netns path and its pause process, from the runtime spec containerd keeps.
-    pub fn netns_and_pid(&self, id: &str) -> (String, u64) {
-        let (_, info) = self.status(id).unwrap();
-        let path = info["runtimeSpec"]["linux"]["namespaces"]
+        let info: Value = r["info"]["info"].as_str().map(|s| serde_json::from_str(s).unwrap()).unwrap_or(Value::Null);
+        let netns = info["runtimeSpec"]["linux"]["namespaces"]
             .as_array()
             .and_then(|ns| ns.iter().find(|n| n["type"] == "network"))
             .and_then(|n| n["path"].as_str())
             .unwrap_or_else(|| panic!("no network namespace in the sandbox's spec: {info:#}"))
             .to_string();
-        (path, info["pid"].as_u64().expect("pid in the sandbox info"))
+        Ok(Sandbox {
+            ready: r["status"]["state"] == "SANDBOX_READY",
+            ip: r["status"]["network"]["ip"].as_str().unwrap_or_default().to_string(),
+            netns,
+            pid: info["pid"].as_u64().expect("pid in the sandbox info"),
+            status: r["status"].clone(),
+        })
     }
 
     pub fn stop_pod(&self, id: &str) {
