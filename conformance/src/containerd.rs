@@ -31,6 +31,9 @@ use crate::clients::{clients_dir, exec, must, render, repo, LibcniCache, TempDir
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
+/// The node's conflist: chaining aether-cni, or the main CNI alone.
+pub const CHAINED_CONFLIST: &str = "10-aether.conflist";
+pub const MAIN_CONFLIST: &str = "10-bridge.conflist";
 /// Debian's CNI plugins.
 const DEBIAN_CNI_DIR: &str = "/usr/lib/cni";
 
@@ -82,9 +85,11 @@ pub struct Containerd {
 }
 
 impl Containerd {
-    /// Dirs, configuration, a conflist chaining `aether-cni` (`conformance/clients/
-    /// containerd.conflist.in`) and the node netns; containerd is not started yet.
-    pub fn new(tag: &str, net: &NodeNet) -> Self {
+    /// Dirs, configuration, the node's conflist and the node netns; containerd is not started
+    /// yet. With `chained`, the conflist (`conformance/clients/containerd.conflist.in`)
+    /// chains `aether-cni` after `bridge` and `portmap` (`10-aether.conflist`); without, it is
+    /// the node's main CNI alone (`10-bridge.conflist`), for an installer to chain.
+    pub fn new(tag: &str, net: &NodeNet, chained: bool) -> Self {
         let dir = TempDir::new(tag);
         let pid = std::process::id();
         let network = format!("aether-{tag}-{pid}");
@@ -106,7 +111,13 @@ impl Containerd {
                 ("LOG_FILE", log_file.display().to_string()),
             ],
         );
-        std::fs::write(net_dir.join("10-aether.conflist"), conflist).unwrap();
+        if chained {
+            std::fs::write(net_dir.join(CHAINED_CONFLIST), conflist).unwrap();
+        } else {
+            let mut main: Value = serde_json::from_str(&conflist).unwrap();
+            main["plugins"].as_array_mut().unwrap().retain(|p| p["type"] != "aether-cni");
+            std::fs::write(net_dir.join(MAIN_CONFLIST), serde_json::to_string_pretty(&main).unwrap()).unwrap();
+        }
         let config = render(
             "containerd.toml.in",
             &[
