@@ -106,6 +106,10 @@ pub fn udp_server(addr: impl Into<SocketAddr>, transparent: bool) -> io::Result<
     } else {
         setsockopt(&fd, sockopt::Ipv6RecvPacketInfo, &true)?;
         setsockopt(&fd, sockopt::Ipv6OrigDstAddr, &true)?;
+        // IPv6 refuses an IPV6_PKTINFO source that is not an interface address, and the
+        // addresses a `local` route makes ours are not: freebind lets the server answer
+        // from them, as IPv4's IP_PKTINFO does without it.
+        set_int(&fd, libc::IPPROTO_IPV6, libc::IPV6_FREEBIND, 1)?;
     }
     bind_to(&fd, addr)?;
     Ok(UdpSocket::from(fd))
