@@ -53,6 +53,14 @@ fn chained_matches(fake: &FakeNode, primary: &str) -> bool {
         && c["name"] == p["name"]
 }
 
+/// Replaces a file the way careful installers do (temp file + rename): one event, no
+/// moment where the file is empty.
+fn replace(path: &std::path::Path, body: &[u8]) {
+    let tmp = path.with_extension("tmp-replace");
+    fs::write(&tmp, body).unwrap();
+    fs::rename(&tmp, path).unwrap();
+}
+
 fn flannel_with(mtu: u32) -> String {
     format!(r#"{{"name":"cbr0","cniVersion":"1.0.0","plugins":[{{"type":"flannel","delegate":{{"mtu":{mtu}}}}}]}}"#)
 }
@@ -107,11 +115,11 @@ fn metrics_parse_as_prometheus_text_and_count_installs_repairs_and_errors() {
     fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
     let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 2)).unwrap();
     wait_for(&r, "ready", || readyz(&r).0 == 200);
-    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1400)).unwrap();
+    replace(&fake.conf.join("10-flannel.conflist"), flannel_with(1400).as_bytes());
     wait_for(&r, "repaired", || {
         chained_matches(&fake, "10-flannel.conflist") && fs::read_to_string(fake.chained()).unwrap().contains("1400")
     });
-    fs::write(fake.conf.join("10-flannel.conflist"), b"{ not json").unwrap();
+    replace(&fake.conf.join("10-flannel.conflist"), b"{ not json");
     wait_for(&r, "invalid primary reported", || readyz(&r).1.contains("is invalid"));
 
     let (code, body) = get(r.addr(), "/metrics");
@@ -136,8 +144,7 @@ fn metrics_parse_as_prometheus_text_and_count_installs_repairs_and_errors() {
     assert_eq!(value("aether_cni_installer_ready", None), 0.0);
     assert_eq!(value("aether_cni_installer_not_ready", Some(("reason", "primary"))), 1.0);
     assert_eq!(value("aether_cni_installer_not_ready", Some(("reason", "kernel"))), 0.0);
-    // At least the invalid file (a truncate-then-write shows an empty file first).
-    assert!(value("aether_cni_installer_errors_total", Some(("reason", "primary"))) >= 1.0);
+    assert_eq!(value("aether_cni_installer_errors_total", Some(("reason", "primary"))), 1.0);
     assert_eq!(value("aether_cni_installer_last_error", Some(("reason", "primary"))), 1.0);
     assert!(value("aether_cni_installer_last_error_timestamp_seconds", None) > 1.7e9);
     assert_eq!(value("aether_cni_service_connections_total", Some(("class", "mesh"))), 7.0, "node counters served");
