@@ -41,7 +41,7 @@ const SPEC_FIELDS: [&str; 13] = [
     "disableGC",
 ];
 /// This plugin's own keys.
-const OWN_FIELDS: [&str; 17] = [
+const OWN_FIELDS: [&str; 18] = [
     "captureMode",
     "hostIP",
     "captureDNS",
@@ -58,6 +58,7 @@ const OWN_FIELDS: [&str; 17] = [
     "excludeNamespaces",
     "logFile",
     "logLevel",
+    "logFormat",
     "stateDir",
 ];
 
@@ -98,6 +99,7 @@ pub struct NetConf {
     pub annotations: Value,
     pub log_file: Option<PathBuf>,
     pub log_level: String,
+    pub log_format: crate::log::Format,
     pub state_dir: PathBuf,
     /// GC: the attachments the runtime still has, as (container ID, ifname).
     pub valid_attachments: Option<Vec<(String, String)>>,
@@ -279,9 +281,13 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .collect::<Result<_, _>>()?,
     };
     let log_level = f.str("logLevel")?.unwrap_or_else(|| "info".into());
-    if !["error", "warn", "info", "debug"].contains(&log_level.as_str()) {
+    if crate::log::parse_level(&log_level).is_none() {
         return Err(invalid("logLevel", &Value::String(log_level), "expected error, warn, info or debug"));
     }
+    let log_format = match f.str("logFormat")? {
+        None => crate::log::Format::Text,
+        Some(s) => s.parse().map_err(|()| invalid("logFormat", &Value::String(s.clone()), "expected text or json"))?,
+    };
 
     let conf = NetConf {
         cni_version,
@@ -300,6 +306,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .unwrap_or(Value::Null),
         log_file: f.str("logFile")?.map(PathBuf::from),
         log_level,
+        log_format,
         state_dir: f.str("stateDir")?.map(PathBuf::from).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
         valid_attachments: valid_attachments(&map)?,
     };
@@ -464,7 +471,7 @@ mod tests {
             "scopedPorts": [15081, 15082], "dnsProxyPort": 15054, "divertMark": "0x1e71",
             "passthroughMark": 7806, "routeTable": 100, "rulePriority": 1000,
             "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7"], "excludeOutboundPorts": [22, "9000-9100"],
-            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "stateDir": "/tmp/st",
+            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "logFormat": "json", "stateDir": "/tmp/st",
             "capabilities": {"io.kubernetes.cri.pod-annotations": true}, "args": {"x": 1}, "ipMasq": false
         }))
         .unwrap();
@@ -479,6 +486,7 @@ mod tests {
         assert_eq!(c.exclude_namespaces, ["infra"]);
         assert_eq!(c.log_file, Some(PathBuf::from("/tmp/a.log")));
         assert_eq!(c.log_level, "debug");
+        assert_eq!(c.log_format, crate::log::Format::Json);
         assert_eq!(c.state_dir, PathBuf::from("/tmp/st"));
     }
 
@@ -509,6 +517,8 @@ mod tests {
             (json!({"excludeOutboundPorts": [true]}), 7, "excludeOutboundPorts", "true"),
             (json!({"excludeNamespaces": [1]}), 7, "excludeNamespaces", "1"),
             (json!({"logLevel": "loud"}), 7, "logLevel", "loud"),
+            (json!({"logFormat": "logfmt"}), 7, "logFormat", "logfmt"),
+            (json!({"logFormat": 1}), 7, "logFormat", "1"),
             (json!({"captureMod": "scoped"}), 2, "captureMod", "scoped"),
             (json!({"cniVersion": "0.3.1"}), 1, "cniVersion", "0.3.1"),
             (json!({"cniVersion": "9.9.9"}), 1, "cniVersion", "9.9.9"),

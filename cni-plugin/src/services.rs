@@ -539,7 +539,9 @@ pub fn retire_layer(
             Ok(Some(counts)) => match flat(ns.run(layer::remove)) {
                 Ok(_) => match dir.fold(&counts) {
                     Ok(()) => out.folded = counts,
-                    Err(e) => out.warnings.push(format!("the pod's Service counts {counts:?} are lost: {e}")),
+                    Err(e) => out
+                        .warnings
+                        .push(format!("the pod's Service counts ({}) are lost: {e}", crate::log::counts(&counts))),
                 },
                 Err(e) => out.warnings.push(format!("cannot remove the pod's Service layer (counts not folded): {e}")),
             },

@@ -440,9 +440,10 @@ fn l25_logs_go_to_the_configured_file_and_stderr_never_stdout() {
     let out = add_ok(&ns, &c);
     assert_eq!(out.json(), c["prevResult"], "stdout carries only the result");
     let text = std::fs::read_to_string(&log).expect("the log file was written");
-    assert!(text.contains("ADD ctr-0123: capture programmed"), "{text}");
+    let programmed = "cni{command=ADD pod=shop/cart-0 container=ctr-0123";
+    assert!(text.contains(programmed) && text.contains("capture programmed"), "{text}");
     assert!(text.contains("table ip aether_capture {"), "debug level logs the ruleset: {text}");
-    assert!(out.stderr.contains("ADD ctr-0123: capture programmed"), "{}", out.stderr);
+    assert!(out.stderr.contains(programmed) && out.stderr.contains("capture programmed"), "{}", out.stderr);
     let _ = std::fs::remove_file(&log);
 }
 
