@@ -8,7 +8,7 @@ use crate::config::{self, NetConf, SUPPORTED_VERSIONS};
 use crate::env::Env;
 use crate::error::{code, CniError};
 use crate::services;
-use crate::state::{self, Record, StateDir};
+use crate::state::{PodNetns, Record, StateDir};
 use crate::{debug, info, warn};
 
 /// What a command prints on success (nothing for DEL and CHECK).
@@ -104,17 +104,7 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let fail = injected_failure();
     let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
     netns.run(|| aether_rules::install(&ruleset, fail_step))??;
-    let record = Record {
-        network: conf.name.clone(),
-        container_id: id.to_string(),
-        ifname: ifname.to_string(),
-        netns: netns_path.to_string(),
-        pod_namespace: env.args.pod_namespace.clone(),
-        pod_name: env.args.pod_name.clone(),
-        pod_uid: env.args.pod_uid.clone(),
-        config_digest: state::digest(&format!("{cfg:?}")),
-        capture: Some(cfg.clone()),
-    };
+    let record = Record::new(&conf.name, id, ifname, &netns, netns_path, &env.args, cfg.clone());
     let recorded = if fail.as_deref() == Some("record") {
         Err(CniError::new(code::IO_FAILURE, "injected failure at step record"))
     } else {
@@ -153,43 +143,87 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let ifname = env.require_ifname()?;
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(false)?;
-    let record = state.read(&conf.name, id, ifname);
-    // Without CNI_NETNS, the record still knows where the pod lived.
-    let netns_path = env.netns.clone().or_else(|| record.as_ref().map(|r| r.netns.clone()));
-    detach(netns_path.as_deref(), conf, record.as_ref(), id, || state.remove(&conf.name, id, ifname))?;
+    let record = state.read(&conf.name, id, ifname).unwrap_or_else(|u| {
+        // DEL forgets the attachment whatever its record says; a damaged one is removed.
+        warn!("DEL {id}: its record {} cannot be read ({}); removing it", u.file, u.why);
+        None
+    });
+    let netns = match (env.netns.as_deref(), &record) {
+        // Without CNI_NETNS, the record still knows where the pod lived.
+        (None, Some(r)) => live(r.open_netns().map_err(|e| record_netns_error(r, e))?, id),
+        (None, None) => None,
+        (Some(path), _) => match Netns::open_foreign(path) {
+            Err(aether_netns::Error::NotFound { .. }) => {
+                info!("DEL {id}: netns {path} is already gone");
+                None
+            }
+            Err(e) => return Err(e.into()),
+            // The namespace at CNI_NETNS must be the one ADD programmed: a path (or PID) reused
+            // by another pod is that pod's, and is left alone.
+            Ok(ns) => match &record {
+                Some(r) if !r.owns(&ns) => {
+                    info!("DEL {id}: {path} is now another namespace ({}) than ADD programmed; left alone", ns.id());
+                    None
+                }
+                Some(_) => Some(ns),
+                None => match state.records().into_iter().find(|o| o.netns_id.is_some_and(|i| i.matches(&ns))) {
+                    Some(owner) => {
+                        info!("DEL {id}: no record, and {path} is {}'s namespace; left alone", owner.key());
+                        None
+                    }
+                    None => Some(ns),
+                },
+            },
+        },
+    };
+    let key = format!("{}/{id}/{ifname}", conf.name);
+    detach(netns, conf, record.as_ref(), &key, || state.remove(&conf.name, id, ifname))?;
     Ok(None)
 }
 
-/// Undoes an attachment: the pod's Service layer (its counts folded into the node totals)
-/// and its record go together under the services lock, then the capture. A netns that is
-/// already gone is fine.
-fn detach(
-    path: Option<&str>,
-    conf: &NetConf,
-    record: Option<&Record>,
-    id: &str,
-    forget: impl FnOnce() -> Result<(), CniError>,
-) -> Result<(), CniError> {
-    let netns = match path.map(Netns::open_foreign) {
-        None => None,
-        Some(Ok(ns)) => Some(ns),
-        Some(Err(aether_netns::Error::NotFound { .. })) => {
-            info!("{id}: netns {} is already gone", path.unwrap_or_default());
+/// The pod's netns if it is still there, logging why not.
+fn live(found: PodNetns, id: &str) -> Option<Netns> {
+    match found {
+        PodNetns::Live(ns) => Some(ns),
+        PodNetns::Gone(why) => {
+            info!("{id}: the pod's netns is gone ({why}); nothing to remove there");
             None
         }
-        Some(Err(e)) => return Err(e.into()),
-    };
-    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), forget)?;
-    for w in &retired.warnings {
-        warn!("{id}: {w}");
     }
-    if let Some(netns) = netns {
+}
+
+/// A recorded netns that cannot be opened for another reason than being gone. It names the
+/// record, not `CNI_NETNS` (which the runtime may not have set).
+fn record_netns_error(r: &Record, e: aether_netns::Error) -> CniError {
+    CniError::new(code::IO_FAILURE, format!("cannot open the netns {} recorded for {}", r.netns, r.key()))
+        .with_details(e.to_string())
+}
+
+/// Undoes an attachment: the capture in `netns` (the pod's, or `None` when it is gone),
+/// then, under the services lock, the pod's Service layer (its counts folded into the node
+/// totals first) and its record, last: a DEL killed at any point leaves the record, so a
+/// retried DEL (or GC) finishes the job.
+fn detach(
+    netns: Option<Netns>,
+    conf: &NetConf,
+    record: Option<&Record>,
+    key: &str,
+    forget: impl FnOnce() -> Result<(), CniError>,
+) -> Result<(), CniError> {
+    if let Some(netns) = &netns {
         // The policy route ADD installed is in the record; without one (a record lost, or an
         // ADD that failed before writing it) the node's settings name it.
         let policy_route =
             record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
         let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
-        info!("{id}: removed {removed:?} from {}; Service counts folded: {:?}", netns.path().display(), retired.folded);
+        info!("{key}: removed {removed:?} from {}", netns.path().display());
+    }
+    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget)?;
+    for w in &retired.warnings {
+        warn!("{key}: {w}");
+    }
+    if !retired.folded.is_empty() {
+        info!("{key}: Service counts folded into the node totals: {:?}", retired.folded);
     }
     Ok(())
 }
@@ -210,11 +244,26 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             let ruleset = capture::capture_ruleset(&cfg)?;
             let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
             match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
-                None => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
-                Some(r) if r.config_digest != state::digest(&format!("{cfg:?}")) => diffs.push(
-                    "the pod's capture configuration changed since ADD (annotations or network configuration)".into(),
-                ),
-                Some(_) => {}
+                Ok(None) => {
+                    diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display()))
+                }
+                Err(u) => diffs.push(format!("the attachment record {} cannot be read: {}", u.file, u.why)),
+                Ok(Some(r)) => {
+                    if !r.owns(&netns) {
+                        diffs.push(format!(
+                            "{netns_path} is another network namespace ({}) than the one ADD programmed",
+                            netns.id()
+                        ));
+                    }
+                    match &r.capture {
+                        Some(recorded) if *recorded != cfg => diffs.push(
+                            "the pod's capture configuration changed since ADD (annotations or network configuration)"
+                                .into(),
+                        ),
+                        Some(_) => {}
+                        None => diffs.push("the attachment record does not say what ADD programmed".into()),
+                    }
+                }
             }
             diffs
         }
@@ -257,30 +306,66 @@ pub fn kernel_probe() -> Result<(), String> {
 }
 
 /// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing
-/// what is left of their capture where their netns still exists. Keeps going past errors.
+/// what is left of their capture where their netns still exists, and clear what is
+/// provably stale: records of this network that cannot be read and are not valid
+/// attachments, files that are not records at all, temp files of dead writers. Keeps going
+/// past errors, then reports them; logs by name what it keeps.
 fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     env.require_path()?;
     let valid = conf.valid_attachments.clone().ok_or_else(|| {
         CniError::invalid_config("GC needs cni.dev/valid-attachments (or cni.dev/attachments) in the configuration")
     })?;
+    let is_valid = |c: &str, i: &str| valid.iter().any(|(vc, vi)| vc == c && vi == i);
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(true)?;
     let mut failures = Vec::new();
-    for rec in state.records().into_iter().filter(|r| r.network == conf.name) {
-        if valid.iter().any(|(c, i)| *c == rec.container_id && *i == rec.ifname) {
+    let scan = state.scan();
+    for rec in scan.records.iter().filter(|r| r.network == conf.name) {
+        if is_valid(&rec.container_id, &rec.ifname) {
             continue;
         }
-        let outcome = detach(Some(&rec.netns), conf, Some(&rec), &rec.container_id, || {
-            state.remove(&rec.network, &rec.container_id, &rec.ifname)
-        });
+        let key = rec.key();
+        let outcome = rec
+            .open_netns()
+            .map_err(|e| record_netns_error(rec, e))
+            .map(|found| live(found, &key))
+            .and_then(|netns| {
+                detach(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
+            });
         match outcome {
-            Ok(()) => info!("GC: removed stale attachment {}/{}", rec.container_id, rec.ifname),
-            Err(e) => failures.push(format!("{}/{}: {e}", rec.container_id, rec.ifname)),
+            Ok(()) => info!("GC: removed stale attachment {key}"),
+            Err(e) => failures.push(format!("{key} (kept): {e}")),
+        }
+    }
+    for u in &scan.unreadable {
+        // Record files are named network+containerID+ifname.json (see StateDir).
+        let parts: Vec<&str> = u.file.strip_suffix(".json").map(|n| n.split('+').collect()).unwrap_or_default();
+        let stale = match parts.as_slice() {
+            [network, c, i] if *network == conf.name => !is_valid(c, i),
+            [_, _, _] => {
+                info!("GC: keeping {} (another network's, unreadable: {})", u.file, u.why);
+                continue;
+            }
+            _ => true, // not a record's name: nobody's record
+        };
+        if !stale {
+            warn!("GC: keeping {}: the record of a valid attachment cannot be read: {}", u.file, u.why);
+            continue;
+        }
+        match state.remove_file(&u.file) {
+            Ok(()) => info!("GC: removed {} (unreadable: {})", u.file, u.why),
+            Err(e) => failures.push(format!("{} (kept): {e}", u.file)),
+        }
+    }
+    for t in &scan.stale_temps {
+        match state.remove_file(t) {
+            Ok(()) => info!("GC: removed {t}, a temp file its writer left"),
+            Err(e) => failures.push(format!("{t} (kept): {e}")),
         }
     }
     if failures.is_empty() {
         return Ok(None);
     }
-    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale attachment(s)", failures.len()))
+    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale item(s)", failures.len()))
         .with_details(failures.join("\n")))
 }

@@ -8,7 +8,7 @@ use aether_netns::Netns;
 use aether_rules::capture;
 
 use crate::services;
-use crate::state::{Record, StateDir};
+use crate::state::{PodNetns, Record, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -21,13 +21,35 @@ pub struct InspectArgs {
 
 pub fn run(args: InspectArgs) -> ExitCode {
     let state = StateDir::new(&args.state_dir);
+    let scan = state.scan();
     let records: Vec<Record> =
-        state.records().into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
+        scan.records.into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
+    // A record that cannot be read is named, never passed over: it may be this pod's.
+    let unreadable: Vec<_> = scan.unreadable.iter().filter(|u| u.file.contains(&args.target)).collect();
+    for u in &unreadable {
+        println!("attachment record {} cannot be read: {}", u.file, u.why);
+    }
     let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| args.target.clone());
-    let netns = match Netns::open_foreign(&netns_path) {
-        Ok(ns) => ns,
-        Err(e) => {
+    let opened = match records.first() {
+        Some(r) => r.open_netns().map(|found| match found {
+            PodNetns::Live(ns) => Ok(ns),
+            PodNetns::Gone(why) => Err(why),
+        }),
+        None => Ok(Netns::open_foreign(&netns_path).map_err(|e| e.to_string())),
+    };
+    let netns = match opened {
+        Ok(Ok(ns)) => ns,
+        Ok(Err(why)) if !records.is_empty() => {
+            let r = &records[0];
+            println!("pod {} container {}: its network namespace is gone: {why}", r.key(), r.container_id);
+            return ExitCode::FAILURE;
+        }
+        Ok(Err(e)) => {
             eprintln!("aether-cni inspect: {} is neither a recorded container nor a usable netns: {e}", args.target);
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            eprintln!("aether-cni inspect: cannot open the netns of {}: {e}", args.target);
             return ExitCode::FAILURE;
         }
     };
@@ -43,6 +65,14 @@ pub fn run(args: InspectArgs) -> ExitCode {
                 r.ifname,
                 r.network
             );
+            if r.version < crate::state::RECORD_VERSION || !r.defaulted.is_empty() {
+                println!(
+                    "record version {} (this plugin writes {}); fields read as their defaults: {}",
+                    r.version,
+                    crate::state::RECORD_VERSION,
+                    if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
+                );
+            }
             match &r.capture {
                 Some(cfg) => intact &= describe_capture(&netns, cfg),
                 None => println!("capture: the record predates stored configurations; showing the kernel only"),
@@ -67,10 +97,12 @@ pub fn run(args: InspectArgs) -> ExitCode {
     }
     println!("\nService layer:");
     let mark = records.first().and_then(|r| r.capture.as_ref()).map(|c| c.divert_mark);
-    for line in services::describe_pod_layer(&args.state_dir, &netns, mark) {
+    let (lines, layer_intact) = services::describe_pod_layer(&args.state_dir, &netns, mark);
+    for line in lines {
         println!("  {line}");
     }
-    if intact {
+    // Any layer that differs from what it should be is a failure a script can see.
+    if intact && layer_intact && unreadable.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
