@@ -10,7 +10,7 @@ mod log;
 mod services;
 mod state;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -63,12 +63,8 @@ fn main() -> ExitCode {
 
 /// The CNI protocol: configuration on stdin, result or error JSON on stdout, logs elsewhere.
 fn run_cni() -> ExitCode {
-    let mut stdin = Vec::new();
-    let read = std::io::stdin().read_to_end(&mut stdin);
-    let outcome = match read {
-        Err(e) => Err(error::CniError::new(error::code::IO_FAILURE, "cannot read stdin").with_details(e.to_string())),
-        Ok(_) => env::Env::from_process().and_then(|env| cni::run(&env, &stdin)),
-    };
+    let (stdin, read) = cni::read_stdin(std::io::stdin().lock());
+    let outcome = read.and_then(|()| env::Env::from_process()).and_then(|env| cni::run(&env, &stdin));
     let mut out = std::io::stdout().lock();
     match outcome {
         Ok(None) => ExitCode::SUCCESS,

@@ -71,10 +71,16 @@ pub fn run(args: ServicesArgs) -> ExitCode {
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
         ServicesCommand::Apply => {
+            // The stored snapshot is read back with the same cap.
             let mut text = Vec::new();
-            if let Err(e) = std::io::stdin().read_to_end(&mut text) {
+            let cap = state::MAX_STATE_FILE_BYTES;
+            if let Err(e) = std::io::stdin().take(cap + 1).read_to_end(&mut text) {
                 eprintln!("aether-cni services apply: cannot read stdin: {e}");
                 return ExitCode::FAILURE;
+            }
+            if text.len() as u64 > cap {
+                eprintln!("aether-cni services apply: the snapshot on stdin is over the limit of {cap} bytes");
+                return ExitCode::from(2);
             }
             match apply_document(&dir, &text) {
                 Ok(report) => {
@@ -205,10 +211,8 @@ impl ServicesDir {
             let mut delta = BTreeMap::new();
             for (k, v) in counts {
                 let d = v.saturating_sub(before.get(k).copied().unwrap_or(0));
-                if d > 0 {
-                    *acc.totals.entry(k.clone()).or_default() += d;
-                    delta.insert(k.clone(), d);
-                }
+                *acc.totals.entry(k.clone()).or_default() += d;
+                delta.insert(k.clone(), d);
             }
             acc.folding.insert(key.clone(), counts.clone());
             added.push(delta);

@@ -277,3 +277,82 @@ fn issue9_item2_a_record_missing_a_capture_field_still_names_its_pod() {
     assert!(!file.exists());
     assert!(!ns.exec("nft", &["list", "tables"]).contains("aether_capture"), "GC removed the old pod's capture");
 }
+
+/// Runs the plugin with raw `stdin` (the writer's error ignored: the plugin may stop reading).
+fn plugin_raw(command: &str, netns: &str, stdin: &[u8]) -> Outcome {
+    let mut child = Command::new(bin())
+        .env_clear()
+        .envs([
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", "ctr-big"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_NETNS", netns),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let body = stdin.to_vec();
+    let writer = std::thread::spawn(move || {
+        let _ = std::io::Write::write_all(&mut input, &body);
+    });
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    Outcome {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[test]
+fn item6_huge_inputs_are_refused_naming_the_limit_and_never_echoed() {
+    if !root_or_skip("item6_huge_inputs_are_refused_naming_the_limit_and_never_echoed") {
+        return;
+    }
+    let ns = TestNetns::new("huge");
+    // A 100 MB prevResult.
+    let mut c = conf("1.0.0", json!({}));
+    c["prevResult"]["interfaces"][0]["name"] = json!("x".repeat(100 << 20));
+    let out = plugin_raw("ADD", &ns.path(), c.to_string().as_bytes());
+    let (code, text) = out.error();
+    assert_eq!(code, 7, "{text}");
+    assert!(text.contains("limit of 1048576 bytes"), "{text}");
+    assert!(out.stdout.len() < 1000, "stdout echoes {} bytes", out.stdout.len());
+    // A 100 KB annotation value: refused by name and limit, a short prefix shown.
+    let c = conf(
+        "1.0.0",
+        json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {"aether.io/exclude-outbound-cidrs": "10.1.1.1,".repeat(10_000)}}}),
+    );
+    let out = plugin_raw("ADD", &ns.path(), c.to_string().as_bytes());
+    let (code, text) = out.error();
+    assert_eq!(code, 7, "{text}");
+    assert!(text.contains("aether.io/exclude-outbound-cidrs") && text.contains("limit of 4096 bytes"), "{text}");
+    assert!(out.stdout.len() < 1000, "stdout echoes {} bytes", out.stdout.len());
+    assert!(!ns.exec("nft", &["list", "tables"]).contains("aether_capture"), "nothing programmed");
+}
+
+#[test]
+fn item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version() {
+    if !root_or_skip("item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version") {
+        return;
+    }
+    let ns = TestNetns::new("prev");
+    let cases = [
+        (json!({"cniVersion": "1.0.0", "ips": [{"address": "300.1.1.1/24"}]}), 6, "ips[0].address"),
+        (json!({"cniVersion": "1.0.0", "interfaces": {"name": "eth0"}}), 6, "interfaces"),
+        (json!({"cniVersion": "0.4.0", "ips": [{"version": "4", "address": "10.1.0.5/16"}]}), 1, "0.4.0"),
+    ];
+    for (prev, want, needle) in cases {
+        let c = conf("1.0.0", json!({"prevResult": prev}));
+        for cmd in ["ADD", "CHECK"] {
+            let (code, text) = run_plugin(cmd, Some(&ns.path()), &c, &[]).error();
+            assert_eq!(code, want, "{cmd} {prev}: {text}");
+            assert!(text.contains(needle), "{cmd}: {text}");
+        }
+        assert!(!ns.exec("nft", &["list", "tables"]).contains("aether_capture"), "nothing programmed");
+    }
+}
