@@ -3,6 +3,12 @@
 //!
 //! State, under `<stateDir>/services/`:
 //! - `snapshot.json`: the last accepted snapshot, exactly as the agent sent it (atomic write);
+//! - `layer.bin`: the same snapshot as the layer needs it, compact and checksummed
+//!   (`layer_file`), written after `snapshot.json`: what ADD loads (never the JSON), and the
+//!   generation the next apply computes its element change from;
+//! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
+//!   a pod that holds the previous generation only the change, without reading its sets back,
+//!   and rebuilds any other (a missed generation, a crash, a new pod);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
@@ -14,20 +20,22 @@
 //!   while they fold a pod's counts, remove its layer and forget its record
 //!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
+pub mod layer_file;
 pub mod snapshot;
 
 use std::collections::BTreeMap;
+use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use aether_netns::Netns;
-use aether_rules::services::{self as layer, Applied, COUNTERS};
+use aether_rules::services::{self as layer, Applied, LayerChange, COUNTERS};
 use serde_json::{json, Value};
 
 use crate::error::{code, CniError};
 use crate::state::{self, PodNetns, Record, StateDir};
-use snapshot::Snapshot;
+use layer_file::StoredLayer;
 
 #[derive(clap::Args)]
 pub struct ServicesArgs {
@@ -53,6 +61,9 @@ enum ServicesCommand {
         #[arg(long, value_enum, default_value = "json")]
         format: DemandFormat,
     },
+    /// Read every pod's layer back, compare it with the stored snapshot and repair what
+    /// differs (applies send changes without reading back; this is the check).
+    Verify,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -71,16 +82,11 @@ pub fn run(args: ServicesArgs) -> ExitCode {
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
         ServicesCommand::Apply => {
-            // The stored snapshot is read back with the same cap.
             let mut text = Vec::new();
-            let cap = state::MAX_STATE_FILE_BYTES;
-            if let Err(e) = std::io::stdin().take(cap + 1).read_to_end(&mut text) {
+            let limit = snapshot::MAX_SNAPSHOT_BYTES as u64 + 1;
+            if let Err(e) = std::io::stdin().take(limit).read_to_end(&mut text) {
                 eprintln!("aether-cni services apply: cannot read stdin: {e}");
                 return ExitCode::FAILURE;
-            }
-            if text.len() as u64 > cap {
-                eprintln!("aether-cni services apply: the snapshot on stdin is over the limit of {cap} bytes");
-                return ExitCode::from(2);
             }
             match apply_document(&dir, &text) {
                 Ok(report) => {
@@ -103,6 +109,13 @@ pub fn run(args: ServicesArgs) -> ExitCode {
             DemandFormat::Json => serde_json::to_string_pretty(&json!({ "demand": d })).unwrap(),
             DemandFormat::Text => d.join("\n"),
         }),
+        ServicesCommand::Verify => match verify_pods(&dir) {
+            Ok(report) => {
+                println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
+                return if report.failed() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
+            }
+            Err(e) => Err(e),
+        },
     };
     match out {
         Ok(text) => {
@@ -164,15 +177,75 @@ impl ServicesDir {
         state::read_capped(&path, state::MAX_STATE_FILE_BYTES).map_err(|e| format!("cannot read {}: {e}", path.display()))
     }
 
-    /// The stored snapshot: its text and its parse. A stored file that no longer parses is
-    /// reported, never silently ignored.
-    fn stored(&self) -> Result<Option<(Vec<u8>, Snapshot)>, String> {
+    fn layer_path(&self) -> PathBuf {
+        self.root.join("layer.bin")
+    }
+
+    /// The accepted snapshot's layer, from `layer.bin`. A damaged file is reported, never
+    /// silently ignored. State from before `layer.bin` existed (an upgrade) has only
+    /// `snapshot.json`: it is parsed instead, within the snapshot limits, until the next
+    /// apply writes `layer.bin`.
+    pub fn stored_layer(&self) -> Result<Option<StoredLayer>, String> {
+        if let Some(l) = layer_file::read(&self.layer_path()).map_err(|e| e.to_string())? {
+            return Ok(Some(l));
+        }
         let path = self.root.join("snapshot.json");
-        match self.read("snapshot.json")? {
-            Some(text) => snapshot::parse(&text)
-                .map(|s| Some((text, s)))
-                .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; "))),
-            None => Ok(None),
+        let mut text = Vec::new();
+        match fs::File::open(&path) {
+            Ok(f) => f
+                .take(snapshot::MAX_SNAPSHOT_BYTES as u64 + 1)
+                .read_to_end(&mut text)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        snapshot::parse(&text)
+            .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0))))
+            .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; ")))
+    }
+
+    /// The file that says which layer the pod netns at `netns` holds.
+    fn pod_path(&self, netns: &Path) -> PathBuf {
+        let name: String = netns
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+            .collect();
+        self.root.join("pods").join(name)
+    }
+
+    /// What the pod netns `ns` holds, if its file is there, readable, and about this very
+    /// netns (a path reused by another netns does not count).
+    fn pod_holds(&self, ns: &Netns) -> Option<PodHolds> {
+        let text = fs::read_to_string(self.pod_path(ns.path())).ok()?;
+        let held = PodHolds::parse(&text)?;
+        (held.netns == netns_key(ns)).then_some(held)
+    }
+
+    /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
+    fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), String> {
+        let path = self.pod_path(ns.path());
+        let dir = self.open(true)?.expect("created");
+        let pods = dir.subdir("pods", true).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        pods.expect("created")
+            .write_atomic(&name, held.to_string().as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    }
+
+    fn forget_pod(&self, netns: &Path) {
+        let _ = fs::remove_file(self.pod_path(netns));
+    }
+
+    /// Removes the files of pods no record names any more (their DEL found no netns).
+    fn prune_pods(&self, records: &[crate::state::Record]) {
+        let Ok(dir) = fs::read_dir(self.root.join("pods")) else { return };
+        let live: std::collections::BTreeSet<PathBuf> =
+            records.iter().map(|r| self.pod_path(Path::new(&r.netns))).collect();
+        for e in dir.filter_map(Result::ok) {
+            if !live.contains(&e.path()) {
+                let _ = fs::remove_file(e.path());
+            }
         }
     }
 
@@ -265,6 +338,49 @@ impl Accumulator {
     }
 }
 
+/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PodHolds {
+    generation: u64,
+    digest: u64,
+    /// `Netns::id()` of the netns it was written for.
+    netns: String,
+    divert_mark: u32,
+}
+
+impl PodHolds {
+    fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
+        PodHolds { generation: stored.generation, digest: stored.digest, netns: netns_key(ns), divert_mark }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let mut f = text.split_whitespace();
+        let held = PodHolds {
+            generation: f.next()?.parse().ok()?,
+            digest: u64::from_str_radix(f.next()?, 16).ok()?,
+            netns: f.next()?.to_string(),
+            divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
+        };
+        f.next().is_none().then_some(held)
+    }
+
+    /// Whether the pod holds `stored`'s layer for `divert_mark` (whatever the generation).
+    fn is(&self, stored: &StoredLayer, divert_mark: u32) -> bool {
+        self.digest == stored.digest && self.divert_mark == divert_mark
+    }
+}
+
+/// A netns's identity as one word: `device:inode`.
+fn netns_key(ns: &Netns) -> String {
+    format!("{}:{}", ns.id().dev, ns.id().ino)
+}
+
+impl std::fmt::Display for PodHolds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)
+    }
+}
+
 /// One pod's outcome in an apply.
 #[derive(Debug)]
 pub struct PodOutcome {
@@ -328,26 +444,33 @@ fn describe(a: &Applied) -> String {
     }
 }
 
-/// `services apply`: validate the whole document, refuse an older generation, store it,
-/// apply it to every recorded pod. Validation errors change nothing.
+/// `services apply`: validate the whole document, refuse an older generation, store it
+/// (`snapshot.json`, then `layer.bin`), apply it to every recorded pod. Validation errors
+/// change nothing.
+///
+/// The element change from the previous stored generation is computed once; a pod whose
+/// file says it holds that generation gets only the change, sent without reading its sets
+/// back; a pod that already holds this content is not touched; any other pod (new, behind by
+/// more than one generation, or whose change the kernel refused) is rebuilt.
 pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec<String>> {
     let snap = snapshot::parse(text)?;
+    let new = StoredLayer::new(snap.generation, &snap.layer(0));
     let _lock = dir.lock(true).map_err(|e| vec![e])?;
     let mut warnings = Vec::new();
-    // A stored snapshot that no longer parses (a stricter release, a damaged file) must not
-    // lock the agent out: the new, valid one replaces it.
-    let stored = dir.stored().unwrap_or_else(|e| {
+    // A stored layer that no longer reads (a damaged file, another format) must not lock the
+    // agent out: the new, valid one replaces it.
+    let previous = dir.stored_layer().unwrap_or_else(|e| {
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
-    if let Some((old_text, old)) = stored {
+    if let Some(old) = &previous {
         if snap.generation < old.generation {
             return Err(vec![format!(
                 "generation: {} is older than the stored generation {}; nothing changed",
                 snap.generation, old.generation
             )]);
         }
-        if snap.generation == old.generation && old_text != text && old != snap {
+        if snap.generation == old.generation && old.digest != new.digest {
             return Err(vec![format!(
                 "generation: {} is already stored with different content; a new snapshot needs a new generation",
                 snap.generation
@@ -355,78 +478,110 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         }
     }
     dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
+    dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
     let node_mark = dir.divert_mark();
+    // One change per divert mark in use (in practice one), computed on first need.
+    let mut changes: BTreeMap<u32, Option<LayerChange>> = BTreeMap::new();
     let scan = StateDir::new(&dir.state).scan();
     for u in &scan.unreadable {
         warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
     }
-    // Each record's netns, if it is still the pod's (a path reused by another namespace is not).
-    // The pod's netns, or why not and whether that is because it vanished.
-    type Opened = Result<Netns, (String, bool)>;
-    let pods: Vec<(Record, Opened)> = scan
-        .records
-        .into_iter()
-        .map(|r| {
-            let ns = match r.open_netns() {
-                Ok(PodNetns::Live(ns)) => Ok(ns),
-                Ok(PodNetns::Gone(why)) => Err((why, true)),
-                Err(e) => Err((e.to_string(), false)),
-            };
-            (r, ns)
-        })
-        .collect();
-    let folding = dir.accumulator().map(|a| a.folding).unwrap_or_default();
+    let records = scan.records;
+    // Each record's netns, if it is still the pod's (a path reused by another namespace, a
+    // file or a directory is not: the pod is skipped as gone).
+    let open = |r: &Record| match r.open_netns() {
+        Ok(PodNetns::Live(ns)) => Ok(ns),
+        Ok(PodNetns::Gone(why)) => Err((why, true)),
+        Err(e) => Err((e.to_string(), false)),
+    };
     // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
     // it): the mark ends before a new layer starts counting from zero.
-    let ended: Vec<String> = pods
+    let folding = dir.accumulator().map(|a| a.folding).unwrap_or_default();
+    let ended: Vec<String> = records
         .iter()
-        .filter(|(r, _)| folding.contains_key(&r.key()))
-        .filter(|(_, ns)| ns.as_ref().is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
-        .map(|(r, _)| r.key())
+        .filter(|r| folding.contains_key(&r.key()))
+        .filter(|r| open(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
+        .map(Record::key)
         .collect();
     if !ended.is_empty() {
         dir.end_folding(&ended).map_err(|e| vec![e])?;
     }
     // Mode `off` removes each pod's table: its counts join the node totals first (as at
-    // DEL), so they never go backwards, also when this apply is killed half-way.
-    let off = snap.layer(node_mark).mode == layer::LayerMode::Off;
+    // DEL), idempotently, so they never go backwards, also when this apply is killed.
+    let off = new.for_pod(node_mark).mode == layer::LayerMode::Off;
     let mut folded_keys = Vec::new();
     if off {
-        let counts: Vec<(String, BTreeMap<String, u64>)> = pods
+        let counts: Vec<(String, BTreeMap<String, u64>)> = records
             .iter()
-            .filter_map(|(r, ns)| Some((r.key(), ns.as_ref().ok()?.run(layer::counters).ok()?.ok()??)))
+            .filter_map(|r| Some((r.key(), flat(open(r).ok()?.run(layer::counters)).ok()??)))
             .collect();
         dir.fold_pods(&counts).map_err(|e| vec![e])?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let (keys, pods): (Vec<String>, Vec<PodOutcome>) = pods
-        .into_iter()
-        .map(|(r, ns)| {
-            // Each pod's layer matches the divert mark its own capture sets.
-            let l = snap.layer(r.capture.as_ref().map_or(node_mark, |c| c.divert_mark));
-            let (result, vanished) = match ns {
-                Err((why, vanished)) => (Err(why), vanished),
-                Ok(ns) => (flat(ns.run(|| layer::apply(&l))), false),
-            };
-            (r.key(), PodOutcome { container_id: r.container_id, ifname: r.ifname, netns: r.netns, result, vanished })
-        })
-        .unzip();
+    let mut removed_keys = Vec::new();
+    let mut pods = Vec::with_capacity(records.len());
+    for r in &records {
+        // Each pod's layer matches the divert mark its own capture sets.
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let l = new.for_pod(mark);
+        let (result, vanished) = match open(r) {
+            Err((why, vanished)) => (Err(why), vanished),
+            Ok(ns) if l.mode == layer::LayerMode::Off => {
+                dir.forget_pod(ns.path());
+                let outcome = flat(ns.run(|| layer::apply(&l)));
+                if matches!(outcome, Ok(Applied::Removed(_))) {
+                    removed_keys.push(r.key());
+                }
+                (outcome, false)
+            }
+            Ok(ns) => {
+                let held = dir.pod_holds(&ns);
+                let outcome = match (&held, &previous) {
+                    (Some(h), _) if h.is(&new, mark) => Ok(Applied::Unchanged),
+                    (Some(h), Some(prev)) if h.is(prev, mark) => {
+                        let change = changes.entry(mark).or_insert_with(|| {
+                            LayerChange::between(&prev.for_pod(mark), &l).ok().flatten()
+                        });
+                        match change {
+                            // Refused (the pod's layer is not what its file says): rebuilt.
+                            Some(c) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
+                            None => flat(ns.run(|| layer::rebuild(&l))),
+                        }
+                    }
+                    _ => flat(ns.run(|| layer::rebuild(&l))),
+                };
+                if outcome.is_ok() && held.is_none_or(|h| h.generation != new.generation || !h.is(&new, mark)) {
+                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(&new, &ns, mark)) {
+                        warnings.push(e);
+                    }
+                }
+                if outcome.is_err() {
+                    dir.forget_pod(ns.path());
+                }
+                (outcome, false)
+            }
+        };
+        pods.push(PodOutcome {
+            container_id: r.container_id.clone(),
+            ifname: r.ifname.clone(),
+            netns: r.netns.clone(),
+            result,
+            vanished,
+        });
+    }
+    dir.prune_pods(&records);
     if off {
-        let removed: Vec<String> = keys
-            .into_iter()
-            .zip(&pods)
-            .filter(|(k, p)| folded_keys.contains(k) && matches!(p.result, Ok(Applied::Removed(_))))
-            .map(|(k, _)| k)
-            .collect();
-        dir.end_folding(&removed).map_err(|e| vec![e])?;
+        removed_keys.retain(|k| folded_keys.contains(k));
+        dir.end_folding(&removed_keys).map_err(|e| vec![e])?;
     }
     Ok(ApplyReport { generation: snap.generation, pods, warnings })
 }
 
 /// For ADD, in the host netns, after the attachment record is written: applies the stored
-/// snapshot (if any) to the pod netns `netns`, under the shared services lock, and records
-/// capture's divert mark for later applies. Returns the generation applied, `None` when the
-/// agent has sent no snapshot yet (the pod then has no layer until the first apply).
+/// layer (if any) to the pod netns `netns`, under the shared services lock, and records
+/// capture's divert mark for later applies. Loads `layer.bin`, never the JSON snapshot, and
+/// reads nothing back from the kernel. Returns the generation applied, `None` when the agent
+/// has sent no snapshot yet (the pod then has no layer until the first apply).
 pub fn apply_current_snapshot_in_netns(
     state_dir: &Path,
     netns: &Netns,
@@ -438,20 +593,24 @@ pub fn apply_current_snapshot_in_netns(
     if dir.divert_mark() != divert_mark {
         dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes()).map_err(fail)?;
     }
-    // A stored snapshot that cannot be read must not keep pods from starting: the pod starts
+    // A stored layer that cannot be read must not keep pods from starting: the pod starts
     // without the layer (fail open, as before any snapshot), and the agent's next apply, which
     // replaces the damaged file, reaches it through its record.
-    let snap = match dir.stored() {
-        Ok(Some((_, snap))) => snap,
+    let stored = match dir.stored_layer() {
+        Ok(Some(stored)) => stored,
         Ok(None) => return Ok(None),
         Err(e) => {
             crate::warn!("the pod starts without the Service layer: {e}");
             return Ok(None);
         }
     };
-    let l = snap.layer(divert_mark);
-    netns.run(|| layer::apply(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
-    Ok(Some(snap.generation))
+    let l = stored.for_pod(divert_mark);
+    netns.run(|| layer::rebuild(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+    if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
+        // Costs the pod a rebuild at the next apply instead of a change; nothing more.
+        crate::warn!("{e}");
+    }
+    Ok(Some(stored.generation))
 }
 
 /// The outcome of work done inside a netns, as one message.
@@ -490,6 +649,7 @@ pub fn retire_layer(
         dir.lock(true).map_err(|e| CniError::new(code::IO_FAILURE, "cannot lock the Service state").with_details(e))?;
     let mut out = Retired::default();
     if let Some(ns) = netns {
+        dir.forget_pod(ns.path());
         match flat(ns.run(layer::counters)) {
             Ok(Some(counts)) => match dir.fold_pods(&[(key.to_string(), counts.clone())]) {
                 Ok(mut added) => out.folded = added.pop().unwrap_or_default(),
@@ -602,7 +762,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
         }
     }
     let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
-    let generation = dir.stored().ok().flatten().map(|(_, s)| s.generation);
+    let generation = layer_file::read_generation(&dir.layer_path()).ok().flatten();
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 
@@ -623,6 +783,76 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
 }
 
+/// One pod's outcome in `services verify`.
+pub struct PodVerified {
+    pub container_id: String,
+    pub netns: String,
+    /// The differences found (empty: intact) and whether they were repaired.
+    pub result: Result<(Vec<String>, Option<Applied>), String>,
+}
+
+pub struct VerifyReport {
+    pub generation: Option<u64>,
+    pub pods: Vec<PodVerified>,
+}
+
+impl VerifyReport {
+    pub fn failed(&self) -> bool {
+        self.pods.iter().any(|p| p.result.is_err())
+    }
+
+    fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|p| {
+                let mut v = json!({"containerID": p.container_id, "netns": p.netns});
+                match &p.result {
+                    Ok((d, _)) if d.is_empty() => v["result"] = json!("intact"),
+                    Ok((d, repaired)) => {
+                        v["result"] = json!(format!("repaired ({})", repaired.as_ref().map_or("-".into(), describe)));
+                        v["differences"] = json!(d);
+                    }
+                    Err(e) => {
+                        v["result"] = json!("failed");
+                        v["error"] = json!(e);
+                    }
+                }
+                v
+            })
+            .collect();
+        json!({"generation": self.generation, "pods": pods})
+    }
+}
+
+/// `services verify`: reads every recorded pod's layer back, compares it with the stored
+/// snapshot, and repairs what differs (the element change, or a rebuild). Pods whose netns
+/// is gone are left out. Exclusive of applies, ADD and DEL (the services lock).
+pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
+    let _lock = dir.lock(true)?;
+    let stored = dir.stored_layer()?;
+    let node_mark = dir.divert_mark();
+    let mut pods = Vec::new();
+    for r in StateDir::new(&dir.state).records() {
+        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+        let result = flat(ns.run(|| {
+            let diffs = layer::verify(&l)?;
+            let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
+            Ok((diffs, repaired))
+        }));
+        match (&result, &stored) {
+            (Ok(_), Some(s)) if l.mode != layer::LayerMode::Off => {
+                let _ = dir.set_pod_holds(&ns, &PodHolds::new(s, &ns, mark));
+            }
+            _ => dir.forget_pod(ns.path()),
+        }
+        pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result });
+    }
+    Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
+}
+
 /// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
 /// says it should be, whether the kernel holds exactly that, and its counters), and whether
 /// the kernel holds it intact (as the stored snapshot says, or absent when there is none).
@@ -630,22 +860,29 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
     let dir = ServicesDir::new(state_dir);
     let mut out = Vec::new();
     let mut intact = true;
-    let stored = match dir.stored() {
+    let stored = match dir.stored_layer() {
         Ok(s) => s,
         Err(e) => return (vec![format!("stored snapshot: {e}")], false),
     };
     match &stored {
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
-        Some((_, snap)) => {
-            let l = snap.layer(divert_mark.unwrap_or_else(|| dir.divert_mark()));
+        Some(stored) => {
+            let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
             out.push(format!(
                 "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
-                snap.generation,
+                stored.generation,
                 l.mode,
                 l.ranges.len(),
                 l.mesh_vips.len(),
                 l.ports.len()
             ));
+            match dir.pod_holds(netns) {
+                Some(h) if h.is(stored, l.divert_mark) => {
+                    out.push(format!("the pod was last given generation {} (the same layer)", h.generation))
+                }
+                Some(h) => out.push(format!("the pod was last given generation {} (an older layer)", h.generation)),
+                None => out.push("no record of the generation the pod holds (the next apply rebuilds it)".into()),
+            }
             match netns.run(|| layer::verify(&l)) {
                 Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
                 Ok(Ok(d)) => {
@@ -687,7 +924,6 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fs;
     use aether_testkit::{root_or_skip, TestNetns};
 
     fn tmp(tag: &str) -> PathBuf {
@@ -761,9 +997,9 @@ mod tests {
             }
             spawn_racing_applies(s, &state);
         });
-        let (_, newest) = dir.stored().unwrap().unwrap();
+        let newest = dir.stored_layer().unwrap().unwrap();
         assert_eq!(newest.generation, 21);
-        let l = newest.layer(0xae71);
+        let l = newest.for_pod(0xae71);
         for ns in &netns {
             let diffs = Netns::open_foreign(ns.path()).unwrap().run(|| layer::verify(&l)).unwrap().unwrap();
             assert!(diffs.is_empty(), "{}: {diffs:#?}", ns.name);

@@ -17,7 +17,9 @@
 //! addresses inside namespaces made here: the host netns has no default route and does not
 //! forward.
 
+pub mod clients;
 pub mod cni;
+pub mod containerd;
 pub mod dns;
 pub mod node;
 pub mod probe;

@@ -510,3 +510,22 @@ fn l12_del_never_fails_on_annotations_it_does_not_need() {
         assert!(!has_capture(&ns), "a failed ADD with annotations {bad} left capture");
     }
 }
+
+/// Nor on a `prevResult` it cannot read: DEL does not need ADD's result (the record says what
+/// was made), and a runtime that cached a damaged one must still be able to delete the pod.
+#[test]
+fn l12_del_never_fails_on_a_prev_result_it_does_not_need() {
+    if !root_or_skip("l12prev") {
+        return;
+    }
+    for bad in [json!("not a result"), json!([1]), json!({"ips": 5, "interfaces": "eth0"})] {
+        let ns = TestNetns::new("l12prev");
+        let c = conf("1.0.0", json!({}));
+        add_ok(&ns, &c);
+        let mut del = c.clone();
+        del["prevResult"] = bad.clone();
+        let out = run_plugin("DEL", Some(&ns.path()), &del, &[]);
+        assert!(out.ok, "DEL with prevResult {bad} failed: {}", out.stdout);
+        assert!(!has_capture(&ns), "DEL with prevResult {bad} left the capture");
+    }
+}

@@ -97,10 +97,30 @@ unsafe fn obj_filter(hdr: *mut libc::nlmsghdr, table: &CString) {
     }
 }
 
-/// The raw elements of one set of `table`: (key, interval end).
+/// The raw elements of one set of `table`: (key, interval end). Dumps that set's elements
+/// only (empty when the table or the set is missing), so reading a small set of a large
+/// table costs what the small set holds.
 pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
-    let Some(view) = kernel_view(table)? else { return Ok(Vec::new()) };
-    Ok(view.sets.into_iter().find(|s| s.name == set).map(|s| s.elements.into_iter().collect()).unwrap_or_default())
+    let mut sock = NftSocket::open()?;
+    let (cname, set_name) = (cname(table)?, cname(set)?);
+    let messages = match sock.dump(libc::NFT_MSG_GETSETELEM, "dump set elements", |hdr| unsafe {
+        let s = sys::nftnl_set_alloc();
+        sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, cname.as_ptr());
+        sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, set_name.as_ptr());
+        sys::nftnl_set_elems_nlmsg_build_payload(hdr, s);
+        sys::nftnl_set_free(s);
+    }) {
+        Ok(m) => m,
+        Err(Error::Nftables { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(read::set_elements(table, set, messages.iter().map(Vec::as_slice)))
+}
+
+/// The raw keys (key, interval end) `elements` of the model set `set` are sent as: what
+/// `ElementChange` carries.
+pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> Vec<(Vec<u8>, bool)> {
+    render::element_keys(set, elements)
 }
 
 /// Deletes the table; `Ok(false)` when it was not there.

@@ -312,6 +312,23 @@ fn parse_elements(bytes: &[u8], table: &str) -> Option<(String, Elements)> {
     Some((name, elems))
 }
 
+/// The elements of set `set` of `table` in element messages (a GETSETELEM dump).
+pub(crate) fn set_elements<'a>(table: &str, set: &str, messages: impl IntoIterator<Item = &'a [u8]>) -> Elements {
+    let mut out = Vec::new();
+    for buf in messages {
+        for msg in split_messages(buf) {
+            if msg.kind == nft_type(libc::NFT_MSG_NEWSETELEM) {
+                if let Some((name, elems)) = parse_elements(msg.bytes, table) {
+                    if name == set {
+                        out.extend(elems);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Prints a set key the way a person reads it: an address or a port.
 pub fn show_key(key: &[u8], end: bool) -> String {
     let k = match key.len() {

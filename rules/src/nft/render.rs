@@ -209,11 +209,8 @@ impl NftSet {
             sys::nftnl_set_set_u32(p, sys::NFTNL_SET_KEY_LEN as u16, set.key.byte_len());
         }
         let s = NftSet { ptr };
-        for e in elements {
-            let keys = if set.interval { interval_keys(set.key, e) } else { vec![(plain_key(set.key, e), false)] };
-            for (key, end) in keys {
-                s.add_element(&key, end);
-            }
+        for (key, end) in element_keys(set, elements) {
+            s.add_element(&key, end);
         }
         s
     }
@@ -249,6 +246,19 @@ impl NftSet {
             sys::nftnl_set_elem_add(self.ptr.as_ptr(), e);
         }
     }
+}
+
+/// The raw keys (key, interval end) of `elements` of `set`.
+pub(crate) fn element_keys(set: &model::Set, elements: &[Element]) -> Vec<(Vec<u8>, bool)> {
+    let mut out = Vec::with_capacity(elements.len());
+    for e in elements {
+        if set.interval {
+            out.extend(interval_keys(set.key, e));
+        } else {
+            out.push((plain_key(set.key, e), false));
+        }
+    }
+    out
 }
 
 /// The key of one element of a set without intervals.
