@@ -46,9 +46,7 @@ pub fn read_stdin(input: impl std::io::Read) -> (Vec<u8>, Result<(), CniError>) 
 }
 
 fn load(stdin: &[u8]) -> Result<NetConf, CniError> {
-    let conf = config::parse(stdin)?;
-    crate::log::init(conf.log_file.as_deref(), &conf.log_level);
-    Ok(conf)
+    config::parse(stdin)
 }
 
 /// The configuration's version if it has a usable one, for error JSON.
@@ -159,8 +157,8 @@ pub fn check_prev_result(version: &str, prev: &Value) -> Result<(), CniError> {
         address(format!("ips[{i}].address"), m.get("address"), true, true)?;
         address(format!("ips[{i}].gateway"), m.get("gateway"), false, false)?;
         number(format!("ips[{i}].interface"), m.get("interface"))?;
-        if version == "0.4.0" {
-            // 0.4.0 results say each address's family ("4" or "6"); 1.0.0 dropped the field.
+        if version.starts_with("0.") {
+            // 0.3.x/0.4.0 results say each address's family ("4" or "6"); 1.0.0 dropped it.
             let family = m.get("address").and_then(Value::as_str).and_then(parse_cidr).map(|ip| match ip {
                 std::net::IpAddr::V4(_) => "4",
                 std::net::IpAddr::V6(_) => "6",
@@ -231,7 +229,7 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let ifname = env.require_ifname()?;
     let result = pass_through(conf)?;
     let Some(cfg) = config::effective(conf, env.args.pod_namespace.as_deref())? else {
-        info!("ADD {id}: pod {:?}/{:?} is not managed; nothing programmed", env.args.pod_namespace, env.args.pod_name);
+        info!("pod is not managed (disabled, or its namespace is excluded); nothing programmed");
         return Ok(Some(result));
     };
     let ruleset = capture::capture_ruleset(&cfg)?;
@@ -255,23 +253,26 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         }
         services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
     });
-    if let Err(e) = layered {
-        // All or nothing: a pod with rules but no record would escape GC and CHECK.
-        let pr = ruleset.policy_route;
-        let undo = netns.run(|| {
-            aether_rules::services::remove()?;
-            aether_rules::remove(capture::TABLE, &pr)
-        });
-        if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
-            warn!("ADD {id}: undoing after a failure also failed: {undo}");
+    let generation = match layered {
+        Ok(generation) => generation,
+        Err(e) => {
+            // All or nothing: a pod with rules but no record would escape GC and CHECK.
+            let pr = ruleset.policy_route;
+            let undo = netns.run(|| {
+                aether_rules::services::remove()?;
+                aether_rules::remove(capture::TABLE, &pr)
+            });
+            if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
+                warn!("undoing after a failure also failed: {undo}");
+            }
+            if let Err(undo) = state.remove(&conf.name, id, ifname) {
+                warn!("removing the record after a failure also failed: {undo}");
+            }
+            return Err(e);
         }
-        if let Err(undo) = state.remove(&conf.name, id, ifname) {
-            warn!("ADD {id}: removing the record after a failure also failed: {undo}");
-        }
-        return Err(e);
-    }
-    info!("ADD {id}: capture programmed in {} ({}, mode {:?})", netns_path, netns.id(), cfg.mode);
-    debug!("ADD {id}: ruleset\n{}", ruleset.table);
+    };
+    info!(mode = %cfg.mode, services_generation = %generation.map_or("none".to_string(), |g| g.to_string()), "capture programmed");
+    debug!("ruleset: {}", ruleset.table);
     Ok(Some(result))
 }
 
@@ -282,7 +283,7 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let _lock = state.lock(false)?;
     let record = state.read(&conf.name, id, ifname).unwrap_or_else(|u| {
         // DEL forgets the attachment whatever its record says; a damaged one is removed.
-        warn!("DEL {id}: its record {} cannot be read ({}); removing it", u.file, u.why);
+        warn!(file = %u.file, why = %u.why, "the attachment record cannot be read; removing it");
         None
     });
     let netns = match (env.netns.as_deref(), &record) {
@@ -291,7 +292,7 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         (None, None) => None,
         (Some(path), _) => match Netns::open_foreign(path) {
             Err(aether_netns::Error::NotFound { .. }) => {
-                info!("DEL {id}: netns {path} is already gone");
+                info!(netns = %path, "netns is already gone; nothing to remove there");
                 None
             }
             Err(e) => return Err(e.into()),
@@ -299,13 +300,13 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             // by another pod is that pod's, and is left alone.
             Ok(ns) => match &record {
                 Some(r) if !r.owns(&ns) => {
-                    info!("DEL {id}: {path} is now another namespace ({}) than ADD programmed; left alone", ns.id());
+                    info!(netns = %path, found = %ns.id(), "another namespace than ADD programmed is at the path; left alone");
                     None
                 }
                 Some(_) => Some(ns),
                 None => match state.records().into_iter().find(|o| o.netns_id.is_some_and(|i| i.matches(&ns))) {
                     Some(owner) => {
-                        info!("DEL {id}: no record, and {path} is {}'s namespace; left alone", owner.key());
+                        info!(netns = %path, owner = %owner.key(), "no record, and the namespace is another attachment's; left alone");
                         None
                     }
                     None => Some(ns),
@@ -323,7 +324,7 @@ fn live(found: PodNetns, id: &str) -> Option<Netns> {
     match found {
         PodNetns::Live(ns) => Some(ns),
         PodNetns::Gone(why) => {
-            info!("{id}: the pod's netns is gone ({why}); nothing to remove there");
+            info!(attachment = %id, why = %why, "the pod's netns is gone; nothing to remove there");
             None
         }
     }
@@ -347,20 +348,32 @@ fn detach(
     key: &str,
     forget: impl FnOnce() -> Result<(), CniError>,
 ) -> Result<(), CniError> {
-    if let Some(netns) = &netns {
-        // The policy route ADD installed is in the record; without one (a record lost, or an
-        // ADD that failed before writing it) the node's settings name it.
-        let policy_route =
-            record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
-        let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
-        info!("{key}: removed {removed:?} from {}", netns.path().display());
-    }
+    let removed = match &netns {
+        Some(netns) => {
+            // The policy route ADD installed is in the record; without one (a record lost, or an
+            // ADD that failed before writing it) the node's settings name it.
+            let policy_route = record
+                .and_then(|r| r.capture.as_ref())
+                .map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
+            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??)
+        }
+        None => None,
+    };
     let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget)?;
+    let container = key.split('/').nth(1).unwrap_or(key);
     for w in &retired.warnings {
-        warn!("{key}: {w}");
+        warn!(container = %container, "{w}");
     }
-    if !retired.folded.is_empty() {
-        info!("{key}: Service counts folded into the node totals: {:?}", retired.folded);
+    if let (Some(netns), Some(removed)) = (&netns, removed) {
+        info!(
+            container = %container,
+            netns = %netns.path().display(),
+            table = removed.table,
+            rule = removed.rule,
+            route = removed.route,
+            services_folded = %crate::log::counts(&retired.folded),
+            "capture removed"
+        );
     }
     Ok(())
 }
@@ -409,7 +422,7 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         },
     };
     if diffs.is_empty() {
-        info!("CHECK {id}: capture intact in {netns_path}");
+        info!("capture intact");
         return Ok(None);
     }
     Err(CniError::new(
@@ -469,7 +482,7 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
                 detach(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
             });
         match outcome {
-            Ok(()) => info!("GC: removed stale attachment {key}"),
+            Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
             Err(e) => failures.push(format!("{key} (kept): {e}")),
         }
     }
@@ -479,23 +492,23 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         let stale = match parts.as_slice() {
             [network, c, i] if *network == conf.name => !is_valid(c, i),
             [_, _, _] => {
-                info!("GC: keeping {} (another network's, unreadable: {})", u.file, u.why);
+                info!(file = %u.file, why = %u.why, "kept: another network's record, unreadable");
                 continue;
             }
             _ => true, // not a record's name: nobody's record
         };
         if !stale {
-            warn!("GC: keeping {}: the record of a valid attachment cannot be read: {}", u.file, u.why);
+            warn!(file = %u.file, why = %u.why, "kept: the record of a valid attachment cannot be read");
             continue;
         }
         match state.remove_file(&u.file) {
-            Ok(()) => info!("GC: removed {} (unreadable: {})", u.file, u.why),
+            Ok(()) => info!(file = %u.file, why = %u.why, "removed an unreadable record"),
             Err(e) => failures.push(format!("{} (kept): {e}", u.file)),
         }
     }
     for t in &scan.stale_temps {
         match state.remove_file(t) {
-            Ok(()) => info!("GC: removed {t}, a temp file its writer left"),
+            Ok(()) => info!(file = %t, "removed a temp file its writer left"),
             Err(e) => failures.push(format!("{t} (kept): {e}")),
         }
     }
@@ -533,6 +546,8 @@ mod tests {
         assert!(check_prev_result("1.0.0", &json!({"ips": [{"address": "10.1.0.5/16"}]})).is_ok(), "no cniVersion");
         let v040 = json!({"cniVersion": "0.4.0", "ips": [{"version": "4", "address": "10.1.0.5/16"}]});
         assert!(check_prev_result("0.4.0", &v040).is_ok());
+        let v031 = json!({"cniVersion": "0.3.1", "ips": [{"version": "4", "address": "10.1.0.5/16"}]});
+        assert!(check_prev_result("0.3.1", &v031).is_ok());
         let cases: [(&str, Value, u32, &str); 13] = [
             ("1.0.0", v040.clone(), 1, "0.4.0"),
             ("0.4.0", v1(json!({})), 1, "1.0.0"),

@@ -14,7 +14,10 @@ use serde_json::{Map, Value};
 
 use crate::error::{code, CniError};
 
-pub const SUPPORTED_VERSIONS: [&str; 3] = ["0.4.0", "1.0.0", "1.1.0"];
+/// 0.3.x: flannel, Calico, Cilium and kindnet ship 0.3.1 conflists, and libcni runs every
+/// plugin of a list at the list's version (its results have the 0.4.0 shape; libcni sends
+/// no CHECK below 0.4.0, and one that comes is answered as at 0.4.0).
+pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations";
 pub const DEFAULT_STATE_DIR: &str = "/var/run/aether-cni";
 
@@ -55,7 +58,7 @@ const SPEC_FIELDS: [&str; 13] = [
     "disableGC",
 ];
 /// This plugin's own keys.
-const OWN_FIELDS: [&str; 17] = [
+const OWN_FIELDS: [&str; 18] = [
     "captureMode",
     "hostIP",
     "captureDNS",
@@ -72,6 +75,7 @@ const OWN_FIELDS: [&str; 17] = [
     "excludeNamespaces",
     "logFile",
     "logLevel",
+    "logFormat",
     "stateDir",
 ];
 
@@ -112,6 +116,7 @@ pub struct NetConf {
     pub annotations: Value,
     pub log_file: Option<PathBuf>,
     pub log_level: String,
+    pub log_format: crate::log::Format,
     pub state_dir: PathBuf,
     /// GC: the attachments the runtime still has, as (container ID, ifname).
     pub valid_attachments: Option<Vec<(String, String)>>,
@@ -302,9 +307,13 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .collect::<Result<_, _>>()?,
     };
     let log_level = f.str("logLevel")?.unwrap_or_else(|| "info".into());
-    if !["error", "warn", "info", "debug"].contains(&log_level.as_str()) {
+    if crate::log::parse_level(&log_level).is_none() {
         return Err(invalid("logLevel", &Value::String(log_level), "expected error, warn, info or debug"));
     }
+    let log_format = match f.str("logFormat")? {
+        None => crate::log::Format::Text,
+        Some(s) => s.parse().map_err(|()| invalid("logFormat", &Value::String(s.clone()), "expected text or json"))?,
+    };
 
     let conf = NetConf {
         cni_version,
@@ -323,6 +332,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .unwrap_or(Value::Null),
         log_file: f.str("logFile")?.map(PathBuf::from),
         log_level,
+        log_format,
         state_dir: f.str("stateDir")?.map(PathBuf::from).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
         valid_attachments: valid_attachments(&map)?,
     };
@@ -496,7 +506,7 @@ mod tests {
             "scopedPorts": [15081, 15082], "dnsProxyPort": 15054, "divertMark": "0x1e71",
             "passthroughMark": 7806, "routeTable": 100, "rulePriority": 1000,
             "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7"], "excludeOutboundPorts": [22, "9000-9100"],
-            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "stateDir": "/tmp/st",
+            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "logFormat": "json", "stateDir": "/tmp/st",
             "capabilities": {"io.kubernetes.cri.pod-annotations": true}, "args": {"x": 1}, "ipMasq": false
         }))
         .unwrap();
@@ -511,6 +521,7 @@ mod tests {
         assert_eq!(c.exclude_namespaces, ["infra"]);
         assert_eq!(c.log_file, Some(PathBuf::from("/tmp/a.log")));
         assert_eq!(c.log_level, "debug");
+        assert_eq!(c.log_format, crate::log::Format::Json);
         assert_eq!(c.state_dir, PathBuf::from("/tmp/st"));
     }
 
@@ -541,8 +552,10 @@ mod tests {
             (json!({"excludeOutboundPorts": [true]}), 7, "excludeOutboundPorts", "true"),
             (json!({"excludeNamespaces": [1]}), 7, "excludeNamespaces", "1"),
             (json!({"logLevel": "loud"}), 7, "logLevel", "loud"),
+            (json!({"logFormat": "logfmt"}), 7, "logFormat", "logfmt"),
+            (json!({"logFormat": 1}), 7, "logFormat", "1"),
             (json!({"captureMod": "scoped"}), 2, "captureMod", "scoped"),
-            (json!({"cniVersion": "0.3.1"}), 1, "cniVersion", "0.3.1"),
+            (json!({"cniVersion": "0.2.0"}), 1, "cniVersion", "0.2.0"),
             (json!({"cniVersion": "9.9.9"}), 1, "cniVersion", "9.9.9"),
         ];
         for (extra, want_code, field, value) in cases {

@@ -14,6 +14,8 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+// Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
+pub(crate) use tracing::{debug, error, info, warn};
 
 #[derive(Parser)]
 #[command(
@@ -50,6 +52,8 @@ fn main() -> ExitCode {
     // An operator piping into `head` should see the CLI end quietly, as Unix tools do,
     // not a panic from println! on a closed pipe.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // The CLI's own output is its result; what goes wrong underneath reaches stderr.
+    log::init(&log::Settings { level: tracing::level_filters::LevelFilter::WARN, ..log::Settings::default() });
     match Cli::parse().command {
         Command::Versions => {
             println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
@@ -64,7 +68,22 @@ fn main() -> ExitCode {
 /// The CNI protocol: configuration on stdin, result or error JSON on stdout, logs elsewhere.
 fn run_cni() -> ExitCode {
     let (stdin, read) = cni::read_stdin(std::io::stdin().lock());
-    let outcome = read.and_then(|()| env::Env::from_process()).and_then(|env| cni::run(&env, &stdin));
+    // The log settings are read leniently before anything else, so that a configuration the
+    // full parse refuses is still logged to its logFile.
+    log::init(&log::Settings::lenient(&stdin));
+    let env = env::Env::from_process();
+    let command = std::env::var("CNI_COMMAND").unwrap_or_default();
+    let _span = match &env {
+        Ok(e) => log::cni_span(
+            &e.command,
+            log::pod_name(e.args.pod_namespace.as_deref(), e.args.pod_name.as_deref()),
+            e.container_id.as_deref(),
+            e.netns.as_deref(),
+        ),
+        Err(_) => log::cni_span(&command, None, None, None),
+    }
+    .entered();
+    let outcome = read.and(env).and_then(|env| cni::run(&env, &stdin));
     let mut out = std::io::stdout().lock();
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
@@ -73,7 +92,7 @@ fn run_cni() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            warn!("{} failed: {e}", std::env::var("CNI_COMMAND").unwrap_or_default());
+            error!(code = e.code, "{command} failed: {e}");
             let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
             ExitCode::FAILURE
         }

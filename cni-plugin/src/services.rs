@@ -653,7 +653,9 @@ pub fn retire_layer(
         match flat(ns.run(layer::counters)) {
             Ok(Some(counts)) => match dir.fold_pods(&[(key.to_string(), counts.clone())]) {
                 Ok(mut added) => out.folded = added.pop().unwrap_or_default(),
-                Err(e) => out.warnings.push(format!("the pod's Service counts {counts:?} are lost: {e}")),
+                Err(e) => out
+                    .warnings
+                    .push(format!("the pod's Service counts ({}) are lost: {e}", crate::log::counts(&counts))),
             },
             Ok(None) => {}
             Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
@@ -772,7 +774,7 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     let mut all = std::collections::BTreeSet::new();
     let scan = StateDir::new(&dir.state).scan();
     for u in &scan.unreadable {
-        crate::warn!("demand: attachment record {} cannot be read, its pod is not included: {}", u.file, u.why);
+        crate::warn!(file = %u.file, why = %u.why, "an attachment record cannot be read; its pod is not included");
     }
     for r in scan.records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };

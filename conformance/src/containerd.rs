@@ -19,9 +19,9 @@
 //! the test's network and sandboxes, the cgroup parent, the node netns and the temp dir.
 
 use std::cell::RefCell;
-use std::io::Write as _;
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_testkit::TestNetns;
@@ -31,6 +31,9 @@ use crate::clients::{clients_dir, exec, must, render, repo, LibcniCache, TempDir
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
+/// The node's conflist: chaining aether-cni, or the main CNI alone.
+pub const CHAINED_CONFLIST: &str = "10-aether.conflist";
+pub const MAIN_CONFLIST: &str = "10-bridge.conflist";
 /// Debian's CNI plugins.
 const DEBIAN_CNI_DIR: &str = "/usr/lib/cni";
 
@@ -78,13 +81,22 @@ pub struct Containerd {
     socket: PathBuf,
     cgroup_parent: String,
     child: Option<Child>,
+    cri: RefCell<Option<CriClient>>,
     sandboxes: RefCell<Vec<String>>,
 }
 
+/// `cri.py --serve`: one JSON line per call each way.
+struct CriClient {
+    child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
 impl Containerd {
-    /// Dirs, configuration, a conflist chaining `aether-cni` (`conformance/clients/
-    /// containerd.conflist.in`) and the node netns; containerd is not started yet.
-    pub fn new(tag: &str, net: &NodeNet) -> Self {
+    /// Dirs, configuration, the node's conflist and the node netns; containerd is not started
+    /// yet. With `chained`, the conflist (`conformance/clients/containerd.conflist.in`)
+    /// chains `aether-cni` after `bridge` and `portmap` (`10-aether.conflist`); without, it is
+    /// the node's main CNI alone (`10-bridge.conflist`), for an installer to chain.
+    pub fn new(tag: &str, net: &NodeNet, chained: bool) -> Self {
         let dir = TempDir::new(tag);
         let pid = std::process::id();
         let network = format!("aether-{tag}-{pid}");
@@ -106,7 +118,13 @@ impl Containerd {
                 ("LOG_FILE", log_file.display().to_string()),
             ],
         );
-        std::fs::write(net_dir.join("10-aether.conflist"), conflist).unwrap();
+        if chained {
+            std::fs::write(net_dir.join(CHAINED_CONFLIST), conflist).unwrap();
+        } else {
+            let mut main: Value = serde_json::from_str(&conflist).unwrap();
+            main["plugins"].as_array_mut().unwrap().retain(|p| p["type"] != "aether-cni");
+            std::fs::write(net_dir.join(MAIN_CONFLIST), serde_json::to_string_pretty(&main).unwrap()).unwrap();
+        }
         let config = render(
             "containerd.toml.in",
             &[
@@ -129,6 +147,7 @@ impl Containerd {
             socket,
             cgroup_parent: format!("/aether-{tag}-{pid}"),
             child: None,
+            cri: RefCell::new(None),
             sandboxes: RefCell::new(Vec::new()),
             node,
             dir,
@@ -205,28 +224,35 @@ impl Containerd {
         }
     }
 
-    /// One CRI call: `Ok(response)`, or `Err(the gRPC status and message)`.
+    /// One CRI call: `Ok(response)`, or `Err(the gRPC status and message)`. Calls go to one
+    /// `cri.py --serve` process, started on first use (Python's start-up paid once).
     pub fn cri(&self, call: &str, request: &Value) -> Result<Value, String> {
-        let mut child = Command::new("/usr/bin/python3")
-            .arg(repo().join("conformance/clients/cri/cri.py"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("--gen")
-            .arg(clients_dir().join("cri"))
-            .arg(call)
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn cri.py");
-        child.stdin.take().unwrap().write_all(request.to_string().as_bytes()).unwrap();
-        let out = child.wait_with_output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        if !out.status.success() {
-            return Err(stderr);
+        let mut cri = self.cri.borrow_mut();
+        let client = cri.get_or_insert_with(|| {
+            let mut child = Command::new("/usr/bin/python3")
+                .arg(repo().join("conformance/clients/cri/cri.py"))
+                .arg("--socket")
+                .arg(&self.socket)
+                .arg("--gen")
+                .arg(clients_dir().join("cri"))
+                .arg("--serve")
+                .env("PYTHONDONTWRITEBYTECODE", "1")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("spawn cri.py");
+            let stdout = BufReader::new(child.stdout.take().unwrap());
+            CriClient { child, stdout }
+        });
+        let line = json!({"call": call, "request": request}).to_string();
+        writeln!(client.child.stdin.as_mut().unwrap(), "{line}").expect("write to cri.py");
+        let mut answer = String::new();
+        client.stdout.read_line(&mut answer).expect("read from cri.py");
+        let answer: Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("cri.py said {answer:?}: {e}"));
+        match answer.get("error").and_then(Value::as_str) {
+            Some(e) => Err(e.to_string()),
+            None => Ok(answer["response"].clone()),
         }
-        serde_json::from_slice(&out.stdout).map_err(|e| format!("{call}: response is not JSON ({e}): {stderr}"))
     }
 
     /// RunPodSandbox for pod `namespace/name`, with these annotations (none: the field is
@@ -341,6 +367,10 @@ impl Drop for Containerd {
                 let _ = self.cri("StopPodSandbox", &json!({"pod_sandbox_id": id}));
                 let _ = self.cri("RemovePodSandbox", &json!({"pod_sandbox_id": id}));
             }
+        }
+        if let Some(mut cri) = self.cri.take() {
+            drop(cri.child.stdin.take());
+            let _ = cri.child.wait();
         }
         self.stop();
         // After a failure midway: what the CRI could not remove, removed directly.

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use aether_conformance::clients::{assert_captured, assert_clean, capture_state, client, exec, records, table_handle};
 use aether_conformance::cni_bin;
-use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox};
+use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, CHAINED_CONFLIST};
 use aether_testkit::root_or_skip;
 use serde_json::json;
 
@@ -85,7 +85,7 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
         return;
     }
     let started = Instant::now();
-    let mut ctrd = Containerd::new("ctrd", &NET);
+    let mut ctrd = Containerd::new("ctrd", &NET, true);
     std::os::unix::fs::symlink(cni_bin(), ctrd.bin_dir.join("aether-cni")).unwrap();
     ctrd.start();
     ctrd.import_sandbox_image();
@@ -207,7 +207,7 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
 /// `aether-cni` entry and these annotations (state in a dir of its own; the netns goes on drop).
 fn direct_add_ruleset(ctrd: &Containerd, annotations: &serde_json::Value) -> String {
     let conflist: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ctrd.net_dir.join("10-aether.conflist")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(ctrd.net_dir.join(CHAINED_CONFLIST)).unwrap()).unwrap();
     let mut entry = conflist["plugins"][2].clone();
     assert_eq!(entry["type"], "aether-cni", "{conflist:#}");
     entry["cniVersion"] = conflist["cniVersion"].clone();
