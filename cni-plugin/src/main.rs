@@ -6,6 +6,7 @@ mod doctor;
 mod env;
 mod error;
 mod inspect;
+mod install;
 mod log;
 mod services;
 mod state;
@@ -17,11 +18,32 @@ use clap::{Parser, Subcommand};
 // Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
 pub(crate) use tracing::{debug, error, info, warn};
 
+/// What `--help` says after the commands: how the same binary behaves as a CNI plugin,
+/// and where the rest is written down.
+const AS_A_PLUGIN: &str = "\
+As a CNI plugin:
+  With CNI_COMMAND set (ADD, DEL, CHECK, STATUS, GC or VERSION) aether-cni is the plugin, not
+  this CLI: it ignores its arguments, reads the network configuration (JSON) on stdin and
+  writes the CNI result, or a CNI error {code, msg, details}, on stdout. Logs go to stderr
+  and to the configuration's logFile, never to stdout. The container runtime runs it that
+  way, chained after the cluster's main CNI plugin in /etc/cni/net.d.
+
+Documentation (the aether-cni README):
+  \"Configuration\"    every network configuration field, its default and its checks
+  \"Pod annotations\"  aether.io/capture, aether.io/exclude-outbound-ports,
+                     aether.io/exclude-outbound-cidrs, aether.io/capture-dns
+  \"Operating it\"     logs, CNI error codes, reading `inspect`, finding a pod's netns
+  The Service snapshot's JSON Schema: testdata/services/snapshot.schema.json
+
+Every command that reads node state takes --state-dir (default /var/run/aether-cni, the
+configuration's stateDir).";
+
 #[derive(Parser)]
 #[command(
     name = "aether-cni",
     version,
-    about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools."
+    about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools.",
+    after_help = AS_A_PLUGIN
 )]
 struct Cli {
     #[command(subcommand)]
@@ -34,10 +56,13 @@ enum Command {
     Versions,
     /// The Service-range and refusal-counter layer: apply a snapshot, read counters, demand.
     Services(services::ServicesArgs),
-    /// Show a pod's capture and Service layers, and whether the kernel holds them intact.
+    /// Show a pod's capture and Service layers (without a pod: every recorded one), and whether the kernel holds them intact.
     Inspect(inspect::InspectArgs),
     /// Check that this kernel can hold the capture ruleset (in a private netns; changes nothing).
     Doctor,
+    /// The DaemonSet's container: install the binary, chain it into the node's CNI
+    /// configuration and keep it there; undo it all on SIGTERM (unless an upgrade).
+    Install(Box<aether_installer::InstallArgs>),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +87,7 @@ fn main() -> ExitCode {
         Command::Services(args) => services::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Doctor => doctor::run(),
+        Command::Install(args) => install::run(*args),
     }
 }
 

@@ -48,9 +48,13 @@ pub struct ServicesArgs {
 
 #[derive(clap::Subcommand)]
 enum ServicesCommand {
-    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) on stdin, validate
-    /// it, store it and apply it to every managed pod.
-    Apply,
+    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) from -f FILE or
+    /// stdin, validate it, store it and apply it to every managed pod.
+    Apply {
+        /// The snapshot file; `-` is stdin. Without -f, stdin is read unless it is a terminal.
+        #[arg(short = 'f', long = "file", value_name = "FILE")]
+        file: Option<PathBuf>,
+    },
     /// Print node totals and per-pod counters.
     Counters {
         #[arg(long, value_enum, default_value = "json")]
@@ -78,16 +82,48 @@ enum DemandFormat {
     Text,
 }
 
+/// The snapshot `apply` reads: `-f FILE`, `-f -` or stdin. An operator who types
+/// `services apply` at a terminal is told how to pass one, not left waiting.
+fn read_snapshot(file: Option<&Path>) -> Result<Vec<u8>, String> {
+    let limit = snapshot::MAX_SNAPSHOT_BYTES as u64 + 1;
+    let mut text = Vec::new();
+    match file {
+        Some(path) if path != Path::new("-") => fs::File::open(path)
+            .and_then(|f| f.take(limit).read_to_end(&mut text))
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        // SAFETY: isatty only inspects the descriptor.
+        None if unsafe { libc::isatty(0) } == 1 => {
+            return Err("reads the snapshot from -f FILE, or from stdin (-f -, or a pipe); stdin is a terminal, so \
+                        nothing was read: e.g. `aether-cni services apply -f snapshot.json`"
+                .into())
+        }
+        _ => std::io::stdin().take(limit).read_to_end(&mut text).map_err(|e| format!("cannot read stdin: {e}"))?,
+    };
+    Ok(text)
+}
+
+/// A command's result on stdout, ending in one newline; an empty result prints nothing.
+fn print_result(text: &str) {
+    if !text.is_empty() {
+        println!("{}", text.strip_suffix('\n').unwrap_or(text));
+    }
+}
+
 pub fn run(args: ServicesArgs) -> ExitCode {
+    if let Some(why) = state::unusable_reason(&args.state_dir) {
+        eprintln!("aether-cni services: state directory {} {why}", args.state_dir.display());
+        return ExitCode::FAILURE;
+    }
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
-        ServicesCommand::Apply => {
-            let mut text = Vec::new();
-            let limit = snapshot::MAX_SNAPSHOT_BYTES as u64 + 1;
-            if let Err(e) = std::io::stdin().take(limit).read_to_end(&mut text) {
-                eprintln!("aether-cni services apply: cannot read stdin: {e}");
-                return ExitCode::FAILURE;
-            }
+        ServicesCommand::Apply { file } => {
+            let text = match read_snapshot(file.as_deref()) {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("aether-cni services apply: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             match apply_document(&dir, &text) {
                 Ok(report) => {
                     println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
@@ -119,7 +155,7 @@ pub fn run(args: ServicesArgs) -> ExitCode {
     };
     match out {
         Ok(text) => {
-            println!("{text}");
+            print_result(&text);
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -539,9 +575,9 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
                 let outcome = match (&held, &previous) {
                     (Some(h), _) if h.is(&new, mark) => Ok(Applied::Unchanged),
                     (Some(h), Some(prev)) if h.is(prev, mark) => {
-                        let change = changes.entry(mark).or_insert_with(|| {
-                            LayerChange::between(&prev.for_pod(mark), &l).ok().flatten()
-                        });
+                        let change = changes
+                            .entry(mark)
+                            .or_insert_with(|| LayerChange::between(&prev.for_pod(mark), &l).ok().flatten());
                         match change {
                             // Refused (the pod's layer is not what its file says): rebuilt.
                             Some(c) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
@@ -700,7 +736,7 @@ impl NodeCounters {
     }
 
     /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
-    fn to_prometheus(&self) -> String {
+    pub(crate) fn to_prometheus(&self) -> String {
         let mut out = String::new();
         out.push_str("# HELP aether_cni_service_connections_total New captured connections by destination class (refusals included as their class).\n");
         out.push_str("# TYPE aether_cni_service_connections_total counter\n");
@@ -855,17 +891,52 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
+/// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerVerdict {
+    /// No snapshot stored yet: the pod rightly has no layer.
+    NoSnapshot,
+    Intact {
+        generation: u64,
+    },
+    Differs {
+        generation: u64,
+        differences: usize,
+    },
+    /// The stored snapshot or the kernel could not be read.
+    Unknown,
+}
+
+impl LayerVerdict {
+    pub fn is_intact(&self) -> bool {
+        matches!(self, LayerVerdict::NoSnapshot | LayerVerdict::Intact { .. })
+    }
+}
+
+impl std::fmt::Display for LayerVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            LayerVerdict::NoSnapshot => write!(f, "none (no snapshot yet)"),
+            LayerVerdict::Intact { generation } => write!(f, "intact (generation {generation})"),
+            LayerVerdict::Differs { generation, differences } => {
+                write!(f, "NOT INTACT ({differences} differences from generation {generation})")
+            }
+            LayerVerdict::Unknown => write!(f, "unknown (cannot read)"),
+        }
+    }
+}
+
 /// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
-/// says it should be, whether the kernel holds exactly that, and its counters), and whether
-/// the kernel holds it intact (as the stored snapshot says, or absent when there is none).
-pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> (Vec<String>, bool) {
+/// says it should be, whether the kernel holds exactly that, and its counters), and the
+/// verdict in a word.
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> (Vec<String>, LayerVerdict) {
     let dir = ServicesDir::new(state_dir);
     let mut out = Vec::new();
-    let mut intact = true;
     let stored = match dir.stored_layer() {
         Ok(s) => s,
-        Err(e) => return (vec![format!("stored snapshot: {e}")], false),
+        Err(e) => return (vec![format!("stored snapshot: {e}")], LayerVerdict::Unknown),
     };
+    let mut verdict = LayerVerdict::NoSnapshot;
     match &stored {
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
         Some(stored) => {
@@ -885,21 +956,20 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
                 Some(h) => out.push(format!("the pod was last given generation {} (an older layer)", h.generation)),
                 None => out.push("no record of the generation the pod holds (the next apply rebuilds it)".into()),
             }
+            let generation = stored.generation;
+            verdict = LayerVerdict::Unknown;
             match netns.run(|| layer::verify(&l)) {
-                Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
+                Ok(Ok(d)) if d.is_empty() => {
+                    verdict = LayerVerdict::Intact { generation };
+                    out.push("kernel: intact (matches the snapshot)".into())
+                }
                 Ok(Ok(d)) => {
-                    intact = false;
+                    verdict = LayerVerdict::Differs { generation, differences: d.len() };
                     out.push("kernel: NOT as the snapshot says:".into());
                     out.extend(d.into_iter().map(|x| format!("  - {x}")));
                 }
-                Ok(Err(e)) => {
-                    intact = false;
-                    out.push(format!("kernel: cannot read the layer: {e}"))
-                }
-                Err(e) => {
-                    intact = false;
-                    out.push(format!("kernel: cannot enter the netns: {e}"))
-                }
+                Ok(Err(e)) => out.push(format!("kernel: cannot read the layer: {e}")),
+                Err(e) => out.push(format!("kernel: cannot enter the netns: {e}")),
             }
         }
     }
@@ -920,7 +990,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
         }
         _ => {}
     }
-    (out, intact)
+    (out, verdict)
 }
 
 #[cfg(test)]

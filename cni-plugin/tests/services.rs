@@ -270,7 +270,9 @@ fn a_tampered_layer_is_repaired_by_verify() {
     assert!(!list(&a).contains("10.96.1.1 . tcp . 80"));
     let out = services(&state, &["verify"], b"");
     assert_eq!(results(&out), ["repaired (elements +1 -1)"]);
-    for want in ["set service_ports: element 10.96.1.1 . tcp . 80 is missing", "set service_vips: unexpected element 10.96.7.7"] {
+    for want in
+        ["set service_ports: element 10.96.1.1 . tcp . 80 is missing", "set service_vips: unexpected element 10.96.7.7"]
+    {
         assert!(out.stdout.contains(want), "want {want:?} in {}", out.stdout);
     }
     let l = list(&a);

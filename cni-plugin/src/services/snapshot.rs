@@ -138,15 +138,16 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     };
     let dialled_timeout_secs = match obj.get("dialledTimeoutSeconds") {
         None => aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS,
-        Some(v) => {
-            match v.as_u64() {
-                Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
-                _ => {
-                    errs.push(format!("dialledTimeoutSeconds: {} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}", brief(v)));
-                    1
-                }
+        Some(v) => match v.as_u64() {
+            Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
+            _ => {
+                errs.push(format!(
+                    "dialledTimeoutSeconds: {} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}",
+                    brief(v)
+                ));
+                1
             }
-        }
+        },
     };
 
     let mut service_ranges: Vec<Ipv4Net> = Vec::new();
