@@ -6,6 +6,7 @@ mod doctor;
 mod env;
 mod error;
 mod inspect;
+mod install;
 mod log;
 mod services;
 mod state;
@@ -59,6 +60,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check that this kernel can hold the capture ruleset (in a private netns; changes nothing).
     Doctor,
+    /// The DaemonSet's container: install the binary, chain it into the node's CNI
+    /// configuration and keep it there; undo it all on SIGTERM (unless an upgrade).
+    Install(Box<aether_installer::InstallArgs>),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +87,7 @@ fn main() -> ExitCode {
         Command::Services(args) => services::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Doctor => doctor::run(),
+        Command::Install(args) => install::run(*args),
     }
 }
 

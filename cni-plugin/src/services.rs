@@ -618,7 +618,7 @@ impl NodeCounters {
     }
 
     /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
-    fn to_prometheus(&self) -> String {
+    pub(crate) fn to_prometheus(&self) -> String {
         let mut out = String::new();
         out.push_str("# HELP aether_cni_service_connections_total New captured connections by destination class (refusals included as their class).\n");
         out.push_str("# TYPE aether_cni_service_connections_total counter\n");
