@@ -194,6 +194,11 @@ pub fn counts(map: &BTreeMap<String, u64>) -> String {
     nonzero.join(",")
 }
 
+/// `1 difference`, `3 differences`: counts in words an operator reads.
+pub fn plural(n: usize, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
