@@ -15,7 +15,7 @@
 //! the demo's own, removed on return and on panic alike.
 
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 use serde_json::{json, Value};
@@ -221,7 +221,7 @@ fn agent_part(out: &mut dyn Write, node: &mut SimNode, ran: &mut Ran) {
     w!(out, "{}", serde_json::to_string_pretty(&report).unwrap());
 
     say(out, "In checkout-0: connections refused by name, next to those that pass");
-    let cases: [(&str, SocketAddrV4, bool); 5] = [
+    let cases: [(&str, SocketAddr, bool); 5] = [
         ("shop/cart, port 80 declared", sa(VIP, 80), true),
         ("outside every Service range", sa(EXTERNAL, 80), true),
         ("no Service owns this address", sa(NO_SERVICE, 80), false),
