@@ -494,10 +494,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
     // `layer.bin` records which document it was made from.
     let source = layer_file::source_digest(text);
     let made_from_it = |stored: Option<StoredLayer>| stored.filter(|s| s.source == source);
-    let mut parsed = match made_from_it(dir.stored_layer().ok().flatten()) {
-        Some(_) => None,
-        None => Some(snapshot::parse(text)?),
-    };
+    let stored_source = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(_, source)| source);
+    let mut parsed = if stored_source == Some(source) { None } else { Some(snapshot::parse(text)?) };
     let _lock = dir.lock(true).map_err(|e| vec![e])?;
     let mut warnings = Vec::new();
     // A stored layer that no longer reads (a damaged file, another format) must not lock the
@@ -830,7 +828,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
         }
     }
     let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
-    let generation = layer_file::read_generation(&dir.layer_path()).ok().flatten();
+    let generation = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(generation, _)| generation);
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 

@@ -230,15 +230,16 @@ pub fn read(path: &Path) -> Result<Option<StoredLayer>, LayerFileError> {
     decode(path, &bytes).map(Some)
 }
 
-/// The generation in the file's header, reading the header only (for `counters`).
-pub fn read_generation(path: &Path) -> Result<Option<u64>, LayerFileError> {
+/// The generation and the source digest in the file's header, reading the header only
+/// (for `counters`, and for `apply` to tell the stored document sent again).
+pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io(e)),
     };
-    let mut head = [0u8; 20];
+    let mut head = [0u8; 28];
     f.read_exact(&mut head).map_err(|_| LayerFileError::Damaged { path: path.to_path_buf(), what: "no header" })?;
     if &head[..8] != MAGIC {
         return Err(LayerFileError::NotALayerFile { path: path.to_path_buf() });
@@ -246,7 +247,8 @@ pub fn read_generation(path: &Path) -> Result<Option<u64>, LayerFileError> {
     if be32(&head, 8) != VERSION {
         return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(&head, 8) });
     }
-    Ok(Some(u64::from_be_bytes(head[12..20].try_into().unwrap())))
+    let word = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().unwrap());
+    Ok(Some((word(12), word(20))))
 }
 
 #[cfg(test)]
