@@ -22,7 +22,7 @@ K3S = {
         "netnsDir": "",
     },
     "installer": {"port": 19095, "uninstallOnStop": True, "conflistName": "000-aether.conflist", "resyncSeconds": 3},
-    "image": {"repository": "registry.example/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
+    "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
 # Every plugin setting given.
 TUNED = {
@@ -144,7 +144,7 @@ def test_k3s_paths_port_and_uninstall_on_stop():
     ds = daemonset(K3S)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["image"] == "registry.example/mesh/aether-cni:v9"
+    assert c["image"] == "images.invalid/mesh/aether-cni:v9"
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     assert c["args"] == [
         "--cni-bin-dir=/host/var/lib/rancher/k3s/data/cni",
