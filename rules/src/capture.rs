@@ -163,7 +163,12 @@ impl CaptureConfig {
 
     /// The policy rule and route that deliver diverted packets to `lo`.
     pub fn policy_route(&self) -> PolicyRoute {
-        PolicyRoute { fwmark: self.divert_mark, table: self.route_table, priority: self.rule_priority }
+        PolicyRoute {
+            family: crate::Family::Ipv4,
+            fwmark: self.divert_mark,
+            table: self.route_table,
+            priority: self.rule_priority,
+        }
     }
 }
 
