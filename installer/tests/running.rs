@@ -106,6 +106,19 @@ fn readyz_names_each_not_ready_cause_and_the_marker_follows() {
     });
     fs::remove_dir(fake.bin.join("aether-cni")).unwrap();
     wait_for(&r, "ready again", || readyz(&r).0 == 200);
+
+    // The chained file's place taken by a directory: the write fails, /readyz names it.
+    loop {
+        let _ = fs::remove_file(fake.chained());
+        if fs::create_dir(fake.chained()).is_ok() {
+            break;
+        }
+    }
+    wait_for(&r, "the chain write named", || {
+        readyz(&r).1.contains("chain: cannot write") && readyz(&r).1.contains("00-aether-cni.conflist")
+    });
+    fs::remove_dir(fake.chained()).unwrap();
+    wait_for(&r, "ready once more", || readyz(&r).0 == 200 && fake.marker().is_none());
     r.stop().unwrap();
 }
 
