@@ -328,3 +328,30 @@ fn a_conf_directory_that_appears_later_is_watched_and_chained() {
     wait_for(&r, "repaired", || fs::read_to_string(fake.chained()).unwrap_or_default().contains("1451"));
     r.stop().unwrap();
 }
+
+#[test]
+fn probes_are_answered_while_a_slow_scrape_reads_the_node_counters() {
+    let fake = FakeNode::new("slow-scrape");
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    let release = Arc::new(AtomicBool::new(false));
+    let mut plugin = common::plugin(&Switches::default());
+    let gate = release.clone();
+    plugin.node_counters = Box::new(move || {
+        // Held until the test has its /readyz answer (bounded, so a regression fails, not hangs).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !gate.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(String::new())
+    });
+    let r = start(fake.args(&[]), plugin, fake_binary(64, 8)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    let addr = r.addr();
+    let scrape = std::thread::spawn(move || get(addr, "/metrics"));
+    std::thread::sleep(Duration::from_millis(50)); // let the scrape reach the gate
+    assert_eq!(readyz(&r).0, 200);
+    assert!(!scrape.is_finished(), "the scrape is still held: /readyz was not queued behind it");
+    release.store(true, Ordering::SeqCst);
+    assert_eq!(scrape.join().unwrap().0, 200);
+    r.stop().unwrap();
+}
