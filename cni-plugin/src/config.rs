@@ -124,10 +124,11 @@ pub struct NetConf {
 
 fn invalid(field: &str, value: &Value, why: &str) -> CniError {
     CniError::invalid_config(format!(
-        "network configuration field {} has {}: {why}",
+        "network configuration field {} has {}: {}",
         // Field paths are ours plus, for annotations, the runtime's key: longer, still bounded.
         crate::error::clip(&format!("{field:?}"), 4 * SHOWN_BYTES),
-        shown(&value.to_string())
+        shown(&value.to_string()),
+        crate::error::clip(why, 4 * SHOWN_BYTES)
     ))
 }
 
@@ -416,7 +417,12 @@ fn pod_annotations(v: &Value) -> Result<BTreeMap<String, String>, CniError> {
 }
 
 fn bad_annotation(name: &str, value: &str, why: impl std::fmt::Display) -> CniError {
-    CniError::invalid_config(format!("pod annotation {name}={} is invalid: {why}", shown(&format!("{value:?}"))))
+    // `why` may quote the bad item (e.g. a port range's own parser does): bounded too.
+    CniError::invalid_config(format!(
+        "pod annotation {name}={} is invalid: {}",
+        shown(&format!("{value:?}")),
+        crate::error::clip(&why.to_string(), 4 * SHOWN_BYTES)
+    ))
 }
 
 /// The pod's capture configuration, or `None` when the pod is not managed.

@@ -696,9 +696,11 @@ pub fn retire_layer(
             Ok(None) => {}
             Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
         }
+        state::crash_point("del-folded");
         if let Err(e) = flat(ns.run(layer::remove)) {
             out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
         }
+        state::crash_point("del-layer-removed");
     }
     if let Err(e) = dir.end_folding(&[key.to_string()]) {
         out.warnings.push(format!("the pod's folded counts stay marked: {e}"));

@@ -728,6 +728,16 @@ pub fn unusable_reason(root: &Path) -> Option<String> {
     }
 }
 
+/// A point where a test may have the process SIGKILLed (`AETHER_CNI_CRASH_AT=<name>`), to
+/// prove what a crash exactly there leaves. Compiled in only with `fault-injection`.
+pub fn crash_point(name: &str) {
+    #[cfg(feature = "fault-injection")]
+    if std::env::var("AETHER_CNI_CRASH_AT").as_deref() == Ok(name) {
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let _ = name;
+}
+
 /// GC's bound on its lock wait; tests may shorten it (fault-injection builds only).
 fn gc_lock_timeout() -> Option<Duration> {
     #[cfg(feature = "fault-injection")]
