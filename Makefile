@@ -37,10 +37,15 @@ demo: build
 
 ## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process
 ## vs plugin exec vs shelling out to nft/ip; 2. the Service layer at 1,000 and 10,000 ports:
-## full build vs one Service more vs verify. Medians and ratios.
+## full build vs one Service more vs verify; 3. the Service layer at cluster scale (10,000
+## Services, 100 pods) against the kernel floor and issue 11's goals, written to
+## bench/results/services-scale.{json,md,png}. Medians and ratios.
 bench: deps
+	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q 'install ok installed' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
 	$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
+	$(CARGO) bench -p aether-cni --bench services_scale
 
 ## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a
 ## Service apply each round), then checks nothing is left behind (root; bounded)

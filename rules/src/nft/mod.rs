@@ -66,6 +66,21 @@ fn program_on(
     }
 }
 
+/// The transaction that creates `table` (which must not exist yet), encoded once, so that a
+/// benchmark can time the kernel's own work alone: the floor any ADD of it pays.
+pub struct Encoded(render::Rendered);
+
+pub fn encode(table: &Table) -> Encoded {
+    Encoded(render::table_batch(table, Existing::Refuse))
+}
+
+impl Encoded {
+    /// Sends the transaction in the current netns and waits for the kernel's verdict.
+    pub fn send(&self) -> Result<()> {
+        NftSocket::open()?.transact(&self.0.batch, &self.0.labels)
+    }
+}
+
 /// Deletes and adds set elements of `table` in one transaction; nothing else changes.
 pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<()> {
     if changes.is_empty() {
