@@ -54,7 +54,12 @@ fn number() -> impl Strategy<Value = Value> {
 }
 
 fn leaf() -> impl Strategy<Value = Value> {
-    prop_oneof![Just(Value::Null), any::<bool>().prop_map(Value::Bool), number(), hostile_string().prop_map(Value::String)]
+    prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        number(),
+        hostile_string().prop_map(Value::String)
+    ]
 }
 
 /// A JSON value whose objects use `keys` (the parser's own field names) and random ones.
@@ -70,29 +75,110 @@ fn value_with_keys(keys: &'static [&'static str]) -> impl Strategy<Value = Value
 }
 
 const CONF_KEYS: &[&str] = &[
-    "cniVersion", "name", "type", "prevResult", "runtimeConfig", "capabilities", "args", "captureMode", "hostIP",
-    "captureDNS", "capturePort", "meshL4Port", "scopedPorts", "dnsProxyPort", "divertMark", "passthroughMark",
-    "routeTable", "rulePriority", "excludeOutboundCIDRs", "excludeOutboundPorts", "excludeNamespaces", "logLevel",
-    "cni.dev/valid-attachments", "cni.dev/attachments", "containerID", "ifname",
-    "io.kubernetes.cri.pod-annotations", "aether.io/capture", "aether.io/exclude-outbound-ports",
-    "aether.io/exclude-outbound-cidrs", "aether.io/capture-dns",
+    "cniVersion",
+    "name",
+    "type",
+    "prevResult",
+    "runtimeConfig",
+    "capabilities",
+    "args",
+    "captureMode",
+    "hostIP",
+    "captureDNS",
+    "capturePort",
+    "meshL4Port",
+    "scopedPorts",
+    "dnsProxyPort",
+    "divertMark",
+    "passthroughMark",
+    "routeTable",
+    "rulePriority",
+    "excludeOutboundCIDRs",
+    "excludeOutboundPorts",
+    "excludeNamespaces",
+    "logLevel",
+    "cni.dev/valid-attachments",
+    "cni.dev/attachments",
+    "containerID",
+    "ifname",
+    "io.kubernetes.cri.pod-annotations",
+    "aether.io/capture",
+    "aether.io/exclude-outbound-ports",
+    "aether.io/exclude-outbound-cidrs",
+    "aether.io/capture-dns",
 ];
 
 const RESULT_KEYS: &[&str] = &[
-    "cniVersion", "interfaces", "ips", "routes", "dns", "name", "mac", "sandbox", "mtu", "socketPath", "pciID",
-    "address", "gateway", "interface", "version", "dst", "gw", "advmss", "priority", "table", "scope",
-    "nameservers", "domain", "search", "options",
+    "cniVersion",
+    "interfaces",
+    "ips",
+    "routes",
+    "dns",
+    "name",
+    "mac",
+    "sandbox",
+    "mtu",
+    "socketPath",
+    "pciID",
+    "address",
+    "gateway",
+    "interface",
+    "version",
+    "dst",
+    "gw",
+    "advmss",
+    "priority",
+    "table",
+    "scope",
+    "nameservers",
+    "domain",
+    "search",
+    "options",
 ];
 
 const SNAPSHOT_KEYS: &[&str] = &[
-    "generation", "mode", "serviceRanges", "meshVIPs", "services", "dialledTimeoutSeconds", "namespace", "name",
-    "vip", "ports", "protocol", "port", "usableEndpoints",
+    "generation",
+    "mode",
+    "serviceRanges",
+    "meshVIPs",
+    "services",
+    "dialledTimeoutSeconds",
+    "namespace",
+    "name",
+    "vip",
+    "ports",
+    "protocol",
+    "port",
+    "usableEndpoints",
 ];
 
 const RECORD_KEYS: &[&str] = &[
-    "version", "network", "containerId", "ifname", "netns", "netnsId", "dev", "ino", "cookie", "podNamespace",
-    "podName", "configDigest", "capture", "mode", "capturePort", "meshL4Port", "scopedPorts", "dns", "hostIp",
-    "port", "excludedCidrs", "excludedPorts", "divertMark", "passthroughMark", "routeTable", "rulePriority",
+    "version",
+    "network",
+    "containerId",
+    "ifname",
+    "netns",
+    "netnsId",
+    "dev",
+    "ino",
+    "cookie",
+    "podNamespace",
+    "podName",
+    "configDigest",
+    "capture",
+    "mode",
+    "capturePort",
+    "meshL4Port",
+    "scopedPorts",
+    "dns",
+    "hostIp",
+    "port",
+    "excludedCidrs",
+    "excludedPorts",
+    "divertMark",
+    "passthroughMark",
+    "routeTable",
+    "rulePriority",
 ];
 
 /// A valid base configuration with `extra`'s fields laid over it: deep enough to reach the

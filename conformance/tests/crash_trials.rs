@@ -259,11 +259,12 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
         let live: Vec<usize> = (0..node.slots.len()).filter(|&i| node.slots[i].pod.is_some()).collect();
         let free: Vec<usize> = (0..node.slots.len()).filter(|&i| node.slots[i].pod.is_none()).collect();
         // DEL and ADD most often: their kills are the ones that can cost counts or leak.
-        let op = match [Op::Add, Op::Add, Op::Del, Op::Del, Op::Del, Op::Gc, Op::Apply, Op::Apply][rng.below(8) as usize] {
-            Op::Del | Op::Gc if live.is_empty() => Op::Add,
-            Op::Add if free.is_empty() => Op::Del,
-            other => other,
-        };
+        let op =
+            match [Op::Add, Op::Add, Op::Del, Op::Del, Op::Del, Op::Gc, Op::Apply, Op::Apply][rng.below(8) as usize] {
+                Op::Del | Op::Gc if live.is_empty() => Op::Add,
+                Op::Add if free.is_empty() => Op::Del,
+                other => other,
+            };
         let when = format!("trial {trials} ({op:?}, seed {seed})");
         let slot = match op {
             Op::Add => free[rng.below(free.len() as u64) as usize],

@@ -217,7 +217,13 @@ fn item5_gc_clears_what_is_provably_stale_and_keeps_the_rest() {
     let out = gc(&c, &["live", "valid-torn"]);
     assert!(out.ok, "GC: {}\n{}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("CNI_NETNS"), "{}", out.stdout);
-    assert!(out.stderr.contains("kept: the record of a valid attachment cannot be read file=k8s-pod-network+valid-torn+eth0.json"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "kept: the record of a valid attachment cannot be read file=k8s-pod-network+valid-torn+eth0.json"
+        ),
+        "{}",
+        out.stderr
+    );
     let mut left: Vec<String> =
         std::fs::read_dir(&att).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     left.sort();
@@ -266,7 +272,11 @@ fn issue9_item2_a_record_missing_a_capture_field_still_names_its_pod() {
     std::fs::write(&file, v.to_string()).unwrap();
     let out = cli(&["inspect", "--state-dir", &state, "ctr-old"], b"");
     assert!(out.ok, "{}{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("container ctr-old") && out.stdout.contains("defaults: rulePriority"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("container ctr-old") && out.stdout.contains("defaults: rulePriority"),
+        "{}",
+        out.stdout
+    );
     let out = apply(&state, 2);
     assert!(out.ok && out.stdout.contains("ctr-old"), "{}", out.stdout);
     let counters = cli(&["services", "--state-dir", &state, "counters"], b"");
@@ -384,7 +394,8 @@ fn item2_a_del_killed_at_any_point_keeps_the_node_totals() {
             }
         });
         assert_eq!(total(&state), 4, "four connections counted");
-        let killed = run_plugin("DEL", Some(&ns.path()), &c, &[("CNI_CONTAINERID", "ctr-k"), ("AETHER_CNI_CRASH_AT", point)]);
+        let killed =
+            run_plugin("DEL", Some(&ns.path()), &c, &[("CNI_CONTAINERID", "ctr-k"), ("AETHER_CNI_CRASH_AT", point)]);
         assert!(!killed.ok && killed.stdout.is_empty(), "{point}: the DEL was not killed: {}", killed.stdout);
         assert_eq!(total(&state), 4, "{point}: after the killed DEL");
         assert!(run_plugin("DEL", Some(&ns.path()), &c, &as_ctr("ctr-k")).ok);
