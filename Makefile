@@ -32,8 +32,9 @@ build: deps
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
 # The conformance tests use the very binary this build makes (no second build of their own).
-test: deps clients-deps chart-test
+test: deps clients-deps
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni $(CARGO) test --workspace --features aether-cni/fault-injection
+	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni bash charts/tests/run.sh
 
 ## image: the OCI image (FROM scratch: the release binary and LICENSE only), built offline with
 ## podman into its local storage as $(IMAGE), and saved as $(IMAGE_ARCHIVE)
@@ -41,7 +42,8 @@ image: build
 	bash installer/image/build.sh $(BIN) $(IMAGE) $(IMAGE_ARCHIVE)
 
 ## chart-test: charts/aether-cni rendered and linted by Helm v4's engine (helm-python-sdk),
-## every object validated against the Kubernetes schemas; a venv in target/chart-venv
+## every object validated against the Kubernetes schemas, the DaemonSet's args turned into
+## the plugin entry by the real binary; a venv in target/chart-venv (make test runs it too)
 chart-test:
 	bash charts/tests/run.sh
 

@@ -3,6 +3,9 @@ object validated against the Kubernetes schemas (kubernetes-validate), and the D
 mounts, env, args and probes asserted for the default values and two non-default sets."""
 
 import copy
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import helm_python as helm
@@ -196,3 +199,47 @@ def test_every_plugin_setting_becomes_a_flag():
     # Probes and env do not depend on the plugin settings.
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+
+
+def entry_from_args(values):
+    """The DaemonSet's args, as the kubelet expands them, given to the real binary's
+    `install --print-entry`: the entry the plugin will receive, checked by its own parser."""
+    c = container(daemonset(values))
+    host_ip = "10.0.0.21"
+    args = [a.replace("$(HOST_IP)", host_ip) for a in c["args"]]
+    out = subprocess.run(
+        [os.environ["AETHER_CNI_BIN"], *c["command"][1:], *args, "--print-entry"],
+        env={"HOST_IP": host_ip, "PATH": os.environ.get("PATH", "")},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_binary_accepts_the_default_args():
+    assert entry_from_args({}) == {
+        "type": "aether-cni",
+        "name": "print-entry",
+        "cniVersion": "1.1.0",
+        "capabilities": {"io.kubernetes.cri.pod-annotations": True},
+        "hostIP": "10.0.0.21",
+        "stateDir": "/var/run/aether-cni",
+    }
+    assert entry_from_args(K3S)["stateDir"] == "/run/aether"
+
+
+def test_every_plugin_value_reaches_the_entry_through_the_binary():
+    entry = entry_from_args(TUNED)
+    for key, value in TUNED["plugin"].items():
+        assert entry[key] == value, key
+
+
+def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
+    c = container(daemonset({"plugin": {"captureMode": "everything"}}))
+    out = subprocess.run(
+        [os.environ["AETHER_CNI_BIN"], "install", *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and 'field "captureMode" has "everything"' in out.stderr, out.stderr

@@ -19,7 +19,9 @@ struct Cli {
 }
 
 fn flannel(mtu: u32) -> String {
-    format!(r#"{{"name":"cbr0","cniVersion":"1.0.0","plugins":[{{"type":"flannel","delegate":{{"mtu":{mtu}}}}},{{"type":"portmap","capabilities":{{"portMappings":true}}}}]}}"#)
+    format!(
+        r#"{{"name":"cbr0","cniVersion":"1.0.0","plugins":[{{"type":"flannel","delegate":{{"mtu":{mtu}}}}},{{"type":"portmap","capabilities":{{"portMappings":true}}}}]}}"#
+    )
 }
 
 /// Waits until the chained file holds `needle`, woken by inotify (no polling delay).
@@ -61,7 +63,9 @@ fn main() {
     // The plugin's parser costs microseconds; the bench keeps the installer crate alone.
     let plugin = Plugin {
         not_ready_marker: "node-not-ready",
-        validate_entry: Box::new(|b| serde_json::from_slice::<serde_json::Value>(b).map(drop).map_err(|e| e.to_string())),
+        validate_entry: Box::new(|b| {
+            serde_json::from_slice::<serde_json::Value>(b).map(drop).map_err(|e| e.to_string())
+        }),
         kernel_checks: Box::new(|| Ok(())),
         node_counters: Box::new(|| Ok(String::new())),
     };
@@ -94,9 +98,18 @@ fn main() {
     let in_place = measure(&|m| fs::write(&primary, flannel(m)).unwrap());
     let renamed = measure(&|m| {
         // The main CNI renames its file (e.g. a new priority prefix) with new content.
-        let from = fs::read_dir(&conf).unwrap().flatten().map(|e| e.path()).find(|p| p.to_string_lossy().contains("-flannel.")).unwrap();
+        let from = fs::read_dir(&conf)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.to_string_lossy().contains("-flannel."))
+            .unwrap();
         fs::write(&from, flannel(m)).unwrap_or(());
-        let to = conf.join(if from.to_string_lossy().contains("10-") { "20-flannel.conflist" } else { "10-flannel.conflist" });
+        let to = conf.join(if from.to_string_lossy().contains("10-") {
+            "20-flannel.conflist"
+        } else {
+            "10-flannel.conflist"
+        });
         fs::rename(&from, &to).unwrap();
     });
     let floor: Vec<Duration> = (0..ROUNDS)
@@ -124,5 +137,7 @@ fn main() {
         let (p50, p90, p99, max) = stats(v);
         println!("{what:<58} {p50:>7.2}ms {p90:>7.2}ms {p99:>7.2}ms {max:>7.2}ms {:>11.0}x", 100.0 / p50);
     }
-    println!("(the installer counted {repairs} repairs; a repair is visible at its rename, before the directory fsync)");
+    println!(
+        "(the installer counted {repairs} repairs; a repair is visible at its rename, before the directory fsync)"
+    );
 }
