@@ -7,6 +7,7 @@
 pub mod capture;
 mod error;
 pub mod model;
+mod netlink;
 pub mod nft;
 pub mod route;
 pub mod services;
