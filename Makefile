@@ -15,9 +15,10 @@ deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-## clients-deps: real CNI clients for conformance/tests/real_clients.rs: Debian's CNI plugins,
-## podman 4.3 (CNI backend, runc), and cnitool built offline from Debian's source package into
-## target/clients/cnitool (cached)
+## clients-deps: real CNI clients for conformance/tests/real_clients.rs and containerd.rs:
+## Debian's CNI plugins, podman 4.3 (CNI backend, runc), containerd 1.6 with a pause image and a
+## CRI client of our own (target/clients/), and cnitool built offline from Debian's source
+## package into target/clients/cnitool (cached)
 clients-deps: deps
 	bash conformance/clients/deps.sh
 

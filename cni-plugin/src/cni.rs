@@ -30,9 +30,7 @@ pub fn run(env: &Env, stdin: &[u8]) -> Result<Output, CniError> {
 }
 
 fn load(stdin: &[u8]) -> Result<NetConf, CniError> {
-    let conf = config::parse(stdin)?;
-    crate::log::init(conf.log_file.as_deref(), &conf.log_level);
-    Ok(conf)
+    config::parse(stdin)
 }
 
 /// The configuration's version if it has a usable one, for error JSON.
@@ -94,7 +92,7 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let ifname = env.require_ifname()?;
     let result = pass_through(conf)?;
     let Some(cfg) = config::effective(conf, env.args.pod_namespace.as_deref())? else {
-        info!("ADD {id}: pod {:?}/{:?} is not managed; nothing programmed", env.args.pod_namespace, env.args.pod_name);
+        info!("pod is not managed (disabled, or its namespace is excluded); nothing programmed");
         return Ok(Some(result));
     };
     let ruleset = capture::capture_ruleset(&cfg)?;
@@ -128,23 +126,26 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         }
         services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
     });
-    if let Err(e) = layered {
-        // All or nothing: a pod with rules but no record would escape GC and CHECK.
-        let pr = ruleset.policy_route;
-        let undo = netns.run(|| {
-            aether_rules::services::remove()?;
-            aether_rules::remove(capture::TABLE, &pr)
-        });
-        if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
-            warn!("ADD {id}: undoing after a failure also failed: {undo}");
+    let generation = match layered {
+        Ok(generation) => generation,
+        Err(e) => {
+            // All or nothing: a pod with rules but no record would escape GC and CHECK.
+            let pr = ruleset.policy_route;
+            let undo = netns.run(|| {
+                aether_rules::services::remove()?;
+                aether_rules::remove(capture::TABLE, &pr)
+            });
+            if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
+                warn!("undoing after a failure also failed: {undo}");
+            }
+            if let Err(undo) = state.remove(&conf.name, id, ifname) {
+                warn!("removing the record after a failure also failed: {undo}");
+            }
+            return Err(e);
         }
-        if let Err(undo) = state.remove(&conf.name, id, ifname) {
-            warn!("ADD {id}: removing the record after a failure also failed: {undo}");
-        }
-        return Err(e);
-    }
-    info!("ADD {id}: capture programmed in {} ({}, mode {:?})", netns_path, netns.id(), cfg.mode);
-    debug!("ADD {id}: ruleset\n{}", ruleset.table);
+    };
+    info!(mode = %cfg.mode, services_generation = %generation.map_or("none".to_string(), |g| g.to_string()), "capture programmed");
+    debug!("ruleset: {}", ruleset.table);
     Ok(Some(result))
 }
 
@@ -174,14 +175,14 @@ fn detach(
         None => None,
         Some(Ok(ns)) => Some(ns),
         Some(Err(aether_netns::Error::NotFound { .. })) => {
-            info!("{id}: netns {} is already gone", path.unwrap_or_default());
+            info!(container = %id, netns = %path.unwrap_or_default(), "netns is already gone; nothing to remove there");
             None
         }
         Some(Err(e)) => return Err(e.into()),
     };
     let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), forget)?;
     for w in &retired.warnings {
-        warn!("{id}: {w}");
+        warn!(container = %id, "{w}");
     }
     if let Some(netns) = netns {
         // The policy route ADD installed is in the record; without one (a record lost, or an
@@ -189,7 +190,15 @@ fn detach(
         let policy_route =
             record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
         let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
-        info!("{id}: removed {removed:?} from {}; Service counts folded: {:?}", netns.path().display(), retired.folded);
+        info!(
+            container = %id,
+            netns = %netns.path().display(),
+            table = removed.table,
+            rule = removed.rule,
+            route = removed.route,
+            services_folded = %crate::log::counts(&retired.folded),
+            "capture removed"
+        );
     }
     Ok(())
 }
@@ -224,7 +233,7 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         },
     };
     if diffs.is_empty() {
-        info!("CHECK {id}: capture intact in {netns_path}");
+        info!("capture intact");
         return Ok(None);
     }
     Err(CniError::new(
@@ -274,7 +283,7 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             state.remove(&rec.network, &rec.container_id, &rec.ifname)
         });
         match outcome {
-            Ok(()) => info!("GC: removed stale attachment {}/{}", rec.container_id, rec.ifname),
+            Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
             Err(e) => failures.push(format!("{}/{}: {e}", rec.container_id, rec.ifname)),
         }
     }

@@ -41,7 +41,7 @@ const SPEC_FIELDS: [&str; 13] = [
     "disableGC",
 ];
 /// This plugin's own keys.
-const OWN_FIELDS: [&str; 17] = [
+const OWN_FIELDS: [&str; 18] = [
     "captureMode",
     "hostIP",
     "captureDNS",
@@ -58,6 +58,7 @@ const OWN_FIELDS: [&str; 17] = [
     "excludeNamespaces",
     "logFile",
     "logLevel",
+    "logFormat",
     "stateDir",
 ];
 
@@ -92,9 +93,13 @@ pub struct NetConf {
     /// Everything but mode, DNS and exclusions, which the pod may refine.
     pub base: CaptureConfig,
     pub exclude_namespaces: Vec<String>,
-    pub annotations: BTreeMap<String, String>,
+    /// `runtimeConfig["io.kubernetes.cri.pod-annotations"]` as the runtime sent it, read by
+    /// ADD and CHECK only (`effective`): DEL undoes what the record says and needs none of
+    /// it, so a value ADD would refuse never keeps a pod from being deleted.
+    pub annotations: Value,
     pub log_file: Option<PathBuf>,
     pub log_level: String,
+    pub log_format: crate::log::Format,
     pub state_dir: PathBuf,
     /// GC: the attachments the runtime still has, as (container ID, ifname).
     pub valid_attachments: Option<Vec<(String, String)>>,
@@ -276,9 +281,13 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
             .collect::<Result<_, _>>()?,
     };
     let log_level = f.str("logLevel")?.unwrap_or_else(|| "info".into());
-    if !["error", "warn", "info", "debug"].contains(&log_level.as_str()) {
+    if crate::log::parse_level(&log_level).is_none() {
         return Err(invalid("logLevel", &Value::String(log_level), "expected error, warn, info or debug"));
     }
+    let log_format = match f.str("logFormat")? {
+        None => crate::log::Format::Text,
+        Some(s) => s.parse().map_err(|()| invalid("logFormat", &Value::String(s.clone()), "expected text or json"))?,
+    };
 
     let conf = NetConf {
         cni_version,
@@ -290,9 +299,14 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         dns_proxy_port,
         base,
         exclude_namespaces,
-        annotations: pod_annotations(&map)?,
+        annotations: map
+            .get("runtimeConfig")
+            .and_then(|rc| rc.get(POD_ANNOTATIONS_CAPABILITY))
+            .cloned()
+            .unwrap_or(Value::Null),
         log_file: f.str("logFile")?.map(PathBuf::from),
         log_level,
+        log_format,
         state_dir: f.str("stateDir")?.map(PathBuf::from).unwrap_or_else(|| DEFAULT_STATE_DIR.into()),
         valid_attachments: valid_attachments(&map)?,
     };
@@ -348,18 +362,20 @@ pub fn parse_ipv4_net(s: &str, bare_address_ok: bool) -> Option<Ipv4Net> {
     Ipv4Net::new(addr.parse::<Ipv4Addr>().ok()?, prefix).ok()
 }
 
-/// `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, inserted by the runtime because
-/// the configuration declares the capability.
-fn pod_annotations(map: &Map<String, Value>) -> Result<BTreeMap<String, String>, CniError> {
-    let Some(v) = map.get("runtimeConfig").and_then(|rc| rc.get(POD_ANNOTATIONS_CAPABILITY)) else {
-        return Ok(BTreeMap::new());
-    };
-    let Value::Object(obj) = v else {
-        return Err(invalid(
-            &format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}"),
-            v,
-            "expected a map of annotations",
-        ));
+/// The pod's annotations, inserted by the runtime because the configuration declares the
+/// capability. Absent and `null` both mean none: containerd 1.6 sends `null` for a pod
+/// sandbox without annotations.
+fn pod_annotations(v: &Value) -> Result<BTreeMap<String, String>, CniError> {
+    let obj = match v {
+        Value::Null => return Ok(BTreeMap::new()),
+        Value::Object(obj) => obj,
+        _ => {
+            return Err(invalid(
+                &format!("runtimeConfig.{POD_ANNOTATIONS_CAPABILITY}"),
+                v,
+                "expected a map of annotations",
+            ))
+        }
     };
     obj.iter()
         .map(|(k, v)| match v {
@@ -383,7 +399,7 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
     if pod_namespace.is_some_and(|ns| conf.exclude_namespaces.iter().any(|e| e == ns)) {
         return Ok(None);
     }
-    let a = &conf.annotations;
+    let a = &pod_annotations(&conf.annotations)?;
     let capture = match a.get(ANNOTATION_CAPTURE) {
         None => conf.capture,
         Some(v) => v
@@ -455,7 +471,7 @@ mod tests {
             "scopedPorts": [15081, 15082], "dnsProxyPort": 15054, "divertMark": "0x1e71",
             "passthroughMark": 7806, "routeTable": 100, "rulePriority": 1000,
             "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7"], "excludeOutboundPorts": [22, "9000-9100"],
-            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "stateDir": "/tmp/st",
+            "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "logFormat": "json", "stateDir": "/tmp/st",
             "capabilities": {"io.kubernetes.cri.pod-annotations": true}, "args": {"x": 1}, "ipMasq": false
         }))
         .unwrap();
@@ -470,6 +486,7 @@ mod tests {
         assert_eq!(c.exclude_namespaces, ["infra"]);
         assert_eq!(c.log_file, Some(PathBuf::from("/tmp/a.log")));
         assert_eq!(c.log_level, "debug");
+        assert_eq!(c.log_format, crate::log::Format::Json);
         assert_eq!(c.state_dir, PathBuf::from("/tmp/st"));
     }
 
@@ -500,6 +517,8 @@ mod tests {
             (json!({"excludeOutboundPorts": [true]}), 7, "excludeOutboundPorts", "true"),
             (json!({"excludeNamespaces": [1]}), 7, "excludeNamespaces", "1"),
             (json!({"logLevel": "loud"}), 7, "logLevel", "loud"),
+            (json!({"logFormat": "logfmt"}), 7, "logFormat", "logfmt"),
+            (json!({"logFormat": 1}), 7, "logFormat", "1"),
             (json!({"captureMod": "scoped"}), 2, "captureMod", "scoped"),
             (json!({"cniVersion": "0.3.1"}), 1, "cniVersion", "0.3.1"),
             (json!({"cniVersion": "9.9.9"}), 1, "cniVersion", "9.9.9"),
@@ -562,7 +581,25 @@ mod tests {
             assert_eq!(e.code, 7);
             assert!(e.msg.contains(name) && e.msg.contains(value), "{}", e.msg);
         }
-        let e = conf(json!({"runtimeConfig": {POD_ANNOTATIONS_CAPABILITY: {ANNOTATION_CAPTURE: 1}}})).unwrap_err();
+        let c = with_annotations(json!({ANNOTATION_CAPTURE: 1}));
+        let e = effective(&c, Some("shop")).unwrap_err();
         assert!(e.msg.contains(ANNOTATION_CAPTURE), "{}", e.msg);
+        let e = effective(&with_annotations(json!("aether.io/capture=scoped")), Some("shop")).unwrap_err();
+        assert!(e.msg.contains(POD_ANNOTATIONS_CAPABILITY) && e.msg.contains("aether.io/capture=scoped"), "{}", e.msg);
+    }
+
+    /// containerd 1.6 sends `null` for a pod sandbox without annotations: the node defaults,
+    /// as when the capability is absent. Only ADD and CHECK read annotations (`effective`);
+    /// parsing, which every command does, accepts any value.
+    #[test]
+    fn null_annotations_are_none_and_only_effective_reads_them() {
+        let absent = effective(&conf(json!({})).unwrap(), Some("shop")).unwrap();
+        assert_eq!(effective(&with_annotations(Value::Null), Some("shop")).unwrap(), absent);
+        let null_rc = conf(json!({"runtimeConfig": null})).unwrap();
+        assert_eq!(effective(&null_rc, Some("shop")).unwrap(), absent);
+        for bad in [json!(1), json!([]), json!({ANNOTATION_CAPTURE: null}), json!({ANNOTATION_CAPTURE: "bogus"})] {
+            let c = with_annotations(bad.clone());
+            assert_eq!(effective(&c, Some("shop")).unwrap_err().code, 7, "{bad}");
+        }
     }
 }

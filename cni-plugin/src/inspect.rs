@@ -1,7 +1,8 @@
-//! `aether-cni inspect <container-id | netns path>`: a pod's capture and Service layers,
-//! readable on a node that has no `nft` binary.
+//! `aether-cni inspect [container-id | netns path]`: a pod's capture and Service layers,
+//! readable on a node that has no `nft` binary; with no argument, every recorded
+//! attachment in one line each, with whether its layers are intact.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use aether_netns::Netns;
@@ -12,22 +13,84 @@ use crate::state::{Record, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
-    /// A container ID with an attachment record, or a netns path.
-    target: String,
+    /// A container ID with an attachment record, or a netns path. Without one: every
+    /// recorded attachment, one line each, with whether its layers are intact.
+    target: Option<String>,
     /// The node state directory (the `stateDir` of the network configuration).
     #[arg(long, default_value = crate::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
 }
 
 pub fn run(args: InspectArgs) -> ExitCode {
-    let state = StateDir::new(&args.state_dir);
+    if let Some(why) = crate::state::unusable_reason(&args.state_dir) {
+        eprintln!("aether-cni inspect: state directory {} {why}", args.state_dir.display());
+        return ExitCode::FAILURE;
+    }
+    match &args.target {
+        None => list(&args.state_dir),
+        Some(target) => one(&args.state_dir, target),
+    }
+}
+
+/// Every recorded attachment, one line each: the pod, and whether the kernel holds its
+/// capture and its Service layer as recorded. Fails when any layer is not intact.
+fn list(state_dir: &Path) -> ExitCode {
+    let records = StateDir::new(state_dir).records();
+    if records.is_empty() {
+        println!("no attachment records in {} (no pod is attached on this node)", state_dir.display());
+        return ExitCode::SUCCESS;
+    }
+    let mut rows = vec![["POD", "CONTAINER", "IFNAME", "NETNS", "CAPTURE", "SERVICE LAYER"].map(String::from)];
+    let mut all_intact = true;
+    for r in &records {
+        let (capture, services) = match Netns::open_foreign(&r.netns) {
+            Err(aether_netns::Error::NotFound { .. }) => ("netns gone (GC removes the record)".into(), "-".into()),
+            Err(e) => (format!("cannot open the netns: {e}"), "-".into()),
+            Ok(netns) => {
+                let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg)) {
+                    None => "unknown (the record predates stored configurations)".to_string(),
+                    Some(Ok(d)) if d.is_empty() => "intact".into(),
+                    Some(Ok(d)) => {
+                        all_intact = false;
+                        format!("NOT INTACT ({} differences)", d.len())
+                    }
+                    Some(Err(e)) => {
+                        all_intact = false;
+                        format!("unknown ({e})")
+                    }
+                };
+                let mark = r.capture.as_ref().map(|c| c.divert_mark);
+                let (_, verdict) = services::describe_pod_layer(state_dir, &netns, mark);
+                all_intact &= verdict.is_intact();
+                (capture, verdict.to_string())
+            }
+        };
+        let pod = crate::log::pod_name(r.pod_namespace.as_deref(), r.pod_name.as_deref()).unwrap_or("-".into());
+        rows.push([pod, r.container_id.clone(), r.ifname.clone(), r.netns.clone(), capture, services]);
+    }
+    println!("state directory {}: {} attachment(s)", state_dir.display(), records.len());
+    let widths: Vec<usize> = (0..6).map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0)).collect();
+    for row in &rows {
+        let cells: Vec<String> = row.iter().zip(&widths).map(|(c, w)| format!("{c:w$}")).collect();
+        println!("{}", cells.join("  ").trim_end());
+    }
+    if all_intact {
+        ExitCode::SUCCESS
+    } else {
+        println!("`aether-cni inspect <container>` lists what differs");
+        ExitCode::FAILURE
+    }
+}
+
+fn one(state_dir: &Path, target: &str) -> ExitCode {
+    let state = StateDir::new(state_dir);
     let records: Vec<Record> =
-        state.records().into_iter().filter(|r| r.container_id == args.target || r.netns == args.target).collect();
-    let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| args.target.clone());
+        state.records().into_iter().filter(|r| r.container_id == target || r.netns == target).collect();
+    let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| target.to_string());
     let netns = match Netns::open_foreign(&netns_path) {
         Ok(ns) => ns,
         Err(e) => {
-            eprintln!("aether-cni inspect: {} is neither a recorded container nor a usable netns: {e}", args.target);
+            eprintln!("aether-cni inspect: {target} is neither a recorded container nor a usable netns: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -67,7 +130,7 @@ pub fn run(args: InspectArgs) -> ExitCode {
     }
     println!("\nService layer:");
     let mark = records.first().and_then(|r| r.capture.as_ref()).map(|c| c.divert_mark);
-    for line in services::describe_pod_layer(&args.state_dir, &netns, mark) {
+    for line in services::describe_pod_layer(state_dir, &netns, mark).0 {
         println!("  {line}");
     }
     if intact {
@@ -88,32 +151,43 @@ fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
     };
     let pr = ruleset.policy_route;
     println!(
-        "capture: mode {:?}, DNS {}",
+        "capture: mode {}, DNS {}",
         cfg.mode,
         cfg.dns.map(|d| format!("to {}:{}", d.host_ip, d.port)).unwrap_or("off".into())
     );
     print!("{}", ruleset.table);
     println!("ip rule: fwmark {:#x} lookup {} priority {}", pr.fwmark, pr.table, pr.priority);
     println!("ip route: local 0.0.0.0/0 dev lo table {}", pr.table);
-    match netns.run(|| aether_rules::verify(&ruleset)) {
-        Ok(Ok(d)) if d.is_empty() => {
+    match verify(netns, &ruleset) {
+        Ok(d) if d.is_empty() => {
             println!("kernel: intact (every set, chain, rule, the policy rule and the route as above)");
             true
         }
-        Ok(Ok(d)) => {
+        Ok(d) => {
             println!("kernel: NOT INTACT:");
             for x in d {
                 println!("  - {x}");
             }
             false
         }
-        Ok(Err(e)) => {
-            println!("kernel: cannot read: {e}");
-            false
-        }
         Err(e) => {
-            println!("kernel: cannot enter the netns: {e}");
+            println!("kernel: {e}");
             false
         }
+    }
+}
+
+/// How the kernel's capture in `netns` differs from what ADD builds from `cfg`.
+fn differences(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> Result<Vec<String>, String> {
+    let ruleset =
+        capture::capture_ruleset(cfg).map_err(|e| format!("the recorded configuration no longer builds: {e}"))?;
+    verify(netns, &ruleset)
+}
+
+fn verify(netns: &Netns, ruleset: &aether_rules::Ruleset) -> Result<Vec<String>, String> {
+    match netns.run(|| aether_rules::verify(ruleset)) {
+        Ok(Ok(d)) => Ok(d),
+        Ok(Err(e)) => Err(format!("cannot read: {e}")),
+        Err(e) => Err(format!("cannot enter the netns: {e}")),
     }
 }

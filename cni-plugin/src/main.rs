@@ -6,6 +6,7 @@ mod doctor;
 mod env;
 mod error;
 mod inspect;
+mod install;
 mod log;
 mod services;
 mod state;
@@ -14,12 +15,35 @@ use std::io::{Read, Write};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+// Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
+pub(crate) use tracing::{debug, error, info, warn};
+
+/// What `--help` says after the commands: how the same binary behaves as a CNI plugin,
+/// and where the rest is written down.
+const AS_A_PLUGIN: &str = "\
+As a CNI plugin:
+  With CNI_COMMAND set (ADD, DEL, CHECK, STATUS, GC or VERSION) aether-cni is the plugin, not
+  this CLI: it ignores its arguments, reads the network configuration (JSON) on stdin and
+  writes the CNI result, or a CNI error {code, msg, details}, on stdout. Logs go to stderr
+  and to the configuration's logFile, never to stdout. The container runtime runs it that
+  way, chained after the cluster's main CNI plugin in /etc/cni/net.d.
+
+Documentation (the aether-cni README):
+  \"Configuration\"    every network configuration field, its default and its checks
+  \"Pod annotations\"  aether.io/capture, aether.io/exclude-outbound-ports,
+                     aether.io/exclude-outbound-cidrs, aether.io/capture-dns
+  \"Operating it\"     logs, CNI error codes, reading `inspect`, finding a pod's netns
+  The Service snapshot's JSON Schema: testdata/services/snapshot.schema.json
+
+Every command that reads node state takes --state-dir (default /var/run/aether-cni, the
+configuration's stateDir).";
 
 #[derive(Parser)]
 #[command(
     name = "aether-cni",
     version,
-    about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools."
+    about = "The Aether mesh capture layer: a chained CNI plugin and its operator tools.",
+    after_help = AS_A_PLUGIN
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,10 +56,13 @@ enum Command {
     Versions,
     /// The Service-range and refusal-counter layer: apply a snapshot, read counters, demand.
     Services(services::ServicesArgs),
-    /// Show a pod's capture and Service layers, and whether the kernel holds them intact.
+    /// Show a pod's capture and Service layers (without a pod: every recorded one), and whether the kernel holds them intact.
     Inspect(inspect::InspectArgs),
     /// Check that this kernel can hold the capture ruleset (in a private netns; changes nothing).
     Doctor,
+    /// The DaemonSet's container: install the binary, chain it into the node's CNI
+    /// configuration and keep it there; undo it all on SIGTERM (unless an upgrade).
+    Install(Box<aether_installer::InstallArgs>),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +77,8 @@ fn main() -> ExitCode {
     // An operator piping into `head` should see the CLI end quietly, as Unix tools do,
     // not a panic from println! on a closed pipe.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // The CLI's own output is its result; what goes wrong underneath reaches stderr.
+    log::init(&log::Settings { level: tracing::level_filters::LevelFilter::WARN, ..log::Settings::default() });
     match Cli::parse().command {
         Command::Versions => {
             println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
@@ -58,6 +87,7 @@ fn main() -> ExitCode {
         Command::Services(args) => services::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Doctor => doctor::run(),
+        Command::Install(args) => install::run(*args),
     }
 }
 
@@ -65,9 +95,24 @@ fn main() -> ExitCode {
 fn run_cni() -> ExitCode {
     let mut stdin = Vec::new();
     let read = std::io::stdin().read_to_end(&mut stdin);
+    // The log settings are read leniently before anything else, so that a configuration the
+    // full parse refuses is still logged to its logFile.
+    log::init(&log::Settings::lenient(&stdin));
+    let env = env::Env::from_process();
+    let command = std::env::var("CNI_COMMAND").unwrap_or_default();
+    let _span = match &env {
+        Ok(e) => log::cni_span(
+            &e.command,
+            log::pod_name(e.args.pod_namespace.as_deref(), e.args.pod_name.as_deref()),
+            e.container_id.as_deref(),
+            e.netns.as_deref(),
+        ),
+        Err(_) => log::cni_span(&command, None, None, None),
+    }
+    .entered();
     let outcome = match read {
         Err(e) => Err(error::CniError::new(error::code::IO_FAILURE, "cannot read stdin").with_details(e.to_string())),
-        Ok(_) => env::Env::from_process().and_then(|env| cni::run(&env, &stdin)),
+        Ok(_) => env.and_then(|env| cni::run(&env, &stdin)),
     };
     let mut out = std::io::stdout().lock();
     match outcome {
@@ -77,7 +122,7 @@ fn run_cni() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            warn!("{} failed: {e}", std::env::var("CNI_COMMAND").unwrap_or_default());
+            error!(code = e.code, "{command} failed: {e}");
             let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
             ExitCode::FAILURE
         }

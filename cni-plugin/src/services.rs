@@ -3,6 +3,12 @@
 //!
 //! State, under `<stateDir>/services/`:
 //! - `snapshot.json`: the last accepted snapshot, exactly as the agent sent it (atomic write);
+//! - `layer.bin`: the same snapshot as the layer needs it, compact and checksummed
+//!   (`layer_file`), written after `snapshot.json`: what ADD loads (never the JSON), and the
+//!   generation the next apply computes its element change from;
+//! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
+//!   a pod that holds the previous generation only the change, without reading its sets back,
+//!   and rebuilds any other (a missed generation, a crash, a new pod);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
@@ -14,6 +20,7 @@
 //!   while they fold a pod's counts, remove its layer and forget its record
 //!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
+pub mod layer_file;
 pub mod snapshot;
 
 use std::collections::BTreeMap;
@@ -23,12 +30,12 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use aether_netns::Netns;
-use aether_rules::services::{self as layer, Applied, COUNTERS};
+use aether_rules::services::{self as layer, Applied, LayerChange, COUNTERS};
 use serde_json::{json, Value};
 
 use crate::error::{code, CniError};
 use crate::state::{self, StateDir};
-use snapshot::Snapshot;
+use layer_file::StoredLayer;
 
 #[derive(clap::Args)]
 pub struct ServicesArgs {
@@ -41,9 +48,13 @@ pub struct ServicesArgs {
 
 #[derive(clap::Subcommand)]
 enum ServicesCommand {
-    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) on stdin, validate
-    /// it, store it and apply it to every managed pod.
-    Apply,
+    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) from -f FILE or
+    /// stdin, validate it, store it and apply it to every managed pod.
+    Apply {
+        /// The snapshot file; `-` is stdin. Without -f, stdin is read unless it is a terminal.
+        #[arg(short = 'f', long = "file", value_name = "FILE")]
+        file: Option<PathBuf>,
+    },
     /// Print node totals and per-pod counters.
     Counters {
         #[arg(long, value_enum, default_value = "json")]
@@ -54,6 +65,9 @@ enum ServicesCommand {
         #[arg(long, value_enum, default_value = "json")]
         format: DemandFormat,
     },
+    /// Read every pod's layer back, compare it with the stored snapshot and repair what
+    /// differs (applies send changes without reading back; this is the check).
+    Verify,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -68,15 +82,48 @@ enum DemandFormat {
     Text,
 }
 
+/// The snapshot `apply` reads: `-f FILE`, `-f -` or stdin. An operator who types
+/// `services apply` at a terminal is told how to pass one, not left waiting.
+fn read_snapshot(file: Option<&Path>) -> Result<Vec<u8>, String> {
+    let limit = snapshot::MAX_SNAPSHOT_BYTES as u64 + 1;
+    let mut text = Vec::new();
+    match file {
+        Some(path) if path != Path::new("-") => fs::File::open(path)
+            .and_then(|f| f.take(limit).read_to_end(&mut text))
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+        // SAFETY: isatty only inspects the descriptor.
+        None if unsafe { libc::isatty(0) } == 1 => {
+            return Err("reads the snapshot from -f FILE, or from stdin (-f -, or a pipe); stdin is a terminal, so \
+                        nothing was read: e.g. `aether-cni services apply -f snapshot.json`"
+                .into())
+        }
+        _ => std::io::stdin().take(limit).read_to_end(&mut text).map_err(|e| format!("cannot read stdin: {e}"))?,
+    };
+    Ok(text)
+}
+
+/// A command's result on stdout, ending in one newline; an empty result prints nothing.
+fn print_result(text: &str) {
+    if !text.is_empty() {
+        println!("{}", text.strip_suffix('\n').unwrap_or(text));
+    }
+}
+
 pub fn run(args: ServicesArgs) -> ExitCode {
+    if let Some(why) = state::unusable_reason(&args.state_dir) {
+        eprintln!("aether-cni services: state directory {} {why}", args.state_dir.display());
+        return ExitCode::FAILURE;
+    }
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
-        ServicesCommand::Apply => {
-            let mut text = Vec::new();
-            if let Err(e) = std::io::stdin().read_to_end(&mut text) {
-                eprintln!("aether-cni services apply: cannot read stdin: {e}");
-                return ExitCode::FAILURE;
-            }
+        ServicesCommand::Apply { file } => {
+            let text = match read_snapshot(file.as_deref()) {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("aether-cni services apply: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             match apply_document(&dir, &text) {
                 Ok(report) => {
                     println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
@@ -98,10 +145,17 @@ pub fn run(args: ServicesArgs) -> ExitCode {
             DemandFormat::Json => serde_json::to_string_pretty(&json!({ "demand": d })).unwrap(),
             DemandFormat::Text => d.join("\n"),
         }),
+        ServicesCommand::Verify => match verify_pods(&dir) {
+            Ok(report) => {
+                println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
+                return if report.failed() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
+            }
+            Err(e) => Err(e),
+        },
     };
     match out {
         Ok(text) => {
-            println!("{text}");
+            print_result(&text);
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -134,16 +188,73 @@ impl ServicesDir {
         state::write_atomic(&path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))
     }
 
-    /// The stored snapshot: its text and its parse. A stored file that no longer parses is
-    /// reported, never silently ignored.
-    fn stored(&self) -> Result<Option<(Vec<u8>, Snapshot)>, String> {
+    fn layer_path(&self) -> PathBuf {
+        self.root.join("layer.bin")
+    }
+
+    /// The accepted snapshot's layer, from `layer.bin`. A damaged file is reported, never
+    /// silently ignored. State from before `layer.bin` existed (an upgrade) has only
+    /// `snapshot.json`: it is parsed instead, within the snapshot limits, until the next
+    /// apply writes `layer.bin`.
+    pub fn stored_layer(&self) -> Result<Option<StoredLayer>, String> {
+        if let Some(l) = layer_file::read(&self.layer_path()).map_err(|e| e.to_string())? {
+            return Ok(Some(l));
+        }
         let path = self.root.join("snapshot.json");
-        match fs::read(&path) {
-            Ok(text) => snapshot::parse(&text)
-                .map(|s| Some((text, s)))
-                .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; "))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        let mut text = Vec::new();
+        match fs::File::open(&path) {
+            Ok(f) => f
+                .take(snapshot::MAX_SNAPSHOT_BYTES as u64 + 1)
+                .read_to_end(&mut text)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        snapshot::parse(&text)
+            .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0))))
+            .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; ")))
+    }
+
+    /// The file that says which layer the pod netns at `netns` holds.
+    fn pod_path(&self, netns: &Path) -> PathBuf {
+        let name: String = netns
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+            .collect();
+        self.root.join("pods").join(name)
+    }
+
+    /// What the pod netns `ns` holds, if its file is there, readable, and about this very
+    /// netns (a path reused by another netns does not count).
+    fn pod_holds(&self, ns: &Netns) -> Option<PodHolds> {
+        let text = fs::read_to_string(self.pod_path(ns.path())).ok()?;
+        let held = PodHolds::parse(&text)?;
+        (held.netns == netns_key(ns)).then_some(held)
+    }
+
+    /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
+    fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), String> {
+        fs::create_dir_all(self.root.join("pods"))
+            .map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let path = self.pod_path(ns.path());
+        state::write_atomic(&path, held.to_string().as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    }
+
+    fn forget_pod(&self, netns: &Path) {
+        let _ = fs::remove_file(self.pod_path(netns));
+    }
+
+    /// Removes the files of pods no record names any more (their DEL found no netns).
+    fn prune_pods(&self, records: &[crate::state::Record]) {
+        let Ok(dir) = fs::read_dir(self.root.join("pods")) else { return };
+        let live: std::collections::BTreeSet<PathBuf> =
+            records.iter().map(|r| self.pod_path(Path::new(&r.netns))).collect();
+        for e in dir.filter_map(Result::ok) {
+            if !live.contains(&e.path()) {
+                let _ = fs::remove_file(e.path());
+            }
         }
     }
 
@@ -172,6 +283,49 @@ impl ServicesDir {
             *acc.entry(k.clone()).or_default() += v;
         }
         self.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).expect("counts serialize"))
+    }
+}
+
+/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PodHolds {
+    generation: u64,
+    digest: u64,
+    /// `Netns::id()` of the netns it was written for.
+    netns: String,
+    divert_mark: u32,
+}
+
+impl PodHolds {
+    fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
+        PodHolds { generation: stored.generation, digest: stored.digest, netns: netns_key(ns), divert_mark }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        let mut f = text.split_whitespace();
+        let held = PodHolds {
+            generation: f.next()?.parse().ok()?,
+            digest: u64::from_str_radix(f.next()?, 16).ok()?,
+            netns: f.next()?.to_string(),
+            divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
+        };
+        f.next().is_none().then_some(held)
+    }
+
+    /// Whether the pod holds `stored`'s layer for `divert_mark` (whatever the generation).
+    fn is(&self, stored: &StoredLayer, divert_mark: u32) -> bool {
+        self.digest == stored.digest && self.divert_mark == divert_mark
+    }
+}
+
+/// A netns's identity as one word: `device:inode`.
+fn netns_key(ns: &Netns) -> String {
+    format!("{}:{}", ns.id().dev, ns.id().ino)
+}
+
+impl std::fmt::Display for PodHolds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)
     }
 }
 
@@ -238,26 +392,33 @@ fn describe(a: &Applied) -> String {
     }
 }
 
-/// `services apply`: validate the whole document, refuse an older generation, store it,
-/// apply it to every recorded pod. Validation errors change nothing.
+/// `services apply`: validate the whole document, refuse an older generation, store it
+/// (`snapshot.json`, then `layer.bin`), apply it to every recorded pod. Validation errors
+/// change nothing.
+///
+/// The element change from the previous stored generation is computed once; a pod whose
+/// file says it holds that generation gets only the change, sent without reading its sets
+/// back; a pod that already holds this content is not touched; any other pod (new, behind by
+/// more than one generation, or whose change the kernel refused) is rebuilt.
 pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec<String>> {
     let snap = snapshot::parse(text)?;
+    let new = StoredLayer::new(snap.generation, &snap.layer(0));
     let _lock = dir.lock(true).map_err(|e| vec![e])?;
     let mut warnings = Vec::new();
-    // A stored snapshot that no longer parses (a stricter release, a damaged file) must not
-    // lock the agent out: the new, valid one replaces it.
-    let stored = dir.stored().unwrap_or_else(|e| {
+    // A stored layer that no longer reads (a damaged file, another format) must not lock the
+    // agent out: the new, valid one replaces it.
+    let previous = dir.stored_layer().unwrap_or_else(|e| {
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
-    if let Some((old_text, old)) = stored {
+    if let Some(old) = &previous {
         if snap.generation < old.generation {
             return Err(vec![format!(
                 "generation: {} is older than the stored generation {}; nothing changed",
                 snap.generation, old.generation
             )]);
         }
-        if snap.generation == old.generation && old_text != text && old != snap {
+        if snap.generation == old.generation && old.digest != new.digest {
             return Err(vec![format!(
                 "generation: {} is already stored with different content; a new snapshot needs a new generation",
                 snap.generation
@@ -265,41 +426,73 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         }
     }
     dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
+    dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
     let node_mark = dir.divert_mark();
+    // One change per divert mark in use (in practice one), computed on first need.
+    let mut changes: BTreeMap<u32, Option<LayerChange>> = BTreeMap::new();
     // Mode `off` removes each pod's table: its counts join the node accumulator first, so
     // node totals never go backwards (as at DEL).
     let mut folded: BTreeMap<String, u64> = BTreeMap::new();
-    let pods = StateDir::new(&dir.state)
-        .records()
-        .into_iter()
-        .map(|r| {
-            // Each pod's layer matches the divert mark its own capture sets.
-            let l = snap.layer(r.capture.as_ref().map_or(node_mark, |c| c.divert_mark));
-            let (result, vanished) = match Netns::open_foreign(&r.netns) {
-                Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
-                Err(e) => (Err(e.to_string()), false),
-                Ok(ns) => {
-                    let last_counts = match l.mode {
-                        layer::LayerMode::Off => ns.run(layer::counters).ok().and_then(Result::ok).flatten(),
-                        _ => None,
-                    };
-                    match ns.run(|| layer::apply(&l)) {
-                        Ok(Ok(a)) => {
-                            if let (Applied::Removed(true), Some(counts)) = (&a, last_counts) {
-                                for (k, v) in counts {
-                                    *folded.entry(k).or_default() += v;
-                                }
+    let records = StateDir::new(&dir.state).records();
+    let mut pods = Vec::with_capacity(records.len());
+    for r in &records {
+        // Each pod's layer matches the divert mark its own capture sets.
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let l = new.for_pod(mark);
+        let (result, vanished) = match Netns::open_foreign(&r.netns) {
+            Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
+            Err(e) => (Err(e.to_string()), false),
+            Ok(ns) if l.mode == layer::LayerMode::Off => {
+                dir.forget_pod(ns.path());
+                let last_counts = flat(ns.run(layer::counters)).ok().flatten();
+                match flat(ns.run(|| layer::apply(&l))) {
+                    Ok(a) => {
+                        if let (Applied::Removed(true), Some(counts)) = (&a, last_counts) {
+                            for (k, v) in counts {
+                                *folded.entry(k).or_default() += v;
                             }
-                            (Ok(a), false)
                         }
-                        Ok(Err(e)) => (Err(e.to_string()), false),
-                        Err(e) => (Err(e.to_string()), false),
+                        (Ok(a), false)
+                    }
+                    Err(e) => (Err(e), false),
+                }
+            }
+            Ok(ns) => {
+                let held = dir.pod_holds(&ns);
+                let outcome = match (&held, &previous) {
+                    (Some(h), _) if h.is(&new, mark) => Ok(Applied::Unchanged),
+                    (Some(h), Some(prev)) if h.is(prev, mark) => {
+                        let change = changes
+                            .entry(mark)
+                            .or_insert_with(|| LayerChange::between(&prev.for_pod(mark), &l).ok().flatten());
+                        match change {
+                            // Refused (the pod's layer is not what its file says): rebuilt.
+                            Some(c) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
+                            None => flat(ns.run(|| layer::rebuild(&l))),
+                        }
+                    }
+                    _ => flat(ns.run(|| layer::rebuild(&l))),
+                };
+                if outcome.is_ok() && held.is_none_or(|h| h.generation != new.generation || !h.is(&new, mark)) {
+                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(&new, &ns, mark)) {
+                        warnings.push(e);
                     }
                 }
-            };
-            PodOutcome { container_id: r.container_id, ifname: r.ifname, netns: r.netns, result, vanished }
-        })
-        .collect();
+                if outcome.is_err() {
+                    dir.forget_pod(ns.path());
+                }
+                (outcome, false)
+            }
+        };
+        pods.push(PodOutcome {
+            container_id: r.container_id.clone(),
+            ifname: r.ifname.clone(),
+            netns: r.netns.clone(),
+            result,
+            vanished,
+        });
+    }
+    dir.prune_pods(&records);
     if !folded.is_empty() {
         dir.fold(&folded).map_err(|e| vec![e])?;
     }
@@ -307,9 +500,10 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
 }
 
 /// For ADD, in the host netns, after the attachment record is written: applies the stored
-/// snapshot (if any) to the pod netns `netns`, under the shared services lock, and records
-/// capture's divert mark for later applies. Returns the generation applied, `None` when the
-/// agent has sent no snapshot yet (the pod then has no layer until the first apply).
+/// layer (if any) to the pod netns `netns`, under the shared services lock, and records
+/// capture's divert mark for later applies. Loads `layer.bin`, never the JSON snapshot, and
+/// reads nothing back from the kernel. Returns the generation applied, `None` when the agent
+/// has sent no snapshot yet (the pod then has no layer until the first apply).
 pub fn apply_current_snapshot_in_netns(
     state_dir: &Path,
     netns: &Netns,
@@ -321,20 +515,24 @@ pub fn apply_current_snapshot_in_netns(
     if dir.divert_mark() != divert_mark {
         dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes()).map_err(fail)?;
     }
-    // A stored snapshot that cannot be read must not keep pods from starting: the pod starts
+    // A stored layer that cannot be read must not keep pods from starting: the pod starts
     // without the layer (fail open, as before any snapshot), and the agent's next apply, which
     // replaces the damaged file, reaches it through its record.
-    let snap = match dir.stored() {
-        Ok(Some((_, snap))) => snap,
+    let stored = match dir.stored_layer() {
+        Ok(Some(stored)) => stored,
         Ok(None) => return Ok(None),
         Err(e) => {
             crate::warn!("the pod starts without the Service layer: {e}");
             return Ok(None);
         }
     };
-    let l = snap.layer(divert_mark);
-    netns.run(|| layer::apply(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
-    Ok(Some(snap.generation))
+    let l = stored.for_pod(divert_mark);
+    netns.run(|| layer::rebuild(&l)).map_err(|e| fail(e.to_string()))?.map_err(|e| fail(e.to_string()))?;
+    if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
+        // Costs the pod a rebuild at the next apply instead of a change; nothing more.
+        crate::warn!("{e}");
+    }
+    Ok(Some(stored.generation))
 }
 
 /// The outcome of work done inside a netns, as one message.
@@ -371,13 +569,16 @@ pub fn retire_layer(
         dir.lock(true).map_err(|e| CniError::new(code::IO_FAILURE, "cannot lock the Service state").with_details(e))?;
     let mut out = Retired::default();
     if let Some(ns) = netns {
+        dir.forget_pod(ns.path());
         match flat(ns.run(layer::counters)) {
             // Removed first, folded after: a DEL that is retried (its layer then gone)
             // never folds the same counts twice.
             Ok(Some(counts)) => match flat(ns.run(layer::remove)) {
                 Ok(_) => match dir.fold(&counts) {
                     Ok(()) => out.folded = counts,
-                    Err(e) => out.warnings.push(format!("the pod's Service counts {counts:?} are lost: {e}")),
+                    Err(e) => out
+                        .warnings
+                        .push(format!("the pod's Service counts ({}) are lost: {e}", crate::log::counts(&counts))),
                 },
                 Err(e) => out.warnings.push(format!("cannot remove the pod's Service layer (counts not folded): {e}")),
             },
@@ -417,7 +618,7 @@ impl NodeCounters {
     }
 
     /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
-    fn to_prometheus(&self) -> String {
+    pub(crate) fn to_prometheus(&self) -> String {
         let mut out = String::new();
         out.push_str("# HELP aether_cni_service_connections_total New captured connections by destination class (refusals included as their class).\n");
         out.push_str("# TYPE aether_cni_service_connections_total counter\n");
@@ -477,7 +678,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
             pods.push((r, c));
         }
     }
-    let generation = dir.stored().ok().flatten().map(|(_, s)| s.generation);
+    let generation = layer_file::read_generation(&dir.layer_path()).ok().flatten();
     Ok(NodeCounters { generation, totals, folded, pods })
 }
 
@@ -494,30 +695,150 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
 }
 
+/// One pod's outcome in `services verify`.
+pub struct PodVerified {
+    pub container_id: String,
+    pub netns: String,
+    /// The differences found (empty: intact) and whether they were repaired.
+    pub result: Result<(Vec<String>, Option<Applied>), String>,
+}
+
+pub struct VerifyReport {
+    pub generation: Option<u64>,
+    pub pods: Vec<PodVerified>,
+}
+
+impl VerifyReport {
+    pub fn failed(&self) -> bool {
+        self.pods.iter().any(|p| p.result.is_err())
+    }
+
+    fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|p| {
+                let mut v = json!({"containerID": p.container_id, "netns": p.netns});
+                match &p.result {
+                    Ok((d, _)) if d.is_empty() => v["result"] = json!("intact"),
+                    Ok((d, repaired)) => {
+                        v["result"] = json!(format!("repaired ({})", repaired.as_ref().map_or("-".into(), describe)));
+                        v["differences"] = json!(d);
+                    }
+                    Err(e) => {
+                        v["result"] = json!("failed");
+                        v["error"] = json!(e);
+                    }
+                }
+                v
+            })
+            .collect();
+        json!({"generation": self.generation, "pods": pods})
+    }
+}
+
+/// `services verify`: reads every recorded pod's layer back, compares it with the stored
+/// snapshot, and repairs what differs (the element change, or a rebuild). Pods whose netns
+/// is gone are left out. Exclusive of applies, ADD and DEL (the services lock).
+pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
+    let _lock = dir.lock(true)?;
+    let stored = dir.stored_layer()?;
+    let node_mark = dir.divert_mark();
+    let mut pods = Vec::new();
+    for r in StateDir::new(&dir.state).records() {
+        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+        let result = flat(ns.run(|| {
+            let diffs = layer::verify(&l)?;
+            let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
+            Ok((diffs, repaired))
+        }));
+        match (&result, &stored) {
+            (Ok(_), Some(s)) if l.mode != layer::LayerMode::Off => {
+                let _ = dir.set_pod_holds(&ns, &PodHolds::new(s, &ns, mark));
+            }
+            _ => dir.forget_pod(ns.path()),
+        }
+        pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result });
+    }
+    Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
+}
+
+/// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerVerdict {
+    /// No snapshot stored yet: the pod rightly has no layer.
+    NoSnapshot,
+    Intact {
+        generation: u64,
+    },
+    Differs {
+        generation: u64,
+        differences: usize,
+    },
+    /// The stored snapshot or the kernel could not be read.
+    Unknown,
+}
+
+impl LayerVerdict {
+    pub fn is_intact(&self) -> bool {
+        matches!(self, LayerVerdict::NoSnapshot | LayerVerdict::Intact { .. })
+    }
+}
+
+impl std::fmt::Display for LayerVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            LayerVerdict::NoSnapshot => write!(f, "none (no snapshot yet)"),
+            LayerVerdict::Intact { generation } => write!(f, "intact (generation {generation})"),
+            LayerVerdict::Differs { generation, differences } => {
+                write!(f, "NOT INTACT ({differences} differences from generation {generation})")
+            }
+            LayerVerdict::Unknown => write!(f, "unknown (cannot read)"),
+        }
+    }
+}
+
 /// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
-/// says it should be, whether the kernel holds exactly that, and its counters).
-pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> Vec<String> {
+/// says it should be, whether the kernel holds exactly that, and its counters), and the
+/// verdict in a word.
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> (Vec<String>, LayerVerdict) {
     let dir = ServicesDir::new(state_dir);
     let mut out = Vec::new();
-    let stored = match dir.stored() {
+    let stored = match dir.stored_layer() {
         Ok(s) => s,
-        Err(e) => return vec![format!("stored snapshot: {e}")],
+        Err(e) => return (vec![format!("stored snapshot: {e}")], LayerVerdict::Unknown),
     };
+    let mut verdict = LayerVerdict::NoSnapshot;
     match &stored {
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
-        Some((_, snap)) => {
-            let l = snap.layer(divert_mark.unwrap_or_else(|| dir.divert_mark()));
+        Some(stored) => {
+            let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
             out.push(format!(
                 "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
-                snap.generation,
+                stored.generation,
                 l.mode,
                 l.ranges.len(),
                 l.mesh_vips.len(),
                 l.ports.len()
             ));
+            match dir.pod_holds(netns) {
+                Some(h) if h.is(stored, l.divert_mark) => {
+                    out.push(format!("the pod was last given generation {} (the same layer)", h.generation))
+                }
+                Some(h) => out.push(format!("the pod was last given generation {} (an older layer)", h.generation)),
+                None => out.push("no record of the generation the pod holds (the next apply rebuilds it)".into()),
+            }
+            let generation = stored.generation;
+            verdict = LayerVerdict::Unknown;
             match netns.run(|| layer::verify(&l)) {
-                Ok(Ok(d)) if d.is_empty() => out.push("kernel: intact (matches the snapshot)".into()),
+                Ok(Ok(d)) if d.is_empty() => {
+                    verdict = LayerVerdict::Intact { generation };
+                    out.push("kernel: intact (matches the snapshot)".into())
+                }
                 Ok(Ok(d)) => {
+                    verdict = LayerVerdict::Differs { generation, differences: d.len() };
                     out.push("kernel: NOT as the snapshot says:".into());
                     out.extend(d.into_iter().map(|x| format!("  - {x}")));
                 }
@@ -543,7 +864,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
         }
         _ => {}
     }
-    out
+    (out, verdict)
 }
 
 #[cfg(test)]
@@ -620,9 +941,9 @@ mod tests {
             }
             spawn_racing_applies(s, &state);
         });
-        let (_, newest) = dir.stored().unwrap().unwrap();
+        let newest = dir.stored_layer().unwrap().unwrap();
         assert_eq!(newest.generation, 21);
-        let l = newest.layer(0xae71);
+        let l = newest.for_pod(0xae71);
         for ns in &netns {
             let diffs = Netns::open_foreign(ns.path()).unwrap().run(|| layer::verify(&l)).unwrap().unwrap();
             assert!(diffs.is_empty(), "{}: {diffs:#?}", ns.name);

@@ -90,8 +90,10 @@ impl StateDir {
 
     /// Creates the directories if needed.
     pub fn ensure(&self) -> Result<(), CniError> {
-        fs::create_dir_all(self.attachments())
-            .map_err(|e| io_error(format!("cannot create state directory {}", self.attachments().display()), e))
+        fs::create_dir_all(self.attachments()).map_err(|e| match unusable_reason(&self.root) {
+            Some(why) => CniError::new(code::IO_FAILURE, format!("state directory {} {why}", self.root.display())),
+            None => io_error(format!("cannot create state directory {}", self.attachments().display()), e),
+        })
     }
 
     /// Shared for ADD and DEL (which run in parallel for different pods), exclusive for GC.
@@ -157,6 +159,42 @@ impl StateDir {
             .map_err(|e| io_error(format!("state directory {} is not writable", self.root.display()), e))?;
         let _ = fs::remove_file(&probe);
         Ok(())
+    }
+}
+
+/// Why `root` cannot serve as a state directory although something is there: a file, a
+/// dangling symlink, a symlink to a file. `None` when it is a directory (or a symlink to
+/// one) or does not exist yet (it is created when first needed).
+pub fn unusable_reason(root: &Path) -> Option<String> {
+    use std::io::ErrorKind;
+    let kind = |m: &fs::Metadata| {
+        if m.is_file() {
+            "a regular file"
+        } else if m.is_dir() {
+            "a directory"
+        } else {
+            "neither a file nor a directory"
+        }
+    };
+    let link = match fs::symlink_metadata(root) {
+        Err(e) if e.kind() == ErrorKind::NotFound => return None,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+            return Some("cannot exist: a parent directory on its path is a file".into())
+        }
+        Err(e) => return Some(format!("cannot be read: {e}")),
+        Ok(m) => m,
+    };
+    if !link.file_type().is_symlink() {
+        return (!link.is_dir()).then(|| format!("is {}, not a directory", kind(&link)));
+    }
+    let target = fs::read_link(root).map(|t| t.display().to_string()).unwrap_or_else(|_| "?".into());
+    match fs::metadata(root) {
+        Ok(m) if m.is_dir() => None,
+        Ok(m) => Some(format!("is a symlink to {target}, which is {}, not a directory", kind(&m))),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            Some(format!("is a dangling symlink: its target {target} does not exist"))
+        }
+        Err(e) => Some(format!("is a symlink to {target}, which cannot be read: {e}")),
     }
 }
 
@@ -238,6 +276,28 @@ mod tests {
             h.join().unwrap();
         }
         assert_eq!(s.records().len(), 16);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_state_directory_that_is_not_one_is_named_for_what_it_is() {
+        let d = tmpdir("unusable");
+        fs::create_dir_all(&d).unwrap();
+        assert_eq!(unusable_reason(&d.join("missing")), None);
+        assert_eq!(unusable_reason(&d), None);
+        fs::write(d.join("file"), b"x").unwrap();
+        assert_eq!(unusable_reason(&d.join("file")).unwrap(), "is a regular file, not a directory");
+        std::os::unix::fs::symlink(d.join("nowhere"), d.join("dangling")).unwrap();
+        let why = unusable_reason(&d.join("dangling")).unwrap();
+        assert!(why.starts_with("is a dangling symlink") && why.contains("nowhere"), "{why}");
+        std::os::unix::fs::symlink(d.join("file"), d.join("to-file")).unwrap();
+        assert!(unusable_reason(&d.join("to-file")).unwrap().contains("which is a regular file"));
+        std::os::unix::fs::symlink(&d, d.join("to-dir")).unwrap();
+        assert_eq!(unusable_reason(&d.join("to-dir")), None);
+        assert!(unusable_reason(&d.join("file/below")).unwrap().contains("parent directory on its path is a file"));
+        // ADD's error names it too, not "File exists".
+        let e = StateDir::new(&d.join("dangling")).ensure().unwrap_err();
+        assert!(e.msg.contains("dangling symlink") && e.msg.contains("dangling"), "{}", e.msg);
         fs::remove_dir_all(&d).unwrap();
     }
 

@@ -203,3 +203,84 @@ fn counters_and_demand_print_node_totals_and_pod_rows() {
     assert_eq!(out.stdout.trim(), "10.96.1.1:80/tcp\n10.96.9.9:80/tcp");
     let _ = std::fs::remove_dir_all(&state);
 }
+
+fn results(out: &Out) -> Vec<String> {
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    let report: Value = serde_json::from_str(&out.stdout).unwrap();
+    report["pods"].as_array().unwrap().iter().map(|p| p["result"].as_str().unwrap().to_string()).collect()
+}
+
+fn service(name: &str, vip: &str, port: u16) -> Value {
+    json!({"namespace": "shop", "name": name, "vip": vip, "ports": [{"protocol": "TCP", "port": port}], "usableEndpoints": true})
+}
+
+/// A pod that missed a generation (its record was away while the agent applied it, as when
+/// an apply could not reach its netns) is rebuilt at the next apply, and ends exactly at the
+/// newest generation, as does the pod that got each change.
+#[test]
+fn an_apply_after_a_missed_generation_leaves_the_pod_exactly_at_the_newest() {
+    if !root_or_skip("an_apply_after_a_missed_generation_leaves_the_pod_exactly_at_the_newest") {
+        return;
+    }
+    let state = state_dir("missed");
+    let a = TestNetns::new("svc-ma");
+    let b = TestNetns::new("svc-mb");
+    record(&state, "a", &a.path());
+    record(&state, "b", &b.path());
+    assert_eq!(results(&services(&state, &["apply"], example().to_string().as_bytes())), ["rebuilt", "rebuilt"]);
+    // Generation 43 reaches a only.
+    let b_record = state.join("attachments/k8s-pod-network+b+eth0.json");
+    let away = state.join("b-record-away");
+    std::fs::rename(&b_record, &away).unwrap();
+    let mut doc = example();
+    doc["generation"] = json!(43);
+    doc["services"].as_array_mut().unwrap().push(service("g43", "10.96.1.43", 4343));
+    assert_eq!(results(&services(&state, &["apply"], doc.to_string().as_bytes())), ["elements +2 -0"]);
+    std::fs::rename(&away, &b_record).unwrap();
+    // Generation 44 drops cart and adds another: a gets the change from 43, b (at 42) is rebuilt.
+    doc["generation"] = json!(44);
+    doc["services"].as_array_mut().unwrap().retain(|s| s["name"] != "cart");
+    doc["services"].as_array_mut().unwrap().push(service("g44", "10.96.1.44", 4444));
+    assert_eq!(results(&services(&state, &["apply"], doc.to_string().as_bytes())), ["elements +2 -3", "rebuilt"]);
+    for ns in [&a, &b] {
+        let l = list(ns);
+        assert!(l.contains("10.96.1.43 . tcp . 4343") && l.contains("10.96.1.44 . tcp . 4444"), "{l}");
+        assert!(!l.contains("10.96.1.1 . tcp . 80") && !l.contains("10.96.1.1 . udp . 18082"), "{l}");
+    }
+    // Read back and compared with generation 44 in full: both intact.
+    assert_eq!(results(&services(&state, &["verify"], b"")), ["intact", "intact"]);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+/// Applies no longer read the pods' sets back, so drift stays until `services verify` reads
+/// every layer back and repairs it.
+#[test]
+fn a_tampered_layer_is_repaired_by_verify() {
+    if !root_or_skip("a_tampered_layer_is_repaired_by_verify") {
+        return;
+    }
+    let state = state_dir("tamper");
+    let a = TestNetns::new("svc-ta");
+    record(&state, "a", &a.path());
+    assert_eq!(results(&services(&state, &["apply"], example().to_string().as_bytes())), ["rebuilt"]);
+    a.exec("nft", &["delete", "element", "ip", "aether_services", "service_ports", "{ 10.96.1.1 . tcp . 80 }"]);
+    a.exec("nft", &["add", "element", "ip", "aether_services", "service_vips", "{ 10.96.7.7 }"]);
+    // The same content again: nothing is sent, nothing is read back.
+    assert_eq!(results(&services(&state, &["apply"], example().to_string().as_bytes())), ["unchanged"]);
+    assert!(!list(&a).contains("10.96.1.1 . tcp . 80"));
+    let out = services(&state, &["verify"], b"");
+    assert_eq!(results(&out), ["repaired (elements +1 -1)"]);
+    for want in
+        ["set service_ports: element 10.96.1.1 . tcp . 80 is missing", "set service_vips: unexpected element 10.96.7.7"]
+    {
+        assert!(out.stdout.contains(want), "want {want:?} in {}", out.stdout);
+    }
+    let l = list(&a);
+    assert!(l.contains("10.96.1.1 . tcp . 80") && !l.contains("10.96.7.7"), "{l}");
+    assert_eq!(results(&services(&state, &["verify"], b"")), ["intact"]);
+    // A layer removed altogether is rebuilt.
+    a.exec("nft", &["delete", "table", "ip", "aether_services"]);
+    assert_eq!(results(&services(&state, &["verify"], b"")), ["repaired (rebuilt)"]);
+    assert!(list(&a).contains("10.96.1.1 . tcp . 80"));
+    let _ = std::fs::remove_dir_all(&state);
+}

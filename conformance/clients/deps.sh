@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Real CNI clients for conformance/tests/real_clients.rs (run by `make clients-deps`, as root,
-# on Debian bookworm). Idempotent and fast on reruns:
-#   - Debian's CNI plugins (bridge, host-local, portmap in /usr/lib/cni), podman 4.3 with runc,
-#     busybox-static (the test container's rootfs), Go and libcni's sources;
+# Real CNI clients for conformance/tests/real_clients.rs and containerd.rs (run by
+# `make clients-deps`, as root, on Debian bookworm). Idempotent and fast on reruns:
+#   - Debian's CNI plugins (bridge, host-local, portmap, loopback in /usr/lib/cni), podman 4.3
+#     with runc, busybox-static (the podman test's rootfs), containerd 1.6, Go and libcni's
+#     sources, protoc with Python's grpcio and protobuf (the CRI client), gcc (the pause binary);
 #   - cnitool, built offline from Debian's source package golang-github-appc-cni with Debian's
 #     Go in GOPATH mode against libcni 1.1.2 from golang-github-appc-cni-dev, cached at
-#     $OUT/cnitool.
+#     $OUT/cnitool;
+#   - for containerd: $OUT/pause (static), $OUT/pause-oci.tar (it, as an OCI image archive for
+#     `ctr images import`), $OUT/cri/runtime_v1_pb2.py (protoc's code for cri/runtime_v1.proto).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+CLIENTS=conformance/clients
 OUT=${AETHER_CLIENTS_DIR:-target/clients}
 PACKAGES=(golang-go golang-github-appc-cni-dev containernetworking-plugins podman runc conmon
-          busybox-static dpkg-dev xz-utils util-linux iproute2 nftables)
+          busybox-static dpkg-dev xz-utils util-linux iproute2 nftables
+          containerd protobuf-compiler python3-grpcio python3-protobuf gcc libc6-dev)
 SRC_LIST=/etc/apt/sources.list.d/aether-deb-src.sources
+# containerd's postinst must not start the machine's own service: the tests run their own.
+export DEBIAN_FRONTEND=noninteractive
 
 tmp_log=$(mktemp) && trap 'rm -f "$tmp_log"' EXIT
 missing=()
@@ -21,38 +28,91 @@ for p in "${PACKAGES[@]}"; do
 done
 cnitool_built() { [ -x "$OUT/cnitool" ] && { "$OUT/cnitool" 2>&1 || true; } | grep -q 'cnitool add'; }
 
+# The deb-src entries matching the machine's own `deb` sources: each deb822 paragraph of
+# /etc/apt/sources.list.d/*.sources whose Types has "deb" (URIs, Suites, Components and
+# Signed-By copied, continuation lines included), and each one-line `deb` entry of
+# /etc/apt/sources.list. No host name is written here: they come from the machine.
+derive_deb_src() {
+    local f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -e "$f" ] && [ "$f" != "$SRC_LIST" ] || continue
+        awk '
+            function flush() {
+                if (types ~ /(^|[ \t])deb([ \t]|$)/ && tolower(enabled) != "no" && uris != "")
+                    printf "Types: deb-src\n%s\n", body
+                types = ""; enabled = ""; uris = ""; body = ""; keep = 0
+            }
+            /^#/ { next }
+            /^[ \t]*$/ { flush(); next }
+            /^[ \t]/ { if (keep) body = body $0 "\n"; next }
+            {
+                field = tolower($0); sub(/:.*/, "", field)
+                value = $0; sub(/^[^:]*:[ \t]*/, "", value)
+                keep = (field == "uris" || field == "suites" || field == "components" || field == "signed-by")
+                if (field == "types") types = value
+                if (field == "enabled") enabled = value
+                if (field == "uris") uris = value
+                if (keep) body = body $0 "\n"
+            }
+            END { flush() }
+        ' "$f"
+    done
+    [ ! -f /etc/apt/sources.list ] || awk '
+        /^[ \t]*deb[ \t]/ {
+            line = $0; sub(/^[ \t]*deb[ \t]+/, "", line); opts = ""
+            if (line ~ /^\[/) { opts = line; sub(/\].*/, "", opts); sub(/^[^]]*\][ \t]*/, "", line) }
+            n = split(line, w, /[ \t]+/)
+            printf "Types: deb-src\nURIs: %s\nSuites: %s\n", w[1], w[2]
+            comps = ""; for (i = 3; i <= n; i++) comps = comps (i > 3 ? " " : "") w[i]
+            if (comps != "") printf "Components: %s\n", comps
+            if (match(opts, /signed-by=[^ \t\]]+/)) printf "Signed-By: %s\n", substr(opts, RSTART + 10, RLENGTH - 10)
+            print ""
+        }
+    ' /etc/apt/sources.list
+}
+
 update=
 [ ${#missing[@]} -eq 0 ] || update=1
-# apt-get source needs a deb-src entry. The machine's own sources (deb822, Types: deb) are left
-# as they are; a separate file adds the source index, once.
+# apt-get source needs a deb-src entry. The machine's own sources are left as they are; a
+# separate file adds the source index, derived from them (rewritten when they changed).
 if ! cnitool_built && ! apt-cache showsrc golang-github-appc-cni 2>/dev/null | grep -q '^Package: golang-github-appc-cni'; then
-    if [ ! -e "$SRC_LIST" ]; then
-        echo "clients-deps: adding $SRC_LIST"
-        cat >"$SRC_LIST" <<'SOURCES'
-# Added by aether-cni `make clients-deps`: the source index, for cnitool (golang-github-appc-cni).
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: bookworm
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SOURCES
+    entries=$(derive_deb_src)
+    [ -n "$entries" ] || { echo "clients-deps: no 'deb' entry in the machine's apt sources to derive deb-src from" >&2; exit 1; }
+    wanted=$(printf '# Added by aether-cni `make clients-deps`: the source index of the machine'"'"'s own apt sources,\n# for cnitool (golang-github-appc-cni).\n%s\n' "$entries")
+    if [ "$(cat "$SRC_LIST" 2>/dev/null)" != "$wanted" ]; then
+        echo "clients-deps: writing $SRC_LIST from the machine's apt sources"
+        printf '%s\n' "$wanted" >"$SRC_LIST"
     fi
     update=1
 fi
 [ -z "$update" ] || apt-get update -qq
 if [ ${#missing[@]} -gt 0 ]; then
     echo "clients-deps: installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>"$tmp_log" \
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>"$tmp_log" \
         || { cat "$tmp_log" >&2; exit 1; }
 fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 
+# --- containerd: the pause image and the CRI client's generated code (cheap: always rebuilt
+# when their sources are newer).
+if [ ! "$OUT/pause" -nt "$CLIENTS/pause.c" ]; then
+    gcc -static -Os -o "$OUT/pause" "$CLIENTS/pause.c"
+fi
+if [ ! "$OUT/pause-oci.tar" -nt "$OUT/pause" ] || [ "$CLIENTS/pause-image.sh" -nt "$OUT/pause-oci.tar" ]; then
+    bash "$CLIENTS/pause-image.sh" "$OUT/pause" localhost/aether-pause:test "$OUT/pause-oci.tar"
+fi
+if [ ! "$OUT/cri/runtime_v1_pb2.py" -nt "$CLIENTS/cri/runtime_v1.proto" ]; then
+    mkdir -p "$OUT/cri"
+    protoc --python_out="$OUT/cri" -I "$CLIENTS/cri" "$CLIENTS/cri/runtime_v1.proto"
+fi
+echo "clients-deps: containerd $(dpkg-query -W -f='${Version}' containerd), $OUT/pause-oci.tar, $OUT/cri/runtime_v1_pb2.py"
+
+# --- cnitool
 if cnitool_built; then
     echo "clients-deps: $OUT/cnitool is built"
     exit 0
 fi
-
-mkdir -p "$OUT/src"
-OUT=$(cd "$OUT" && pwd)
 rm -rf "$OUT/src" "$OUT/gopath" && mkdir -p "$OUT/src"
 (cd "$OUT/src" && apt-get source -qq golang-github-appc-cni >"$OUT/apt-source.log" 2>&1) \
     || { cat "$OUT/apt-source.log" >&2; exit 1; }

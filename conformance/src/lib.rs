@@ -5,19 +5,27 @@
 //!   friends) and a few other test ranges addresses of the host, an "upstream" server that
 //!   answers on every port the tests use, and a DNS stub on `HOST_IP:18054`.
 //! - [`Pod`]: a pod netns joined to the bridge by a veth pair (`eth0`, an address in
-//!   10.244.0.0/16, a default route via the gateway), attached and detached by running the
+//!   10.244.0.0/16 and/or fd00:10:244::/64, default routes via the gateway), attached and
+//!   detached by running the
 //!   built `aether-cni` binary through the CNI protocol (env + stdin + `prevResult`), from
 //!   inside the host netns as a runtime on the node would.
 //! - [`Proxy`]: a stand-in for the mesh proxy. Like the real one it runs in the host netns
 //!   and binds its transparent listeners *inside* the pod netns (a thread enters the pod
 //!   netns, makes the sockets, and leaves): TCP on `127.0.0.1:18001`, UDP on
-//!   `127.0.0.1:18082` reading the original destination with `IP_PKTINFO`.
+//!   `127.0.0.1:18082` reading the original destination with `IP_PKTINFO` (and the same on
+//!   `[::1]` with the `IPV6_*` options for a pod with an IPv6 address).
+//!
+//! IPv6 mirrors IPv4 address for address: gateway and `hostIPv6` [`HOST_IP6`], Services in
+//! fd00:10:96::/64 ([`VIP6`], [`DNS_VIP6`]), addresses added with `nodad` so nothing waits
+//! for duplicate address detection.
 //!
 //! Everything is torn down on drop, also when a test panics. Traffic only ever goes to
 //! addresses inside namespaces made here: the host netns has no default route and does not
 //! forward.
 
+pub mod clients;
 pub mod cni;
+pub mod containerd;
 pub mod dns;
 pub mod node;
 pub mod probe;
@@ -25,16 +33,20 @@ pub mod server;
 pub mod sock;
 
 pub use cni::{cni_bin, Outcome};
-pub use node::{Pod, Proxy, SimNode, HOST_IP};
+pub use node::{Pod, Proxy, SimNode, Stack, HOST_IP, HOST_IP6};
 pub use probe::Probe;
 pub use server::{Seen, Server};
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// A ClusterIP-like Service address; it routes to the host netns, where the upstream answers.
 pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 35, 226);
 /// The cluster DNS Service address.
 pub const DNS_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// An IPv6 ClusterIP, routed to the host netns like [`VIP`].
+pub const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x23e2);
+/// The cluster DNS Service's IPv6 address.
+pub const DNS_VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa);
 /// The capture listener's port.
 pub const CAPTURE_PORT: u16 = 18001;
 /// The L4 mesh port (TCP in scoped mode; UDP always).
@@ -57,7 +69,7 @@ pub const UPSTREAM_TCP_PORTS: [u16; 9] = [53, 80, 81, 8080, 9050, 9101, 18081, 1
 /// Every UDP port the upstream answers on.
 pub const UPSTREAM_UDP_PORTS: [u16; 3] = [53, 18082, 18083];
 
-/// Shorthand for a socket address.
-pub fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, port)
+/// Shorthand for a socket address, of either family.
+pub fn sa(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.into(), port)
 }

@@ -1,7 +1,7 @@
 //! The simulated node: a host netns with a bridge, pods joined by veth, the upstream, the
 //! DNS stub and the proxy stand-in.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use aether_testkit::{run, try_run, TestNetns};
@@ -14,10 +14,34 @@ use crate::{cni, probe, sa, sock, Probe};
 /// the DNS proxy listens).
 pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 1);
 const POD_PREFIX: u8 = 16;
+/// The IPv6 gateway on the bridge, which is also the node's `hostIPv6`.
+pub const HOST_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 1);
+const POD_PREFIX6: u8 = 64;
+/// A link-local address of the host's bridge (stands for a node-local service on fe80::/10).
+pub const HOST_LINK_LOCAL6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 /// Ranges the host netns treats as its own addresses (`local` routes), so that a pod's
 /// uncaptured traffic to them lands on the upstream: the Service range, an extra range the
 /// exclusion tests configure, and link-local (the metadata-server address).
 pub const HOST_LOCAL_RANGES: [&str; 3] = ["10.96.0.0/16", "10.97.0.0/16", "169.254.0.0/16"];
+/// The same for IPv6: the Service range and the extra range (link-local is on the bridge).
+pub const HOST_LOCAL_RANGES6: [&str; 2] = ["fd00:10:96::/64", "fd00:10:97::/64"];
+
+/// Which address families a pod has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stack {
+    Ipv4,
+    Ipv6,
+    Dual,
+}
+
+impl Stack {
+    fn v4(self) -> bool {
+        self != Stack::Ipv6
+    }
+    fn v6(self) -> bool {
+        self != Stack::Ipv4
+    }
+}
 
 fn ip_in(ns: &str, args: &[&str]) -> String {
     let mut full = vec!["-n", ns];
@@ -45,9 +69,10 @@ pub struct SimNode {
 }
 
 impl SimNode {
-    /// Builds the host netns: `br0` with `HOST_IP/16`, local routes for
-    /// [`HOST_LOCAL_RANGES`], the upstream on every port in `UPSTREAM_*_PORTS` (any local
-    /// address), the DNS stub on `HOST_IP:18054` (UDP and TCP).
+    /// Builds the host netns: `br0` with `HOST_IP/16`, `HOST_IP6/64` and `fe80::1/64`,
+    /// local routes for [`HOST_LOCAL_RANGES`] and [`HOST_LOCAL_RANGES6`], the upstream on
+    /// every port in `UPSTREAM_*_PORTS` (any local address of either family), the DNS stub on
+    /// `HOST_IP:18054` and `[HOST_IP6]:18054` (UDP and TCP).
     pub fn new(tag: &str) -> SimNode {
         let host = TestNetns::new(tag);
         let state_dir = TempDir(std::env::temp_dir().join(format!("{}-state", host.name)));
@@ -55,29 +80,35 @@ impl SimNode {
         let n = host.name.as_str();
         ip_in(n, &["link", "add", "br0", "type", "bridge"]);
         ip_in(n, &["addr", "add", &format!("{HOST_IP}/{POD_PREFIX}"), "dev", "br0"]);
+        for a in [format!("{HOST_IP6}/{POD_PREFIX6}"), format!("{HOST_LINK_LOCAL6}/64")] {
+            ip_in(n, &["-6", "addr", "add", &a, "dev", "br0", "nodad"]);
+        }
         ip_in(n, &["link", "set", "br0", "up"]);
         for r in HOST_LOCAL_RANGES {
             ip_in(n, &["route", "add", "local", r, "dev", "lo"]);
         }
+        for r in HOST_LOCAL_RANGES6 {
+            ip_in(n, &["-6", "route", "add", "local", r, "dev", "lo"]);
+        }
         let path = host.path();
         let mut upstream = Server::new("upstream", Some(&path));
         let mut dns_stub = Server::new("dns-stub", Some(&path));
-        let (tcps, udps, stub_tcp, stub_udp) = sock::in_netns(&path, || {
-            let any = Ipv4Addr::UNSPECIFIED;
+        let (tcps, udps, stub_tcps, stub_udps) = sock::in_netns(&path, || {
+            let any = [IpAddr::from(Ipv4Addr::UNSPECIFIED), IpAddr::from(Ipv6Addr::UNSPECIFIED)];
             let tcps: Vec<_> = crate::UPSTREAM_TCP_PORTS
                 .iter()
-                .map(|&p| sock::tcp_listener(sa(any, p), false).expect("upstream TCP"))
+                .flat_map(|&p| any.map(|a| sock::tcp_listener(sa(a, p), false).expect("upstream TCP")))
                 .collect();
             let udps: Vec<_> = crate::UPSTREAM_UDP_PORTS
                 .iter()
-                .map(|&p| sock::udp_server(sa(any, p), false).expect("upstream UDP"))
+                .flat_map(|&p| any.map(|a| sock::udp_server(sa(a, p), false).expect("upstream UDP")))
                 .collect();
-            let stub = sa(HOST_IP, crate::DNS_PROXY_PORT);
+            let stubs = [sa(HOST_IP, crate::DNS_PROXY_PORT), sa(HOST_IP6, crate::DNS_PROXY_PORT)];
             (
                 tcps,
                 udps,
-                sock::tcp_listener(stub, false).expect("stub TCP"),
-                sock::udp_server(stub, false).expect("stub UDP"),
+                stubs.map(|s| sock::tcp_listener(s, false).expect("stub TCP")),
+                stubs.map(|s| sock::udp_server(s, false).expect("stub UDP")),
             )
         });
         for l in tcps {
@@ -86,32 +117,62 @@ impl SimNode {
         for s in udps {
             upstream.add_udp(s, Role::Banner, UdpReply::PktInfo);
         }
-        dns_stub.add_tcp(stub_tcp, Role::Dns);
-        dns_stub.add_udp(stub_udp, Role::Dns, UdpReply::FromSocket);
+        for l in stub_tcps {
+            dns_stub.add_tcp(l, Role::Dns);
+        }
+        for s in stub_udps {
+            dns_stub.add_udp(s, Role::Dns, UdpReply::FromSocket);
+        }
         SimNode { upstream, dns_stub, host, state_dir, next_pod: 0 }
     }
 
     /// A pod netns joined to `br0` by a veth pair: `eth0` with `10.244.0.(10+n)/16` and a
     /// default route via `HOST_IP`. Not attached yet: see [`Pod::add`].
     pub fn add_pod(&mut self, name: &str) -> Pod {
+        self.add_pod_with(name, Stack::Ipv4)
+    }
+
+    /// A pod with the address families of `stack`: `10.244.0.(10+n)/16` and/or
+    /// `fd00:10:244::(a+n)/64` (plus `fe80::(a+n)/64`), each added with `nodad`, with a
+    /// default route via the bridge per family. An IPv6-only pod has no IPv4 address but
+    /// loopback's.
+    pub fn add_pod_with(&mut self, name: &str, stack: Stack) -> Pod {
         let idx = self.next_pod;
         self.next_pod += 1;
         let ns = TestNetns::new(&format!("pod{idx}"));
-        let ip = Ipv4Addr::new(10, 244, 0, 10 + idx);
+        let ip4 = Ipv4Addr::new(10, 244, 0, 10 + idx);
+        let ip6 = Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0xa + u16::from(idx));
         let host_veth = format!("veth{idx}");
         let h = self.host.name.as_str();
         ip_in(h, &["link", "add", &host_veth, "type", "veth", "peer", "name", "eth0", "netns", &ns.name]);
         ip_in(h, &["link", "set", &host_veth, "master", "br0", "up"]);
         let p = ns.name.as_str();
-        ip_in(p, &["addr", "add", &format!("{ip}/{POD_PREFIX}"), "dev", "eth0"]);
+        let mut ips = Vec::new();
+        if stack.v4() {
+            ip_in(p, &["addr", "add", &format!("{ip4}/{POD_PREFIX}"), "dev", "eth0"]);
+            ips.push(IpAddr::from(ip4));
+        }
+        if stack.v6() {
+            let link_local = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0xa + u16::from(idx));
+            for a in [format!("{ip6}/{POD_PREFIX6}"), format!("{link_local}/64")] {
+                ip_in(p, &["-6", "addr", "add", &a, "dev", "eth0", "nodad"]);
+            }
+            ips.push(IpAddr::from(ip6));
+        }
         ip_in(p, &["link", "set", "eth0", "up"]);
-        ip_in(p, &["route", "add", "default", "via", &HOST_IP.to_string()]);
+        if stack.v4() {
+            ip_in(p, &["route", "add", "default", "via", &HOST_IP.to_string()]);
+        }
+        if stack.v6() {
+            ip_in(p, &["-6", "route", "add", "default", "via", &HOST_IP6.to_string(), "dev", "eth0"]);
+        }
         let mac = |ns: &str, dev: &str| {
             ip_in(ns, &["-br", "link", "show", dev]).split_whitespace().nth(2).unwrap_or("").to_string()
         };
         Pod {
             name: name.to_string(),
-            ip,
+            ip: ips[0],
+            ips,
             container_id: format!("sim-{}", ns.name),
             host_veth_mac: mac(h, &host_veth),
             eth0_mac: mac(p, "eth0"),
@@ -147,7 +208,7 @@ impl SimNode {
     }
 
     /// A TCP probe from the host netns (an inbound connection to a pod).
-    pub fn tcp_from_host(&self, dst: SocketAddrV4) -> Probe {
+    pub fn tcp_from_host(&self, dst: SocketAddr) -> Probe {
         sock::in_netns(&self.host.path(), || probe::tcp(dst, None, b"probe from host"))
     }
 }
@@ -155,7 +216,10 @@ impl SimNode {
 /// A pod: its netns, its address, and the CNI identity it is attached under.
 pub struct Pod {
     pub name: String,
-    pub ip: Ipv4Addr,
+    /// The pod's first address: IPv4 if it has one.
+    pub ip: IpAddr,
+    /// Every address of the pod, IPv4 first.
+    pub ips: Vec<IpAddr>,
     pub container_id: String,
     pub host_veth: String,
     host_veth_mac: String,
@@ -168,6 +232,15 @@ pub struct Pod {
 impl Pod {
     pub fn path(&self) -> String {
         self.ns.path()
+    }
+
+    /// The pod's address in `dst`'s family: the source of its connections to `dst`.
+    pub fn ip_for(&self, dst: SocketAddr) -> IpAddr {
+        *self.ips.iter().find(|a| a.is_ipv4() == dst.is_ipv4()).unwrap_or(&self.ip)
+    }
+
+    fn has_ipv6(&self) -> bool {
+        self.ips.iter().any(IpAddr::is_ipv6)
     }
 
     /// The network configuration the installer would write for this node, with the main
@@ -188,10 +261,19 @@ impl Pod {
                     {"name": self.host_veth, "mac": self.host_veth_mac},
                     {"name": "eth0", "mac": self.eth0_mac, "sandbox": self.path()}
                 ],
-                "ips": [{"address": format!("{}/{POD_PREFIX}", self.ip), "gateway": HOST_IP.to_string(), "interface": 2}],
-                "routes": [{"dst": "0.0.0.0/0", "gw": HOST_IP.to_string()}]
+                "ips": self.ips.iter().map(|a| match a {
+                    IpAddr::V4(a) => json!({"address": format!("{a}/{POD_PREFIX}"), "gateway": HOST_IP.to_string(), "interface": 2}),
+                    IpAddr::V6(a) => json!({"address": format!("{a}/{POD_PREFIX6}"), "gateway": HOST_IP6.to_string(), "interface": 2}),
+                }).collect::<Vec<_>>(),
+                "routes": self.ips.iter().map(|a| match a {
+                    IpAddr::V4(_) => json!({"dst": "0.0.0.0/0", "gw": HOST_IP.to_string()}),
+                    IpAddr::V6(_) => json!({"dst": "::/0", "gw": HOST_IP6.to_string()}),
+                }).collect::<Vec<_>>()
             }
         });
+        if self.has_ipv6() {
+            c["hostIPv6"] = json!(HOST_IP6.to_string());
+        }
         for (k, v) in extra.as_object().expect("extra is an object") {
             if v.is_null() {
                 c.as_object_mut().unwrap().remove(k);
@@ -253,52 +335,68 @@ impl Pod {
     /// Deletes the one rule of `table ip aether_capture` chain `chain` whose text contains
     /// `needle`; panics unless exactly one rule matches. Returns the rule's text.
     pub fn delete_rule(&self, chain: &str, needle: &str) -> String {
-        let listing = self.nft(&["-a", "list", "chain", "ip", "aether_capture", chain]);
+        self.delete_rule_in("ip", chain, needle)
+    }
+
+    /// [`Pod::delete_rule`] in the capture table of family `family` (`ip` or `ip6`).
+    pub fn delete_rule_in(&self, family: &str, chain: &str, needle: &str) -> String {
+        let listing = self.nft(&["-a", "list", "chain", family, "aether_capture", chain]);
         let hits: Vec<&str> = listing.lines().filter(|l| l.contains(needle) && l.contains("# handle ")).collect();
-        assert_eq!(hits.len(), 1, "want exactly one rule matching {needle:?} in chain {chain}:\n{listing}");
+        assert_eq!(hits.len(), 1, "want exactly one rule matching {needle:?} in chain {family} {chain}:\n{listing}");
         let handle = hits[0].rsplit("# handle ").next().unwrap().trim();
-        self.nft(&["delete", "rule", "ip", "aether_capture", chain, "handle", handle]);
+        self.nft(&["delete", "rule", family, "aether_capture", chain, "handle", handle]);
         hits[0].split(" # handle").next().unwrap().trim().to_string()
     }
 
     /// Deletes `element` from set `set` of the capture table.
     pub fn delete_element(&self, set: &str, element: &str) {
-        self.nft(&["delete", "element", "ip", "aether_capture", set, "{", element, "}"]);
+        self.delete_element_in("ip", set, element)
+    }
+
+    /// [`Pod::delete_element`] in the capture table of family `family` (`ip` or `ip6`).
+    pub fn delete_element_in(&self, family: &str, set: &str, element: &str) {
+        self.nft(&["delete", "element", family, "aether_capture", set, "{", element, "}"]);
     }
 
     /// A TCP probe from the pod (payload `probe`), optionally from a socket with `SO_MARK`.
-    pub fn tcp(&self, dst: SocketAddrV4) -> Probe {
+    pub fn tcp(&self, dst: SocketAddr) -> Probe {
         sock::in_netns(&self.path(), || probe::tcp(dst, None, b"probe"))
     }
 
-    pub fn tcp_marked(&self, dst: SocketAddrV4, mark: u32) -> Probe {
+    pub fn tcp_marked(&self, dst: SocketAddr, mark: u32) -> Probe {
         sock::in_netns(&self.path(), || probe::tcp(dst, Some(mark), b"probe"))
     }
 
     /// A UDP probe from a connected socket in the pod.
-    pub fn udp(&self, dst: SocketAddrV4) -> Probe {
+    pub fn udp(&self, dst: SocketAddr) -> Probe {
         sock::in_netns(&self.path(), || probe::udp(dst, None, b"probe"))
     }
 
-    pub fn udp_marked(&self, dst: SocketAddrV4, mark: u32) -> Probe {
+    pub fn udp_marked(&self, dst: SocketAddr, mark: u32) -> Probe {
         sock::in_netns(&self.path(), || probe::udp(dst, Some(mark), b"probe"))
     }
 
-    pub fn dns_udp(&self, server: SocketAddrV4) -> Probe {
+    pub fn dns_udp(&self, server: SocketAddr) -> Probe {
         sock::in_netns(&self.path(), || probe::dns_udp(server, crate::dns::NAME))
     }
 
-    pub fn dns_tcp(&self, server: SocketAddrV4) -> Probe {
+    pub fn dns_tcp(&self, server: SocketAddr) -> Probe {
         sock::in_netns(&self.path(), || probe::dns_tcp(server, crate::dns::NAME))
     }
 
-    /// The pod's own application: a plain listener on `0.0.0.0:8000` in the pod netns.
+    /// The pod's own application: a plain listener on `0.0.0.0:8000` (and `[::]:8000` in a
+    /// pod with IPv6) in the pod netns.
     pub fn start_app(&self) -> Server {
         let path = self.path();
         let mut app = Server::new(&format!("app[{}]", self.name), Some(&path));
-        let l = sock::in_netns(&path, || sock::tcp_listener(sa(Ipv4Addr::UNSPECIFIED, crate::APP_PORT), false))
-            .expect("app listener");
-        app.add_tcp(l, Role::Banner);
+        let mut any = vec![IpAddr::from(Ipv4Addr::UNSPECIFIED)];
+        if self.has_ipv6() {
+            any.push(Ipv6Addr::UNSPECIFIED.into());
+        }
+        for a in any {
+            let l = sock::in_netns(&path, || sock::tcp_listener(sa(a, crate::APP_PORT), false)).expect("app listener");
+            app.add_tcp(l, Role::Banner);
+        }
         app
     }
 }
@@ -306,8 +404,10 @@ impl Pod {
 /// The mesh proxy stand-in for one pod: runs in the host netns (the test process), and binds
 /// its listeners inside the pod netns with `IP_TRANSPARENT`: TCP `127.0.0.1:18001`, UDP
 /// `127.0.0.1:18082` (bound to loopback, not 0.0.0.0, so that only the tproxy rule can
-/// deliver a datagram for another address to it). It answers UDP from a transparent socket
-/// bound to the original destination.
+/// deliver a datagram for another address to it); in a pod with IPv6 also `[::1]:18001` and
+/// `[::1]:18082` with `IPV6_TRANSPARENT` (`tproxy ip6 to :port` looks the listener up at
+/// the first address of `lo`, `::1`). It answers UDP from a transparent socket bound to the
+/// original destination.
 pub struct Proxy {
     server: Server,
 }
@@ -316,15 +416,20 @@ impl Proxy {
     pub fn start(pod: &Pod) -> Proxy {
         let path = pod.path();
         let mut server = Server::new(&format!("capture[{}]", pod.name), Some(&path));
-        let lo = Ipv4Addr::LOCALHOST;
-        let (tcp, udp) = sock::in_netns(&path, || {
-            (
-                sock::tcp_listener(sa(lo, crate::CAPTURE_PORT), true).expect("capture listener"),
-                sock::udp_server(sa(lo, crate::MESH_L4_PORT), true).expect("UDP mesh listener"),
-            )
-        });
-        server.add_tcp(tcp, Role::Banner);
-        server.add_udp(udp, Role::Banner, UdpReply::TransparentFromOrigDst);
+        let mut loopbacks = vec![IpAddr::from(Ipv4Addr::LOCALHOST)];
+        if pod.has_ipv6() {
+            loopbacks.push(Ipv6Addr::LOCALHOST.into());
+        }
+        for lo in loopbacks {
+            let (tcp, udp) = sock::in_netns(&path, || {
+                (
+                    sock::tcp_listener(sa(lo, crate::CAPTURE_PORT), true).expect("capture listener"),
+                    sock::udp_server(sa(lo, crate::MESH_L4_PORT), true).expect("UDP mesh listener"),
+                )
+            });
+            server.add_tcp(tcp, Role::Banner);
+            server.add_udp(udp, Role::Banner, UdpReply::TransparentFromOrigDst);
+        }
         Proxy { server }
     }
 

@@ -1,7 +1,7 @@
 //! Clients: what a connection or a datagram from some netns got back.
 
 use std::io::{self, Read, Write};
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::Duration;
 
@@ -59,7 +59,7 @@ impl std::fmt::Display for Probe {
 }
 
 /// TCP from the current netns: connect, send `payload`, half-close, read the answer.
-pub fn tcp(dst: SocketAddrV4, mark: Option<u32>, payload: &[u8]) -> Probe {
+pub fn tcp(dst: SocketAddr, mark: Option<u32>, payload: &[u8]) -> Probe {
     let run = || -> io::Result<String> {
         let mut s = sock::tcp_connect(dst, mark, TIMEOUT)?;
         s.write_all(payload)?;
@@ -76,7 +76,7 @@ pub fn tcp(dst: SocketAddrV4, mark: Option<u32>, payload: &[u8]) -> Probe {
 
 /// UDP from the current netns, on a *connected* socket: the kernel only hands it a reply
 /// whose source is exactly `dst`.
-pub fn udp(dst: SocketAddrV4, mark: Option<u32>, payload: &[u8]) -> Probe {
+pub fn udp(dst: SocketAddr, mark: Option<u32>, payload: &[u8]) -> Probe {
     let run = || -> io::Result<String> {
         let s = sock::udp_connected(dst, mark, TIMEOUT)?;
         s.send(payload)?;
@@ -94,7 +94,7 @@ fn dns_text(id: u16, msg: &[u8]) -> String {
 }
 
 /// A DNS A query over (connected) UDP from the current netns.
-pub fn dns_udp(server: SocketAddrV4, name: &str) -> Probe {
+pub fn dns_udp(server: SocketAddr, name: &str) -> Probe {
     let id = DNS_ID.fetch_add(1, Ordering::SeqCst);
     let run = || -> io::Result<String> {
         let s = sock::udp_connected(server, None, TIMEOUT)?;
@@ -107,7 +107,7 @@ pub fn dns_udp(server: SocketAddrV4, name: &str) -> Probe {
 }
 
 /// A DNS A query over TCP (length-prefixed) from the current netns.
-pub fn dns_tcp(server: SocketAddrV4, name: &str) -> Probe {
+pub fn dns_tcp(server: SocketAddr, name: &str) -> Probe {
     let id = DNS_ID.fetch_add(1, Ordering::SeqCst);
     let run = || -> io::Result<String> {
         let mut s = sock::tcp_connect(server, None, TIMEOUT)?;

@@ -7,7 +7,7 @@
 //! answers DNS queries with a real DNS answer instead.
 
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
+use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,10 +22,10 @@ pub struct Seen {
     pub who: String,
     pub proto: &'static str,
     /// The destination as the server saw it: `getsockname()` (TCP), `IP_RECVORIGDSTADDR` (UDP).
-    pub dst: SocketAddrV4,
-    /// UDP only: the destination address `IP_PKTINFO` reported.
-    pub pktinfo_dst: Option<Ipv4Addr>,
-    pub peer: SocketAddrV4,
+    pub dst: SocketAddr,
+    /// UDP only: the destination address `IP(V6)_PKTINFO` reported.
+    pub pktinfo_dst: Option<IpAddr>,
+    pub peer: SocketAddr,
     pub payload: Vec<u8>,
 }
 
@@ -75,7 +75,7 @@ fn shown(payload: &[u8]) -> String {
     }
 }
 
-fn banner(who: &str, proto: &str, dst: SocketAddrV4, peer: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
+fn banner(who: &str, proto: &str, dst: SocketAddr, peer: SocketAddr, payload: &[u8]) -> Vec<u8> {
     format!("{who} {proto} dst={dst} from={} got={}\n", peer.ip(), shown(payload)).into_bytes()
 }
 
@@ -120,10 +120,7 @@ impl Server {
                     continue;
                 }
                 let Ok((mut stream, peer)) = listener.accept() else { continue };
-                let (Ok(std::net::SocketAddr::V4(dst)), std::net::SocketAddr::V4(peer)) = (stream.local_addr(), peer)
-                else {
-                    continue;
-                };
+                let Ok(dst) = stream.local_addr() else { continue };
                 let _ = stream.set_nonblocking(false);
                 let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
                 let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
@@ -155,10 +152,7 @@ impl Server {
     pub fn add_udp(&mut self, socket: UdpSocket, role: Role, reply_mode: UdpReply) {
         let (who, seen, stop) = (self.who.clone(), self.seen.clone(), self.stop.clone());
         socket.set_read_timeout(Some(POLL)).expect("read timeout");
-        let local = match socket.local_addr() {
-            Ok(std::net::SocketAddr::V4(a)) => a,
-            other => panic!("UDP server address: {other:?}"),
-        };
+        let local = socket.local_addr().expect("UDP server address");
         self.spawn(move || {
             let mut buf = vec![0u8; 4096];
             while !stop.load(Ordering::SeqCst) {
@@ -184,7 +178,7 @@ impl Server {
                 });
                 let sent = match reply_mode {
                     UdpReply::FromSocket => socket.send_to(&reply, d.peer),
-                    UdpReply::PktInfo => sock::send_from(&socket, &reply, *dst.ip(), d.peer),
+                    UdpReply::PktInfo => sock::send_from(&socket, &reply, dst.ip(), d.peer),
                     UdpReply::TransparentFromOrigDst => {
                         sock::transparent_udp_sender(dst).and_then(|s| s.send_to(&reply, d.peer))
                     }

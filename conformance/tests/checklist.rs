@@ -440,8 +440,93 @@ fn l25_logs_go_to_the_configured_file_and_stderr_never_stdout() {
     let out = add_ok(&ns, &c);
     assert_eq!(out.json(), c["prevResult"], "stdout carries only the result");
     let text = std::fs::read_to_string(&log).expect("the log file was written");
-    assert!(text.contains("ADD ctr-0123: capture programmed"), "{text}");
+    let programmed = "cni{command=ADD pod=shop/cart-0 container=ctr-0123";
+    assert!(text.contains(programmed) && text.contains("capture programmed"), "{text}");
     assert!(text.contains("table ip aether_capture {"), "debug level logs the ruleset: {text}");
-    assert!(out.stderr.contains("ADD ctr-0123: capture programmed"), "{}", out.stderr);
+    assert!(out.stderr.contains(programmed) && out.stderr.contains("capture programmed"), "{}", out.stderr);
     let _ = std::fs::remove_file(&log);
+}
+
+/// containerd 1.6's CRI plugin, for a pod sandbox without annotations, sends the declared
+/// capability as `null`: that is "no annotations" on every command. Its sequence is ADD,
+/// then (stop + remove) two DELs, the second without CNI_NETNS and without prevResult, with
+/// CNI_ARGS pairs in another order each time; it never calls CHECK, libcni-based clients do.
+#[test]
+fn l07_a_null_capability_is_no_annotations_on_every_command() {
+    if !root_or_skip("l07null") {
+        return;
+    }
+    for v in VERSIONS {
+        let ns = TestNetns::new("l07null");
+        let c = conf(v, json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": null, "portMappings": null}}));
+        let args = [
+            "K8S_POD_INFRA_CONTAINER_ID=ctr-0123;K8S_POD_UID=9e1c;IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0",
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=ctr-0123;K8S_POD_UID=9e1c",
+        ];
+        let out = run_plugin("ADD", Some(&ns.path()), &c, &[("CNI_ARGS", args[0])]);
+        assert!(out.ok, "{v}: ADD with a null annotations capability failed: {}", out.stdout);
+        assert!(has_capture(&ns), "{v}: a pod without annotations gets the node default (captured)");
+        let out = run_plugin("CHECK", Some(&ns.path()), &c, &[("CNI_ARGS", args[1])]);
+        assert!(out.ok, "{v}: CHECK with a null annotations capability failed: {}", out.stdout);
+        let out = run_plugin("DEL", Some(&ns.path()), &c, &[("CNI_ARGS", args[1])]);
+        assert!(out.ok, "{v}: DEL with a null annotations capability failed: {}", out.stdout);
+        assert!(!has_capture(&ns), "{v}: DEL left the capture");
+        let second = conf(
+            v,
+            json!({"prevResult": null, "stateDir": c["stateDir"].clone(), "runtimeConfig": c["runtimeConfig"].clone()}),
+        );
+        let out = run_plugin("DEL", None, &second, &[("CNI_ARGS", args[0])]);
+        assert!(out.ok, "{v}: the second DEL (no netns, no prevResult) failed: {}", out.stdout);
+    }
+}
+
+/// DEL needs none of the pod's annotations to undo what ADD did (the record says what was
+/// programmed): whatever the runtime puts in the capability, DEL removes the capture.
+#[test]
+fn l12_del_never_fails_on_annotations_it_does_not_need() {
+    if !root_or_skip("l12ann") {
+        return;
+    }
+    for bad in [
+        json!("aether.io/capture=scoped"),
+        json!(["x"]),
+        json!({"aether.io/capture": 1}),
+        json!({"aether.io/capture": "bogus"}),
+    ] {
+        let ns = TestNetns::new("l12ann");
+        let c = conf("1.0.0", json!({}));
+        add_ok(&ns, &c);
+        let mut del = c.clone();
+        del["runtimeConfig"] = json!({"io.kubernetes.cri.pod-annotations": bad.clone()});
+        let out = run_plugin("DEL", Some(&ns.path()), &del, &[]);
+        assert!(out.ok, "DEL with annotations {bad} failed: {}", out.stdout);
+        assert!(!has_capture(&ns), "DEL with annotations {bad} left the capture");
+        // ADD and CHECK do read them: a malformed value is an error naming the capability.
+        let (code, text) = run_plugin("ADD", Some(&ns.path()), &del, &[]).error();
+        assert_eq!(code, 7, "{bad}: {text}");
+        assert!(
+            text.contains("io.kubernetes.cri.pod-annotations") || text.contains("aether.io/capture"),
+            "{bad}: {text}"
+        );
+        assert!(!has_capture(&ns), "a failed ADD with annotations {bad} left capture");
+    }
+}
+
+/// Nor on a `prevResult` it cannot read: DEL does not need ADD's result (the record says what
+/// was made), and a runtime that cached a damaged one must still be able to delete the pod.
+#[test]
+fn l12_del_never_fails_on_a_prev_result_it_does_not_need() {
+    if !root_or_skip("l12prev") {
+        return;
+    }
+    for bad in [json!("not a result"), json!([1]), json!({"ips": 5, "interfaces": "eth0"})] {
+        let ns = TestNetns::new("l12prev");
+        let c = conf("1.0.0", json!({}));
+        add_ok(&ns, &c);
+        let mut del = c.clone();
+        del["prevResult"] = bad.clone();
+        let out = run_plugin("DEL", Some(&ns.path()), &del, &[]);
+        assert!(out.ok, "DEL with prevResult {bad} failed: {}", out.stdout);
+        assert!(!has_capture(&ns), "DEL with prevResult {bad} left the capture");
+    }
 }

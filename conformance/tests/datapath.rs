@@ -25,7 +25,7 @@
 //! Root only: without root each test skips with a loud line; with
 //! `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a failure.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use aether_conformance::{
     sa, Pod, Probe, Proxy, Seen, SimNode, APP_PORT, DNS_PROXY_PORT, DNS_VIP, HOST_IP, MESH_L4_PORT, PASSTHROUGH_MARK,
@@ -39,17 +39,17 @@ fn node(test: &str, tag: &str) -> Option<SimNode> {
 }
 
 /// The capture listener of `pod` answered, and saw `dst` as the destination.
-fn captured_by(probe: &Probe, pod: &Pod, proto: &str, dst: SocketAddrV4) -> bool {
+fn captured_by(probe: &Probe, pod: &Pod, proto: &str, dst: SocketAddr) -> bool {
     probe.text().starts_with(&format!("capture[{}] {proto} dst={dst} ", pod.name))
 }
 
 /// What the upstream in the host netns says when `pod`'s probe reaches it at `dst` directly.
-fn upstream(pod: &Pod, proto: &str, dst: SocketAddrV4) -> Probe {
+fn upstream(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
     Probe::Answer(format!("upstream {proto} dst={dst} from={} got=probe", pod.ip))
 }
 
 /// What the capture listener says when it accepts `pod`'s probe to `dst`.
-fn capture(pod: &Pod, proto: &str, dst: SocketAddrV4) -> Probe {
+fn capture(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
     Probe::Answer(format!("capture[{}] {proto} dst={dst} from={} got=probe", pod.name, pod.ip))
 }
 
@@ -61,7 +61,7 @@ fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) 
     }
 }
 
-fn count(seen: &[Seen], proto: &str, dst: SocketAddrV4) -> usize {
+fn count(seen: &[Seen], proto: &str, dst: SocketAddr) -> usize {
     seen.iter().filter(|s| s.proto == proto && s.dst == dst).count()
 }
 
@@ -83,7 +83,7 @@ fn row_tcp_redirect_all_is_captured_with_its_original_destination() {
     assert_eq!(seen.len(), 2, "{seen:?}");
     for (s, dst) in seen.iter().zip([vip80, other]) {
         assert_eq!(s.dst, dst, "getsockname() on the accepted socket is the original destination");
-        assert_eq!(*s.peer.ip(), a.ip, "the peer is the pod");
+        assert_eq!(s.peer.ip(), a.ip, "the peer is the pod");
         assert_eq!(s.payload, b"probe");
     }
     assert!(node.upstream_seen().is_empty(), "nothing reached the upstream: {:?}", node.upstream_seen());
@@ -181,9 +181,9 @@ fn row_udp_18082_is_tproxied_with_its_port_kept_and_the_reply_reaches_a_connecte
     assert_eq!(a.udp(vip_l4), capture(&a, "udp", vip_l4), "the connected client got the proxy's reply");
     let seen = proxy.seen();
     assert_eq!(seen.len(), 1, "{seen:?}");
-    assert_eq!(seen[0].pktinfo_dst, Some(VIP), "IP_PKTINFO reports the VIP as the destination");
+    assert_eq!(seen[0].pktinfo_dst, Some(VIP.into()), "IP_PKTINFO reports the VIP as the destination");
     assert_eq!(seen[0].dst, vip_l4, "IP_RECVORIGDSTADDR: address and port as sent");
-    assert_eq!(*seen[0].peer.ip(), a.ip);
+    assert_eq!(seen[0].peer.ip(), a.ip);
 
     // Control (the row "any other UDP"): UDP to another port is not captured.
     let other = sa(VIP, 18083);
@@ -220,7 +220,7 @@ fn row_dns_udp_and_tcp_to_any_address_reach_the_node_dns_proxy() {
     }
     let stub = node.dns_seen();
     assert_eq!(stub.len(), 4, "{stub:?}");
-    assert!(stub.iter().all(|s| s.dst == sa(HOST_IP, DNS_PROXY_PORT) && *s.peer.ip() == a.ip), "{stub:?}");
+    assert!(stub.iter().all(|s| s.dst == sa(HOST_IP, DNS_PROXY_PORT) && s.peer.ip() == a.ip), "{stub:?}");
     assert_eq!(stub.iter().filter(|s| s.proto == "udp").count(), 2);
     assert!(proxy.seen().is_empty(), "the capture listener saw DNS: {:?}", proxy.seen());
     assert!(node.upstream_seen().is_empty(), "DNS reached the upstream: {:?}", node.upstream_seen());
@@ -457,8 +457,8 @@ fn two_pods_are_each_captured_by_their_own_listeners() {
     assert_eq!(b.udp(vip_l4), capture(&b, "udp", vip_l4));
     let (sa_, sb) = (pa.seen(), pb.seen());
     assert_eq!((sa_.len(), sb.len()), (2, 2), "{sa_:?}\n{sb:?}");
-    assert!(sa_.iter().all(|s| *s.peer.ip() == a.ip), "a's listener saw only a: {sa_:?}");
-    assert!(sb.iter().all(|s| *s.peer.ip() == b.ip), "b's listener saw only b: {sb:?}");
+    assert!(sa_.iter().all(|s| s.peer.ip() == a.ip), "a's listener saw only a: {sa_:?}");
+    assert!(sb.iter().all(|s| s.peer.ip() == b.ip), "b's listener saw only b: {sb:?}");
     assert_eq!((count(&sa_, "tcp", sa(VIP, 81)), count(&sb, "tcp", sa(VIP, 80))), (0, 0));
 
     // Control: with a detached, a's traffic reaches no listener at all (b's included),

@@ -20,7 +20,7 @@
 //! test skips with a loud line; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a failure.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use aether_conformance::{probe, sa, sock, Pod, Probe, Proxy, SimNode, DNS_PROXY_PORT, HOST_IP, MESH_L4_PORT, VIP};
 use aether_testkit::root_or_skip;
@@ -146,11 +146,11 @@ fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) 
 
 /// What the capture listener says when it accepts `pod`'s probe to `dst`: `dst` is
 /// `getsockname()` of the accepted socket, the original destination.
-fn capture(pod: &Pod, proto: &str, dst: SocketAddrV4) -> Probe {
+fn capture(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
     Probe::Answer(format!("capture[{}] {proto} dst={dst} from={} got=probe", pod.name, pod.ip))
 }
 
-fn upstream(pod: &Pod, proto: &str, dst: SocketAddrV4) -> Probe {
+fn upstream(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
     Probe::Answer(format!("upstream {proto} dst={dst} from={} got=probe", pod.ip))
 }
 
@@ -170,7 +170,7 @@ enum Kind {
 struct Case {
     what: &'static str,
     kind: Kind,
-    dst: SocketAddrV4,
+    dst: SocketAddr,
     /// Where it goes in `count` mode, as without the layer.
     path: Probe,
     class: Option<&'static str>,
@@ -192,8 +192,8 @@ impl Case {
 
 /// Every destination class, and what capture does with it (the layer must not change it).
 fn cases(p: &Pod) -> Vec<Case> {
-    let tcp = |what, dst: SocketAddrV4, class| Case { what, kind: Kind::Tcp, dst, path: capture(p, "tcp", dst), class };
-    let passed = |what, kind, dst: SocketAddrV4, path| Case { what, kind, dst, path, class: None };
+    let tcp = |what, dst: SocketAddr, class| Case { what, kind: Kind::Tcp, dst, path: capture(p, "tcp", dst), class };
+    let passed = |what, kind, dst: SocketAddr, path| Case { what, kind, dst, path, class: None };
     vec![
         tcp("known Service VIP:80", sa(VIP, 80), Some("service")),
         Case {
@@ -233,7 +233,7 @@ fn has_layer(p: &Pod) -> bool {
 }
 
 /// Two datagrams and their replies on one connected UDP socket: one flow.
-fn udp_twice(p: &Pod, dst: SocketAddrV4) -> Vec<Probe> {
+fn udp_twice(p: &Pod, dst: SocketAddr) -> Vec<Probe> {
     sock::in_netns(&p.path(), || {
         let s = sock::udp_connected(dst, None, probe::TIMEOUT).expect("UDP socket");
         (0..2)
@@ -305,7 +305,7 @@ fn count_mode_counts_each_new_captured_connection_once_by_class_and_changes_no_p
     }
     // The capture listener saw each captured connection with its original destination.
     let seen = proxy.seen();
-    let captured: Vec<SocketAddrV4> = cases.iter().filter(|c| c.captured()).map(|c| c.dst).collect();
+    let captured: Vec<SocketAddr> = cases.iter().filter(|c| c.captured()).map(|c| c.dst).collect();
     assert_eq!(seen[seen_before..].iter().map(|s| s.dst).collect::<Vec<_>>(), captured, "{seen:?}");
 
     // UDP: two datagrams on one socket are one flow, counted once.
@@ -386,7 +386,7 @@ fn refuse_mode_refuses_what_no_service_can_serve_and_passes_the_rest() {
         now = after;
     }
     // Refused connections never reached the capture listener; the others did, as sent.
-    let passed: Vec<SocketAddrV4> =
+    let passed: Vec<SocketAddr> =
         cases.iter().filter(|c| c.captured() && !refused.iter().any(|r| r.dst == c.dst)).map(|c| c.dst).collect();
     let seen = proxy.seen();
     assert_eq!(seen[seen_before..].iter().map(|s| s.dst).collect::<Vec<_>>(), passed, "{seen:?}");

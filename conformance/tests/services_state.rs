@@ -42,8 +42,15 @@ fn a_damaged_stored_snapshot_neither_blocks_pods_nor_the_agent() {
     let c = conf("1.0.0", json!({}));
     let state = c["stateDir"].as_str().unwrap().to_string();
     assert!(services(&state, &["apply"], &snapshot(5)).0);
+    // Both stored forms damaged: the JSON as the agent sent it, and `layer.bin`, the one ADD
+    // loads.
     std::fs::write(std::path::Path::new(&state).join("services/snapshot.json"), b"{\"generation\": 5, \"mode\": \"enf")
         .unwrap();
+    let bin = std::path::Path::new(&state).join("services/layer.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&bin, bytes).unwrap();
     // A pod still starts (without the layer), with the reason in the log.
     let ns = TestNetns::new("dmg");
     let add = run_plugin("ADD", Some(&ns.path()), &c, &[]);

@@ -51,6 +51,16 @@ pub enum CaptureMode {
     Scoped,
 }
 
+/// The mode's name as configurations and annotations write it.
+impl std::fmt::Display for CaptureMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            CaptureMode::RedirectAll => "redirect-all",
+            CaptureMode::Scoped => "scoped",
+        })
+    }
+}
+
 /// Serializable so the attachment record can keep exactly what ADD programmed.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -153,7 +163,12 @@ impl CaptureConfig {
 
     /// The policy rule and route that deliver diverted packets to `lo`.
     pub fn policy_route(&self) -> PolicyRoute {
-        PolicyRoute { fwmark: self.divert_mark, table: self.route_table, priority: self.rule_priority }
+        PolicyRoute {
+            family: crate::Family::Ipv4,
+            fwmark: self.divert_mark,
+            table: self.route_table,
+            priority: self.rule_priority,
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! callers enter the pod netns (see `aether-netns`) and call these functions there.
 
 pub mod capture;
+pub mod family;
 mod error;
 pub mod model;
 mod netlink;
@@ -14,6 +15,7 @@ pub mod services;
 
 pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 pub use error::{Error, Result};
+pub use family::Family;
 pub use model::Ruleset;
 pub use route::{PolicyRoute, PolicyRouteState};
 

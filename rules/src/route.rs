@@ -1,12 +1,13 @@
 //! Policy routing for the divert mark (DESIGN.md, "The pod ruleset"):
 //!
 //! ```text
-//! ip rule add fwmark <mark> lookup <table> priority <priority>
-//! ip route add local 0.0.0.0/0 dev lo table <table>
+//! ip [-6] rule add fwmark <mark> lookup <table> priority <priority>
+//! ip [-6] route add local 0.0.0.0/0 | ::/0 dev lo table <table>
 //! ```
 //!
-//! Programmed over a blocking rtnetlink socket opened, per call, in the network namespace of
-//! the calling thread (the caller has already entered the pod netns). IPv4 only.
+//! One rule and one route per address family the pod has (the same mark, table and
+//! priority in each). Programmed over a blocking rtnetlink socket opened, per call, in the
+//! network namespace of the calling thread (the caller has already entered the pod netns).
 
 use std::io;
 
@@ -16,7 +17,9 @@ use netlink_packet_route::route::{
 };
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+
 use crate::error::{Error, Result};
+use crate::family::Family;
 use crate::netlink::{Socket, NETLINK_ROUTE};
 
 /// `lo` is created first in every network namespace, so it is always ifindex 1.
@@ -24,6 +27,7 @@ const LOOPBACK_IFINDEX: u32 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PolicyRoute {
+    pub family: Family,
     pub fwmark: u32,
     pub table: u32,
     pub priority: u32,
@@ -66,8 +70,12 @@ impl PolicyRoute {
     /// Deletes the route. Ok(false) if it was not there.
     pub fn del_route(&self) -> Result<bool> {
         let msg = RouteNetlinkMessage::DelRoute(route_message(self, true));
-        // A missing route is ESRCH; a table that never existed is reported the same way.
-        absent_ok(transact(msg, 0), libc::ESRCH, "delete route")
+        // A missing route is ESRCH for IPv4 (a table that never existed too), ENOENT for IPv6.
+        let absent = match self.family {
+            Family::Ipv4 => libc::ESRCH,
+            Family::Ipv6 => libc::ENOENT,
+        };
+        absent_ok(transact(msg, 0), absent, "delete route")
     }
 
     /// Dumps rules and the routes of our table, and reports whether exactly our rule and our
@@ -75,12 +83,12 @@ impl PolicyRoute {
     pub fn read_state(&self) -> Result<PolicyRouteState> {
         let mut state = PolicyRouteState::default();
         let mut rule_copies = 0;
-        for msg in dump(RouteNetlinkMessage::GetRule(rule_dump_message()), "dump rules")? {
+        for msg in dump(RouteNetlinkMessage::GetRule(rule_dump_message(self.family)), "dump rules")? {
             let RouteNetlinkMessage::NewRule(rule) = msg else {
                 continue;
             };
             let view = RuleView::of(&rule);
-            if view.family != AddressFamily::Inet {
+            if view.family != address_family(self.family) {
                 continue;
             }
             if self.is_our_rule(&view) {
@@ -103,11 +111,11 @@ impl PolicyRoute {
         }
 
         let mut others = Vec::new();
-        for msg in dump(RouteNetlinkMessage::GetRoute(route_dump_message()), "dump routes")? {
+        for msg in dump(RouteNetlinkMessage::GetRoute(route_dump_message(self.family)), "dump routes")? {
             let RouteNetlinkMessage::NewRoute(route) = msg else {
                 continue;
             };
-            if route_table(&route) != self.table || route.header.address_family != AddressFamily::Inet {
+            if route_table(&route) != self.table || route.header.address_family != address_family(self.family) {
                 continue;
             }
             if is_our_route(&route) {
@@ -118,7 +126,7 @@ impl PolicyRoute {
         }
         let how = if state.route_present { "besides" } else { "instead of" };
         for other in others {
-            state.notes.push(format!("table {} holds route {other} {how} local 0.0.0.0/0 dev lo", self.table));
+            state.notes.push(format!("table {} holds route {other} {how} {}", self.table, self.describe_route()));
         }
         Ok(state)
     }
@@ -134,6 +142,24 @@ impl PolicyRoute {
 
     fn describe_rule(&self) -> String {
         format!("{}: fwmark {:#x} lookup {}", self.priority, self.fwmark, self.table)
+    }
+
+    /// `fwmark 0xae71 lookup 44657 priority 32000` (for messages; `ip -6 rule` for IPv6).
+    pub fn describe_policy_rule(&self) -> String {
+        format!("fwmark {:#x} lookup {} priority {}", self.fwmark, self.table, self.priority)
+    }
+
+    /// `local 0.0.0.0/0 dev lo table 44657` (or `::/0`), for messages.
+    pub fn describe_route(&self) -> String {
+        format!("local {} dev lo table {}", self.family.any(), self.table)
+    }
+}
+
+/// rtnetlink's name for the family.
+fn address_family(f: Family) -> AddressFamily {
+    match f {
+        Family::Ipv4 => AddressFamily::Inet,
+        Family::Ipv6 => AddressFamily::Inet6,
     }
 }
 
@@ -236,16 +262,22 @@ fn is_our_route(route: &RouteMessage) -> bool {
 
 fn describe_route(route: &RouteMessage) -> String {
     let h = &route.header;
+    let addr = |a: &RouteAddress| match a {
+        RouteAddress::Inet(a) => Some(std::net::IpAddr::from(*a)),
+        RouteAddress::Inet6(a) => Some(std::net::IpAddr::from(*a)),
+        _ => None,
+    };
     let dst = route.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Destination(RouteAddress::Inet(d)) => Some(*d),
+        RouteAttribute::Destination(d) => addr(d),
         _ => None,
     });
     let via = route.attributes.iter().find_map(|a| match a {
-        RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(format!(" via {g}")),
+        RouteAttribute::Gateway(g) => addr(g).map(|g| format!(" via {g}")),
         _ => None,
     });
     let oif = route_oif(route).map_or(String::new(), |i| format!(" dev ifindex {i}"));
-    let dst = dst.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED);
+    let unspecified = if h.address_family == AddressFamily::Inet6 { "::" } else { "0.0.0.0" };
+    let dst = dst.map_or_else(|| unspecified.to_string(), |d| d.to_string());
     let kind = format!("{:?}", h.kind).to_lowercase();
     format!("{kind} {dst}/{}{}{oif}", h.destination_prefix_length, via.unwrap_or_default())
 }
@@ -254,7 +286,7 @@ fn describe_route(route: &RouteMessage) -> String {
 /// No FRA_FWMASK: the kernel defaults the mask to 0xffffffff for a non-zero mark.
 fn rule_message(pr: &PolicyRoute) -> RuleMessage {
     let mut msg = RuleMessage::default();
-    msg.header.family = AddressFamily::Inet;
+    msg.header.family = address_family(pr.family);
     msg.header.action = RuleAction::ToTable;
     msg.header.table = header_table(pr.table);
     msg.attributes =
@@ -262,13 +294,13 @@ fn rule_message(pr: &PolicyRoute) -> RuleMessage {
     msg
 }
 
-/// `local 0.0.0.0/0 dev lo table <table>`. No RTA_DST: a /0 needs none.
+/// `local 0.0.0.0/0 dev lo table <table>` (`::/0` for IPv6). No RTA_DST: a /0 needs none.
 /// For deletion, scope "nowhere" and protocol unspec are the kernel's wildcards (iproute2
 /// does the same), so the route goes whoever set its protocol.
 fn route_message(pr: &PolicyRoute, for_delete: bool) -> RouteMessage {
     let mut msg = RouteMessage::default();
     let h = &mut msg.header;
-    h.address_family = AddressFamily::Inet;
+    h.address_family = address_family(pr.family);
     h.table = header_table(pr.table);
     h.kind = RouteType::Local;
     (h.scope, h.protocol) = if for_delete {
@@ -280,15 +312,15 @@ fn route_message(pr: &PolicyRoute, for_delete: bool) -> RouteMessage {
     msg
 }
 
-fn rule_dump_message() -> RuleMessage {
+fn rule_dump_message(family: Family) -> RuleMessage {
     let mut msg = RuleMessage::default();
-    msg.header.family = AddressFamily::Inet;
+    msg.header.family = address_family(family);
     msg
 }
 
-fn route_dump_message() -> RouteMessage {
+fn route_dump_message(family: Family) -> RouteMessage {
     let mut msg = RouteMessage::default();
-    msg.header.address_family = AddressFamily::Inet;
+    msg.header.address_family = address_family(family);
     msg
 }
 
@@ -321,7 +353,8 @@ mod tests {
     use std::process::Command;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    const PR: PolicyRoute = PolicyRoute { fwmark: 0xae71, table: 44657, priority: 32000 };
+    const PR: PolicyRoute = PolicyRoute { family: Family::Ipv4, fwmark: 0xae71, table: 44657, priority: 32000 };
+    const PR6: PolicyRoute = PolicyRoute { family: Family::Ipv6, ..PR };
 
     #[test]
     fn rule_and_route_messages_carry_the_right_attributes() {
@@ -356,6 +389,23 @@ mod tests {
         assert_eq!(back.payload, NetlinkPayload::InnerMessage(payload));
         assert_eq!(back.header.flags, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
         assert_eq!(back.header.message_type, 32, "RTM_NEWRULE");
+    }
+
+    #[test]
+    fn ipv6_messages_are_the_same_rule_and_route_in_family_inet6() {
+        let rule = rule_message(&PR6);
+        assert_eq!(rule.header.family, AddressFamily::Inet6);
+        assert_eq!(rule.attributes, rule_message(&PR).attributes, "same mark, table, priority");
+        assert!(PR6.is_our_rule(&RuleView::of(&rule)));
+        let route = route_message(&PR6, false);
+        assert_eq!(route.header.address_family, AddressFamily::Inet6);
+        assert_eq!(route.header.kind, RouteType::Local);
+        assert_eq!(route.attributes, route_message(&PR, false).attributes);
+        assert!(is_our_route(&route));
+        assert_eq!(route_dump_message(Family::Ipv6).header.address_family, AddressFamily::Inet6);
+        assert_eq!(rule_dump_message(Family::Ipv6).header.family, AddressFamily::Inet6);
+        assert_eq!(PR6.describe_route(), "local ::/0 dev lo table 44657");
+        assert_eq!(describe_route(&route), "local ::/0 dev ifindex 1");
     }
 
     fn ip(args: &[&str]) -> String {
@@ -442,6 +492,33 @@ mod tests {
             near.notes.iter().any(|n| n.contains("fwmark 0xae71 exists at priority 100 instead of 32000")),
             "{near:?}"
         );
+
+        // IPv6: the same rule and route in family inet6, independent of the IPv4 pair.
+        let (v4, v6) = in_netns(&name, || {
+            assert!(PR.add_rule().unwrap() && PR.add_route().unwrap());
+            assert!(PR6.add_rule().unwrap(), "IPv6 rule created next to the IPv4 one");
+            assert!(PR6.add_route().unwrap(), "IPv6 route created");
+            assert!(!PR6.add_rule().unwrap() && !PR6.add_route().unwrap(), "IPv6 pair already there");
+            (PR.read_state().unwrap(), PR6.read_state().unwrap())
+        });
+        assert!(v4.rule_present && v4.route_present && v4.notes.is_empty(), "{v4:?}");
+        assert!(v6.rule_present && v6.route_present && v6.notes.is_empty(), "{v6:?}");
+        let rules6 = ip(&["netns", "exec", &name, "ip", "-6", "rule"]);
+        assert!(rules6.contains("32000:") && rules6.contains("fwmark 0xae71 lookup 44657"), "{rules6}");
+        let routes6 = ip(&["netns", "exec", &name, "ip", "-6", "route", "show", "table", "44657"]);
+        assert!(routes6.contains("local default dev lo"), "{routes6}");
+        let (v4, v6) = in_netns(&name, || {
+            assert!(PR.del_rule().unwrap() && PR.del_route().unwrap());
+            (PR.read_state().unwrap(), PR6.read_state().unwrap())
+        });
+        assert!(!v4.rule_present && !v4.route_present, "IPv4 pair gone: {v4:?}");
+        assert!(v6.rule_present && v6.route_present, "deleting the IPv4 pair leaves the IPv6 one: {v6:?}");
+        let v6 = in_netns(&name, || {
+            assert!(PR6.del_rule().unwrap() && PR6.del_route().unwrap());
+            assert!(!PR6.del_rule().unwrap() && !PR6.del_route().unwrap(), "IPv6 pair already gone");
+            PR6.read_state().unwrap()
+        });
+        assert_eq!(v6, PolicyRouteState::default());
 
         // Someone else's default route in our table: EEXIST must not pass for "ours exists".
         ip(&["netns", "exec", &name, "ip", "route", "add", "unreachable", "default", "table", "44657"]);

@@ -290,11 +290,11 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
     let Some(table) = services_table(layer)? else {
         return nft::remove(TABLE).map(Applied::Removed);
     };
-    let expected = nft::expected_view(&table);
     let Some(actual) = nft::kernel_view(TABLE)? else {
         nft::program(&table)?;
         return Ok(Applied::Rebuilt);
     };
+    let expected = nft::expected_view(&table);
     match element_diff(&expected, &actual) {
         Some(changes) if changes.is_empty() => Ok(Applied::Unchanged),
         Some(changes) => {
@@ -308,6 +308,117 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
             Ok(Applied::Rebuilt)
         }
     }
+}
+
+/// Makes the current netns hold the layer for `layer` without reading its sets back: the
+/// table is created, or replaced with its counters carried over (one read of the counter
+/// objects only). What ADD does, and what an apply does to a pod whose generation it cannot
+/// vouch for.
+pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
+    let Some(table) = services_table(layer)? else {
+        return nft::remove(TABLE).map(Applied::Removed);
+    };
+    let counters = nft::counters(TABLE)?;
+    nft::program_keeping(&table, &counters)?;
+    Ok(Applied::Rebuilt)
+}
+
+/// The set elements that turn the layer for `old` into the layer for `new`, computed from the
+/// models alone (no kernel involved), once per apply for every pod that holds `old`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LayerChange {
+    changes: Vec<nft::ElementChange>,
+}
+
+impl LayerChange {
+    /// The change between two layers, or `None` when more than the elements of hash sets
+    /// differ (a new range, timeout or mark, a mode `off`): those pods are rebuilt.
+    pub fn between(old: &ServiceLayer, new: &ServiceLayer) -> Result<Option<LayerChange>> {
+        let (Some(old), Some(new)) = (services_table(old)?, services_table(new)?) else {
+            return Ok(None);
+        };
+        let bare = |t: &Table| {
+            let mut t = t.clone();
+            t.sets.iter_mut().for_each(|s| s.elements.clear());
+            t
+        };
+        if bare(&old) != bare(&new) {
+            return Ok(None);
+        }
+        let mut changes = Vec::new();
+        for (o, n) in old.sets.iter().zip(&new.sets) {
+            if o.timeout_secs.is_some() || o.elements == n.elements {
+                continue;
+            }
+            if o.interval {
+                return Ok(None);
+            }
+            // Both sorted and without duplicates (built from ordered sets).
+            let (delete, add) = sorted_difference(&o.elements, &n.elements);
+            changes.push(nft::ElementChange {
+                set: o.name.clone(),
+                delete: nft::set_keys(o, &delete),
+                add: nft::set_keys(n, &add),
+            });
+        }
+        Ok(Some(LayerChange { changes }))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.changes.is_empty()
+    }
+
+    pub fn added(&self) -> usize {
+        self.changes.iter().map(|c| c.add.len()).sum()
+    }
+
+    pub fn removed(&self) -> usize {
+        self.changes.iter().map(|c| c.delete.len()).sum()
+    }
+
+    /// Sends the change to the layer in the current netns, in one transaction, without
+    /// reading anything back. The kernel refuses all of it if the layer does not hold what
+    /// the change starts from where it matters (the table or a deleted element missing): the
+    /// caller then rebuilds.
+    pub fn send(&self) -> Result<Applied> {
+        if self.is_empty() {
+            return Ok(Applied::Unchanged);
+        }
+        nft::change_elements(TABLE, &self.changes)?;
+        Ok(Applied::Elements { added: self.added(), removed: self.removed() })
+    }
+}
+
+/// (in `a` only, in `b` only) of two sorted lists without duplicates.
+fn sorted_difference<T: Ord + Clone>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
+    let (mut only_a, mut only_b) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() || j < b.len() {
+        match (a.get(i), b.get(j)) {
+            (Some(x), Some(y)) if x == y => {
+                i += 1;
+                j += 1;
+            }
+            (Some(x), Some(y)) if x < y => {
+                only_a.push(x.clone());
+                i += 1;
+            }
+            (Some(_), Some(y)) => {
+                only_b.push(y.clone());
+                j += 1;
+            }
+            (Some(x), None) => {
+                only_a.push(x.clone());
+                i += 1;
+            }
+            (None, Some(y)) => {
+                only_b.push(y.clone());
+                j += 1;
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    (only_a, only_b)
 }
 
 /// The element changes that turn `actual` into `expected`, or `None` when more than

@@ -13,6 +13,43 @@ use serde_json::Value;
 /// The longest demand timeout accepted: a week.
 pub const MAX_DIALLED_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
 
+// The limits on one snapshot (README "The snapshot"). They bound what `apply` reads and
+// parses, what `layer.bin` holds and what a pod's layer costs the kernel (about 100 bytes of
+// kernel memory per Service port, so the largest layer is tens of MB per pod).
+/// The largest document `apply` reads.
+pub const MAX_SNAPSHOT_BYTES: usize = 64 << 20;
+pub const MAX_SERVICES: usize = 100_000;
+pub const MAX_PORTS_PER_SERVICE: usize = 100;
+/// Service ports of all Services together.
+pub const MAX_SERVICE_PORTS: usize = 200_000;
+pub const MAX_SERVICE_RANGES: usize = 256;
+pub const MAX_MESH_VIPS: usize = 100_000;
+/// Longer strings are not echoed in messages, only their length.
+const MAX_SHOWN: usize = 64;
+
+/// A JSON value as messages show it: whole when short, otherwise its start and its size.
+fn brief(v: &Value) -> String {
+    shortened(&v.to_string())
+}
+
+fn shortened(text: &str) -> String {
+    if text.len() <= MAX_SHOWN {
+        return text.to_string();
+    }
+    let cut = (0..=MAX_SHOWN).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    format!("{}... ({} bytes)", &text[..cut], text.len())
+}
+
+/// A field name as messages show it.
+fn brief_key(k: &str) -> String {
+    shortened(k)
+}
+
+/// The limit an array is over, as a message; `None` within it.
+fn over_limit(key: &str, what: &str, len: usize, max: usize) -> Option<String> {
+    (len > max).then(|| format!("{key}: {len} {what}, more than the limit of {max}"))
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     pub generation: u64,
@@ -59,6 +96,9 @@ impl Snapshot {
 /// Parses and validates a whole document. All problems are collected, each naming its place
 /// (`services[2].ports[0].port`), so the agent sees everything wrong at once.
 pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
+    if text.len() > MAX_SNAPSHOT_BYTES {
+        return Err(vec![too_large()]);
+    }
     let doc: Value = serde_json::from_slice(text).map_err(|e| vec![format!("the snapshot is not JSON: {e}")])?;
     let mut errs = Vec::new();
     let Some(obj) = doc.as_object() else {
@@ -67,7 +107,7 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     const TOP: [&str; 6] = ["generation", "mode", "serviceRanges", "meshVIPs", "services", "dialledTimeoutSeconds"];
     for k in obj.keys() {
         if !TOP.contains(&k.as_str()) {
-            errs.push(format!("{k}: unknown field (expected one of {})", TOP.join(", ")));
+            errs.push(format!("{}: unknown field (expected one of {})", brief_key(k), TOP.join(", ")));
         }
     }
     let generation = match obj.get("generation") {
@@ -78,7 +118,7 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
         Some(v) => match v.as_u64() {
             Some(g) if g >= 1 => g,
             _ => {
-                errs.push(format!("generation: {v} is not a positive integer"));
+                errs.push(format!("generation: {} is not a positive integer", brief(v)));
                 0
             }
         },
@@ -92,21 +132,22 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
         Some((_, Some("count"))) => LayerMode::Count,
         Some((_, Some("refuse"))) => LayerMode::Refuse,
         Some((v, _)) => {
-            errs.push(format!("mode: {v} is not one of off, count, refuse"));
+            errs.push(format!("mode: {} is not one of off, count, refuse", brief(v)));
             LayerMode::Off
         }
     };
     let dialled_timeout_secs = match obj.get("dialledTimeoutSeconds") {
         None => aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS,
-        Some(v) => {
-            match v.as_u64() {
-                Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
-                _ => {
-                    errs.push(format!("dialledTimeoutSeconds: {v} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}"));
-                    1
-                }
+        Some(v) => match v.as_u64() {
+            Some(t) if (1..=MAX_DIALLED_TIMEOUT_SECS).contains(&t) => t as u32,
+            _ => {
+                errs.push(format!(
+                    "dialledTimeoutSeconds: {} is not a number of seconds between 1 and {MAX_DIALLED_TIMEOUT_SECS}",
+                    brief(v)
+                ));
+                1
             }
-        }
+        },
     };
 
     let mut service_ranges: Vec<Ipv4Net> = Vec::new();
@@ -114,13 +155,20 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
         Some(items) if items.is_empty() && mode != LayerMode::Off => {
             errs.push("serviceRanges: empty, but mode is not off (the layer needs at least one range)".into())
         }
+        Some(items) if items.len() > MAX_SERVICE_RANGES => {
+            errs.extend(over_limit("serviceRanges", "ranges", items.len(), MAX_SERVICE_RANGES))
+        }
         Some(items) => {
             for (i, v) in items.iter().enumerate() {
                 let place = format!("serviceRanges[{i}]");
                 let Some(s) = v.as_str() else {
-                    errs.push(format!("{place}: {v} is not a string"));
+                    errs.push(format!("{place}: {} is not a string", brief(v)));
                     continue;
                 };
+                if s.len() > MAX_SHOWN {
+                    errs.push(format!("{place}: {} is not an IPv4 CIDR", brief(v)));
+                    continue;
+                }
                 let net = match crate::config::parse_ipv4_net(s, false).ok_or(()) {
                     Ok(n) => n,
                     Err(_) if s.parse::<Ipv4Addr>().is_ok() => {
@@ -161,7 +209,11 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     let in_ranges = |a: &Ipv4Addr| service_ranges.iter().any(|n| n.contains(a));
 
     let mut mesh_vips = Vec::new();
-    if let Some(items) = array(obj, "meshVIPs", false, &mut errs) {
+    let items = array(obj, "meshVIPs", false, &mut errs);
+    let too_many = items.and_then(|i| over_limit("meshVIPs", "mesh VIPs", i.len(), MAX_MESH_VIPS));
+    if let Some(e) = too_many {
+        errs.push(e);
+    } else if let Some(items) = items {
         let mut seen = BTreeMap::new();
         for (i, v) in items.iter().enumerate() {
             let place = format!("meshVIPs[{i}]");
@@ -176,7 +228,11 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     }
 
     let mut services = Vec::new();
-    if let Some(items) = array(obj, "services", true, &mut errs) {
+    let items = array(obj, "services", true, &mut errs);
+    let too_many = items.and_then(|i| over_limit("services", "Services", i.len(), MAX_SERVICES));
+    if let Some(e) = too_many {
+        errs.push(e);
+    } else if let Some(items) = items {
         let mut names: BTreeMap<(String, String), usize> = BTreeMap::new();
         let mut vips: BTreeMap<Ipv4Addr, usize> = BTreeMap::new();
         for (i, v) in items.iter().enumerate() {
@@ -201,11 +257,18 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
             }
         }
     }
+    let ports: usize = services.iter().map(|s| s.ports.len()).sum();
+    errs.extend(over_limit("services", "Service ports in all", ports, MAX_SERVICE_PORTS));
     if errs.is_empty() {
         Ok(Snapshot { generation, mode, service_ranges, mesh_vips, services, dialled_timeout_secs })
     } else {
         Err(errs)
     }
+}
+
+/// The message for a document over `MAX_SNAPSHOT_BYTES`.
+pub fn too_large() -> String {
+    format!("the snapshot is larger than the limit of {MAX_SNAPSHOT_BYTES} bytes (64 MiB); nothing changed")
 }
 
 fn array<'a>(
@@ -222,7 +285,7 @@ fn array<'a>(
         None => None,
         Some(Value::Array(a)) => Some(a),
         Some(v) => {
-            errs.push(format!("{key}: {v} is not an array"));
+            errs.push(format!("{key}: {} is not an array", brief(v)));
             None
         }
     }
@@ -231,12 +294,12 @@ fn array<'a>(
 fn addr(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Ipv4Addr> {
     match v.as_str().map(|s| (s, s.parse::<Ipv4Addr>())) {
         Some((_, Ok(a))) => Some(a),
-        Some((s, Err(_))) => {
-            errs.push(format!("{place}: {s:?} is not an IPv4 address"));
+        Some((_, Err(_))) => {
+            errs.push(format!("{place}: {} is not an IPv4 address", brief(v)));
             None
         }
         None => {
-            errs.push(format!("{place}: {v} is not a string"));
+            errs.push(format!("{place}: {} is not a string", brief(v)));
             None
         }
     }
@@ -244,14 +307,14 @@ fn addr(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Ipv4Addr> {
 
 fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
     let Some(obj) = v.as_object() else {
-        errs.push(format!("{place}: {v} is not an object"));
+        errs.push(format!("{place}: {} is not an object", brief(v)));
         return None;
     };
     const KEYS: [&str; 5] = ["namespace", "name", "vip", "ports", "usableEndpoints"];
     let before = errs.len();
     for k in obj.keys() {
         if !KEYS.contains(&k.as_str()) {
-            errs.push(format!("{place}.{k}: unknown field (expected one of {})", KEYS.join(", ")));
+            errs.push(format!("{place}.{}: unknown field (expected one of {})", brief_key(k), KEYS.join(", ")));
         }
     }
     let text = |k: &str, errs: &mut Vec<String>| match obj.get(k).and_then(Value::as_str) {
@@ -273,7 +336,7 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
     let usable_endpoints = match obj.get("usableEndpoints") {
         Some(Value::Bool(b)) => *b,
         Some(v) => {
-            errs.push(format!("{place}.usableEndpoints: {v} is not true or false"));
+            errs.push(format!("{place}.usableEndpoints: {} is not true or false", brief(v)));
             false
         }
         None => {
@@ -285,17 +348,20 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
     };
     let mut ports = Vec::new();
     match obj.get("ports") {
+        Some(Value::Array(items)) if items.len() > MAX_PORTS_PER_SERVICE => {
+            errs.extend(over_limit(&format!("{place}.ports"), "ports", items.len(), MAX_PORTS_PER_SERVICE))
+        }
         Some(Value::Array(items)) if !items.is_empty() => {
             let mut seen = BTreeSet::new();
             for (j, p) in items.iter().enumerate() {
                 let pp = format!("{place}.ports[{j}]");
                 let Some(po) = p.as_object() else {
-                    errs.push(format!("{pp}: {p} is not an object"));
+                    errs.push(format!("{pp}: {} is not an object", brief(p)));
                     continue;
                 };
                 for k in po.keys() {
                     if k != "protocol" && k != "port" {
-                        errs.push(format!("{pp}.{k}: unknown field (expected protocol, port)"));
+                        errs.push(format!("{pp}.{}: unknown field (expected protocol, port)", brief_key(k)));
                     }
                 }
                 let proto = match po.get("protocol").and_then(Value::as_str) {
@@ -308,7 +374,7 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
                     _ => {
                         errs.push(format!(
                             "{pp}.protocol: {} is not TCP or UDP",
-                            po.get("protocol").cloned().unwrap_or(Value::Null)
+                            brief(po.get("protocol").unwrap_or(&Value::Null))
                         ));
                         None
                     }
@@ -318,7 +384,7 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
                     _ => {
                         errs.push(format!(
                             "{pp}.port: {} is not a port (1-65535)",
-                            po.get("port").cloned().unwrap_or(Value::Null)
+                            brief(po.get("port").unwrap_or(&Value::Null))
                         ));
                         None
                     }
@@ -332,7 +398,7 @@ fn service(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Service> {
             }
         }
         Some(Value::Array(_)) => errs.push(format!("{place}.ports: empty (a Service has at least one port)")),
-        Some(v) => errs.push(format!("{place}.ports: {v} is not an array")),
+        Some(v) => errs.push(format!("{place}.ports: {} is not an array", brief(v))),
         None => errs.push(format!("{place}.ports: missing")),
     }
     if errs.len() > before {

@@ -163,21 +163,28 @@ pub fn counters(table: &str) -> Result<BTreeMap<String, (u64, u64)>> {
     Ok(TableView::from_messages(table, &objs).counters)
 }
 
-/// The raw elements of one set of `table`: (key, interval end).
+/// The raw elements of one set of `table`: (key, interval end). Dumps that set's elements
+/// only (empty when the table or the set is missing), so reading a small set of a large
+/// table costs what the small set holds.
 pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
-    let mut sock = open()?;
-    let sets = dump(&mut sock, set_request(table), table, "dump sets")?;
-    let mut messages: Vec<NfTablesMessage> = sets.into_iter().filter(|m| is_set(m, set)).collect();
-    if messages.is_empty() {
-        return Ok(Vec::new());
+    let messages = dump(&mut open()?, elements_request(table, set), table, "dump set elements")?;
+    let mut out = Vec::new();
+    for m in &messages {
+        if let NfTablesMessage::NewSetElement(e) = m {
+            if let Some((name, elems)) = read::parse_elements(&e.attributes, table) {
+                if name == set {
+                    out.extend(elems);
+                }
+            }
+        }
     }
-    messages.extend(dump(&mut sock, elements_request(table, set), table, "dump set elements")?);
-    let view = TableView::from_messages(table, &messages);
-    Ok(view.sets.into_iter().find(|s| s.name == set).map(|s| s.elements.into_iter().collect()).unwrap_or_default())
+    Ok(out)
 }
 
-fn is_set(m: &NfTablesMessage, name: &str) -> bool {
-    matches!(m, NfTablesMessage::NewSet(s) if s.attributes.iter().any(|a| matches!(a, SetAttribute::Name(n) if n == name)))
+/// The raw keys (key, interval end) `elements` of the model set `set` are sent as: what
+/// `ElementChange` carries.
+pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> Vec<(Vec<u8>, bool)> {
+    key::element_keys(set, elements)
 }
 
 fn set_request(table: &str) -> NfTablesMessage {

@@ -188,7 +188,7 @@ fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
 /// (key bytes, interval end) of each element.
 type Elements = Vec<(Vec<u8>, bool)>;
 
-fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(String, Elements)> {
+pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(String, Elements)> {
     let (mut t, mut set, mut elems) = (None, None, Vec::new());
     for a in attrs {
         match a {

@@ -1,0 +1,396 @@
+//! A containerd 1.6 (Debian's, with its CRI plugin) private to one test, and a CRI client for
+//! it: the kubelet's own runtime, calling the built `aether-cni` through go-cni and libcni.
+//!
+//! - Everything is the test's own: root, state, sockets and config under one temp dir; the
+//!   CNI conf and bin dirs (`bridge`, `host-local`, `portmap`, `loopback` from Debian, plus
+//!   `aether-cni`); runc's state; the pods' cgroup parent. The machine's containerd service
+//!   and its `/var/lib/containerd` are never used.
+//! - containerd runs in a private "node" netns (`nsenter --net`: the bridge and portmap's
+//!   rules never touch the machine) and in the machine's mount namespace, so its pod netns
+//!   mounts (under its own state dir) stay visible to the test and to a restarted containerd
+//!   (`ip netns exec` would give each process a mount namespace of its own).
+//! - The sandbox (pause) image is `make clients-deps`'s static pause binary packed as an OCI
+//!   archive and imported with `ctr images import`: there is no registry.
+//! - CRI calls go through `conformance/clients/cri/cri.py` (Debian's python3-grpcio, with code
+//!   protoc generated from `cri/runtime_v1.proto`): crictl cannot be built here.
+//!
+//! Drop stops and removes what is left (sandboxes through the CRI, then containerd by PID,
+//! then runc containers and shims of this instance only), removes libcni's cache entries of
+//! the test's network and sandboxes, the cgroup parent, the node netns and the temp dir.
+
+use std::cell::RefCell;
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_testkit::TestNetns;
+use serde_json::{json, Value};
+
+use crate::clients::{clients_dir, exec, must, render, repo, LibcniCache, TempDir};
+
+/// The sandbox image's name, as `make clients-deps` packs it.
+pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
+/// The node's conflist: chaining aether-cni, or the main CNI alone.
+pub const CHAINED_CONFLIST: &str = "10-aether.conflist";
+pub const MAIN_CONFLIST: &str = "10-bridge.conflist";
+/// Debian's CNI plugins.
+const DEBIAN_CNI_DIR: &str = "/usr/lib/cni";
+
+/// What the tests need that `make clients-deps` provides.
+pub fn requirements() -> Vec<PathBuf> {
+    vec![
+        PathBuf::from("/usr/bin/containerd"),
+        PathBuf::from("/usr/bin/ctr"),
+        PathBuf::from("/usr/sbin/runc"),
+        PathBuf::from(DEBIAN_CNI_DIR).join("loopback"),
+        clients_dir().join("pause-oci.tar"),
+        clients_dir().join("cri/runtime_v1_pb2.py"),
+    ]
+}
+
+/// The node's addressing: the bridge and its subnet exist only in the node netns.
+pub struct NodeNet {
+    pub bridge: &'static str,
+    pub subnet: &'static str,
+    pub gateway: &'static str,
+}
+
+/// A pod sandbox as the CRI and containerd report it.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub ready: bool,
+    pub ip: String,
+    pub netns: String,
+    /// The pause process.
+    pub pid: u64,
+    /// The CRI's PodSandboxStatus, as JSON.
+    pub status: Value,
+}
+
+pub struct Containerd {
+    pub dir: TempDir,
+    pub node: TestNetns,
+    pub network: String,
+    pub net_dir: PathBuf,
+    pub bin_dir: PathBuf,
+    /// aether-cni's `stateDir` and `logFile`.
+    pub state_dir: PathBuf,
+    pub log_file: PathBuf,
+    pub ipam_dir: PathBuf,
+    socket: PathBuf,
+    cgroup_parent: String,
+    child: Option<Child>,
+    cri: RefCell<Option<CriClient>>,
+    sandboxes: RefCell<Vec<String>>,
+}
+
+/// `cri.py --serve`: one JSON line per call each way.
+struct CriClient {
+    child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Containerd {
+    /// Dirs, configuration, the node's conflist and the node netns; containerd is not started
+    /// yet. With `chained`, the conflist (`conformance/clients/containerd.conflist.in`)
+    /// chains `aether-cni` after `bridge` and `portmap` (`10-aether.conflist`); without, it is
+    /// the node's main CNI alone (`10-bridge.conflist`), for an installer to chain.
+    pub fn new(tag: &str, net: &NodeNet, chained: bool) -> Self {
+        let dir = TempDir::new(tag);
+        let pid = std::process::id();
+        let network = format!("aether-{tag}-{pid}");
+        let (net_dir, bin_dir, state_dir, ipam_dir) =
+            (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("aether-state"), dir.mkdir("ipam"));
+        for plugin in ["bridge", "host-local", "portmap", "loopback"] {
+            std::os::unix::fs::symlink(Path::new(DEBIAN_CNI_DIR).join(plugin), bin_dir.join(plugin)).unwrap();
+        }
+        let log_file = dir.join("aether-cni.log");
+        let conflist = render(
+            "containerd.conflist.in",
+            &[
+                ("NAME", network.clone()),
+                ("BRIDGE", net.bridge.into()),
+                ("SUBNET", net.subnet.into()),
+                ("GATEWAY", net.gateway.into()),
+                ("IPAM_DIR", ipam_dir.display().to_string()),
+                ("STATE_DIR", state_dir.display().to_string()),
+                ("LOG_FILE", log_file.display().to_string()),
+            ],
+        );
+        if chained {
+            std::fs::write(net_dir.join(CHAINED_CONFLIST), conflist).unwrap();
+        } else {
+            let mut main: Value = serde_json::from_str(&conflist).unwrap();
+            main["plugins"].as_array_mut().unwrap().retain(|p| p["type"] != "aether-cni");
+            std::fs::write(net_dir.join(MAIN_CONFLIST), serde_json::to_string_pretty(&main).unwrap()).unwrap();
+        }
+        let config = render(
+            "containerd.toml.in",
+            &[
+                ("DIR", dir.0.display().to_string()),
+                ("SANDBOX_IMAGE", SANDBOX_IMAGE.into()),
+                ("BIN_DIR", bin_dir.display().to_string()),
+                ("NET_DIR", net_dir.display().to_string()),
+            ],
+        );
+        std::fs::write(dir.join("config.toml"), config).unwrap();
+        let socket = dir.join("containerd.sock");
+        let node = TestNetns::new(&format!("{tag}node"));
+        Containerd {
+            network,
+            net_dir,
+            bin_dir,
+            state_dir,
+            log_file,
+            ipam_dir,
+            socket,
+            cgroup_parent: format!("/aether-{tag}-{pid}"),
+            child: None,
+            cri: RefCell::new(None),
+            sandboxes: RefCell::new(Vec::new()),
+            node,
+            dir,
+        }
+    }
+
+    /// Starts containerd in the node netns and waits until its CRI answers.
+    pub fn start(&mut self) {
+        assert!(self.child.is_none(), "containerd already started");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("containerd.log")).unwrap();
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", self.node.path()))
+            .args(["containerd", "--config"])
+            .arg(self.dir.join("config.toml"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn containerd");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.socket.exists() && self.cri("Version", &json!({})).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("containerd exited ({status}) at start:\n{}", self.containerd_log());
+            }
+            assert!(Instant::now() < deadline, "containerd's CRI did not answer in 30 s:\n{}", self.containerd_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops containerd (SIGTERM to its PID, SIGKILL after 10 s). Its shims and the pods
+    /// keep running, as on a node where containerd restarts.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        // nsenter execs containerd: the child's PID is containerd's.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn containerd_log(&self) -> String {
+        let text = std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+
+    /// The sandbox image, imported into the CRI's namespace, then visible to the CRI.
+    pub fn import_sandbox_image(&self) {
+        must(
+            "ctr images import",
+            exec(
+                Command::new("ctr")
+                    .arg("--address")
+                    .arg(&self.socket)
+                    .args(["-n", "k8s.io", "images", "import", "--snapshotter", "native"])
+                    .arg(clients_dir().join("pause-oci.tar")),
+            ),
+        );
+        // The CRI learns of the image from containerd's event: wait until it does.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.cri("ImageStatus", &json!({"image": {"image": SANDBOX_IMAGE}})).unwrap()["image"]["id"].is_null() {
+            assert!(Instant::now() < deadline, "the CRI never saw {SANDBOX_IMAGE}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// One CRI call: `Ok(response)`, or `Err(the gRPC status and message)`. Calls go to one
+    /// `cri.py --serve` process, started on first use (Python's start-up paid once).
+    pub fn cri(&self, call: &str, request: &Value) -> Result<Value, String> {
+        let mut cri = self.cri.borrow_mut();
+        let client = cri.get_or_insert_with(|| {
+            let mut child = Command::new("/usr/bin/python3")
+                .arg(repo().join("conformance/clients/cri/cri.py"))
+                .arg("--socket")
+                .arg(&self.socket)
+                .arg("--gen")
+                .arg(clients_dir().join("cri"))
+                .arg("--serve")
+                .env("PYTHONDONTWRITEBYTECODE", "1")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("spawn cri.py");
+            let stdout = BufReader::new(child.stdout.take().unwrap());
+            CriClient { child, stdout }
+        });
+        let line = json!({"call": call, "request": request}).to_string();
+        writeln!(client.child.stdin.as_mut().unwrap(), "{line}").expect("write to cri.py");
+        let mut answer = String::new();
+        client.stdout.read_line(&mut answer).expect("read from cri.py");
+        let answer: Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("cri.py said {answer:?}: {e}"));
+        match answer.get("error").and_then(Value::as_str) {
+            Some(e) => Err(e.to_string()),
+            None => Ok(answer["response"].clone()),
+        }
+    }
+
+    /// RunPodSandbox for pod `namespace/name`, with these annotations (none: the field is
+    /// left out, as crictl and critest do). The sandbox ID, or the runtime's error message.
+    pub fn run_pod(&self, namespace: &str, name: &str, annotations: Option<Value>) -> Result<String, String> {
+        let mut config = json!({
+            "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "attempt": 0},
+            "hostname": name,
+            "linux": {"cgroup_parent": self.cgroup_parent},
+        });
+        if let Some(a) = annotations {
+            config["annotations"] = a;
+        }
+        let response = self.cri("RunPodSandbox", &json!({"config": config}))?;
+        let id = response["pod_sandbox_id"].as_str().expect("pod_sandbox_id").to_string();
+        self.sandboxes.borrow_mut().push(id.clone());
+        Ok(id)
+    }
+
+    /// PodSandboxStatus, verbose: what the CRI reports, and from containerd's `info` the
+    /// sandbox's netns path (its runtime spec) and pause process.
+    pub fn sandbox(&self, id: &str) -> Result<Sandbox, String> {
+        let r = self.cri("PodSandboxStatus", &json!({"pod_sandbox_id": id, "verbose": true}))?;
+        let info: Value = r["info"]["info"].as_str().map(|s| serde_json::from_str(s).unwrap()).unwrap_or(Value::Null);
+        let netns = info["runtimeSpec"]["linux"]["namespaces"]
+            .as_array()
+            .and_then(|ns| ns.iter().find(|n| n["type"] == "network"))
+            .and_then(|n| n["path"].as_str())
+            .unwrap_or_else(|| panic!("no network namespace in the sandbox's spec: {info:#}"))
+            .to_string();
+        Ok(Sandbox {
+            ready: r["status"]["state"] == "SANDBOX_READY",
+            ip: r["status"]["network"]["ip"].as_str().unwrap_or_default().to_string(),
+            netns,
+            pid: info["pid"].as_u64().expect("pid in the sandbox info"),
+            status: r["status"].clone(),
+        })
+    }
+
+    pub fn stop_pod(&self, id: &str) {
+        self.cri("StopPodSandbox", &json!({"pod_sandbox_id": id})).unwrap_or_else(|e| panic!("StopPodSandbox: {e}"));
+    }
+
+    pub fn remove_pod(&self, id: &str) {
+        self.cri("RemovePodSandbox", &json!({"pod_sandbox_id": id}))
+            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}"));
+        self.sandboxes.borrow_mut().retain(|s| s != id);
+    }
+
+    /// The pod netns mounts containerd holds (`netns_mounts_under_state_dir`).
+    pub fn netns_mounts(&self) -> Vec<String> {
+        let dir = self.dir.join("state/io.containerd.grpc.v1.cri/netns");
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The containers runc holds for this containerd.
+    pub fn runc_containers(&self) -> Vec<String> {
+        let out = exec(Command::new("runc").arg("--root").arg(self.dir.join("runc/k8s.io")).args(["list", "-q"]));
+        out.stdout.lines().map(str::to_string).collect()
+    }
+
+    /// Addresses host-local holds in this network.
+    pub fn ipam_leases(&self) -> Vec<String> {
+        std::fs::read_dir(self.ipam_dir.join(&self.network))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.parse::<std::net::Ipv4Addr>().is_ok())
+            .collect()
+    }
+
+    /// libcni's cache entries of this network (`/var/lib/cni/results/<network>-...`).
+    pub fn libcni_cache(&self) -> Vec<String> {
+        std::fs::read_dir("/var/lib/cni/results")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&format!("{}-", self.network)))
+            .collect()
+    }
+
+    /// Shims this containerd started (found by its unique socket in their command line).
+    fn shim_pids(&self) -> Vec<i32> {
+        let needle = format!("-address\0{}\0", self.socket.display());
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                    String::from_utf8_lossy(&c).contains(&needle) && c.starts_with(b"/usr/bin/containerd-shim")
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            for id in self.sandboxes.borrow().clone() {
+                let _ = self.cri("StopPodSandbox", &json!({"pod_sandbox_id": id}));
+                let _ = self.cri("RemovePodSandbox", &json!({"pod_sandbox_id": id}));
+            }
+        }
+        if let Some(mut cri) = self.cri.take() {
+            drop(cri.child.stdin.take());
+            let _ = cri.child.wait();
+        }
+        self.stop();
+        // After a failure midway: what the CRI could not remove, removed directly.
+        for id in self.runc_containers() {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(self.dir.join("runc/k8s.io"))
+                .args(["delete", "--force", &id])
+                .status();
+        }
+        for pid in self.shim_pids() {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        for id in self.sandboxes.borrow().iter() {
+            drop(LibcniCache(format!("cni-loopback-{id}")));
+        }
+        drop(LibcniCache(self.network.clone()));
+        for e in std::fs::read_dir("/sys/fs/cgroup").into_iter().flatten().flatten() {
+            let _ = std::fs::remove_dir(e.path().join(self.cgroup_parent.trim_start_matches('/')));
+        }
+        // Then the fields: the node netns, and the temp dir (its mounts unmounted first).
+    }
+}

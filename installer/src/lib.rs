@@ -1,0 +1,505 @@
+//! `aether-cni install`: the long-running container of the DaemonSet.
+//!
+//! It copies the plugin binary into the host's CNI bin directory, writes a chained copy of
+//! the node's primary CNI configuration with the aether-cni entry appended (see `chain` for
+//! why a copy and not an edit), keeps both in place while another CNI rewrites its files
+//! (inotify), marks the node not ready in the state directory until all of that holds and
+//! the kernel checks pass, serves `/healthz`, `/readyz` and `/metrics`, and on SIGTERM undoes
+//! it all (unless told it is an upgrade).
+//!
+//! The installer knows nothing of the plugin's internals: what it needs from the plugin
+//! (its configuration parser, its kernel checks, its node counters) comes in as `Plugin`.
+
+pub mod args;
+pub mod chain;
+pub mod files;
+pub mod serve;
+
+use std::fs;
+use std::net::SocketAddr;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{Map, Value};
+
+pub use args::InstallArgs;
+use serve::{Metrics, Reason, Shared};
+
+/// The plugin's file name in the CNI bin directory: runtimes find a plugin by its `type`.
+pub const BINARY_NAME: &str = chain::PLUGIN_TYPE;
+/// While this file exists in the state directory, stopping keeps the binary and the entry.
+pub const UPGRADE_FILE: &str = "installer-upgrade";
+/// Mode of the installed binary.
+const BINARY_MODE: u32 = 0o755;
+
+/// The plugin's parser, given one plugin configuration: `Err` carries the reason.
+pub type Validate = Box<dyn Fn(&[u8]) -> Result<(), String> + Send + Sync>;
+/// A probe of the node (the kernel checks): `Err` carries the reason.
+pub type Probe = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+/// Renders text (the node counters), or says why it cannot.
+pub type Render = Box<dyn Fn() -> Result<String, String> + Send + Sync>;
+
+/// What the installer needs from the plugin, passed in by the binary so that dependencies
+/// flow one way (the plugin uses the installer, never the reverse).
+pub struct Plugin {
+    /// The state directory's not-ready marker file name (the plugin's STATUS reads it).
+    pub not_ready_marker: &'static str,
+    /// The plugin's own configuration parser, given the entry exactly as the runtime will
+    /// pass it (with the list's `name` and `cniVersion`).
+    pub validate_entry: Validate,
+    /// doctor's kernel checks.
+    pub kernel_checks: Probe,
+    /// The Service layer's node counters as Prometheus text.
+    pub node_counters: Render,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("CNI configuration directory {path}: {source}")]
+    ConfDir { path: PathBuf, source: std::io::Error },
+    #[error("no CNI network configuration (.conflist, .conf or .json) in {dir} yet: waiting for the main CNI")]
+    NoPrimary { dir: PathBuf },
+    #[error("primary CNI configuration {path} is a directory, not a file")]
+    PrimaryIsDirectory { path: PathBuf },
+    #[error("primary CNI configuration {path} is a symlink to {target}, which does not exist")]
+    DanglingSymlink { path: PathBuf, target: PathBuf },
+    #[error("cannot read primary CNI configuration {path}: {source}")]
+    ReadPrimary { path: PathBuf, source: std::io::Error },
+    #[error("primary CNI configuration {path} is invalid (left untouched): {why}")]
+    InvalidPrimary { path: PathBuf, why: String },
+    #[error("{path} sorts before {own}: runtimes would load it and not the chained copy (choose a --conflist-name that sorts first)")]
+    Outranked { path: PathBuf, own: String },
+    #[error("the aether-cni entry chained onto {path} is refused by the plugin: {why}")]
+    EntryRefused { path: PathBuf, why: String },
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+    #[error("cannot remove {path}: {source}")]
+    Remove { path: PathBuf, source: std::io::Error },
+    #[error("directory {path} is not usable: {source}")]
+    Unusable { path: PathBuf, source: std::io::Error },
+    #[error("cannot read the installer's own binary {path}: {source}")]
+    ReadSelf { path: PathBuf, source: std::io::Error },
+    #[error("cannot serve HTTP on {addr}: {why}")]
+    Listen { addr: SocketAddr, why: String },
+    #[error("cannot watch for changes: {0}")]
+    Watch(std::io::Error),
+    #[error("cannot handle signals: {0}")]
+    Signals(std::io::Error),
+    #[error("kernel checks failed: {0}")]
+    Kernel(String),
+}
+
+impl Error {
+    /// The not-ready reason this error stands for.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Error::ConfDir { .. }
+            | Error::NoPrimary { .. }
+            | Error::PrimaryIsDirectory { .. }
+            | Error::DanglingSymlink { .. }
+            | Error::ReadPrimary { .. }
+            | Error::InvalidPrimary { .. }
+            | Error::Outranked { .. } => Reason::Primary,
+            Error::EntryRefused { .. } => Reason::Entry,
+            Error::Kernel(_) => Reason::Kernel,
+            _ => Reason::Chain,
+        }
+    }
+}
+
+/// Messages to the reconcile loop.
+#[derive(Debug)]
+pub enum Msg {
+    /// Something changed in a watched directory (`name`: the file, if the kernel said).
+    Changed { name: Option<std::ffi::OsString>, at: Instant },
+    /// Stop: uninstall (unless an upgrade), then end the loop.
+    Stop,
+}
+
+/// One node's installation: the desired files and what is known of them.
+pub struct Node {
+    args: InstallArgs,
+    entry: Map<String, Value>,
+    plugin: Arc<Plugin>,
+    shared: Arc<Shared>,
+    binary: Vec<u8>,
+    binary_installed: bool,
+    conflist_installed: bool,
+    kernel_ok: bool,
+    marker_written: Option<String>,
+}
+
+impl Node {
+    pub fn new(args: InstallArgs, plugin: Arc<Plugin>, shared: Arc<Shared>, binary: Vec<u8>) -> Node {
+        let entry = args.entry();
+        Node {
+            args,
+            entry,
+            plugin,
+            shared,
+            binary,
+            binary_installed: false,
+            conflist_installed: false,
+            kernel_ok: false,
+            marker_written: None,
+        }
+    }
+
+    fn conflist_path(&self) -> PathBuf {
+        self.args.cni_conf_dir.join(&self.args.conflist_name)
+    }
+
+    fn binary_path(&self) -> PathBuf {
+        self.args.cni_bin_dir.join(BINARY_NAME)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Before anything is written: the bin and state directories (and the conf directory,
+    /// if it exists yet) must take a file. A failure names the directory; nothing is left.
+    pub fn preflight(&self) -> Result<(), Error> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.args.state_dir)
+            .map_err(|source| Error::Unusable { path: self.args.state_dir.clone(), source })?;
+        let mut dirs = vec![&self.args.cni_bin_dir, &self.args.state_dir];
+        if self.args.cni_conf_dir.exists() {
+            dirs.push(&self.args.cni_conf_dir);
+        }
+        for dir in dirs {
+            let probe = files::temp_path(&dir.join(".aether-cni-probe"));
+            let made = fs::OpenOptions::new().write(true).create_new(true).open(&probe);
+            made.map_err(|source| Error::Unusable { path: dir.clone(), source })?;
+            fs::remove_file(&probe).map_err(|source| Error::Unusable { path: dir.clone(), source })?;
+        }
+        files::remove_stale_temps(&self.conflist_path());
+        files::remove_stale_temps(&self.binary_path());
+        Ok(())
+    }
+
+    fn set(&self, reason: Reason, outcome: Result<(), String>) {
+        let mut status = self.shared.status.lock().unwrap();
+        match outcome {
+            Ok(()) => {
+                status.not_ready.remove(&reason);
+            }
+            Err(why) => {
+                if status.not_ready.get(&reason) != Some(&why) {
+                    eprintln!("aether-cni install: not ready: {}: {why}", reason.name());
+                    self.metrics().record_error(reason, &why);
+                }
+                status.not_ready.insert(reason, why);
+            }
+        }
+    }
+
+    /// The binary in the CNI bin directory, byte for byte this one; rewritten (atomically)
+    /// only when it differs.
+    pub fn reconcile_binary(&mut self, since: Option<Instant>) {
+        let path = self.binary_path();
+        let outcome = if files::holds(&path, &self.binary, BINARY_MODE) {
+            Ok(())
+        } else {
+            match files::write_atomic(&path, &self.binary, BINARY_MODE) {
+                Ok(()) => {
+                    self.count_write("binary", &path, self.binary_installed, since);
+                    Ok(())
+                }
+                Err(source) => Err(Error::Write { path, source }.to_string()),
+            }
+        };
+        self.binary_installed |= outcome.is_ok();
+        self.set(Reason::Binary, outcome);
+    }
+
+    fn count_write(&self, what: &str, path: &Path, installed_before: bool, since: Option<Instant>) {
+        if installed_before {
+            self.metrics().repairs.with_label_values(&[what]).inc();
+            if let Some(t) = since {
+                self.metrics().repair_seconds.observe(t.elapsed().as_secs_f64());
+            }
+            eprintln!("aether-cni install: repaired {}", path.display());
+        } else {
+            self.metrics().installs.with_label_values(&[what]).inc();
+            eprintln!("aether-cni install: installed {}", path.display());
+        }
+    }
+
+    /// The chained conflist, regenerated from the current primary. Without a usable primary
+    /// (or with an entry the plugin refuses) the chained copy is removed: runtimes then see
+    /// exactly what the main CNI wrote, never a stale copy, and the node is not ready.
+    pub fn reconcile_conflist(&mut self, since: Option<Instant>) {
+        let own = self.conflist_path();
+        let outcome = self.chain_once(&own, since);
+        if let Err(e) = &outcome {
+            if !matches!(e, Error::Write { .. }) {
+                if let Err(source) = files::remove(&own) {
+                    eprintln!("aether-cni install: {}", Error::Remove { path: own.clone(), source });
+                }
+            }
+        }
+        self.conflist_installed |= outcome.is_ok();
+        let reason = outcome.as_ref().err().map(Error::reason);
+        for r in [Reason::Primary, Reason::Entry, Reason::Chain] {
+            match (&outcome, reason) {
+                (Err(e), Some(x)) if x == r => self.set(r, Err(e.to_string())),
+                _ => self.set(r, Ok(())),
+            }
+        }
+    }
+
+    fn chain_once(&self, own: &Path, since: Option<Instant>) -> Result<(), Error> {
+        let primary = chain::find_primary(&self.args.cni_conf_dir, &self.args.conflist_name)?;
+        let (body, as_passed) = chain::chain(&primary, &self.entry)?;
+        (self.plugin.validate_entry)(&as_passed)
+            .map_err(|why| Error::EntryRefused { path: primary.path.clone(), why })?;
+        if files::holds(own, &body, primary.mode) {
+            return Ok(());
+        }
+        files::write_atomic(own, &body, primary.mode).map_err(|source| Error::Write { path: own.into(), source })?;
+        self.count_write("conflist", own, self.conflist_installed, since);
+        Ok(())
+    }
+
+    /// doctor's kernel checks, until they pass once (the kernel does not lose features).
+    pub fn check_kernel(&mut self) {
+        if self.kernel_ok {
+            return;
+        }
+        let outcome = (self.plugin.kernel_checks)().map_err(|e| Error::Kernel(e).to_string());
+        self.kernel_ok = outcome.is_ok();
+        self.set(Reason::Kernel, outcome);
+    }
+
+    /// Mirrors the status into the metrics and the state directory's marker: present (with
+    /// every reason) while not ready, absent once ready.
+    pub fn publish(&mut self) {
+        let (text, ready) = {
+            let status = self.shared.status.lock().unwrap();
+            self.metrics().set_status(&status);
+            let reasons: Vec<String> = status.not_ready.iter().map(|(r, w)| format!("{}: {w}", r.name())).collect();
+            (format!("aether-cni installer: {}\n", reasons.join("; ")), reasons.is_empty())
+        };
+        let marker = self.args.state_dir.join(self.plugin.not_ready_marker);
+        let want = if ready { None } else { Some(text) };
+        if want == self.marker_written && (want.is_some() == marker.exists()) {
+            return;
+        }
+        let written = match &want {
+            Some(t) => files::write_atomic(&marker, t.as_bytes(), 0o600),
+            None => files::remove(&marker).map(|_| ()),
+        };
+        match written {
+            Ok(()) => self.marker_written = want,
+            Err(e) => eprintln!("aether-cni install: cannot update {}: {e}", marker.display()),
+        }
+    }
+
+    /// One full pass: binary first (the entry must never name a missing plugin), then the
+    /// kernel checks and the conflist.
+    pub fn reconcile_all(&mut self) {
+        self.reconcile_binary(None);
+        self.check_kernel();
+        self.reconcile_conflist(None);
+        self.set(Reason::Starting, Ok(()));
+        self.publish();
+    }
+
+    /// Removes the entry, then the binary, after marking the node not ready; or, for an
+    /// upgrade, leaves both for the next installer.
+    pub fn uninstall(&mut self) -> Result<(), Error> {
+        if self.args.upgrade || self.args.state_dir.join(UPGRADE_FILE).exists() {
+            eprintln!("aether-cni install: stopping for an upgrade: the binary and the entry stay");
+            return Ok(());
+        }
+        {
+            let mut status = self.shared.status.lock().unwrap();
+            status.not_ready.clear();
+            status
+                .not_ready
+                .insert(Reason::Uninstalled, "the installer stopped and removed aether-cni from this node".into());
+        }
+        self.publish();
+        for path in [self.conflist_path(), self.binary_path()] {
+            files::remove_stale_temps(&path);
+            match files::remove(&path) {
+                Ok(true) => eprintln!("aether-cni install: removed {}", path.display()),
+                Ok(false) => {}
+                Err(source) => return Err(Error::Remove { path, source }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reconciles on every change and every resync period until `Stop`, then uninstalls.
+    pub fn run(mut self, rx: Receiver<Msg>, watcher: Watcher) -> Result<(), Error> {
+        self.reconcile_all();
+        loop {
+            let first = match rx.recv_timeout(self.args.resync()) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => {
+                    watcher.rewatch(&[&self.args.cni_conf_dir, &self.args.cni_bin_dir]);
+                    self.reconcile_all();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            // Coalesce a burst (a rename is several events) into one pass, timed from its start.
+            let (mut since, mut conf, mut bin, mut stop) = (None, false, false, false);
+            for m in std::iter::once(first).chain(rx.try_iter()) {
+                match m {
+                    Msg::Stop => stop = true,
+                    Msg::Changed { name, at } => {
+                        since = Some(since.map_or(at, |s: Instant| s.min(at)));
+                        match name {
+                            Some(n) if n == BINARY_NAME => bin = true,
+                            Some(n) if n.to_string_lossy().contains(".aether-tmp.") => {}
+                            Some(_) => conf = true,
+                            None => (conf, bin) = (true, true),
+                        }
+                    }
+                }
+            }
+            if stop {
+                break;
+            }
+            if bin {
+                self.reconcile_binary(since);
+            }
+            if conf {
+                self.reconcile_conflist(since);
+            }
+            self.publish();
+        }
+        drop(watcher);
+        self.uninstall()
+    }
+}
+
+/// inotify on the conf and bin directories; each event becomes a `Msg::Changed`.
+pub struct Watcher {
+    watches: inotify::Watches,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+const WATCH_MASK: inotify::WatchMask = inotify::WatchMask::CREATE
+    .union(inotify::WatchMask::CLOSE_WRITE)
+    .union(inotify::WatchMask::MODIFY)
+    .union(inotify::WatchMask::MOVED_TO)
+    .union(inotify::WatchMask::MOVED_FROM)
+    .union(inotify::WatchMask::DELETE)
+    .union(inotify::WatchMask::ATTRIB)
+    .union(inotify::WatchMask::DELETE_SELF)
+    .union(inotify::WatchMask::MOVE_SELF);
+
+impl Watcher {
+    pub fn start(tx: Sender<Msg>, dirs: &[&Path]) -> Result<Watcher, Error> {
+        let mut inotify = inotify::Inotify::init().map_err(Error::Watch)?;
+        let watches = inotify.watches();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("installer-inotify".into())
+            .spawn(move || {
+                let mut buf = [0u8; 8192];
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(events) = inotify.read_events_blocking(&mut buf) else { break };
+                    let at = Instant::now();
+                    for e in events {
+                        if tx.send(Msg::Changed { name: e.name.map(|n| n.to_os_string()), at }).is_err() {
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(Error::Watch)?;
+        let w = Watcher { watches, stop, thread: Some(thread) };
+        w.rewatch(dirs);
+        Ok(w)
+    }
+
+    /// (Re)adds the watches: a directory created or replaced after start is picked up.
+    pub fn rewatch(&self, dirs: &[&Path]) {
+        let mut watches = self.watches.clone();
+        for d in dirs {
+            let _ = watches.add(d, WATCH_MASK);
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Wake the blocked read: a watch on a fresh temp directory, then its removal.
+        let wake = std::env::temp_dir().join(format!(".aether-installer-wake.{}", std::process::id()));
+        let mut watches = self.watches.clone();
+        if fs::create_dir_all(&wake).is_ok() {
+            let _ = watches.add(&wake, inotify::WatchMask::DELETE_SELF);
+            let _ = fs::remove_dir(&wake);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A running installer: its HTTP face, watcher and reconcile loop.
+pub struct Running {
+    tx: Sender<Msg>,
+    thread: std::thread::JoinHandle<Result<(), Error>>,
+    server: serve::Server,
+    pub shared: Arc<Shared>,
+}
+
+impl Running {
+    pub fn addr(&self) -> SocketAddr {
+        self.server.addr
+    }
+
+    /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
+    pub fn stop(self) -> Result<(), Error> {
+        let _ = self.tx.send(Msg::Stop);
+        let out = self.thread.join().expect("the installer loop does not panic");
+        drop(self.server);
+        out
+    }
+}
+
+/// Checks the directories, binds the HTTP address and starts watching, then reconciles on
+/// a thread of its own. Any error here comes before anything is installed.
+pub fn start(args: InstallArgs, plugin: Plugin, binary: Vec<u8>) -> Result<Running, Error> {
+    let plugin = Arc::new(plugin);
+    let shared = Arc::new(Shared::new());
+    let node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
+    node.preflight()?;
+    let server = serve::start(args.listen, shared.clone(), plugin)?;
+    let (tx, rx) = mpsc::channel();
+    let watcher = Watcher::start(tx.clone(), &[&args.cni_conf_dir, &args.cni_bin_dir])?;
+    let thread = std::thread::Builder::new()
+        .name("installer".into())
+        .spawn(move || node.run(rx, watcher))
+        .map_err(Error::Watch)?;
+    Ok(Running { tx, thread, server, shared })
+}
+
+/// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
+/// for an upgrade). The binary installed is this process's own executable.
+pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
+    let self_exe = PathBuf::from("/proc/self/exe");
+    let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(Error::Signals)?;
+    let running = start(args, plugin, binary)?;
+    eprintln!("aether-cni install: serving /healthz, /readyz, /metrics on {}", running.addr());
+    if let Some(sig) = signals.forever().next() {
+        eprintln!("aether-cni install: signal {sig}: stopping");
+    }
+    running.stop()
+}
