@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
-use crate::clients::{clients_dir, exec, must, render, repo, LibcniCache, TempDir};
+use crate::clients::{clients_dir, exec, must, render, repo, terminate, LibcniCache, TempDir};
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
@@ -184,17 +184,9 @@ impl Containerd {
     /// Stops containerd (SIGTERM to its PID, SIGKILL after 10 s). Its shims and the pods
     /// keep running, as on a node where containerd restarts.
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
         // nsenter execs containerd: the child's PID is containerd's.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(10));
         }
     }
 
@@ -290,6 +282,26 @@ impl Containerd {
             pid: info["pid"].as_u64().expect("pid in the sandbox info"),
             status: r["status"].clone(),
         })
+    }
+
+    /// The CNI configuration containerd's CRI plugin has loaded (verbose Status,
+    /// `cniconfig`): it reloads on changes in the conf dir, a moment after they happen.
+    pub fn cni_config(&self) -> String {
+        let r = self.cri("Status", &json!({"verbose": true})).unwrap_or_else(|e| panic!("Status: {e}"));
+        r["info"]["cniconfig"].as_str().unwrap_or_default().to_string()
+    }
+
+    /// Waits (up to 20 s) until the loaded CNI configuration satisfies `cond`.
+    pub fn wait_cni_config(&self, what: &str, cond: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let config = self.cni_config();
+            if cond(&config) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "containerd never loaded {what}; it has:\n{config}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn stop_pod(&self, id: &str) {

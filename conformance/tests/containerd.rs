@@ -14,7 +14,9 @@
 use std::process::Command;
 use std::time::Instant;
 
-use aether_conformance::clients::{assert_captured, assert_clean, capture_state, client, exec, records, table_handle};
+use aether_conformance::clients::{
+    assert_captured, assert_clean, capture_state, client, exec, records, table_handle, terminate, KeptNetns,
+};
 use aether_conformance::cni_bin;
 use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, CHAINED_CONFLIST};
 use aether_testkit::root_or_skip;
@@ -25,27 +27,6 @@ const NET: NodeNet = NodeNet { bridge: "aectrd0", subnet: "10.250.9.0/24", gatew
 /// The test may run: root, and everything `make clients-deps` installs.
 fn ready(test: &str) -> bool {
     root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
-}
-
-/// A second handle on a pod's netns (`ip netns attach` to its pause process), so what DEL
-/// left in it can be seen after containerd released it; deleted on drop.
-struct KeptNetns(String);
-
-impl KeptNetns {
-    fn new(tag: &str, pid: u64) -> Self {
-        let name = format!("aeth-{tag}-{}", std::process::id());
-        aether_testkit::run("ip", &["netns", "attach", &name, &pid.to_string()]);
-        KeptNetns(name)
-    }
-    fn path(&self) -> String {
-        format!("/run/netns/{}", self.0)
-    }
-}
-
-impl Drop for KeptNetns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
 }
 
 /// `aether-cni inspect <sandbox id>` against the network's state dir: (exit ok, stdout+stderr).
@@ -65,7 +46,7 @@ fn ready_sandbox(ctrd: &Containerd, id: &str) -> Sandbox {
 /// the capture (seen through a kept handle on the netns), the veth, the record, the lease,
 /// libcni's cache, containerd's netns mount and the pause container.
 fn stop_and_remove(ctrd: &Containerd, id: &str, sb: &Sandbox, tag: &str) {
-    let kept = KeptNetns::new(tag, sb.pid);
+    let kept = KeptNetns::attach(tag, sb.pid);
     ctrd.stop_pod(id);
     assert_clean(&kept.path());
     assert!(!std::path::Path::new(&sb.netns).exists(), "containerd kept {} after StopPodSandbox", sb.netns);
@@ -235,4 +216,131 @@ fn direct_add_ruleset(ctrd: &Containerd, annotations: &serde_json::Value) -> Str
 /// The plugin's log, for failure messages.
 fn log(ctrd: &Containerd) -> String {
     std::fs::read_to_string(&ctrd.log_file).unwrap_or_default()
+}
+
+/// Each entry of a directory: its name and what it holds (a symlink's target, a file's bytes).
+fn dir_state(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            let held = match std::fs::read_link(&p) {
+                Ok(target) => target.display().to_string().into_bytes(),
+                Err(_) => std::fs::read(&p).unwrap_or_default(),
+            };
+            (e.file_name().to_string_lossy().into_owned(), held)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn names(state: &[(String, Vec<u8>)]) -> Vec<&str> {
+    state.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// `aether-cni install`, the DaemonSet's container, run against the node's directories in
+/// the node netns (its /healthz listener exists only there); stopped by PID (SIGTERM:
+/// uninstall), also on failure.
+struct Installer(std::process::Child);
+
+impl Installer {
+    fn start(ctrd: &Containerd) -> Self {
+        let log = std::fs::File::create(ctrd.dir.join("installer.log")).unwrap();
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", ctrd.node.path()))
+            .arg(cni_bin())
+            .arg("install")
+            .arg("--cni-bin-dir")
+            .arg(&ctrd.bin_dir)
+            .arg("--cni-conf-dir")
+            .arg(&ctrd.net_dir)
+            .arg("--state-dir")
+            .arg(&ctrd.state_dir)
+            .args(["--host-ip", NET.gateway, "--resync-seconds", "1"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn aether-cni install");
+        Installer(child)
+    }
+
+    /// SIGTERM, and the installer's exit status (it uninstalls first).
+    fn stop(&mut self) -> std::process::ExitStatus {
+        terminate(&mut self.0, std::time::Duration::from_secs(20))
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[test]
+fn containerd_node_installer_chains_captures_and_uninstall_restores() {
+    let test = "containerd_node_installer";
+    if !ready(test) {
+        return;
+    }
+    let started = Instant::now();
+    // A node whose CNI is bridge + host-local + portmap alone, and nothing of aether-cni.
+    let mut ctrd = Containerd::new("ctrdinst", &NET, false);
+    let (conf_before, bin_before) = (dir_state(&ctrd.net_dir), dir_state(&ctrd.bin_dir));
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let before = ctrd.run_pod("shop", "before-0", None).unwrap_or_else(|e| panic!("RunPodSandbox before install: {e}"));
+    let sb = ready_sandbox(&ctrd, &before);
+    assert!(!capture_state(&sb.netns).0.contains("aether"), "a pod was captured before the installer ran");
+    stop_and_remove(&ctrd, &before, &sb, "ctrdinstkeep0");
+
+    // The installer: it copies the binary and chains the entry onto the node's conflist;
+    // containerd picks the chained file up by itself.
+    let mut installer = Installer::start(&ctrd);
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let conf = dir_state(&ctrd.net_dir);
+    let bin = dir_state(&ctrd.bin_dir);
+    assert!(names(&bin).contains(&"aether-cni"), "the installer did not install the binary: {:?}", names(&bin));
+    assert!(names(&conf).len() == names(&conf_before).len() + 1, "one chained conflist expected: {:?}", names(&conf));
+
+    // Pods start captured, with no other setup: no annotations, and annotated.
+    let pod = ctrd
+        .run_pod("shop", "cart-0", None)
+        .unwrap_or_else(|e| panic!("RunPodSandbox after install: {e}\n--- installer\n{}", installer_log(&ctrd)));
+    let sb = ready_sandbox(&ctrd, &pod);
+    assert_captured(&sb.netns, &["dnat to 10.250.9.1:18054"]);
+    let (ok, text) = inspect(&ctrd, &pod);
+    assert!(ok && text.contains("pod shop/cart-0"), "aether-cni inspect after install:\n{text}");
+    let annotated = ctrd
+        .run_pod("shop", "cart-1", Some(json!({"aether.io/exclude-outbound-ports": "8443"})))
+        .unwrap_or_else(|e| panic!("RunPodSandbox (annotated) after install: {e}"));
+    let annotated_sb = ready_sandbox(&ctrd, &annotated);
+    assert_captured(&annotated_sb.netns, &["8443"]);
+    stop_and_remove(&ctrd, &pod, &sb, "ctrdinstkeep1");
+    stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdinstkeep2");
+
+    // Uninstall (SIGTERM): the node's directories as they were, and pods start uncaptured.
+    let status = installer.stop();
+    assert!(status.success(), "the installer's uninstall failed ({status}):\n{}", installer_log(&ctrd));
+    assert_eq!(dir_state(&ctrd.net_dir), conf_before, "the conf dir differs after uninstall");
+    assert_eq!(dir_state(&ctrd.bin_dir), bin_before, "the bin dir differs after uninstall");
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+    let after = ctrd.run_pod("shop", "after-0", None).unwrap_or_else(|e| panic!("RunPodSandbox after uninstall: {e}"));
+    let sb = ready_sandbox(&ctrd, &after);
+    let (ruleset, rules, _, _) = capture_state(&sb.netns);
+    assert!(
+        !ruleset.contains("aether") && !rules.contains("0xae71"),
+        "a pod was captured after uninstall:\n{ruleset}{rules}"
+    );
+    stop_and_remove(&ctrd, &after, &sb, "ctrdinstkeep3");
+
+    eprintln!(
+        "{test}: aether-cni install on a containerd node, pods captured, uninstall restored it, in {:?}",
+        started.elapsed()
+    );
+}
+
+fn installer_log(ctrd: &Containerd) -> String {
+    std::fs::read_to_string(ctrd.dir.join("installer.log")).unwrap_or_default()
 }
