@@ -257,7 +257,7 @@ fn a_concurrent_reader_never_sees_a_partial_binary_or_conflist() {
         let tmpb = fake.bin.join(".foreign.tmp");
         fs::write(&tmpb, fake_binary(1 << 20, 5)).unwrap();
         fs::rename(&tmpb, fake.bin.join("aether-cni")).unwrap();
-        let want = format!("\"mtu\": {}", 1001 + i);
+        let want = format!("\"mtu\":{}", 1001 + i);
         wait_for(&r, "repair", || {
             fs::read_to_string(fake.chained()).unwrap_or_default().contains(&want)
                 && fs::read(fake.bin.join("aether-cni")).is_ok_and(|b| b == fake_binary(1 << 20, 4))
