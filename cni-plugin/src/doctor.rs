@@ -18,7 +18,7 @@ fn base() -> CaptureConfig {
 
 fn with_dns() -> CaptureConfig {
     let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
-    c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
+    c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(), port: capture::DNS_PROXY_PORT });
     c
 }
 

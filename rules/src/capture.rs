@@ -1,9 +1,10 @@
 //! The pod capture ruleset (DESIGN.md "The pod ruleset"), built from a `CaptureConfig`.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net};
 
+use crate::family::Family;
 use crate::error::{Error, Result};
 use crate::model::*;
 use crate::route::PolicyRoute;
@@ -32,6 +33,8 @@ pub const KUBE_PROXY_MARKS: [u32; 2] = [0x4000, 0x8000];
 
 /// Networks never captured nor DNATed: loopback, link-local, multicast.
 pub const FIXED_EXCLUDED_NETS: [&str; 3] = ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"];
+/// The same for IPv6.
+pub const FIXED_EXCLUDED_NETS6: [&str; 3] = ["::1/128", "fe80::/10", "ff00::/8"];
 
 /// Table and set names, shared by builders and readers.
 pub const TABLE: &str = "aether_capture";
@@ -69,20 +72,33 @@ pub struct CaptureConfig {
     pub capture_port: u16,
     pub mesh_l4_port: u16,
     pub scoped_ports: Vec<u16>,
-    /// Where `:53` goes; `None` leaves DNS alone entirely.
+    /// Where the IPv4 table sends `:53`; `None` leaves IPv4 DNS alone entirely.
     pub dns: Option<DnsDivert>,
-    pub excluded_cidrs: Vec<Ipv4Net>,
+    /// Where the IPv6 table sends `:53` (the node's IPv6 address); `None` leaves it alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_ipv6: Option<DnsDivert>,
+    /// Networks of either family; each family's table takes its own.
+    pub excluded_cidrs: Vec<IpNet>,
     pub excluded_ports: Vec<PortRange>,
     pub divert_mark: u32,
     pub passthrough_mark: u32,
     pub route_table: u32,
     pub rule_priority: u32,
+    /// The families the pod has addresses in: one table, one policy rule and one route
+    /// each. Records from before IPv6 have none written: IPv4.
+    #[serde(default = "ipv4_only")]
+    pub families: Vec<Family>,
 }
 
+fn ipv4_only() -> Vec<Family> {
+    vec![Family::Ipv4]
+}
+
+/// A DNS proxy address and port; the address is of the family of the table that DNATs to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DnsDivert {
-    pub host_ip: Ipv4Addr,
+    pub host_ip: IpAddr,
     pub port: u16,
 }
 
@@ -95,12 +111,22 @@ impl CaptureConfig {
             mesh_l4_port: MESH_L4_PORT,
             scoped_ports: SCOPED_PORTS.to_vec(),
             dns: None,
+            dns_ipv6: None,
             excluded_cidrs: Vec::new(),
             excluded_ports: Vec::new(),
             divert_mark: DIVERT_MARK,
             passthrough_mark: PASSTHROUGH_MARK,
             route_table: ROUTE_TABLE,
             rule_priority: RULE_PRIORITY,
+            families: ipv4_only(),
+        }
+    }
+
+    /// Where `family`'s table sends `:53`, if anywhere.
+    pub fn dns_for(&self, family: Family) -> Option<DnsDivert> {
+        match family {
+            Family::Ipv4 => self.dns,
+            Family::Ipv6 => self.dns_ipv6,
         }
     }
 
@@ -137,9 +163,16 @@ impl CaptureConfig {
         if self.scoped_ports.contains(&0) {
             return bad("scoped port 0 is not a port".into());
         }
-        if let Some(dns) = self.dns {
+        if self.families.is_empty() {
+            return bad("no address family to capture".into());
+        }
+        for family in Family::ALL {
+            let Some(dns) = self.dns_for(family) else { continue };
             if dns.port == 0 {
                 return bad("DNS proxy port must not be 0".into());
+            }
+            if Family::of(dns.host_ip) != family {
+                return bad(format!("host IP {} is not an {family} address, for the {family} table", dns.host_ip));
             }
             if dns.host_ip.is_unspecified() || dns.host_ip.is_loopback() || dns.host_ip.is_multicast() {
                 return bad(format!(
@@ -164,7 +197,7 @@ impl CaptureConfig {
     /// The policy rule and route that deliver diverted packets to `lo`.
     pub fn policy_route(&self) -> PolicyRoute {
         PolicyRoute {
-            family: crate::Family::Ipv4,
+            family: Family::Ipv4,
             fwmark: self.divert_mark,
             table: self.route_table,
             priority: self.rule_priority,
@@ -179,7 +212,10 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.to_string() };
 
     let mut nets: Vec<Ipv4Net> = FIXED_EXCLUDED_NETS.iter().map(|n| n.parse().expect("constant")).collect();
-    nets.extend(cfg.excluded_cidrs.iter().map(|n| n.trunc()));
+    nets.extend(cfg.excluded_cidrs.iter().filter_map(|n| match n {
+        IpNet::V4(n) => Some(n.trunc()),
+        IpNet::V6(_) => None,
+    }));
     let mut ports = cfg.excluded_ports.clone();
     let excluded_nets = Set {
         name: SET_EXCLUDED_NETS.into(),
@@ -277,6 +313,9 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         },
     ];
     if let Some(dns) = cfg.dns {
+        let std::net::IpAddr::V4(host) = dns.host_ip else {
+            unreachable!("validate() checks the DNS address is of the table's family")
+        };
         chains.push(Chain {
             name: CHAIN_DNS.into(),
             hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
@@ -293,12 +332,12 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
                 ),
                 rule(
                     vec![Match::Dport(Proto::Udp, 53)],
-                    Action::Dnat(dns.host_ip, dns.port),
+                    Action::Dnat(host, dns.port),
                     "DNS over UDP goes to the node DNS proxy",
                 ),
                 rule(
                     vec![Match::Dport(Proto::Tcp, 53)],
-                    Action::Dnat(dns.host_ip, dns.port),
+                    Action::Dnat(host, dns.port),
                     "DNS over TCP goes to the node DNS proxy",
                 ),
             ],
@@ -400,7 +439,7 @@ mod tests {
                 }),
                 "scoped",
             ),
-            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: Ipv4Addr::LOCALHOST, port: 18054 })), "host IP"),
+            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::LOCALHOST.into(), port: 18054 })), "host IP"),
             (Box::new(|c| c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 0 })), "DNS proxy port"),
         ];
         for (tweak, want) in cases {
