@@ -8,7 +8,7 @@ use crate::config::{self, NetConf, SUPPORTED_VERSIONS};
 use crate::env::Env;
 use crate::error::{code, CniError};
 use crate::services;
-use crate::state::{self, Record, StateDir};
+use crate::state::{PodNetns, Record, StateDir};
 use crate::{debug, info, warn};
 
 /// What a command prints on success (nothing for DEL and CHECK).
@@ -27,6 +27,22 @@ pub fn run(env: &Env, stdin: &[u8]) -> Result<Output, CniError> {
             format!("is {other:?}, expected ADD, DEL, CHECK, STATUS, GC or VERSION"),
         )),
     }
+}
+
+/// Reads the network configuration from `input`, at most [`config::MAX_STDIN_BYTES`]: what
+/// was read, and whether it was all of it.
+pub fn read_stdin(input: impl std::io::Read) -> (Vec<u8>, Result<(), CniError>) {
+    let mut buf = Vec::new();
+    let limit = config::MAX_STDIN_BYTES;
+    let read = std::io::Read::read_to_end(&mut std::io::Read::take(input, limit as u64 + 1), &mut buf);
+    let outcome = match read {
+        Err(e) => Err(CniError::new(code::IO_FAILURE, "cannot read stdin").with_details(e.to_string())),
+        Ok(n) if n > limit => Err(CniError::invalid_config(format!(
+            "the network configuration on stdin is over the limit of {limit} bytes (prevResult and annotations included)"
+        ))),
+        Ok(_) => Ok(()),
+    };
+    (buf, outcome)
 }
 
 fn load(stdin: &[u8]) -> Result<NetConf, CniError> {
@@ -61,17 +77,138 @@ fn version(stdin: &[u8]) -> Result<Output, CniError> {
     Ok(Some(json!({ "cniVersion": v, "supportedVersions": SUPPORTED_VERSIONS })))
 }
 
-/// The chained result: `prevResult` untouched, at the configuration's version.
+/// The chained result: `prevResult` untouched (once it proves to be a result of the
+/// configuration's version), labelled with that version when it had no label.
 fn pass_through(conf: &NetConf) -> Result<Value, CniError> {
     let mut result = conf.prev_result.clone().ok_or_else(|| {
         CniError::invalid_config(
             "prevResult is missing: aether-cni is a chained plugin and must run after the main CNI plugin",
         )
     })?;
-    let obj =
-        result.as_object_mut().ok_or_else(|| CniError::new(code::DECODE_FAILURE, "prevResult is not a JSON object"))?;
-    obj.insert("cniVersion".into(), json!(conf.cni_version));
+    check_prev_result(&conf.cni_version, &result)?;
+    let obj = result.as_object_mut().expect("checked to be an object");
+    obj.entry("cniVersion").or_insert_with(|| json!(conf.cni_version));
     Ok(result)
+}
+
+/// Checks that `prev` is a CNI result of `version` (the configuration's), as the reference
+/// plugins do (libcni's `ParsePrevResult`): the version must match (a result of another
+/// version is not converted, code 1), and every field the result type defines has its type,
+/// addresses and CIDRs parse (code 6, naming the field and a short prefix of the value).
+/// Fields the type does not define are tolerated and passed through. A prevResult without a
+/// `cniVersion` is read at the configuration's version (CNI spec).
+pub fn check_prev_result(version: &str, prev: &Value) -> Result<(), CniError> {
+    let bad = |field: &str, v: &Value, want: &str| {
+        CniError::new(
+            code::DECODE_FAILURE,
+            format!("prevResult.{field} has {}: expected {want}", config::shown(&v.to_string())),
+        )
+    };
+    let obj = prev.as_object().ok_or_else(|| bad("", prev, "a CNI result object"))?;
+    match obj.get("cniVersion") {
+        None => {}
+        Some(Value::String(v)) if v == version => {}
+        Some(Value::String(v)) => {
+            return Err(CniError::new(
+                code::INCOMPATIBLE_VERSION,
+                format!(
+                    "prevResult is a {} result but the configuration's cniVersion is {version}; the runtime must pass the previous plugin's result at the configuration's version",
+                    config::shown(v)
+                ),
+            ))
+        }
+        Some(v) => return Err(bad("cniVersion", v, "a version string")),
+    }
+    let list = |field: &str| -> Result<&[Value], CniError> {
+        match obj.get(field) {
+            None | Some(Value::Null) => Ok(&[]),
+            Some(Value::Array(a)) => Ok(a),
+            Some(v) => Err(bad(field, v, "a list")),
+        }
+    };
+    let member = |path: &str, item: &Value| -> Result<serde_json::Map<String, Value>, CniError> {
+        item.as_object().cloned().ok_or_else(|| bad(path, item, "an object"))
+    };
+    let string = |path: String, v: Option<&Value>| match v {
+        None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
+        Some(v) => Err(bad(&path, v, "a string")),
+    };
+    let number = |path: String, v: Option<&Value>| match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) if v.as_i64().is_some() => Ok(()),
+        Some(v) => Err(bad(&path, v, "an integer")),
+    };
+    let address = |path: String, v: Option<&Value>, cidr: bool, required: bool| match v {
+        None | Some(Value::Null) if !required => Ok(()),
+        Some(Value::String(s)) if cidr && parse_cidr(s).is_some() => Ok(()),
+        Some(Value::String(s)) if !cidr && s.parse::<std::net::IpAddr>().is_ok() => Ok(()),
+        Some(v) => Err(bad(&path, v, if cidr { "an address with a prefix length (CIDR)" } else { "an IP address" })),
+        None => Err(CniError::new(code::DECODE_FAILURE, format!("prevResult.{path} is missing"))),
+    };
+    for (i, item) in list("interfaces")?.iter().enumerate() {
+        let m = member(&format!("interfaces[{i}]"), item)?;
+        for f in ["name", "mac", "sandbox", "socketPath", "pciID"] {
+            string(format!("interfaces[{i}].{f}"), m.get(f))?;
+        }
+        number(format!("interfaces[{i}].mtu"), m.get("mtu"))?;
+    }
+    for (i, item) in list("ips")?.iter().enumerate() {
+        let m = member(&format!("ips[{i}]"), item)?;
+        address(format!("ips[{i}].address"), m.get("address"), true, true)?;
+        address(format!("ips[{i}].gateway"), m.get("gateway"), false, false)?;
+        number(format!("ips[{i}].interface"), m.get("interface"))?;
+        if version.starts_with("0.") {
+            // 0.3.x/0.4.0 results say each address's family ("4" or "6"); 1.0.0 dropped it.
+            let family = m.get("address").and_then(Value::as_str).and_then(parse_cidr).map(|ip| match ip {
+                std::net::IpAddr::V4(_) => "4",
+                std::net::IpAddr::V6(_) => "6",
+            });
+            match m.get("version") {
+                None => {}
+                Some(Value::String(v)) if Some(v.as_str()) == family => {}
+                Some(v) => return Err(bad(&format!("ips[{i}].version"), v, "\"4\" or \"6\", the address's family")),
+            }
+        }
+    }
+    for (i, item) in list("routes")?.iter().enumerate() {
+        let m = member(&format!("routes[{i}]"), item)?;
+        address(format!("routes[{i}].dst"), m.get("dst"), true, true)?;
+        address(format!("routes[{i}].gw"), m.get("gw"), false, false)?;
+        for f in ["mtu", "advmss", "priority", "table", "scope"] {
+            number(format!("routes[{i}].{f}"), m.get(f))?;
+        }
+    }
+    match obj.get("dns") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(d)) => {
+            string("dns.domain".into(), d.get("domain"))?;
+            for f in ["nameservers", "search", "options"] {
+                match d.get(f) {
+                    None | Some(Value::Null) => {}
+                    Some(Value::Array(a)) => {
+                        for (i, x) in a.iter().enumerate() {
+                            string(format!("dns.{f}[{i}]"), Some(x))?;
+                        }
+                    }
+                    Some(v) => return Err(bad(&format!("dns.{f}"), v, "a list of strings")),
+                }
+            }
+        }
+        Some(v) => return Err(bad("dns", v, "an object")),
+    }
+    Ok(())
+}
+
+/// An address with a prefix length, as Go's `net.ParseCIDR` reads it (host bits allowed).
+fn parse_cidr(s: &str) -> Option<std::net::IpAddr> {
+    let (addr, prefix) = s.split_once('/')?;
+    let ip: std::net::IpAddr = addr.parse().ok()?;
+    let max = if ip.is_ipv4() { 32 } else { 128 };
+    (!prefix.is_empty() && prefix.len() <= 3 && prefix.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| prefix.parse::<u8>().ok())
+        .flatten()
+        .filter(|p| *p <= max)
+        .map(|_| ip)
 }
 
 /// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
@@ -102,17 +239,7 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let fail = injected_failure();
     let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
     netns.run(|| aether_rules::install(&ruleset, fail_step))??;
-    let record = Record {
-        network: conf.name.clone(),
-        container_id: id.to_string(),
-        ifname: ifname.to_string(),
-        netns: netns_path.to_string(),
-        pod_namespace: env.args.pod_namespace.clone(),
-        pod_name: env.args.pod_name.clone(),
-        pod_uid: env.args.pod_uid.clone(),
-        config_digest: state::digest(&format!("{cfg:?}")),
-        capture: Some(cfg.clone()),
-    };
+    let record = Record::new(&conf.name, id, ifname, &netns, netns_path, &env.args, cfg.clone());
     let recorded = if fail.as_deref() == Some("record") {
         Err(CniError::new(code::IO_FAILURE, "injected failure at step record"))
     } else {
@@ -154,44 +281,92 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let ifname = env.require_ifname()?;
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(false)?;
-    let record = state.read(&conf.name, id, ifname);
-    // Without CNI_NETNS, the record still knows where the pod lived.
-    let netns_path = env.netns.clone().or_else(|| record.as_ref().map(|r| r.netns.clone()));
-    detach(netns_path.as_deref(), conf, record.as_ref(), id, || state.remove(&conf.name, id, ifname))?;
+    let record = state.read(&conf.name, id, ifname).unwrap_or_else(|u| {
+        // DEL forgets the attachment whatever its record says; a damaged one is removed.
+        warn!(file = %u.file, why = %u.why, "the attachment record cannot be read; removing it");
+        None
+    });
+    let netns = match (env.netns.as_deref(), &record) {
+        // Without CNI_NETNS, the record still knows where the pod lived.
+        (None, Some(r)) => live(r.open_netns().map_err(|e| record_netns_error(r, e))?, id),
+        (None, None) => None,
+        (Some(path), _) => match Netns::open_foreign(path) {
+            Err(aether_netns::Error::NotFound { .. }) => {
+                info!(netns = %path, "netns is already gone; nothing to remove there");
+                None
+            }
+            Err(e) => return Err(e.into()),
+            // The namespace at CNI_NETNS must be the one ADD programmed: a path (or PID) reused
+            // by another pod is that pod's, and is left alone.
+            Ok(ns) => match &record {
+                Some(r) if !r.owns(&ns) => {
+                    info!(netns = %path, found = %ns.id(), "another namespace than ADD programmed is at the path; left alone");
+                    None
+                }
+                Some(_) => Some(ns),
+                None => match state.records().into_iter().find(|o| o.netns_id.is_some_and(|i| i.matches(&ns))) {
+                    Some(owner) => {
+                        info!(netns = %path, owner = %owner.key(), "no record, and the namespace is another attachment's; left alone");
+                        None
+                    }
+                    None => Some(ns),
+                },
+            },
+        },
+    };
+    let key = format!("{}/{id}/{ifname}", conf.name);
+    detach(netns, conf, record.as_ref(), &key, || state.remove(&conf.name, id, ifname))?;
     Ok(None)
 }
 
-/// Undoes an attachment: the pod's Service layer (its counts folded into the node totals)
-/// and its record go together under the services lock, then the capture. A netns that is
-/// already gone is fine.
-fn detach(
-    path: Option<&str>,
-    conf: &NetConf,
-    record: Option<&Record>,
-    id: &str,
-    forget: impl FnOnce() -> Result<(), CniError>,
-) -> Result<(), CniError> {
-    let netns = match path.map(Netns::open_foreign) {
-        None => None,
-        Some(Ok(ns)) => Some(ns),
-        Some(Err(aether_netns::Error::NotFound { .. })) => {
-            info!(container = %id, netns = %path.unwrap_or_default(), "netns is already gone; nothing to remove there");
+/// The pod's netns if it is still there, logging why not.
+fn live(found: PodNetns, id: &str) -> Option<Netns> {
+    match found {
+        PodNetns::Live(ns) => Some(ns),
+        PodNetns::Gone(why) => {
+            info!(attachment = %id, why = %why, "the pod's netns is gone; nothing to remove there");
             None
         }
-        Some(Err(e)) => return Err(e.into()),
-    };
-    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), forget)?;
-    for w in &retired.warnings {
-        warn!(container = %id, "{w}");
     }
-    if let Some(netns) = netns {
-        // The policy route ADD installed is in the record; without one (a record lost, or an
-        // ADD that failed before writing it) the node's settings name it.
-        let policy_route =
-            record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
-        let removed = netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??;
+}
+
+/// A recorded netns that cannot be opened for another reason than being gone. It names the
+/// record, not `CNI_NETNS` (which the runtime may not have set).
+fn record_netns_error(r: &Record, e: aether_netns::Error) -> CniError {
+    CniError::new(code::IO_FAILURE, format!("cannot open the netns {} recorded for {}", r.netns, r.key()))
+        .with_details(e.to_string())
+}
+
+/// Undoes an attachment: the capture in `netns` (the pod's, or `None` when it is gone),
+/// then, under the services lock, the pod's Service layer (its counts folded into the node
+/// totals first) and its record, last: a DEL killed at any point leaves the record, so a
+/// retried DEL (or GC) finishes the job.
+fn detach(
+    netns: Option<Netns>,
+    conf: &NetConf,
+    record: Option<&Record>,
+    key: &str,
+    forget: impl FnOnce() -> Result<(), CniError>,
+) -> Result<(), CniError> {
+    let removed = match &netns {
+        Some(netns) => {
+            // The policy route ADD installed is in the record; without one (a record lost, or an
+            // ADD that failed before writing it) the node's settings name it.
+            let policy_route = record
+                .and_then(|r| r.capture.as_ref())
+                .map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
+            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??)
+        }
+        None => None,
+    };
+    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget)?;
+    let container = key.split('/').nth(1).unwrap_or(key);
+    for w in &retired.warnings {
+        warn!(container = %container, "{w}");
+    }
+    if let (Some(netns), Some(removed)) = (&netns, removed) {
         info!(
-            container = %id,
+            container = %container,
             netns = %netns.path().display(),
             table = removed.table,
             rule = removed.rule,
@@ -206,11 +381,10 @@ fn detach(
 fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
-    if conf.prev_result.is_none() {
-        return Err(CniError::invalid_config(
-            "prevResult is missing: the runtime must pass the result of ADD to CHECK",
-        ));
-    }
+    let Some(prev) = &conf.prev_result else {
+        return Err(CniError::invalid_config("prevResult is missing: the runtime must pass the result of ADD to CHECK"));
+    };
+    check_prev_result(&conf.cni_version, prev)?;
     let ifname = env.require_ifname()?;
     let netns = Netns::open_foreign(netns_path)?;
     let expected: Option<CaptureConfig> = config::effective(conf, env.args.pod_namespace.as_deref())?;
@@ -219,11 +393,26 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             let ruleset = capture::capture_ruleset(&cfg)?;
             let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
             match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
-                None => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
-                Some(r) if r.config_digest != state::digest(&format!("{cfg:?}")) => diffs.push(
-                    "the pod's capture configuration changed since ADD (annotations or network configuration)".into(),
-                ),
-                Some(_) => {}
+                Ok(None) => {
+                    diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display()))
+                }
+                Err(u) => diffs.push(format!("the attachment record {} cannot be read: {}", u.file, u.why)),
+                Ok(Some(r)) => {
+                    if !r.owns(&netns) {
+                        diffs.push(format!(
+                            "{netns_path} is another network namespace ({}) than the one ADD programmed",
+                            netns.id()
+                        ));
+                    }
+                    match &r.capture {
+                        Some(recorded) if *recorded != cfg => diffs.push(
+                            "the pod's capture configuration changed since ADD (annotations or network configuration)"
+                                .into(),
+                        ),
+                        Some(_) => {}
+                        None => diffs.push("the attachment record does not say what ADD programmed".into()),
+                    }
+                }
             }
             diffs
         }
@@ -266,30 +455,132 @@ pub fn kernel_probe() -> Result<(), String> {
 }
 
 /// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing
-/// what is left of their capture where their netns still exists. Keeps going past errors.
+/// what is left of their capture where their netns still exists, and clear what is
+/// provably stale: records of this network that cannot be read and are not valid
+/// attachments, files that are not records at all, temp files of dead writers. Keeps going
+/// past errors, then reports them; logs by name what it keeps.
 fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     env.require_path()?;
     let valid = conf.valid_attachments.clone().ok_or_else(|| {
         CniError::invalid_config("GC needs cni.dev/valid-attachments (or cni.dev/attachments) in the configuration")
     })?;
+    let is_valid = |c: &str, i: &str| valid.iter().any(|(vc, vi)| vc == c && vi == i);
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(true)?;
     let mut failures = Vec::new();
-    for rec in state.records().into_iter().filter(|r| r.network == conf.name) {
-        if valid.iter().any(|(c, i)| *c == rec.container_id && *i == rec.ifname) {
+    let scan = state.scan();
+    for rec in scan.records.iter().filter(|r| r.network == conf.name) {
+        if is_valid(&rec.container_id, &rec.ifname) {
             continue;
         }
-        let outcome = detach(Some(&rec.netns), conf, Some(&rec), &rec.container_id, || {
-            state.remove(&rec.network, &rec.container_id, &rec.ifname)
-        });
+        let key = rec.key();
+        let outcome = rec
+            .open_netns()
+            .map_err(|e| record_netns_error(rec, e))
+            .map(|found| live(found, &key))
+            .and_then(|netns| {
+                detach(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
+            });
         match outcome {
             Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
-            Err(e) => failures.push(format!("{}/{}: {e}", rec.container_id, rec.ifname)),
+            Err(e) => failures.push(format!("{key} (kept): {e}")),
+        }
+    }
+    for u in &scan.unreadable {
+        // Record files are named network+containerID+ifname.json (see StateDir).
+        let parts: Vec<&str> = u.file.strip_suffix(".json").map(|n| n.split('+').collect()).unwrap_or_default();
+        let stale = match parts.as_slice() {
+            [network, c, i] if *network == conf.name => !is_valid(c, i),
+            [_, _, _] => {
+                info!(file = %u.file, why = %u.why, "kept: another network's record, unreadable");
+                continue;
+            }
+            _ => true, // not a record's name: nobody's record
+        };
+        if !stale {
+            warn!(file = %u.file, why = %u.why, "kept: the record of a valid attachment cannot be read");
+            continue;
+        }
+        match state.remove_file(&u.file) {
+            Ok(()) => info!(file = %u.file, why = %u.why, "removed an unreadable record"),
+            Err(e) => failures.push(format!("{} (kept): {e}", u.file)),
+        }
+    }
+    for t in &scan.stale_temps {
+        match state.remove_file(t) {
+            Ok(()) => info!(file = %t, "removed a temp file its writer left"),
+            Err(e) => failures.push(format!("{t} (kept): {e}")),
         }
     }
     if failures.is_empty() {
         return Ok(None);
     }
-    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale attachment(s)", failures.len()))
+    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale item(s)", failures.len()))
         .with_details(failures.join("\n")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v1(extra: Value) -> Value {
+        let mut r = json!({
+            "cniVersion": "1.0.0",
+            "interfaces": [{"name": "eth0", "mac": "0a:58:0a:f4:01:05", "sandbox": "/var/run/netns/x", "mtu": 1500}],
+            "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 0}, {"address": "fd00::5/64"}],
+            "routes": [{"dst": "0.0.0.0/0", "gw": "10.244.1.1", "mtu": 1400, "table": 100}],
+            "dns": {"nameservers": ["10.96.0.10"], "search": ["svc.cluster.local"], "options": ["ndots:5"]}
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            r[k] = v.clone();
+        }
+        r
+    }
+
+    /// Issue 12 item 7: what Debian's Go plugins (libcni 1.1 `ParsePrevResult`, tried with
+    /// /usr/lib/cni/tuning) refuse is refused, with the spec's code and the field named.
+    #[test]
+    fn prev_result_is_read_as_its_versions_result_type() {
+        assert!(check_prev_result("1.0.0", &v1(json!({}))).is_ok());
+        assert!(check_prev_result("1.1.0", &v1(json!({"cniVersion": "1.1.0", "unknownKey": 1}))).is_ok());
+        assert!(check_prev_result("1.0.0", &json!({"ips": [{"address": "10.1.0.5/16"}]})).is_ok(), "no cniVersion");
+        let v040 = json!({"cniVersion": "0.4.0", "ips": [{"version": "4", "address": "10.1.0.5/16"}]});
+        assert!(check_prev_result("0.4.0", &v040).is_ok());
+        let v031 = json!({"cniVersion": "0.3.1", "ips": [{"version": "4", "address": "10.1.0.5/16"}]});
+        assert!(check_prev_result("0.3.1", &v031).is_ok());
+        let cases: [(&str, Value, u32, &str); 13] = [
+            ("1.0.0", v040.clone(), 1, "0.4.0"),
+            ("0.4.0", v1(json!({})), 1, "1.0.0"),
+            ("1.0.0", v1(json!({"ips": [{"address": "300.1.1.1/24"}]})), 6, "ips[0].address"),
+            ("1.0.0", v1(json!({"ips": [{"address": "10.1.0.5"}]})), 6, "ips[0].address"),
+            ("1.0.0", v1(json!({"ips": [{"gateway": "10.1.0.1"}]})), 6, "ips[0].address is missing"),
+            ("1.0.0", v1(json!({"ips": [{"address": "10.1.0.5/16", "gateway": "1.2.3"}]})), 6, "ips[0].gateway"),
+            ("1.0.0", v1(json!({"interfaces": {"name": "eth0"}})), 6, "interfaces"),
+            ("1.0.0", v1(json!({"interfaces": [{"name": 7}]})), 6, "interfaces[0].name"),
+            ("1.0.0", v1(json!({"routes": [{"dst": "0.0.0.0/99"}]})), 6, "routes[0].dst"),
+            ("1.0.0", v1(json!({"dns": {"nameservers": "x"}})), 6, "dns.nameservers"),
+            ("1.0.0", json!([1]), 6, "CNI result object"),
+            ("0.4.0", json!({"cniVersion": "0.4.0", "ips": [{"version": "6", "address": "10.1.0.5/16"}]}), 6, "ips[0].version"),
+            ("1.0.0", v1(json!({"ips": [{"address": format!("{}/24", "9".repeat(100_000))}]})), 6, "bytes in all"),
+        ];
+        for (version, prev, want, needle) in cases {
+            let e = check_prev_result(version, &prev).unwrap_err();
+            assert_eq!(e.code, want, "{version} {prev}: {e}");
+            assert!(e.msg.contains(needle), "{version}: {}", e.msg);
+            assert!(e.msg.len() < 400, "the message echoes too much: {} bytes", e.msg.len());
+        }
+    }
+
+    /// Issue 12 item 6: stdin is read up to a documented size, and the error names it.
+    #[test]
+    fn stdin_is_capped_naming_the_limit() {
+        let (read, ok) = read_stdin(&b"{}"[..]);
+        assert!(ok.is_ok() && read == b"{}");
+        let big = vec![b' '; config::MAX_STDIN_BYTES + 10];
+        let (read, e) = read_stdin(&big[..]);
+        let e = e.unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        assert!(e.msg.contains(&format!("limit of {} bytes", config::MAX_STDIN_BYTES)), "{}", e.msg);
+        assert_eq!(read.len(), config::MAX_STDIN_BYTES + 1, "reading stops past the limit");
+    }
 }

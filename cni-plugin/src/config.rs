@@ -15,7 +15,10 @@ use serde_json::{Map, Value};
 
 use crate::error::{code, CniError};
 
-pub const SUPPORTED_VERSIONS: [&str; 3] = ["0.4.0", "1.0.0", "1.1.0"];
+/// 0.3.x: flannel, Calico, Cilium and kindnet ship 0.3.1 conflists, and libcni runs every
+/// plugin of a list at the list's version (its results have the 0.4.0 shape; libcni sends
+/// no CHECK below 0.4.0, and one that comes is answered as at 0.4.0).
+pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations";
 pub const DEFAULT_STATE_DIR: &str = "/var/run/aether-cni";
 
@@ -23,6 +26,20 @@ pub const ANNOTATION_CAPTURE: &str = "aether.io/capture";
 pub const ANNOTATION_EXCLUDE_PORTS: &str = "aether.io/exclude-outbound-ports";
 pub const ANNOTATION_EXCLUDE_CIDRS: &str = "aether.io/exclude-outbound-cidrs";
 pub const ANNOTATION_CAPTURE_DNS: &str = "aether.io/capture-dns";
+
+/// The largest network configuration read from stdin (prevResult and annotations included):
+/// a real one is a few kilobytes.
+pub const MAX_STDIN_BYTES: usize = 1024 * 1024;
+/// The largest value of an `aether.io/` annotation (a few hundred exclusions; Kubernetes
+/// allows 256 KiB for all of a pod's annotations together).
+pub const MAX_ANNOTATION_BYTES: usize = 4096;
+/// How much of a bad value an error message shows.
+pub const SHOWN_BYTES: usize = 64;
+
+/// At most [`SHOWN_BYTES`] of a value a stranger sent, for an error message.
+pub fn shown(text: &str) -> String {
+    crate::error::clip(text, SHOWN_BYTES)
+}
 
 /// Keys the CNI spec defines for plugin configurations (the conflist-level `cniVersions`,
 /// `disableCheck` and `disableGC` are for the runtime; tolerated and ignored if passed on).
@@ -110,7 +127,12 @@ pub struct NetConf {
 }
 
 fn invalid(field: &str, value: &Value, why: &str) -> CniError {
-    CniError::invalid_config(format!("network configuration field {field:?} has {value}: {why}"))
+    CniError::invalid_config(format!(
+        "network configuration field {} has {}: {why}",
+        // Field paths are ours plus, for annotations, the runtime's key: longer, still bounded.
+        crate::error::clip(&format!("{field:?}"), 4 * SHOWN_BYTES),
+        shown(&value.to_string())
+    ))
 }
 
 struct Fields<'a>(&'a Map<String, Value>);
@@ -172,7 +194,7 @@ pub fn check_version(version: &str) -> Result<(), CniError> {
     }
     Err(CniError::new(
         code::INCOMPATIBLE_VERSION,
-        format!("cniVersion {version:?} is not supported; supported: {}", SUPPORTED_VERSIONS.join(", ")),
+        format!("cniVersion {} is not supported; supported: {}", shown(&format!("{version:?}")), SUPPORTED_VERSIONS.join(", ")),
     ))
 }
 
@@ -195,7 +217,11 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         if !SPEC_FIELDS.contains(&k.as_str()) && !OWN_FIELDS.contains(&k.as_str()) && !k.starts_with("cni.dev/") {
             return Err(CniError::new(
                 code::UNSUPPORTED_FIELD,
-                format!("network configuration field {k:?} (value {v}) is not supported by aether-cni"),
+                format!(
+                    "network configuration field {} (value {}) is not supported by aether-cni",
+                    shown(&format!("{k:?}")),
+                    shown(&v.to_string())
+                ),
             )
             .with_details(format!("supported fields: {}", OWN_FIELDS.join(", "))));
         }
@@ -357,8 +383,12 @@ fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, Str
 
 fn parse_cidr(v: &Value) -> Result<IpNet, String> {
     let s = v.as_str().ok_or("expected a CIDR string such as 10.0.0.0/8 or fd00::/8")?;
-    parse_ip_net(s.trim(), true)
-        .ok_or_else(|| format!("{:?} is not an IPv4 or IPv6 CIDR (such as 10.0.0.0/8 or fd00::/8) or address", s.trim()))
+    parse_ip_net(s.trim(), true).ok_or_else(|| {
+        format!(
+            "{} is not an IPv4 or IPv6 CIDR (such as 10.0.0.0/8 or fd00::/8) or address",
+            shown(&format!("{:?}", s.trim()))
+        )
+    })
 }
 
 /// An IPv4 CIDR (or, with `bare_address_ok`, an address as a /32). The address goes
@@ -423,7 +453,7 @@ fn pod_annotations(v: &Value) -> Result<BTreeMap<String, String>, CniError> {
 }
 
 fn bad_annotation(name: &str, value: &str, why: impl std::fmt::Display) -> CniError {
-    CniError::invalid_config(format!("pod annotation {name}={value:?} is invalid: {why}"))
+    CniError::invalid_config(format!("pod annotation {name}={} is invalid: {why}", shown(&format!("{value:?}"))))
 }
 
 /// The pod's capture configuration, or `None` when the pod is not managed.
@@ -433,6 +463,15 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
         return Ok(None);
     }
     let a = &pod_annotations(&conf.annotations)?;
+    for (name, value) in a.iter().filter(|(k, _)| k.starts_with("aether.io/")) {
+        if value.len() > MAX_ANNOTATION_BYTES {
+            return Err(bad_annotation(
+                name,
+                value,
+                format!("{} bytes, over the limit of {MAX_ANNOTATION_BYTES} bytes for an aether.io/ annotation", value.len()),
+            ));
+        }
+    }
     let capture = match a.get(ANNOTATION_CAPTURE) {
         None => conf.capture,
         Some(v) => v
@@ -610,7 +649,7 @@ mod tests {
             (json!({"logFormat": "logfmt"}), 7, "logFormat", "logfmt"),
             (json!({"logFormat": 1}), 7, "logFormat", "1"),
             (json!({"captureMod": "scoped"}), 2, "captureMod", "scoped"),
-            (json!({"cniVersion": "0.3.1"}), 1, "cniVersion", "0.3.1"),
+            (json!({"cniVersion": "0.2.0"}), 1, "cniVersion", "0.2.0"),
             (json!({"cniVersion": "9.9.9"}), 1, "cniVersion", "9.9.9"),
         ];
         for (extra, want_code, field, value) in cases {
@@ -770,5 +809,30 @@ mod tests {
             assert_eq!(e.code, 7);
             assert!(e.msg.contains(ANNOTATION_EXCLUDE_CIDRS) && e.msg.contains(bad), "{}", e.msg);
         }
+    }
+
+    /// Issue 12 item 6: an aether.io/ annotation value is capped, and no error echoes more
+    /// than a short prefix of a bad value.
+    #[test]
+    fn huge_values_are_refused_naming_the_limit_and_never_echoed_whole() {
+        let huge = format!("10.0.0.0/8,{}", "192.0.2.1,".repeat(100_000));
+        let e = effective(&with_annotations(json!({ANNOTATION_EXCLUDE_CIDRS: huge})), Some("shop")).unwrap_err();
+        assert_eq!(e.code, 7);
+        assert!(e.msg.contains(ANNOTATION_EXCLUDE_CIDRS) && e.msg.contains("limit of 4096 bytes"), "{}", e.msg);
+        assert!(e.msg.len() < 400, "{} bytes", e.msg.len());
+        // Not ours: any size (the stdin cap bounds it).
+        assert!(effective(&with_annotations(json!({"other.io/x": "y".repeat(100_000)})), Some("shop")).is_ok());
+        let long = "z".repeat(1_000_000);
+        for extra in [
+            json!({"captureMode": long}),
+            json!({ &long: 1 }),
+            json!({"cniVersion": long}),
+            json!({"excludeOutboundCIDRs": [long]}),
+        ] {
+            let e = conf(extra).unwrap_err();
+            assert!(e.msg.len() < 400 && e.msg.contains("bytes in all"), "{} bytes: {}", e.msg.len(), &e.msg[..100]);
+        }
+        let e = effective(&with_annotations(json!({ANNOTATION_CAPTURE: "q".repeat(4000)})), Some("shop")).unwrap_err();
+        assert!(e.msg.len() < 400, "{} bytes", e.msg.len());
     }
 }

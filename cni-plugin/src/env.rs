@@ -43,7 +43,7 @@ impl Env {
         if !id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')) || id.starts_with('.') {
             return Err(CniError::invalid_env(
                 "CNI_CONTAINERID",
-                format!("{id:?} has characters outside [A-Za-z0-9_.-]"),
+                format!("{} has characters outside [A-Za-z0-9_.-]", crate::config::shown(&format!("{id:?}"))),
             ));
         }
         Ok(id)
@@ -61,7 +61,7 @@ impl Env {
             || name == ".."
             || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
         {
-            return Err(CniError::invalid_env("CNI_IFNAME", format!("{name:?} is not a usable interface name")));
+            return Err(CniError::invalid_env("CNI_IFNAME", format!("{} is not a usable interface name", crate::config::shown(&format!("{name:?}")))));
         }
         Ok(name)
     }
@@ -76,7 +76,7 @@ pub fn parse_args(raw: &str) -> Result<CniArgs, CniError> {
     for pair in raw.split(';').filter(|p| !p.is_empty()) {
         let (k, v) = pair
             .split_once('=')
-            .ok_or_else(|| CniError::invalid_env("CNI_ARGS", format!("has {pair:?}, not KEY=VALUE")))?;
+            .ok_or_else(|| CniError::invalid_env("CNI_ARGS", format!("has {}, not KEY=VALUE", crate::config::shown(&format!("{pair:?}")))))?;
         match k {
             "K8S_POD_NAMESPACE" => args.pod_namespace = Some(v.to_string()),
             "K8S_POD_NAME" => args.pod_name = Some(v.to_string()),

@@ -55,6 +55,15 @@ impl CniError {
     }
 }
 
+/// At most `max` characters of `text`, with how much was left out: what an error may echo of
+/// a value a stranger sent (a huge value is never echoed whole).
+pub fn clip(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_string(),
+        Some((cut, _)) => format!("{}... ({} bytes in all)", &text[..cut], text.len()),
+    }
+}
+
 impl From<aether_netns::Error> for CniError {
     fn from(e: aether_netns::Error) -> Self {
         use aether_netns::Error as E;

@@ -9,7 +9,7 @@ use aether_netns::Netns;
 use aether_rules::capture;
 
 use crate::services;
-use crate::state::{Record, StateDir};
+use crate::state::{PodNetns, Record, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -35,18 +35,22 @@ pub fn run(args: InspectArgs) -> ExitCode {
 /// Every recorded attachment, one line each: the pod, and whether the kernel holds its
 /// capture and its Service layer as recorded. Fails when any layer is not intact.
 fn list(state_dir: &Path) -> ExitCode {
-    let records = StateDir::new(state_dir).records();
-    if records.is_empty() {
+    let scan = StateDir::new(state_dir).scan();
+    for u in &scan.unreadable {
+        println!("attachment record {} cannot be read: {}", u.file, u.why);
+    }
+    let records = scan.records;
+    if records.is_empty() && scan.unreadable.is_empty() {
         println!("no attachment records in {} (no pod is attached on this node)", state_dir.display());
         return ExitCode::SUCCESS;
     }
     let mut rows = vec![["POD", "CONTAINER", "IFNAME", "NETNS", "CAPTURE", "SERVICE LAYER"].map(String::from)];
     let mut all_intact = true;
     for r in &records {
-        let (capture, services) = match Netns::open_foreign(&r.netns) {
-            Err(aether_netns::Error::NotFound { .. }) => ("netns gone (GC removes the record)".into(), "-".into()),
+        let (capture, services) = match r.open_netns() {
+            Ok(PodNetns::Gone(_)) => ("netns gone (GC removes the record)".into(), "-".into()),
             Err(e) => (format!("cannot open the netns: {e}"), "-".into()),
-            Ok(netns) => {
+            Ok(PodNetns::Live(netns)) => {
                 let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg)) {
                     None => "unknown (the record predates stored configurations)".to_string(),
                     Some(Ok(d)) if d.is_empty() => "intact".into(),
@@ -74,7 +78,7 @@ fn list(state_dir: &Path) -> ExitCode {
         let cells: Vec<String> = row.iter().zip(&widths).map(|(c, w)| format!("{c:w$}")).collect();
         println!("{}", cells.join("  ").trim_end());
     }
-    if all_intact {
+    if all_intact && scan.unreadable.is_empty() {
         ExitCode::SUCCESS
     } else {
         println!("`aether-cni inspect <container>` lists what differs");
@@ -84,13 +88,35 @@ fn list(state_dir: &Path) -> ExitCode {
 
 fn one(state_dir: &Path, target: &str) -> ExitCode {
     let state = StateDir::new(state_dir);
+    let scan = state.scan();
     let records: Vec<Record> =
-        state.records().into_iter().filter(|r| r.container_id == target || r.netns == target).collect();
+        scan.records.into_iter().filter(|r| r.container_id == target || r.netns == target).collect();
+    // A record that cannot be read is named, never passed over: it may be this pod's.
+    let unreadable: Vec<_> = scan.unreadable.iter().filter(|u| u.file.contains(target)).collect();
+    for u in &unreadable {
+        println!("attachment record {} cannot be read: {}", u.file, u.why);
+    }
     let netns_path = records.first().map(|r| r.netns.clone()).unwrap_or_else(|| target.to_string());
-    let netns = match Netns::open_foreign(&netns_path) {
-        Ok(ns) => ns,
+    let opened = match records.first() {
+        Some(r) => r.open_netns().map(|found| match found {
+            PodNetns::Live(ns) => Ok(ns),
+            PodNetns::Gone(why) => Err(why),
+        }),
+        None => Ok(Netns::open_foreign(&netns_path).map_err(|e| e.to_string())),
+    };
+    let netns = match opened {
+        Ok(Ok(ns)) => ns,
+        Ok(Err(why)) if !records.is_empty() => {
+            let r = &records[0];
+            println!("pod {} container {}: its network namespace is gone: {why}", r.key(), r.container_id);
+            return ExitCode::FAILURE;
+        }
+        Ok(Err(e)) => {
+            eprintln!("aether-cni inspect: {} is neither a recorded container nor a usable netns: {e}", target);
+            return ExitCode::FAILURE;
+        }
         Err(e) => {
-            eprintln!("aether-cni inspect: {target} is neither a recorded container nor a usable netns: {e}");
+            eprintln!("aether-cni inspect: cannot open the netns of {}: {e}", target);
             return ExitCode::FAILURE;
         }
     };
@@ -106,6 +132,14 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
                 r.ifname,
                 r.network
             );
+            if r.version < crate::state::RECORD_VERSION || !r.defaulted.is_empty() {
+                println!(
+                    "record version {} (this plugin writes {}); fields read as their defaults: {}",
+                    r.version,
+                    crate::state::RECORD_VERSION,
+                    if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
+                );
+            }
             match &r.capture {
                 Some(cfg) => intact &= describe_capture(&netns, cfg),
                 None => println!("capture: the record predates stored configurations; showing the kernel only"),
@@ -130,10 +164,12 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
     }
     println!("\nService layer:");
     let mark = records.first().and_then(|r| r.capture.as_ref()).map(|c| c.divert_mark);
-    for line in services::describe_pod_layer(state_dir, &netns, mark).0 {
+    let (lines, verdict) = services::describe_pod_layer(state_dir, &netns, mark);
+    for line in lines {
         println!("  {line}");
     }
-    if intact {
+    // Any layer that differs from what it should be is a failure a script can see.
+    if intact && verdict.is_intact() && unreadable.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

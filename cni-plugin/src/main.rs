@@ -11,7 +11,7 @@ mod log;
 mod services;
 mod state;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -93,8 +93,7 @@ fn main() -> ExitCode {
 
 /// The CNI protocol: configuration on stdin, result or error JSON on stdout, logs elsewhere.
 fn run_cni() -> ExitCode {
-    let mut stdin = Vec::new();
-    let read = std::io::stdin().read_to_end(&mut stdin);
+    let (stdin, read) = cni::read_stdin(std::io::stdin().lock());
     // The log settings are read leniently before anything else, so that a configuration the
     // full parse refuses is still logged to its logFile.
     log::init(&log::Settings::lenient(&stdin));
@@ -110,10 +109,7 @@ fn run_cni() -> ExitCode {
         Err(_) => log::cni_span(&command, None, None, None),
     }
     .entered();
-    let outcome = match read {
-        Err(e) => Err(error::CniError::new(error::code::IO_FAILURE, "cannot read stdin").with_details(e.to_string())),
-        Ok(_) => env.and_then(|env| cni::run(&env, &stdin)),
-    };
+    let outcome = read.and(env).and_then(|env| cni::run(&env, &stdin));
     let mut out = std::io::stdout().lock();
     match outcome {
         Ok(None) => ExitCode::SUCCESS,

@@ -34,7 +34,7 @@ use aether_rules::services::{self as layer, Applied, LayerChange, COUNTERS};
 use serde_json::{json, Value};
 
 use crate::error::{code, CniError};
-use crate::state::{self, StateDir};
+use crate::state::{self, PodNetns, Record, StateDir};
 use layer_file::StoredLayer;
 
 #[derive(clap::Args)]
@@ -176,16 +176,41 @@ impl ServicesDir {
         ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services") }
     }
 
+    /// The directory, created (0700) if `create`; `None` when absent and not created.
+    fn open(&self, create: bool) -> Result<Option<state::Dir>, String> {
+        let Some(root) = state::Dir::open(&self.state, create)
+            .map_err(|e| format!("cannot open state directory {}: {e}", self.state.display()))?
+        else {
+            return Ok(None);
+        };
+        root.subdir("services", create).map_err(|e| format!("cannot open {}: {e}", self.root.display()))
+    }
+
     fn lock(&self, exclusive: bool) -> Result<state::Lock, String> {
-        fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
-        let path = self.root.join("lock");
-        state::lock_file(&path, exclusive).map_err(|e| format!("cannot lock {}: {e}", path.display()))
+        let dir = self.open(true)?.expect("created");
+        dir.lock("lock", exclusive, None).map_err(|e| format!("cannot lock {}: {e}", self.root.join("lock").display()))
+    }
+
+    /// For readers (`counters`, `demand`): the shared lock if the directory exists, and
+    /// nothing created when it does not (no snapshot was ever applied).
+    fn read_lock(&self) -> Result<Option<state::Lock>, String> {
+        match self.open(false)? {
+            None => Ok(None),
+            Some(dir) => dir
+                .lock_existing_shared("lock")
+                .map_err(|e| format!("cannot lock {}: {e}", self.root.join("lock").display())),
+        }
     }
 
     fn write_atomic(&self, name: &str, body: &[u8]) -> Result<(), String> {
-        fs::create_dir_all(&self.root).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let dir = self.open(true)?.expect("created");
+        dir.write_atomic(name, body).map_err(|e| format!("cannot write {}: {e}", self.root.join(name).display()))
+    }
+
+    /// A file of the directory, capped in size; `None` if absent.
+    fn read(&self, name: &str) -> Result<Option<Vec<u8>>, String> {
         let path = self.root.join(name);
-        state::write_atomic(&path, body).map_err(|e| format!("cannot write {}: {e}", path.display()))
+        state::read_capped(&path, state::MAX_STATE_FILE_BYTES).map_err(|e| format!("cannot read {}: {e}", path.display()))
     }
 
     fn layer_path(&self) -> PathBuf {
@@ -235,10 +260,12 @@ impl ServicesDir {
 
     /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
     fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), String> {
-        fs::create_dir_all(self.root.join("pods"))
-            .map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
         let path = self.pod_path(ns.path());
-        state::write_atomic(&path, held.to_string().as_bytes())
+        let dir = self.open(true)?.expect("created");
+        let pods = dir.subdir("pods", true).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        pods.expect("created")
+            .write_atomic(&name, held.to_string().as_bytes())
             .map_err(|e| format!("cannot write {}: {e}", path.display()))
     }
 
@@ -259,30 +286,91 @@ impl ServicesDir {
     }
 
     fn divert_mark(&self) -> u32 {
-        fs::read_to_string(self.root.join("divert-mark"))
+        self.read("divert-mark")
             .ok()
-            .and_then(|s| u32::from_str_radix(s.trim().trim_start_matches("0x"), 16).ok())
+            .flatten()
+            .and_then(|s| u32::from_str_radix(String::from_utf8_lossy(&s).trim().trim_start_matches("0x"), 16).ok())
             .unwrap_or(aether_rules::capture::DIVERT_MARK)
     }
 
-    /// The folded counts of deleted pods. Missing means none yet; unreadable is an error,
+    /// The folded counts of removed layers. Missing means none yet; unreadable is an error,
     /// never "zero": overwriting it would make the node totals go backwards for good.
-    fn accumulator(&self) -> Result<BTreeMap<String, u64>, String> {
+    fn accumulator(&self) -> Result<Accumulator, String> {
         let path = self.root.join("accumulator.json");
-        match fs::read(&path) {
-            Ok(d) => serde_json::from_slice(&d).map_err(|e| format!("{} is unreadable: {e}", path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-            Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        match self.read("accumulator.json")? {
+            Some(d) => Accumulator::parse(&d).map_err(|e| format!("{} is unreadable: {e}", path.display())),
+            None => Ok(Accumulator::default()),
         }
     }
 
-    /// Adds `counts` to the accumulator.
-    fn fold(&self, counts: &BTreeMap<String, u64>) -> Result<(), String> {
+    fn store(&self, acc: &Accumulator) -> Result<(), String> {
+        self.write_atomic("accumulator.json", &serde_json::to_vec_pretty(acc).expect("counts serialize"))
+    }
+
+    /// Folds each pod's current `counts` into the node totals, idempotently: only what grew
+    /// since the pod's last fold is added, and the pod stays marked as folding (so readers
+    /// subtract what is already in the totals) until [`ServicesDir::end_folding`]. A process
+    /// killed after this and before the layer is removed therefore loses and doubles nothing;
+    /// run again, it adds only the growth. Returns what was added, per pod.
+    fn fold_pods(&self, pods: &[(String, BTreeMap<String, u64>)]) -> Result<Vec<BTreeMap<String, u64>>, String> {
         let mut acc = self.accumulator()?;
-        for (k, v) in counts {
-            *acc.entry(k.clone()).or_default() += v;
+        let mut added = Vec::new();
+        for (key, counts) in pods {
+            let before = acc.folding.get(key).cloned().unwrap_or_default();
+            let mut delta = BTreeMap::new();
+            for (k, v) in counts {
+                let d = v.saturating_sub(before.get(k).copied().unwrap_or(0));
+                *acc.totals.entry(k.clone()).or_default() += d;
+                delta.insert(k.clone(), d);
+            }
+            acc.folding.insert(key.clone(), counts.clone());
+            added.push(delta);
         }
-        self.write_atomic("accumulator.json", &serde_json::to_vec_pretty(&acc).expect("counts serialize"))
+        self.store(&acc)?;
+        Ok(added)
+    }
+
+    /// Ends the folding of pods whose layers are gone.
+    fn end_folding(&self, keys: &[String]) -> Result<(), String> {
+        let mut acc = self.accumulator()?;
+        let before = acc.folding.len();
+        for k in keys {
+            acc.folding.remove(k);
+        }
+        if acc.folding.len() != before {
+            self.store(&acc)?;
+        }
+        Ok(())
+    }
+}
+
+/// `accumulator.json`: the node totals of layers that are gone, and the pods being retired.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Accumulator {
+    totals: BTreeMap<String, u64>,
+    /// Per attachment key: the counts already in `totals` while its layer is being removed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    folding: BTreeMap<String, BTreeMap<String, u64>>,
+}
+
+impl Accumulator {
+    /// Reads this format, or the flat `{counter: n}` map of earlier releases.
+    fn parse(d: &[u8]) -> Result<Self, serde_json::Error> {
+        let v: Value = serde_json::from_slice(d)?;
+        if v.get("totals").is_some() {
+            serde_json::from_value(v)
+        } else {
+            Ok(Accumulator { totals: serde_json::from_value(v)?, folding: BTreeMap::new() })
+        }
+    }
+
+    /// What a live pod adds to the node totals: its counts less what is already folded.
+    fn live_part(&self, key: &str, counts: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+        let folded = self.folding.get(key);
+        counts
+            .iter()
+            .map(|(k, v)| (k.clone(), v.saturating_sub(folded.and_then(|f| f.get(k)).copied().unwrap_or(0))))
+            .collect()
     }
 }
 
@@ -430,32 +518,57 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
     let node_mark = dir.divert_mark();
     // One change per divert mark in use (in practice one), computed on first need.
     let mut changes: BTreeMap<u32, Option<LayerChange>> = BTreeMap::new();
-    // Mode `off` removes each pod's table: its counts join the node accumulator first, so
-    // node totals never go backwards (as at DEL).
-    let mut folded: BTreeMap<String, u64> = BTreeMap::new();
-    let records = StateDir::new(&dir.state).records();
+    let scan = StateDir::new(&dir.state).scan();
+    for u in &scan.unreadable {
+        warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
+    }
+    let records = scan.records;
+    // Each record's netns, if it is still the pod's (a path reused by another namespace, a
+    // file or a directory is not: the pod is skipped as gone).
+    let open = |r: &Record| match r.open_netns() {
+        Ok(PodNetns::Live(ns)) => Ok(ns),
+        Ok(PodNetns::Gone(why)) => Err((why, true)),
+        Err(e) => Err((e.to_string(), false)),
+    };
+    // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
+    // it): the mark ends before a new layer starts counting from zero.
+    let folding = dir.accumulator().map(|a| a.folding).unwrap_or_default();
+    let ended: Vec<String> = records
+        .iter()
+        .filter(|r| folding.contains_key(&r.key()))
+        .filter(|r| open(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
+        .map(Record::key)
+        .collect();
+    if !ended.is_empty() {
+        dir.end_folding(&ended).map_err(|e| vec![e])?;
+    }
+    // Mode `off` removes each pod's table: its counts join the node totals first (as at
+    // DEL), idempotently, so they never go backwards, also when this apply is killed.
+    let off = new.for_pod(node_mark).mode == layer::LayerMode::Off;
+    let mut folded_keys = Vec::new();
+    if off {
+        let counts: Vec<(String, BTreeMap<String, u64>)> = records
+            .iter()
+            .filter_map(|r| Some((r.key(), flat(open(r).ok()?.run(layer::counters)).ok()??)))
+            .collect();
+        dir.fold_pods(&counts).map_err(|e| vec![e])?;
+        folded_keys = counts.into_iter().map(|(k, _)| k).collect();
+    }
+    let mut removed_keys = Vec::new();
     let mut pods = Vec::with_capacity(records.len());
     for r in &records {
         // Each pod's layer matches the divert mark its own capture sets.
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = new.for_pod(mark);
-        let (result, vanished) = match Netns::open_foreign(&r.netns) {
-            Err(aether_netns::Error::NotFound { .. }) => (Err(format!("netns {} is gone", r.netns)), true),
-            Err(e) => (Err(e.to_string()), false),
+        let (result, vanished) = match open(r) {
+            Err((why, vanished)) => (Err(why), vanished),
             Ok(ns) if l.mode == layer::LayerMode::Off => {
                 dir.forget_pod(ns.path());
-                let last_counts = flat(ns.run(layer::counters)).ok().flatten();
-                match flat(ns.run(|| layer::apply(&l))) {
-                    Ok(a) => {
-                        if let (Applied::Removed(true), Some(counts)) = (&a, last_counts) {
-                            for (k, v) in counts {
-                                *folded.entry(k).or_default() += v;
-                            }
-                        }
-                        (Ok(a), false)
-                    }
-                    Err(e) => (Err(e), false),
+                let outcome = flat(ns.run(|| layer::apply(&l)));
+                if matches!(outcome, Ok(Applied::Removed(_))) {
+                    removed_keys.push(r.key());
                 }
+                (outcome, false)
             }
             Ok(ns) => {
                 let held = dir.pod_holds(&ns);
@@ -493,8 +606,9 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         });
     }
     dir.prune_pods(&records);
-    if !folded.is_empty() {
-        dir.fold(&folded).map_err(|e| vec![e])?;
+    if off {
+        removed_keys.retain(|k| folded_keys.contains(k));
+        dir.end_folding(&removed_keys).map_err(|e| vec![e])?;
     }
     Ok(ApplyReport { generation: snap.generation, pods, warnings })
 }
@@ -550,18 +664,20 @@ pub struct Retired {
 }
 
 /// For DEL and GC, in the host netns: under the services lock (exclusive), folds the pod's
-/// final counts into the node accumulator, removes its layer, and runs `forget` (which
-/// removes the attachment record). `services apply` holds the same lock while it walks the
-/// records, so it either ran before (and its layer is removed here) or runs after (and no
-/// longer sees the pod): it never re-creates a layer in a pod being deleted.
+/// final counts into the node totals, removes its layer, and runs `forget` (which removes
+/// the attachment record). `services apply` holds the same lock while it walks the records,
+/// so it either ran before (and its layer is removed here) or runs after (and no longer sees
+/// the pod): it never re-creates a layer in a pod being deleted.
 ///
-/// `netns` is `None` when the pod's netns is already gone: nothing to fold, and a repeated
-/// DEL never counts twice. Only `forget` and the lock can fail the call; a count or a layer
-/// that cannot be read or removed must not keep a pod from being deleted, so it is reported
-/// in `warnings`.
+/// Fold first, idempotently ([`ServicesDir::fold_pods`], keyed by the attachment `key`),
+/// then remove: killed at any point, no count is lost or counted twice, and a retried DEL
+/// finishes the job. `netns` is `None` when the pod's netns is already gone: nothing to fold.
+/// Only `forget` and the lock can fail the call; a count or a layer that cannot be read or
+/// removed must not keep a pod from being deleted, so it is reported in `warnings`.
 pub fn retire_layer(
     state_dir: &Path,
     netns: Option<&Netns>,
+    key: &str,
     forget: impl FnOnce() -> Result<(), CniError>,
 ) -> Result<Retired, CniError> {
     let dir = ServicesDir::new(state_dir);
@@ -571,25 +687,21 @@ pub fn retire_layer(
     if let Some(ns) = netns {
         dir.forget_pod(ns.path());
         match flat(ns.run(layer::counters)) {
-            // Removed first, folded after: a DEL that is retried (its layer then gone)
-            // never folds the same counts twice.
-            Ok(Some(counts)) => match flat(ns.run(layer::remove)) {
-                Ok(_) => match dir.fold(&counts) {
-                    Ok(()) => out.folded = counts,
-                    Err(e) => out
-                        .warnings
-                        .push(format!("the pod's Service counts ({}) are lost: {e}", crate::log::counts(&counts))),
-                },
-                Err(e) => out.warnings.push(format!("cannot remove the pod's Service layer (counts not folded): {e}")),
+            Ok(Some(counts)) => match dir.fold_pods(&[(key.to_string(), counts.clone())]) {
+                Ok(mut added) => out.folded = added.pop().unwrap_or_default(),
+                Err(e) => out
+                    .warnings
+                    .push(format!("the pod's Service counts ({}) are lost: {e}", crate::log::counts(&counts))),
             },
             Ok(None) => {}
-            Err(e) => {
-                out.warnings.push(format!("cannot read the pod's Service counters: {e}"));
-                if let Err(e) = flat(ns.run(layer::remove)) {
-                    out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
-                }
-            }
+            Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
         }
+        if let Err(e) = flat(ns.run(layer::remove)) {
+            out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
+        }
+    }
+    if let Err(e) = dir.end_folding(&[key.to_string()]) {
+        out.warnings.push(format!("the pod's folded counts stay marked: {e}"));
     }
     forget()?;
     Ok(out)
@@ -600,6 +712,8 @@ pub struct NodeCounters {
     pub totals: BTreeMap<String, u64>,
     pub folded: BTreeMap<String, u64>,
     pub pods: Vec<(crate::state::Record, BTreeMap<String, u64>)>,
+    /// Attachment records that cannot be read: their pods are not counted, and say so.
+    pub unreadable: Vec<String>,
 }
 
 impl NodeCounters {
@@ -614,7 +728,11 @@ impl NodeCounters {
                 })
             })
             .collect();
-        json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods})
+        let mut v = json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods});
+        if !self.unreadable.is_empty() {
+            v["unreadableRecords"] = json!(self.unreadable);
+        }
+        v
     }
 
     /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
@@ -664,30 +782,38 @@ impl NodeCounters {
 pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     // Shared with other readers, exclusive of DEL/GC folding a pod: a pod is then counted
     // either in the accumulator or in its own row, never in neither (totals never dip).
-    let _lock = dir.lock(false)?;
-    let folded = dir.accumulator()?;
+    let _lock = dir.read_lock()?;
+    let acc = dir.accumulator()?;
+    let folded = acc.totals.clone();
     let mut totals: BTreeMap<String, u64> =
         COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
     let mut pods = Vec::new();
-    for r in StateDir::new(&dir.state).records() {
-        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+    let scan = StateDir::new(&dir.state).scan();
+    for r in scan.records {
+        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
-            for (k, v) in &c {
-                *totals.entry(k.clone()).or_default() += v;
+            // A pod a killed DEL already folded counts only its growth since.
+            for (k, v) in acc.live_part(&r.key(), &c) {
+                *totals.entry(k).or_default() += v;
             }
             pods.push((r, c));
         }
     }
+    let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
     let generation = layer_file::read_generation(&dir.layer_path()).ok().flatten();
-    Ok(NodeCounters { generation, totals, folded, pods })
+    Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 
 /// The union of what the node's pods dialled, as `VIP:port/proto`.
 pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
-    let _lock = dir.lock(false)?;
+    let _lock = dir.read_lock()?;
     let mut all = std::collections::BTreeSet::new();
-    for r in StateDir::new(&dir.state).records() {
-        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+    let scan = StateDir::new(&dir.state).scan();
+    for u in &scan.unreadable {
+        crate::warn!(file = %u.file, why = %u.why, "an attachment record cannot be read; its pod is not included");
+    }
+    for r in scan.records {
+        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         if let Ok(Ok(d)) = ns.run(layer::demand) {
             all.extend(d);
         }
@@ -746,7 +872,7 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
     let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
     for r in StateDir::new(&dir.state).records() {
-        let Ok(ns) = Netns::open_foreign(&r.netns) else { continue };
+        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
         let result = flat(ns.run(|| {
@@ -870,7 +996,6 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::Record;
     use aether_testkit::{root_or_skip, TestNetns};
 
     fn tmp(tag: &str) -> PathBuf {
@@ -881,15 +1006,18 @@ mod tests {
 
     fn rec(cid: &str, netns: &str) -> Record {
         Record {
+            version: crate::state::RECORD_VERSION,
             network: "k8s-pod-network".into(),
             container_id: cid.into(),
             ifname: "eth0".into(),
             netns: netns.into(),
+            netns_id: None,
             pod_namespace: Some("shop".into()),
             pod_name: Some(cid.into()),
             pod_uid: None,
             config_digest: "0".into(),
             capture: None,
+            defaulted: Vec::new(),
         }
     }
 
@@ -973,7 +1101,7 @@ mod tests {
                 s.spawn(move || {
                     let n = Netns::open_foreign(ns.path()).unwrap();
                     let forget = || StateDir::new(&state).remove("k8s-pod-network", &format!("c{i}"), "eth0");
-                    let retired = retire_layer(&state, Some(&n), forget).unwrap();
+                    let retired = retire_layer(&state, Some(&n), &format!("k8s-pod-network/c{i}/eth0"), forget).unwrap();
                     assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
                 });
             }
@@ -1030,7 +1158,7 @@ mod tests {
             });
             for (i, ns) in pods.iter().enumerate() {
                 let n = Netns::open_foreign(ns.path()).unwrap();
-                retire_layer(&state, Some(&n), || {
+                retire_layer(&state, Some(&n), &format!("k8s-pod-network/d{i}/eth0"), || {
                     StateDir::new(&state).remove("k8s-pod-network", &format!("d{i}"), "eth0")
                 })
                 .unwrap();
@@ -1078,16 +1206,16 @@ mod tests {
         let before = node_counters(&dir).unwrap().totals;
         assert_eq!((before["service"], before["refused_no_service"], before["external"]), (1, 1, 1), "{before:?}");
         let forget = || StateDir::new(&state).remove("k8s-pod-network", "f", "eth0");
-        let retired = retire_layer(&state, Some(&n), forget).unwrap();
+        let retired = retire_layer(&state, Some(&n), "k8s-pod-network/f/eth0", forget).unwrap();
         assert_eq!(retired.folded["service"], 1);
         assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
         assert!(StateDir::new(&state).records().is_empty(), "the record is forgotten under the lock");
         assert_eq!(node_counters(&dir).unwrap().totals, before, "node totals went backwards");
         // DEL again (and DEL after the netns is gone): nothing counted twice.
-        assert!(retire_layer(&state, Some(&n), || Ok(())).unwrap().folded.is_empty());
+        assert!(retire_layer(&state, Some(&n), "k8s-pod-network/f/eth0", || Ok(())).unwrap().folded.is_empty());
         drop(n);
         drop(ns);
-        assert!(retire_layer(&state, None, || Ok(())).unwrap().folded.is_empty());
+        assert!(retire_layer(&state, None, "k8s-pod-network/f/eth0", || Ok(())).unwrap().folded.is_empty());
         assert_eq!(node_counters(&dir).unwrap().totals, before);
         let _ = fs::remove_dir_all(&state);
     }

@@ -292,6 +292,26 @@ impl Containerd {
         })
     }
 
+    /// The CNI configuration containerd's CRI plugin has loaded (verbose Status,
+    /// `cniconfig`): it reloads on changes in the conf dir, a moment after they happen.
+    pub fn cni_config(&self) -> String {
+        let r = self.cri("Status", &json!({"verbose": true})).unwrap_or_else(|e| panic!("Status: {e}"));
+        r["info"]["cniconfig"].as_str().unwrap_or_default().to_string()
+    }
+
+    /// Waits (up to 20 s) until the loaded CNI configuration satisfies `cond`.
+    pub fn wait_cni_config(&self, what: &str, cond: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let config = self.cni_config();
+            if cond(&config) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "containerd never loaded {what}; it has:\n{config}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     pub fn stop_pod(&self, id: &str) {
         self.cri("StopPodSandbox", &json!({"pod_sandbox_id": id})).unwrap_or_else(|e| panic!("StopPodSandbox: {e}"));
     }

@@ -163,7 +163,9 @@ pub fn recv_with_dst(sock: &UdpSocket, buf: &mut [u8]) -> io::Result<Datagram> {
             ControlMessageOwned::Ipv4PacketInfo(pi) => {
                 d.pktinfo_dst = Some(Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr)).into())
             }
-            ControlMessageOwned::Ipv6PacketInfo(pi) => d.pktinfo_dst = Some(Ipv6Addr::from(pi.ipi6_addr.s6_addr).into()),
+            ControlMessageOwned::Ipv6PacketInfo(pi) => {
+                d.pktinfo_dst = Some(Ipv6Addr::from(pi.ipi6_addr.s6_addr).into())
+            }
             ControlMessageOwned::Ipv4OrigDstAddr(sa) => d.orig_dst = Some(v4(&sa)),
             ControlMessageOwned::Ipv6OrigDstAddr(sa) => d.orig_dst = Some(v6(&sa)),
             _ => {}

@@ -259,7 +259,8 @@ fn l17_check_tolerates_what_later_plugins_add() {
 
 #[test]
 fn l19_old_versions_and_check_without_prev_result_are_refused() {
-    for old in ["0.3.1", "0.3.0", "0.2.0", "0.1.0"] {
+    // 0.3.x is accepted (the main CNIs ship 0.3.1 conflists; see l19_0_3_x_chains_work).
+    for old in ["0.2.0", "0.1.0"] {
         for cmd in ["ADD", "CHECK", "DEL"] {
             let (code, text) = run_plugin(cmd, Some("/run/netns/x"), &conf(old, json!({})), &[]).error();
             assert_eq!(code, 1, "{cmd} {old}: {text}");
@@ -272,12 +273,36 @@ fn l19_old_versions_and_check_without_prev_result_are_refused() {
     assert!(text.contains("prevResult"), "{text}");
 }
 
+/// flannel, Calico, Cilium and kindnet ship 0.3.1 conflists; libcni runs the chain at 0.3.x
+/// with 0.4.0-shaped results (ips[].version).
+#[test]
+fn l19_0_3_x_chains_work() {
+    if !root_or_skip("l19_0_3_x_chains_work") {
+        return;
+    }
+    for v in ["0.3.0", "0.3.1"] {
+        let ns = TestNetns::new("l19");
+        let mut c = conf("0.4.0", json!({}));
+        c["cniVersion"] = json!(v);
+        c["prevResult"]["cniVersion"] = json!(v);
+        let out = add_ok(&ns, &c);
+        assert_eq!(out.json(), c["prevResult"], "{v}");
+        assert!(has_capture(&ns), "{v}");
+        assert!(run_plugin("CHECK", Some(&ns.path()), &c, &[]).ok, "{v}");
+        assert!(run_plugin("DEL", Some(&ns.path()), &c, &[]).ok, "{v}");
+        assert!(!has_capture(&ns), "{v}");
+    }
+}
+
 #[test]
 fn l20_version_reports_the_supported_versions() {
     for v in VERSIONS {
         let out = run_plugin("VERSION", None, &json!({"cniVersion": v}), &[]);
         assert!(out.ok);
-        assert_eq!(out.json(), json!({"cniVersion": v, "supportedVersions": ["0.4.0", "1.0.0", "1.1.0"]}));
+        assert_eq!(
+            out.json(),
+            json!({"cniVersion": v, "supportedVersions": ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]})
+        );
     }
 }
 

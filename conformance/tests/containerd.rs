@@ -236,3 +236,143 @@ fn direct_add_ruleset(ctrd: &Containerd, annotations: &serde_json::Value) -> Str
 fn log(ctrd: &Containerd) -> String {
     std::fs::read_to_string(&ctrd.log_file).unwrap_or_default()
 }
+
+/// Each entry of a directory: its name and what it holds (a symlink's target, a file's bytes).
+fn dir_state(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let p = e.path();
+            let held = match std::fs::read_link(&p) {
+                Ok(target) => target.display().to_string().into_bytes(),
+                Err(_) => std::fs::read(&p).unwrap_or_default(),
+            };
+            (e.file_name().to_string_lossy().into_owned(), held)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn names(state: &[(String, Vec<u8>)]) -> Vec<&str> {
+    state.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// `aether-cni install`, the DaemonSet's container, run against the node's directories in
+/// the node netns (its /healthz listener exists only there); stopped by PID (SIGTERM:
+/// uninstall), also on failure.
+struct Installer(std::process::Child);
+
+impl Installer {
+    fn start(ctrd: &Containerd) -> Self {
+        let log = std::fs::File::create(ctrd.dir.join("installer.log")).unwrap();
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", ctrd.node.path()))
+            .arg(cni_bin())
+            .arg("install")
+            .arg("--cni-bin-dir")
+            .arg(&ctrd.bin_dir)
+            .arg("--cni-conf-dir")
+            .arg(&ctrd.net_dir)
+            .arg("--state-dir")
+            .arg(&ctrd.state_dir)
+            .args(["--host-ip", NET.gateway, "--resync-seconds", "1"])
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn aether-cni install");
+        Installer(child)
+    }
+
+    /// SIGTERM, and the installer's exit status (it uninstalls first).
+    fn stop(&mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.0.kill();
+                return self.0.wait().unwrap();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            self.stop();
+        }
+    }
+}
+
+#[test]
+fn containerd_node_installer_chains_captures_and_uninstall_restores() {
+    let test = "containerd_node_installer";
+    if !ready(test) {
+        return;
+    }
+    let started = Instant::now();
+    // A node whose CNI is bridge + host-local + portmap alone, and nothing of aether-cni.
+    let mut ctrd = Containerd::new("ctrdinst", &NET, false);
+    let (conf_before, bin_before) = (dir_state(&ctrd.net_dir), dir_state(&ctrd.bin_dir));
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let before = ctrd.run_pod("shop", "before-0", None).unwrap_or_else(|e| panic!("RunPodSandbox before install: {e}"));
+    let sb = ready_sandbox(&ctrd, &before);
+    assert!(!capture_state(&sb.netns).0.contains("aether"), "a pod was captured before the installer ran");
+    stop_and_remove(&ctrd, &before, &sb, "ctrdinstkeep0");
+
+    // The installer: it copies the binary and chains the entry onto the node's conflist;
+    // containerd picks the chained file up by itself.
+    let mut installer = Installer::start(&ctrd);
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let conf = dir_state(&ctrd.net_dir);
+    let bin = dir_state(&ctrd.bin_dir);
+    assert!(names(&bin).contains(&"aether-cni"), "the installer did not install the binary: {:?}", names(&bin));
+    assert!(names(&conf).len() == names(&conf_before).len() + 1, "one chained conflist expected: {:?}", names(&conf));
+
+    // Pods start captured, with no other setup: no annotations, and annotated.
+    let pod = ctrd
+        .run_pod("shop", "cart-0", None)
+        .unwrap_or_else(|e| panic!("RunPodSandbox after install: {e}\n--- installer\n{}", installer_log(&ctrd)));
+    let sb = ready_sandbox(&ctrd, &pod);
+    assert_captured(&sb.netns, &["dnat to 10.250.9.1:18054"]);
+    let (ok, text) = inspect(&ctrd, &pod);
+    assert!(ok && text.contains("pod shop/cart-0"), "aether-cni inspect after install:\n{text}");
+    let annotated = ctrd
+        .run_pod("shop", "cart-1", Some(json!({"aether.io/exclude-outbound-ports": "8443"})))
+        .unwrap_or_else(|e| panic!("RunPodSandbox (annotated) after install: {e}"));
+    let annotated_sb = ready_sandbox(&ctrd, &annotated);
+    assert_captured(&annotated_sb.netns, &["8443"]);
+    stop_and_remove(&ctrd, &pod, &sb, "ctrdinstkeep1");
+    stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdinstkeep2");
+
+    // Uninstall (SIGTERM): the node's directories as they were, and pods start uncaptured.
+    let status = installer.stop();
+    assert!(status.success(), "the installer's uninstall failed ({status}):\n{}", installer_log(&ctrd));
+    assert_eq!(dir_state(&ctrd.net_dir), conf_before, "the conf dir differs after uninstall");
+    assert_eq!(dir_state(&ctrd.bin_dir), bin_before, "the bin dir differs after uninstall");
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+    let after = ctrd.run_pod("shop", "after-0", None).unwrap_or_else(|e| panic!("RunPodSandbox after uninstall: {e}"));
+    let sb = ready_sandbox(&ctrd, &after);
+    let (ruleset, rules, _, _) = capture_state(&sb.netns);
+    assert!(
+        !ruleset.contains("aether") && !rules.contains("0xae71"),
+        "a pod was captured after uninstall:\n{ruleset}{rules}"
+    );
+    stop_and_remove(&ctrd, &after, &sb, "ctrdinstkeep3");
+
+    eprintln!(
+        "{test}: aether-cni install on a containerd node, pods captured, uninstall restored it, in {:?}",
+        started.elapsed()
+    );
+}
+
+fn installer_log(ctrd: &Containerd) -> String {
+    std::fs::read_to_string(ctrd.dir.join("installer.log")).unwrap_or_default()
+}

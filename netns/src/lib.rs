@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 
 use nix::sched::{setns, CloneFlags};
 
+/// `SO_NETNS_COOKIE` (asm-generic/socket.h; the same on every architecture Kubernetes runs on).
+const SO_NETNS_COOKIE: nix::libc::c_int = 71;
+
 /// nsfs magic number (`NSFS_MAGIC` in linux/magic.h).
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 
@@ -31,6 +34,8 @@ pub enum Error {
     Unshare(nix::Error),
     #[error("the thread working inside network namespace {path} panicked")]
     WorkerPanicked { path: PathBuf },
+    #[error("cannot read the cookie of network namespace {path}: {source}")]
+    Cookie { path: PathBuf, source: std::io::Error },
 }
 
 /// A namespace's identity: the device and inode of its nsfs file.
@@ -86,6 +91,37 @@ impl Netns {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The namespace's cookie (`SO_NETNS_COOKIE`, Linux 5.14): a number the kernel gives each
+    /// namespace and never gives another while it runs. The nsfs inode is not enough to
+    /// tell a namespace from its successor: a namespace created after another was freed gets
+    /// the same inode number back, so a path reused for a new namespace (or
+    /// `/proc/<pid>/ns/net` after PID reuse) shows the old (device, inode).
+    pub fn cookie(&self) -> Result<u64, Error> {
+        let err = |source| Error::Cookie { path: self.path.clone(), source };
+        self.run(|| {
+            // Any socket belongs to the namespace of the thread that created it.
+            let fd = unsafe { nix::libc::socket(nix::libc::AF_UNIX, nix::libc::SOCK_DGRAM | nix::libc::SOCK_CLOEXEC, 0) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let mut cookie: u64 = 0;
+            let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
+            let rc = unsafe {
+                nix::libc::getsockopt(
+                    fd,
+                    nix::libc::SOL_SOCKET,
+                    SO_NETNS_COOKIE,
+                    (&mut cookie as *mut u64).cast(),
+                    &mut len,
+                )
+            };
+            let result = if rc == 0 { Ok(cookie) } else { Err(std::io::Error::last_os_error()) };
+            unsafe { nix::libc::close(fd) };
+            result
+        })?
+        .map_err(err)
     }
 
     /// Whether this is the namespace the calling thread runs in (for the plugin: the host's).
@@ -180,6 +216,34 @@ mod tests {
     extern "C" {
         #[link_name = "geteuid"]
         fn libc_geteuid() -> u32;
+    }
+
+    #[test]
+    fn a_namespace_reusing_a_freed_inode_has_another_cookie() {
+        if unsafe { libc_geteuid() } != 0 {
+            {
+                use std::io::Write as _;
+                let _ = writeln!(std::io::stderr(), "SKIPPED (needs root): a_namespace_reusing_a_freed_inode_has_another_cookie");
+            }
+            assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "root required");
+            return;
+        }
+        let own = Netns::current().unwrap();
+        assert_eq!(own.cookie().unwrap(), own.cookie().unwrap(), "a cookie is stable");
+        // Namespaces made and freed one after another: the kernel hands the freed inode
+        // number to the next one (seen on 6.18), never the cookie.
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            let id_and_cookie = run_in_private(|| {
+                let ns = Netns::current().unwrap();
+                (ns.id(), ns.cookie().unwrap())
+            })
+            .unwrap();
+            seen.push(id_and_cookie);
+        }
+        let cookies: std::collections::BTreeSet<u64> = seen.iter().map(|(_, c)| *c).collect();
+        assert_eq!(cookies.len(), seen.len(), "cookies repeat: {seen:?}");
+        assert!(!cookies.contains(&own.cookie().unwrap()));
     }
 
     #[test]

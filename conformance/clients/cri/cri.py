@@ -6,7 +6,7 @@
                                              in, {"response": {...}} or {"error": "..."} out
 
 CALL is a method of runtime.v1.RuntimeService (Version, RunPodSandbox, StopPodSandbox,
-RemovePodSandbox, PodSandboxStatus) or ImageService (ImageStatus). DIR holds runtime_v1_pb2.py,
+RemovePodSandbox, PodSandboxStatus, Status) or ImageService (ImageStatus). DIR holds runtime_v1_pb2.py,
 generated from runtime_v1.proto by conformance/clients/deps.sh. JSON uses the proto field names
 (pod_sandbox_id), with default values included (state SANDBOX_READY). A failed call gives the
 gRPC status code and message: the message is what the runtime says, e.g. the CNI plugin's
@@ -29,6 +29,7 @@ SERVICES = {
     "StopPodSandbox": "RuntimeService",
     "RemovePodSandbox": "RuntimeService",
     "PodSandboxStatus": "RuntimeService",
+    "Status": "RuntimeService",
     "ImageStatus": "ImageService",
 }
 
