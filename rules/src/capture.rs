@@ -2,7 +2,7 @@
 
 use std::net::IpAddr;
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 
 use crate::family::Family;
 use crate::error::{Error, Result};
@@ -194,10 +194,15 @@ impl CaptureConfig {
         Ok(())
     }
 
-    /// The policy rule and route that deliver diverted packets to `lo`.
-    pub fn policy_route(&self) -> PolicyRoute {
+    /// The policy rules and routes of the pod's families.
+    pub fn policy_routes(&self) -> Vec<PolicyRoute> {
+        self.families.iter().map(|f| self.policy_route(*f)).collect()
+    }
+
+    /// The policy rule and route that deliver `family`'s diverted packets to `lo`.
+    pub fn policy_route(&self, family: Family) -> PolicyRoute {
         PolicyRoute {
-            family: Family::Ipv4,
+            family,
             fwmark: self.divert_mark,
             table: self.route_table,
             priority: self.rule_priority,
@@ -205,23 +210,54 @@ impl CaptureConfig {
     }
 }
 
-/// Builds the capture ruleset. Rule order is the table of DESIGN.md, top to bottom.
+/// Builds the capture ruleset: one half per family of the pod (`cfg.families`), each the
+/// same table of DESIGN.md, top to bottom, in its family.
 pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
     cfg.validate()?;
+    let halves = Family::ALL
+        .into_iter()
+        .filter(|f| cfg.families.contains(f))
+        .map(|family| Half { table: capture_table(cfg, family), policy_route: cfg.policy_route(family) })
+        .collect();
+    Ok(Ruleset { halves })
+}
+
+/// The excluded networks of `family`: the fixed ones and the configured ones of that family,
+/// merged so interval elements never overlap (the kernel refuses overlapping intervals).
+fn excluded_nets(cfg: &CaptureConfig, family: Family) -> Vec<Element> {
+    let parse = |n: &&str| n.parse::<IpNet>().expect("constant");
+    let nets = match family {
+        Family::Ipv4 => FIXED_EXCLUDED_NETS.iter().map(parse),
+        Family::Ipv6 => FIXED_EXCLUDED_NETS6.iter().map(parse),
+    }
+    .chain(cfg.excluded_cidrs.iter().copied())
+    .filter(|n| Family::of(n.addr()) == family)
+    .map(|n| n.trunc());
+    let mut merged = IpNet::aggregate(&nets.collect());
+    merged.sort();
+    merged
+        .into_iter()
+        .map(|n| match n {
+            IpNet::V4(n) => Element::Net(n),
+            IpNet::V6(n) => Element::Net6(n),
+        })
+        .collect()
+}
+
+/// One family's capture table.
+fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
     let rule =
         |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.to_string() };
 
-    let mut nets: Vec<Ipv4Net> = FIXED_EXCLUDED_NETS.iter().map(|n| n.parse().expect("constant")).collect();
-    nets.extend(cfg.excluded_cidrs.iter().filter_map(|n| match n {
-        IpNet::V4(n) => Some(n.trunc()),
-        IpNet::V6(_) => None,
-    }));
     let mut ports = cfg.excluded_ports.clone();
     let excluded_nets = Set {
         name: SET_EXCLUDED_NETS.into(),
-        key: KeyType::Ipv4Addr,
+        key: match family {
+            Family::Ipv4 => KeyType::Ipv4Addr,
+            Family::Ipv6 => KeyType::Ipv6Addr,
+        },
         interval: true,
-        elements: merge_nets(nets).into_iter().map(Element::Net).collect(),
+        elements: excluded_nets(cfg, family),
         comment: "destinations never captured nor DNATed".into(),
         timeout_secs: None,
     };
@@ -235,7 +271,8 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         timeout_secs: None,
     };
 
-    let dns_comment = match cfg.dns {
+    let dns = cfg.dns_for(family);
+    let dns_comment = match dns {
         Some(_) => "DNS is not captured (the dns_dnat chain sends it to the node DNS proxy)",
         None => "DNS is not captured (DNS capture is off: it goes where the pod sends it)",
     };
@@ -312,10 +349,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
             rules: tproxy,
         },
     ];
-    if let Some(dns) = cfg.dns {
-        let std::net::IpAddr::V4(host) = dns.host_ip else {
-            unreachable!("validate() checks the DNS address is of the table's family")
-        };
+    if let Some(dns) = dns {
         chains.push(Chain {
             name: CHAIN_DNS.into(),
             hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
@@ -332,30 +366,19 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
                 ),
                 rule(
                     vec![Match::Dport(Proto::Udp, 53)],
-                    Action::Dnat(host, dns.port),
+                    Action::Dnat(dns.host_ip, dns.port),
                     "DNS over UDP goes to the node DNS proxy",
                 ),
                 rule(
                     vec![Match::Dport(Proto::Tcp, 53)],
-                    Action::Dnat(host, dns.port),
+                    Action::Dnat(dns.host_ip, dns.port),
                     "DNS over TCP goes to the node DNS proxy",
                 ),
             ],
         });
     }
 
-    Ok(Ruleset {
-        table: Table { name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], counters: Vec::new(), chains },
-        policy_route: cfg.policy_route(),
-    })
-}
-
-/// Sorts networks and drops those inside another, so interval elements never overlap (the
-/// kernel refuses overlapping intervals).
-fn merge_nets(mut nets: Vec<Ipv4Net>) -> Vec<Ipv4Net> {
-    nets = Ipv4Net::aggregate(&nets);
-    nets.sort();
-    nets
+    Table { family, name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], counters: Vec::new(), chains }
 }
 
 /// Sorted ranges in, overlapping or adjacent ranges joined.
@@ -375,7 +398,7 @@ mod tests {
     use super::*;
 
     fn rules_of<'a>(rs: &'a Ruleset, chain: &str) -> &'a [Rule] {
-        &rs.table.chains.iter().find(|c| c.name == chain).expect("chain").rules
+        &rs.halves[0].table.chains.iter().find(|c| c.name == chain).expect("chain").rules
     }
 
     #[test]
@@ -461,11 +484,11 @@ mod tests {
         assert!(excl_ports < tcp_all);
         assert_eq!(divert[tcp_all].action, Action::SetMarkAccept(DIVERT_MARK));
         assert_eq!(divert.last().unwrap().matches, vec![Match::Dport(Proto::Udp, 18082)]);
-        assert!(rs.table.chains.iter().all(|c| c.name != CHAIN_DNS), "DNS off by default");
+        assert!(rs.halves[0].table.chains.iter().all(|c| c.name != CHAIN_DNS), "DNS off by default");
         let tproxy = rules_of(&rs, CHAIN_TPROXY);
         assert_eq!(tproxy[0].action, Action::TproxyAccept(18001));
         assert_eq!(tproxy[1].action, Action::TproxyAccept(18082));
-        assert!(rs.table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
+        assert!(rs.halves[0].table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
     }
 
     #[test]
@@ -504,9 +527,9 @@ mod tests {
             "9201".parse().unwrap(),
         ];
         let rs = capture_ruleset(&c).unwrap();
-        let nets: Vec<String> = rs.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        let nets: Vec<String> = rs.halves[0].table.sets[0].elements.iter().map(|e| e.to_string()).collect();
         assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
-        let ports: Vec<String> = rs.table.sets[1].elements.iter().map(|e| e.to_string()).collect();
+        let ports: Vec<String> = rs.halves[0].table.sets[1].elements.iter().map(|e| e.to_string()).collect();
         assert_eq!(ports, ["8080", "9000-9201"]);
     }
 
@@ -517,5 +540,67 @@ mod tests {
         for bad in ["0", "65536", "9100-9000", "abc", "", "80-", "-80", "1-2-3"] {
             assert!(bad.parse::<PortRange>().is_err(), "{bad:?} accepted");
         }
+    }
+
+    fn v6_cfg() -> CaptureConfig {
+        let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
+        c.families = vec![Family::Ipv6];
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+        c.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "fd00:1::/32".parse().unwrap(), "fe80::1/128".parse().unwrap()];
+        c
+    }
+
+    #[test]
+    fn an_ipv6_pod_gets_the_same_table_in_family_ip6() {
+        let rs = capture_ruleset(&v6_cfg()).unwrap();
+        assert_eq!(rs.halves.len(), 1);
+        let half = &rs.halves[0];
+        assert_eq!((half.table.family, half.policy_route.family), (Family::Ipv6, Family::Ipv6));
+        assert_eq!(half.table.sets[0].key, KeyType::Ipv6Addr);
+        let nets: Vec<String> = half.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(nets, ["::1/128", "fd00:1::/32", "fe80::/10", "ff00::/8"], "IPv6 exclusions only, merged");
+        let dns = rules_of(&rs, CHAIN_DNS);
+        assert_eq!(dns[2].action, Action::Dnat("fd00::1".parse().unwrap(), 18054));
+        // The same rows as IPv4's, in the same order.
+        let mut v4 = v6_cfg();
+        v4.families = vec![Family::Ipv4];
+        v4.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        let rs4 = capture_ruleset(&v4).unwrap();
+        for (c4, c6) in rs4.halves[0].table.chains.iter().zip(&half.table.chains) {
+            assert_eq!((&c4.name, c4.hook), (&c6.name, c6.hook));
+            let m4: Vec<_> = c4.rules.iter().map(|r| (&r.matches, &r.comment)).collect();
+            let m6: Vec<_> = c6.rules.iter().map(|r| (&r.matches, &r.comment)).collect();
+            assert_eq!(m4, m6, "chain {}", c4.name);
+        }
+        let text = half.table.to_string();
+        assert!(text.starts_with("table ip6 aether_capture {"), "{text}");
+        assert!(text.contains("ip6 daddr @excluded_nets accept") && !text.contains(" ip daddr"), "{text}");
+        assert!(text.contains("dnat to [fd00::1]:18054"), "{text}");
+    }
+
+    #[test]
+    fn a_dual_stack_pod_gets_both_halves_ipv4_first_and_ipv4_is_unchanged() {
+        let mut dual = v6_cfg();
+        dual.families = vec![Family::Ipv6, Family::Ipv4];
+        dual.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        let rs = capture_ruleset(&dual).unwrap();
+        let fams: Vec<Family> = rs.halves.iter().map(|h| h.table.family).collect();
+        assert_eq!(fams, [Family::Ipv4, Family::Ipv6]);
+        let mut v4 = dual.clone();
+        v4.families = vec![Family::Ipv4];
+        assert_eq!(rs.halves[0], capture_ruleset(&v4).unwrap().halves[0], "the IPv4 half is the IPv4-only ruleset");
+        let nets: Vec<String> = rs.halves[0].table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
+    }
+
+    #[test]
+    fn a_family_without_its_dns_address_or_with_the_wrong_one_is_refused() {
+        let mut c = v6_cfg();
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("not an IPv6 address"));
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "::1".parse().unwrap(), port: 18054 });
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("cannot receive"));
+        c.families.clear();
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("no address family"));
     }
 }
