@@ -129,50 +129,31 @@ impl Fam {
     }
 }
 
-/// The rows, once per family: `rows!(V4)` in `mod ipv4`, `rows!(V6)` in `mod ipv6`.
+/// The rows, once per family: `rows!(V4, "ipv4")` in `mod ipv4`, `rows!(V6, "ipv6")` in
+/// `mod ipv6`; each test is `<row function>(family, its own name)`.
 macro_rules! rows {
     ($fam:expr, $tag:literal) => {
+        rows!(@ $fam, $tag,
+            row_tcp_redirect_all_is_captured_with_its_original_destination => row_tcp_redirect_all,
+            row_tcp_scoped_captures_only_18081_and_18082 => row_tcp_scoped,
+            row_udp_18082_is_tproxied_with_its_port_kept_and_the_reply_reaches_a_connected_client => row_udp_18082,
+            row_dns_udp_and_tcp_to_any_address_reach_the_node_dns_proxy => row_dns,
+            row_dns_capture_off_leaves_port_53_alone => row_dns_capture_off,
+            row_excluded_networks_and_ports_are_not_captured => row_excluded,
+            row_ct_reply_inbound_connections_work_and_their_replies_are_not_diverted => row_ct_reply,
+            row_passthrough_marked_sockets_are_not_captured => row_passthrough,
+            del_restores_the_path_of_every_connection => del_restores,
+            two_pods_are_each_captured_by_their_own_listeners => two_pods
+        );
+    };
+    (@ $fam:expr, $tag:literal, $($test:ident => $row:ident),*) => {
         use super::*;
-        #[test]
-        fn row_tcp_redirect_all_is_captured_with_its_original_destination() {
-            super::row_tcp_redirect_all(&$fam, concat!($tag, "::row_tcp_redirect_all_is_captured_with_its_original_destination"));
-        }
-        #[test]
-        fn row_tcp_scoped_captures_only_18081_and_18082() {
-            super::row_tcp_scoped(&$fam, concat!($tag, "::row_tcp_scoped_captures_only_18081_and_18082"));
-        }
-        #[test]
-        fn row_udp_18082_is_tproxied_with_its_port_kept_and_the_reply_reaches_a_connected_client() {
-            super::row_udp_18082(&$fam, concat!($tag, "::row_udp_18082_is_tproxied_with_its_port_kept_and_the_reply_reaches_a_connected_client"));
-        }
-        #[test]
-        fn row_dns_udp_and_tcp_to_any_address_reach_the_node_dns_proxy() {
-            super::row_dns(&$fam, concat!($tag, "::row_dns_udp_and_tcp_to_any_address_reach_the_node_dns_proxy"));
-        }
-        #[test]
-        fn row_dns_capture_off_leaves_port_53_alone() {
-            super::row_dns_capture_off(&$fam, concat!($tag, "::row_dns_capture_off_leaves_port_53_alone"));
-        }
-        #[test]
-        fn row_excluded_networks_and_ports_are_not_captured() {
-            super::row_excluded(&$fam, concat!($tag, "::row_excluded_networks_and_ports_are_not_captured"));
-        }
-        #[test]
-        fn row_ct_reply_inbound_connections_work_and_their_replies_are_not_diverted() {
-            super::row_ct_reply(&$fam, concat!($tag, "::row_ct_reply_inbound_connections_work_and_their_replies_are_not_diverted"));
-        }
-        #[test]
-        fn row_passthrough_marked_sockets_are_not_captured() {
-            super::row_passthrough(&$fam, concat!($tag, "::row_passthrough_marked_sockets_are_not_captured"));
-        }
-        #[test]
-        fn del_restores_the_path_of_every_connection() {
-            super::del_restores(&$fam, concat!($tag, "::del_restores_the_path_of_every_connection"));
-        }
-        #[test]
-        fn two_pods_are_each_captured_by_their_own_listeners() {
-            super::two_pods(&$fam, concat!($tag, "::two_pods_are_each_captured_by_their_own_listeners"));
-        }
+        $(
+            #[test]
+            fn $test() {
+                super::$row(&$fam, concat!($tag, "::", stringify!($test)));
+            }
+        )*
     };
 }
 
