@@ -2,10 +2,20 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
+# Only what the tests use to observe and set up (nft, ip): the build needs no C library.
+APT_PACKAGES := nftables iproute2
 BIN := target/release/aether-cni
+# The release binary is a static PIE (glibc's static-pie start-up, no loader, no shared
+# library): it runs on any x86-64 node whatever its libraries. An explicit --target keeps
+# the flag off build scripts and proc-macros, which must stay dynamic.
+TARGET := x86_64-unknown-linux-gnu
+STATIC_RUSTFLAGS := -C target-feature=+crt-static
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+# make image: the image's name in podman's storage, and an OCI archive of it (for ctr import).
+IMAGE ?= localhost/aether-cni:$(VERSION)
+IMAGE_ARCHIVE ?= target/image/aether-cni-$(VERSION).oci.tar
 
-.PHONY: deps build test demo bench soak clean clients-deps
+.PHONY: deps build test demo bench soak clean clients-deps image chart-test
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -22,14 +32,29 @@ deps:
 clients-deps: deps
 	bash conformance/clients/deps.sh
 
-## build: the release binary
+## build: the release binary, static (target/release/aether-cni)
 build: deps
-	$(CARGO) build --release -p aether-cni
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-cni --target $(TARGET)
+	install -D -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
-# The conformance tests use the very binary this build makes (no second build of their own).
-test: deps clients-deps
-	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni $(CARGO) test --workspace --features aether-cni/fault-injection
+# The conformance tests use the very binary this build makes (no second build of their own);
+# conformance/tests/static_binary.rs checks and runs the static release binary of `build`.
+test: deps clients-deps build
+	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
+		$(CARGO) test --workspace --features aether-cni/fault-injection
+	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni bash charts/tests/run.sh
+
+## image: the OCI image (FROM scratch: the release binary and LICENSE only), built offline with
+## podman into its local storage as $(IMAGE), and saved as $(IMAGE_ARCHIVE)
+image: build
+	bash installer/image/build.sh $(BIN) $(IMAGE) $(IMAGE_ARCHIVE)
+
+## chart-test: charts/aether-cni rendered and linted by Helm v4's engine (helm-python-sdk),
+## every object validated against the Kubernetes schemas, the DaemonSet's args turned into
+## the plugin entry by the real binary; a venv in target/chart-venv (make test runs it too)
+chart-test:
+	bash charts/tests/run.sh
 
 ## demo: a simulated node; a pod attached through the CNI protocol, its traffic captured, DNS answered, then DEL
 demo: build
@@ -37,10 +62,17 @@ demo: build
 
 ## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process
 ## vs plugin exec vs shelling out to nft/ip; 2. the Service layer at 1,000 and 10,000 ports:
-## full build vs one Service more vs verify. Medians and ratios.
+## full build vs one Service more vs verify; 3. the Service layer at cluster scale (10,000
+## Services, 100 pods) against the kernel floor and issue 11's goals, written to
+## bench/results/services-scale.{json,md,png}; 4. the installer's repair latency (another CNI
+## overwrites its file -> the chained copy written back). Medians and ratios.
 bench: deps
+	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q 'install ok installed' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
 	$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
+	$(CARGO) bench -p aether-cni --bench services_scale
+	$(CARGO) bench -p aether-installer --bench repair
 
 ## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a
 ## Service apply each round), then checks nothing is left behind (root; bounded)

@@ -56,7 +56,7 @@ fn list(state_dir: &Path) -> ExitCode {
                     Some(Ok(d)) if d.is_empty() => "intact".into(),
                     Some(Ok(d)) => {
                         all_intact = false;
-                        format!("NOT INTACT ({} differences)", d.len())
+                        format!("NOT INTACT ({})", crate::log::plural(d.len(), "difference"))
                     }
                     Some(Err(e)) => {
                         all_intact = false;
@@ -72,7 +72,7 @@ fn list(state_dir: &Path) -> ExitCode {
         let pod = crate::log::pod_name(r.pod_namespace.as_deref(), r.pod_name.as_deref()).unwrap_or("-".into());
         rows.push([pod, r.container_id.clone(), r.ifname.clone(), r.netns.clone(), capture, services]);
     }
-    println!("state directory {}: {} attachment(s)", state_dir.display(), records.len());
+    println!("state directory {}: {}", state_dir.display(), crate::log::plural(records.len(), "attachment"));
     let widths: Vec<usize> = (0..6).map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0)).collect();
     for row in &rows {
         let cells: Vec<String> = row.iter().zip(&widths).map(|(c, w)| format!("{c:w$}")).collect();

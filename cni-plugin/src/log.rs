@@ -184,12 +184,19 @@ pub fn pod_name(namespace: Option<&str>, name: Option<&str>) -> Option<String> {
     }
 }
 
-/// Counters as `key=value` words (`mesh=1 service=2`), `none` when empty.
+/// Counters as one token for a `key=value` field: the non-zero ones as `mesh:1,service:2`,
+/// `none` when there are none.
 pub fn counts(map: &BTreeMap<String, u64>) -> String {
-    if map.is_empty() {
+    let nonzero: Vec<String> = map.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}:{v}")).collect();
+    if nonzero.is_empty() {
         return "none".into();
     }
-    map.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    nonzero.join(",")
+}
+
+/// `1 difference`, `3 differences`: counts in words an operator reads.
+pub fn plural(n: usize, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
 }
 
 #[cfg(test)]
@@ -218,8 +225,9 @@ mod tests {
         assert_eq!(pod_name(Some("shop"), Some("cart-0")).as_deref(), Some("shop/cart-0"));
         assert_eq!(pod_name(None, Some("cart-0")).as_deref(), Some("?/cart-0"));
         assert_eq!(pod_name(None, None), None);
-        let m: BTreeMap<String, u64> = [("mesh".to_string(), 1), ("service".to_string(), 2)].into();
-        assert_eq!(counts(&m), "mesh=1 service=2");
+        let m: BTreeMap<String, u64> = [("external".into(), 0), ("mesh".into(), 1), ("service".into(), 2)].into();
+        assert_eq!(counts(&m), "mesh:1,service:2");
+        assert_eq!(counts(&[("mesh".to_string(), 0)].into()), "none");
         assert_eq!(counts(&BTreeMap::new()), "none");
     }
 }

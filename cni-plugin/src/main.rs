@@ -118,7 +118,9 @@ fn run_cni() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            error!(code = e.code, "{command} failed: {e}");
+            // The details (CHECK's every difference, an OS error) apart from the message.
+            let details = (!e.details.is_empty()).then(|| tracing::field::display(&e.details));
+            error!(code = e.code, details, "{command} failed: {}", e.msg);
             let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
             ExitCode::FAILURE
         }

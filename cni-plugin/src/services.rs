@@ -919,7 +919,11 @@ impl std::fmt::Display for LayerVerdict {
             LayerVerdict::NoSnapshot => write!(f, "none (no snapshot yet)"),
             LayerVerdict::Intact { generation } => write!(f, "intact (generation {generation})"),
             LayerVerdict::Differs { generation, differences } => {
-                write!(f, "NOT INTACT ({differences} differences from generation {generation})")
+                write!(
+                    f,
+                    "NOT INTACT ({} from generation {generation})",
+                    crate::log::plural(*differences, "difference")
+                )
             }
             LayerVerdict::Unknown => write!(f, "unknown (cannot read)"),
         }

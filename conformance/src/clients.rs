@@ -197,3 +197,44 @@ impl Drop for LibcniCache {
         }
     }
 }
+
+/// A second handle on a netns a runtime made (`ip netns attach` to a process in it), so the
+/// namespace can still be inspected after the runtime has released it; deleted on drop.
+pub struct KeptNetns(String);
+
+impl KeptNetns {
+    pub fn attach(tag: &str, pid: u64) -> Self {
+        let name = format!("aeth-{tag}-{}", std::process::id());
+        aether_testkit::run("ip", &["netns", "attach", &name, &pid.to_string()]);
+        KeptNetns(name)
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.0)
+    }
+}
+
+impl Drop for KeptNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+/// Ends a process the test started: SIGTERM to its PID, SIGKILL after `grace`.
+pub fn terminate(child: &mut std::process::Child, grace: std::time::Duration) -> std::process::ExitStatus {
+    if let Ok(Some(status)) = child.try_wait() {
+        return status;
+    }
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = std::time::Instant::now() + grace;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            return child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

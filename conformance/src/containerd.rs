@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
-use crate::clients::{clients_dir, exec, must, render, repo, LibcniCache, TempDir};
+use crate::clients::{clients_dir, exec, must, render, repo, terminate, LibcniCache, TempDir};
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
@@ -184,17 +184,9 @@ impl Containerd {
     /// Stops containerd (SIGTERM to its PID, SIGKILL after 10 s). Its shims and the pods
     /// keep running, as on a node where containerd restarts.
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
         // nsenter execs containerd: the child's PID is containerd's.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(10));
         }
     }
 

@@ -26,6 +26,7 @@
 pub mod clients;
 pub mod cni;
 pub mod containerd;
+pub mod demo;
 pub mod dns;
 pub mod node;
 pub mod probe;

@@ -197,6 +197,12 @@ impl SimNode {
         cni::run_cli(&self.host.path(), &full, stdin)
     }
 
+    /// A node-level CNI command (STATUS, GC) as the runtime runs it: no pod, no container,
+    /// from inside the host netns.
+    pub fn cni(&self, command: &str, conf: &Value) -> cni::Outcome {
+        cni::run(&self.host.path(), &[("CNI_COMMAND", command), ("CNI_PATH", "/opt/cni/bin")], conf)
+    }
+
     /// What reached the upstream (any host-local address, any `UPSTREAM_*_PORTS` port).
     pub fn upstream_seen(&self) -> Vec<Seen> {
         self.upstream.seen()

@@ -234,7 +234,7 @@ fn inspect_without_a_pod_lists_every_attachment_and_whether_it_is_intact() {
     fn row<'a>(out: &'a str, ctr: &str) -> &'a str {
         out.lines().find(|l| l.contains(ctr)).unwrap_or_else(|| panic!("no row for {ctr}:\n{out}"))
     }
-    assert!(out.contains("2 attachment(s)") && out.contains("POD") && out.contains("SERVICE LAYER"), "{out}");
+    assert!(out.contains("2 attachments") && out.contains("POD") && out.contains("SERVICE LAYER"), "{out}");
     for (ctr, ns, pod) in [("ctr-a", &a, "shop/cart-0"), ("ctr-b", &b, "shop/web-1")] {
         let r = row(&out, ctr);
         assert!(r.starts_with(pod) && r.contains(&ns.path()), "{r}");

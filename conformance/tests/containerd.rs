@@ -14,7 +14,9 @@
 use std::process::Command;
 use std::time::Instant;
 
-use aether_conformance::clients::{assert_captured, assert_clean, capture_state, client, exec, records, table_handle};
+use aether_conformance::clients::{
+    assert_captured, assert_clean, capture_state, client, exec, records, table_handle, terminate, KeptNetns,
+};
 use aether_conformance::cni_bin;
 use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, CHAINED_CONFLIST};
 use aether_testkit::root_or_skip;
@@ -25,27 +27,6 @@ const NET: NodeNet = NodeNet { bridge: "aectrd0", subnet: "10.250.9.0/24", gatew
 /// The test may run: root, and everything `make clients-deps` installs.
 fn ready(test: &str) -> bool {
     root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
-}
-
-/// A second handle on a pod's netns (`ip netns attach` to its pause process), so what DEL
-/// left in it can be seen after containerd released it; deleted on drop.
-struct KeptNetns(String);
-
-impl KeptNetns {
-    fn new(tag: &str, pid: u64) -> Self {
-        let name = format!("aeth-{tag}-{}", std::process::id());
-        aether_testkit::run("ip", &["netns", "attach", &name, &pid.to_string()]);
-        KeptNetns(name)
-    }
-    fn path(&self) -> String {
-        format!("/run/netns/{}", self.0)
-    }
-}
-
-impl Drop for KeptNetns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
 }
 
 /// `aether-cni inspect <sandbox id>` against the network's state dir: (exit ok, stdout+stderr).
@@ -65,7 +46,7 @@ fn ready_sandbox(ctrd: &Containerd, id: &str) -> Sandbox {
 /// the capture (seen through a kept handle on the netns), the veth, the record, the lease,
 /// libcni's cache, containerd's netns mount and the pause container.
 fn stop_and_remove(ctrd: &Containerd, id: &str, sb: &Sandbox, tag: &str) {
-    let kept = KeptNetns::new(tag, sb.pid);
+    let kept = KeptNetns::attach(tag, sb.pid);
     ctrd.stop_pod(id);
     assert_clean(&kept.path());
     assert!(!std::path::Path::new(&sb.netns).exists(), "containerd kept {} after StopPodSandbox", sb.netns);
@@ -287,26 +268,13 @@ impl Installer {
 
     /// SIGTERM, and the installer's exit status (it uninstalls first).
     fn stop(&mut self) -> std::process::ExitStatus {
-        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + std::time::Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.0.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = self.0.kill();
-                return self.0.wait().unwrap();
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        terminate(&mut self.0, std::time::Duration::from_secs(20))
     }
 }
 
 impl Drop for Installer {
     fn drop(&mut self) {
-        if self.0.try_wait().ok().flatten().is_none() {
-            self.stop();
-        }
+        self.stop();
     }
 }
 

@@ -112,7 +112,7 @@ fn a_refused_configuration_reaches_the_log_file() {
             lines[0]
         );
         assert!(
-            msg.starts_with("ADD failed: ") && msg.contains(field) && msg.ends_with(&format!("code={code}")),
+            msg.starts_with("ADD failed: ") && msg.contains(field) && msg.contains(&format!(" code={code}")),
             "{msg}"
         );
         // The same line went to stderr.
@@ -190,6 +190,7 @@ fn a_pod_s_life_reads_as_one_line_per_event() {
         ("ADD", "capture programmed mode=redirect-all services_generation=none"),
         ("CHECK", "capture intact"),
         ("CHECK", "CHECK failed: the capture ruleset in"),
+        ("CHECK", " code=100 details=chain egress_divert: "),
         ("DEL", "capture removed container=ctr-0123"),
         ("DEL", "netns is already gone"),
         ("ADD", "capture programmed"),

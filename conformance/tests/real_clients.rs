@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use aether_conformance::clients::{
     assert_captured, assert_clean, capture_state, client, cnitool_path, exec, must, records, render, table_handle,
-    LibcniCache, Output, TempDir, ROUTE_TABLE,
+    KeptNetns, LibcniCache, Output, TempDir, ROUTE_TABLE,
 };
 use aether_conformance::cni_bin;
 use aether_testkit::{root_or_skip, TestNetns};
@@ -252,16 +252,6 @@ impl Drop for PodmanCleanup<'_> {
     }
 }
 
-/// A second handle on a netns podman made (`ip netns attach`), so the namespace can still
-/// be inspected after podman has released it; deleted on drop.
-struct KeptNetns(String);
-
-impl Drop for KeptNetns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
 #[test]
 fn podman_cni_backend_start_reload_stop() {
     let test = "podman_cni_backend_start_reload_stop";
@@ -333,12 +323,11 @@ fn podman_cni_backend_start_reload_stop() {
     let inspect = must("podman inspect", podman.run(&["inspect", &name]));
     let inspect: Value = serde_json::from_str(&inspect).unwrap();
     let sandbox = inspect[0]["NetworkSettings"]["SandboxKey"].as_str().expect("SandboxKey").to_string();
-    let pid = inspect[0]["State"]["Pid"].as_u64().expect("State.Pid").to_string();
+    let pid = inspect[0]["State"]["Pid"].as_u64().expect("State.Pid");
     let address = inspect[0]["NetworkSettings"]["Networks"][&network]["IPAddress"].as_str().unwrap_or("").to_string();
     assert!(address.starts_with("10.250.8."), "container address {address:?}:\n{inspect:#}");
-    let kept = KeptNetns(format!("aeth-pmkeep-{}", std::process::id()));
-    aether_testkit::run("ip", &["netns", "attach", &kept.0, &pid]);
-    let kept_path = format!("/run/netns/{}", kept.0);
+    let kept = KeptNetns::attach("pmkeep", pid);
+    let kept_path = kept.path();
 
     let (_, _, _, addrs) = capture_state(&sandbox);
     assert!(addrs.contains(&format!("eth0    inet {address}/24")), "{address} not on eth0:\n{addrs}");

@@ -33,6 +33,10 @@ pub struct InstallArgs {
     /// over). Also honoured when `<state-dir>/installer-upgrade` exists at stop time.
     #[arg(long, env = "AETHER_CNI_UPGRADE", value_parser = clap::builder::BoolishValueParser::new(), default_value = "false", num_args = 0..=1, default_missing_value = "true")]
     pub upgrade: bool,
+    /// Print the entry these settings make, as the plugin will receive it (checked by the
+    /// plugin's own parser in a cniVersion 1.1.0 list), and exit: nothing is installed.
+    #[arg(long)]
+    pub print_entry: bool,
     /// Full re-check period: binary, conflist, kernel checks while they fail.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub resync_seconds: u64,

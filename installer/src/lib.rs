@@ -489,9 +489,27 @@ pub fn start(args: InstallArgs, plugin: Plugin, binary: Vec<u8>) -> Result<Runni
     Ok(Running { tx, thread, server, shared })
 }
 
+/// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
+/// (the same code path as a node's primary), checked by the plugin's parser.
+pub fn entry_for_display(args: &InstallArgs, plugin: &Plugin) -> Result<String, Error> {
+    let stand_in = chain::Primary {
+        path: PathBuf::from("(--print-entry)"),
+        bytes: br#"{"cniVersion":"1.1.0","name":"print-entry","plugins":[{"type":"main-cni"}]}"#.to_vec(),
+        mode: 0o644,
+    };
+    let (_, as_passed) = chain::chain(&stand_in, &args.entry())?;
+    (plugin.validate_entry)(&as_passed).map_err(|why| Error::EntryRefused { path: stand_in.path.clone(), why })?;
+    let v: Value = serde_json::from_slice(&as_passed).expect("chain returns JSON");
+    Ok(serde_json::to_string_pretty(&v).expect("JSON values serialize"))
+}
+
 /// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
 /// for an upgrade). The binary installed is this process's own executable.
 pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
+    if args.print_entry {
+        println!("{}", entry_for_display(&args, &plugin)?);
+        return Ok(());
+    }
     let self_exe = PathBuf::from("/proc/self/exe");
     let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])

@@ -296,3 +296,22 @@ fn a_bad_listen_address_fails_before_anything_is_installed() {
     assert!(e.to_string().contains(&taken), "{e}");
     assert!(!fake.chained().exists() && snapshot(&fake.bin).is_empty());
 }
+
+#[test]
+fn a_conf_directory_that_appears_later_is_watched_and_chained() {
+    let fake = FakeNode::new("late-dir");
+    fs::remove_dir(&fake.conf).unwrap();
+    let r =
+        start(fake.args(&["--resync-seconds=1"]), common::plugin(&Switches::default()), fake_binary(64, 7)).unwrap();
+    wait_for(&r, "the missing directory named", || {
+        let (code, body) = readyz(&r);
+        code == 503 && body.contains("primary: CNI configuration directory") && body.contains("No such file")
+    });
+    fs::create_dir_all(&fake.conf).unwrap();
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    wait_for(&r, "chained once the directory exists", || chained_matches(&fake, "10-flannel.conflist"));
+    // And kept chained from then on.
+    replace(&fake.conf.join("10-flannel.conflist"), flannel_with(1451).as_bytes());
+    wait_for(&r, "repaired", || fs::read_to_string(fake.chained()).unwrap_or_default().contains("1451"));
+    r.stop().unwrap();
+}

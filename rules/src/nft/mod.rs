@@ -176,6 +176,21 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
     }
 }
 
+/// The transaction that creates `table` (which must not exist yet), encoded once, so that a
+/// benchmark can time the kernel's own work alone: the floor any ADD of it pays.
+pub struct Encoded(Batch);
+
+pub fn encode(table: &Table) -> Encoded {
+    Encoded(render::table_batch(table, Existing::Refuse))
+}
+
+impl Encoded {
+    /// Sends the transaction in the current netns and waits for the kernel's verdict.
+    pub fn send(&self) -> Result<()> {
+        commit(&mut open()?, &self.0)
+    }
+}
+
 /// Deletes and adds set elements of `table` in one transaction; nothing else changes.
 pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<()> {
     if changes.is_empty() {

@@ -1,0 +1,245 @@
+"""charts/aether-cni rendered and linted by Helm v4's engine (helm-python-sdk, offline), every
+object validated against the Kubernetes schemas (kubernetes-validate), and the DaemonSet's
+mounts, env, args and probes asserted for the default values and two non-default sets."""
+
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parent.parent / "aether-cni"
+RELEASE, NAMESPACE = "aether", "kube-system"
+
+# A k3s-like node with everything non-default on the installer side.
+K3S = {
+    "hostPaths": {
+        "cniBinDir": "/var/lib/rancher/k3s/data/cni",
+        "cniConfDir": "/var/lib/rancher/k3s/agent/etc/cni/net.d",
+        "stateDir": "/run/aether",
+        "netnsDir": "",
+    },
+    "installer": {"port": 19095, "uninstallOnStop": True, "conflistName": "000-aether.conflist", "resyncSeconds": 3},
+    "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
+}
+# Every plugin setting given.
+TUNED = {
+    "plugin": {
+        "captureMode": "scoped",
+        "captureDNS": False,
+        "capturePort": 15001,
+        "meshL4Port": 15082,
+        "scopedPorts": [15081, 15082],
+        "dnsProxyPort": 15054,
+        "divertMark": "0x1e71",
+        "passthroughMark": "0x1e7e",
+        "routeTable": 100,
+        "rulePriority": 1000,
+        "excludeOutboundCIDRs": ["10.0.0.0/24", "192.0.2.7"],
+        "excludeOutboundPorts": [22, "9000-9100"],
+        "excludeNamespaces": ["kube-system", "infra"],
+        "logFile": "/var/log/aether-cni.log",
+        "logLevel": "debug",
+    },
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "mesh", "effect": "NoSchedule"}],
+    "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+    "updateStrategy": {"type": "OnDelete"},
+}
+
+
+def render(values):
+    chart = helm.Chart.load(CHART)
+    out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects, notes = [], None
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            notes = text
+            continue
+        objects += [d for d in yaml.safe_load_all(text) if d]
+    return objects, notes
+
+
+def daemonset(values):
+    objects, _ = render(values)
+    (ds,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    return ds
+
+
+def container(ds):
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+@pytest.mark.parametrize("values", [{}, K3S, TUNED], ids=["defaults", "k3s", "tuned"])
+def test_lint_is_clean_and_every_object_is_valid_kubernetes(values):
+    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+    bad = [m for m in report["messages"] if m["severity"] >= 2] + report.get("errors", [])
+    assert not bad, bad
+    objects, notes = render(values)
+    assert [o["kind"] for o in objects] == ["DaemonSet"]
+    version = kubernetes_validate.utils.latest_version()
+    for o in objects:
+        kubernetes_validate.validate(o, version, strict=True)
+    assert "rollout status daemonset/aether-aether-cni" in notes
+
+
+def test_validation_can_fail():
+    """Negative control: a misspelled field is caught by the schema check used above."""
+    ds = daemonset({})
+    broken = copy.deepcopy(ds)
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, kubernetes_validate.utils.latest_version(), strict=True)
+
+
+def test_defaults():
+    ds = daemonset({})
+    spec = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert ds["metadata"]["namespace"] == NAMESPACE
+    assert spec["hostNetwork"] is True and spec["automountServiceAccountToken"] is False
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] == [{"operator": "Exists"}], "every taint tolerated"
+    assert spec["terminationGracePeriodSeconds"] == 30
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert c["image"] == "localhost/aether-cni:0.1.0"
+    assert c["command"] == ["/aether-cni", "install"]
+    assert c["args"] == [
+        "--cni-bin-dir=/host/opt/cni/bin",
+        "--cni-conf-dir=/host/etc/cni/net.d",
+        "--state-dir=/var/run/aether-cni",
+        "--conflist-name=00-aether-cni.conflist",
+        "--listen=$(HOST_IP):18095",
+        "--resync-seconds=10",
+        "--upgrade",
+    ]
+    assert c["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+    assert c["ports"] == [{"name": "http", "containerPort": 18095, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "SYS_ADMIN"]}
+    assert "privileged" not in sc and sc["readOnlyRootFilesystem"] is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert {n: m["mountPath"] for n, m in mounts.items()} == {
+        "cni-bin": "/host/opt/cni/bin",
+        "cni-conf": "/host/etc/cni/net.d",
+        "state": "/var/run/aether-cni",
+        "netns": "/var/run/netns",
+    }
+    assert mounts["netns"]["readOnly"] is True and mounts["netns"]["mountPropagation"] == "HostToContainer"
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    assert volumes == {
+        "cni-bin": "/opt/cni/bin",
+        "cni-conf": "/etc/cni/net.d",
+        "state": "/var/run/aether-cni",
+        "netns": "/var/run/netns",
+    }
+    assert c["resources"]["limits"] == {"memory": "128Mi"}
+
+
+def test_k3s_paths_port_and_uninstall_on_stop():
+    ds = daemonset(K3S)
+    spec = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert c["image"] == "images.invalid/mesh/aether-cni:v9"
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert c["args"] == [
+        "--cni-bin-dir=/host/var/lib/rancher/k3s/data/cni",
+        "--cni-conf-dir=/host/var/lib/rancher/k3s/agent/etc/cni/net.d",
+        "--state-dir=/run/aether",
+        "--conflist-name=000-aether.conflist",
+        "--listen=$(HOST_IP):19095",
+        "--resync-seconds=3",
+    ], "no --upgrade: a stopped installer uninstalls"
+    assert c["ports"][0]["containerPort"] == 19095
+    assert [m["mountPath"] for m in c["volumeMounts"]] == [
+        "/host/var/lib/rancher/k3s/data/cni",
+        "/host/var/lib/rancher/k3s/agent/etc/cni/net.d",
+        "/run/aether",
+    ], "no netns mount when netnsDir is empty"
+    assert [v["hostPath"]["path"] for v in spec["volumes"]] == [
+        "/var/lib/rancher/k3s/data/cni",
+        "/var/lib/rancher/k3s/agent/etc/cni/net.d",
+        "/run/aether",
+    ]
+    _, notes = render(K3S)
+    assert "uninstallOnStop is true" in notes
+
+
+def test_every_plugin_setting_becomes_a_flag():
+    ds = daemonset(TUNED)
+    spec = ds["spec"]["template"]["spec"]
+    c = container(ds)
+    assert c["args"][7:] == [
+        "--capture-mode=scoped",
+        "--capture-dns=false",
+        "--capture-port=15001",
+        "--mesh-l4-port=15082",
+        "--scoped-ports=15081,15082",
+        "--dns-proxy-port=15054",
+        "--divert-mark=0x1e71",
+        "--passthrough-mark=0x1e7e",
+        "--route-table=100",
+        "--rule-priority=1000",
+        "--exclude-outbound-cidrs=10.0.0.0/24,192.0.2.7",
+        "--exclude-outbound-ports=22,9000-9100",
+        "--exclude-namespaces=kube-system,infra",
+        "--log-file=/var/log/aether-cni.log",
+        "--log-level=debug",
+    ]
+    assert spec["tolerations"] == TUNED["tolerations"]
+    assert c["resources"] == TUNED["resources"]
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    # Probes and env do not depend on the plugin settings.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+
+
+def entry_from_args(values):
+    """The DaemonSet's args, as the kubelet expands them, given to the real binary's
+    `install --print-entry`: the entry the plugin will receive, checked by its own parser."""
+    c = container(daemonset(values))
+    host_ip = "10.0.0.21"
+    args = [a.replace("$(HOST_IP)", host_ip) for a in c["args"]]
+    out = subprocess.run(
+        [os.environ["AETHER_CNI_BIN"], *c["command"][1:], *args, "--print-entry"],
+        env={"HOST_IP": host_ip, "PATH": os.environ.get("PATH", "")},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_binary_accepts_the_default_args():
+    assert entry_from_args({}) == {
+        "type": "aether-cni",
+        "name": "print-entry",
+        "cniVersion": "1.1.0",
+        "capabilities": {"io.kubernetes.cri.pod-annotations": True},
+        "hostIP": "10.0.0.21",
+        "stateDir": "/var/run/aether-cni",
+    }
+    assert entry_from_args(K3S)["stateDir"] == "/run/aether"
+
+
+def test_every_plugin_value_reaches_the_entry_through_the_binary():
+    entry = entry_from_args(TUNED)
+    for key, value in TUNED["plugin"].items():
+        assert entry[key] == value, key
+
+
+def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
+    c = container(daemonset({"plugin": {"captureMode": "everything"}}))
+    out = subprocess.run(
+        [os.environ["AETHER_CNI_BIN"], "install", *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and 'field "captureMode" has "everything"' in out.stderr, out.stderr

@@ -1,0 +1,593 @@
+//! `make bench`, part 3: the Service layer at cluster scale (issue 11). 10,000 Services
+//! (20,000 ports) on a node of 100 pods, side by side in one run:
+//!
+//! - the floor: the kernel's own cost of creating one pod's layer, its transaction encoded
+//!   once and only sent (and committed) here, into fresh netns;
+//! - the plugin process (the binary `cargo bench` builds): a pod's ADD with that snapshot
+//!   stored (wall time and max RSS from `wait4`) and without any; `services apply` to 100
+//!   pods the first time, with one Service more, and with nothing changed; `demand`,
+//!   `counters` and `verify` over the 100 pods;
+//! - the datapath: new TCP connections per second through a pod's layer with 10 and with
+//!   10,000 Services;
+//! - the kernel memory one pod's layer costs at 1,000 and 10,000 Services (`/proc/meminfo`
+//!   deltas over many netns);
+//! - the figures issue 11 measured before this work ("now").
+//!
+//! Writes `bench/results/services-scale.{json,md}` and, with python3-matplotlib, the chart
+//! `services-scale.png`. Needs root; every netns it makes is deleted on drop, also when a
+//! step panics. `AETHER_BENCH_ROUNDS` overrides the number of rounds.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_netns::Netns;
+use aether_rules::model::Proto;
+use aether_rules::services::{self, LayerMode, ServiceLayer, ServicePort};
+use aether_testkit::TestNetns;
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
+const SERVICES: u32 = 10_000;
+const PODS: usize = 100;
+
+fn rounds() -> usize {
+    std::env::var("AETHER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(11)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Service `i`: a VIP in 10.96.0.0/15 and two TCP ports; one in ten has no endpoint.
+fn service_vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a60_0000 + 2 + i)
+}
+
+fn service_ports(i: u32) -> [u16; 2] {
+    [80, 8080 + (i % 7) as u16]
+}
+
+fn snapshot(generation: u64, n: u32) -> Vec<u8> {
+    let services: Vec<Value> = (0..n)
+        .map(|i| {
+            let ports: Vec<Value> = service_ports(i).iter().map(|p| json!({"protocol": "TCP", "port": p})).collect();
+            json!({"namespace": format!("ns-{}", i % 50), "name": format!("svc-{i}"), "vip": service_vip(i).to_string(),
+                   "ports": ports, "usableEndpoints": i % 10 != 0})
+        })
+        .collect();
+    serde_json::to_vec(&json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/15"],
+        "meshVIPs": [], "services": services}))
+    .unwrap()
+}
+
+/// The same Services as `snapshot`, as the layer's model.
+fn layer(n: u32) -> ServiceLayer {
+    let mut l = ServiceLayer::new(LayerMode::Refuse);
+    l.ranges = vec!["10.96.0.0/15".parse().unwrap()];
+    l.ports = (0..n)
+        .flat_map(|i| {
+            service_ports(i).map(|port| ServicePort { vip: service_vip(i), proto: Proto::Tcp, port, has_endpoints: i % 10 != 0 })
+        })
+        .collect();
+    l
+}
+
+/// A process's wall time, max RSS (KiB, from `wait4`), success and stdout.
+struct Ran {
+    wall: Duration,
+    max_rss_kib: i64,
+    ok: bool,
+    stdout: String,
+}
+
+/// Reaped by `wait4` (for its rusage), not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
+fn run(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Ran {
+    let t = Instant::now();
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let feed = std::thread::scope(|s| {
+        let feeder = s.spawn(move || input.write_all(stdin));
+        let mut stdout = String::new();
+        child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
+        let mut stderr = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+        let _ = feeder.join();
+        (stdout, stderr)
+    });
+    let mut status = 0;
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    let wall = t.elapsed();
+    assert_eq!(pid, child.id() as i32, "wait4");
+    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    if !ok {
+        eprintln!("{args:?} failed:\n{}\n{}", feed.0, feed.1);
+    }
+    Ran { wall, max_rss_kib: usage.ru_maxrss, ok, stdout: feed.0 }
+}
+
+fn services_cmd(state: &Path, args: &[&str], stdin: &[u8]) -> Ran {
+    let mut all = vec!["services"];
+    all.extend_from_slice(args);
+    let state = state.to_str().unwrap();
+    all.extend_from_slice(&["--state-dir", state]);
+    let r = run(&all, &[], stdin);
+    assert!(r.ok, "services {args:?}");
+    r
+}
+
+fn conf(state: &Path) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "cniVersion": "1.0.0", "name": "bench-scale", "type": "aether-cni", "stateDir": state,
+        "hostIP": "10.0.0.1",
+        "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}],
+                       "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
+    }))
+    .unwrap()
+}
+
+fn cni(command: &str, state: &Path, netns: &str, id: &str) -> Ran {
+    let env = [
+        ("CNI_COMMAND", command),
+        ("CNI_CONTAINERID", id),
+        ("CNI_NETNS", netns),
+        ("CNI_IFNAME", "eth0"),
+        ("CNI_PATH", "/opt/cni/bin"),
+        ("CNI_ARGS", "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod"),
+    ];
+    let r = run(&[], &env, &conf(state));
+    assert!(r.ok, "CNI {command}");
+    r
+}
+
+fn state_dir(tag: &str) -> PathBuf {
+    // tmpfs, as the node's /var/run/aether-cni is.
+    let d = PathBuf::from(format!("/run/aether-bench-scale-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Removes the bench's state directories also when a step panics.
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// A result: a name, the measured value, its unit, and the goal it is held to.
+struct Figure {
+    key: &'static str,
+    name: String,
+    value: f64,
+    unit: &'static str,
+    /// Issue 11's "now" for the same operation, if it measured it.
+    before: Option<f64>,
+    goal: Option<(f64, String)>,
+}
+
+fn fig(key: &'static str, name: &str, value: f64, unit: &'static str) -> Figure {
+    Figure { key, name: name.into(), value, unit, before: None, goal: None }
+}
+
+impl Figure {
+    fn before(mut self, v: f64) -> Self {
+        self.before = Some(v);
+        self
+    }
+    fn goal(mut self, limit: f64, what: String) -> Self {
+        self.goal = Some((limit, what));
+        self
+    }
+    fn met(&self) -> Option<bool> {
+        self.goal.as_ref().map(|(limit, _)| self.value <= *limit)
+    }
+}
+
+/// The floor: one pod's layer created by sending its transaction, encoded once.
+fn floor(n: u32) -> f64 {
+    let table = services::services_table(&ServiceLayer { divert_mark: 0xae71, ..layer(n) }).unwrap().unwrap();
+    let encoded = aether_rules::nft::encode(&table);
+    let samples = (0..rounds())
+        .map(|_| {
+            let ns = TestNetns::new("bscale-floor");
+            let netns = Netns::open_foreign(ns.path()).unwrap();
+            netns
+                .run(|| {
+                    let t = Instant::now();
+                    encoded.send().unwrap();
+                    ms(t.elapsed())
+                })
+                .unwrap()
+        })
+        .collect();
+    median(samples)
+}
+
+/// ADD of a fresh pod with the given state directory: median wall (ms), max RSS (KiB).
+fn add_pod(state: &Path, tag: &str) -> (f64, f64) {
+    let (mut walls, mut rss) = (Vec::new(), Vec::new());
+    for i in 0..rounds() + 1 {
+        let ns = TestNetns::new(tag);
+        let id = format!("{tag}-{i}");
+        let r = cni("ADD", state, &ns.path(), &id);
+        if i > 0 {
+            walls.push(ms(r.wall));
+            rss.push(r.max_rss_kib as f64);
+        }
+        cni("DEL", state, &ns.path(), &id);
+    }
+    (median(walls), median(rss))
+}
+
+fn meminfo() -> BTreeMap<String, i64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            Some((k.to_string(), v.split_whitespace().next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Kernel memory per pod layer at `n` Services: (SUnreclaim + VmallocUsed, MemFree drop),
+/// KiB, averaged over `pods` netns each holding the layer.
+fn kernel_memory(n: u32, pods: usize) -> (f64, f64) {
+    let l = ServiceLayer { divert_mark: 0xae71, ..layer(n) };
+    let netns: Vec<TestNetns> = (0..pods).map(|_| TestNetns::new("bscale-mem")).collect();
+    let opened: Vec<Netns> = netns.iter().map(|n| Netns::open_foreign(n.path()).unwrap()).collect();
+    // The first nftables use in a netns sets up per-netns state: not the layer's cost.
+    let empty = ServiceLayer { ports: vec![], ..l.clone() };
+    for ns in &opened {
+        ns.run(|| services::rebuild(&empty)).unwrap().unwrap();
+        ns.run(services::remove).unwrap().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = meminfo();
+    for ns in &opened {
+        ns.run(|| services::rebuild(&l)).unwrap().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let after = meminfo();
+    let d = |k: &str| (after[k] - before[k]) as f64 / pods as f64;
+    (d("SUnreclaim") + d("VmallocUsed"), -d("MemFree"))
+}
+
+/// New TCP connections per second from a pod through its layer (the connect is refused by
+/// nothing: a listener in a peer netns accepts and closes).
+fn connections_per_second(n: u32) -> f64 {
+    let pod = TestNetns::new("bscale-cps-pod");
+    let peer = TestNetns::new("bscale-cps-peer");
+    pod.exec("ip", &["link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", &peer.name]);
+    pod.exec("ip", &["addr", "add", "10.244.1.5/24", "dev", "eth0"]);
+    pod.exec("ip", &["link", "set", "eth0", "up"]);
+    pod.exec("ip", &["link", "set", "lo", "up"]);
+    pod.exec("ip", &["route", "add", "default", "via", "10.244.1.1"]);
+    peer.exec("ip", &["addr", "add", "10.244.1.1/24", "dev", "eth0"]);
+    peer.exec("ip", &["link", "set", "eth0", "up"]);
+    peer.exec("ip", &["link", "set", "lo", "up"]);
+    // The last Service's VIP: its lookup is as deep as any.
+    let vip = service_vip(n - 1);
+    peer.exec("ip", &["addr", "add", &format!("{vip}/32"), "dev", "lo"]);
+    // A stand-in for capture's divert decision (the layer classifies what capture marks).
+    let marker = "table ip bench_divert_standin {\n\tchain out {\n\t\ttype route hook output priority -150; policy accept;\n\t\tmeta l4proto tcp meta mark set 0xae71\n\t}\n}\n";
+    let path = std::env::temp_dir().join(format!("{}.nft", pod.name));
+    std::fs::write(&path, marker).unwrap();
+    pod.exec("nft", &["-f", path.to_str().unwrap()]);
+    let _ = std::fs::remove_file(path);
+    let l = ServiceLayer { divert_mark: 0xae71, ..layer(n) };
+    let pod_ns = Netns::open_foreign(pod.path()).unwrap();
+    pod_ns.run(|| services::rebuild(&l)).unwrap().unwrap();
+    let listener = Netns::open_foreign(peer.path()).unwrap().run(|| std::net::TcpListener::bind((vip, 80)).unwrap()).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let rate = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok((c, _)) = listener.accept() {
+                    drop(c);
+                }
+            }
+        });
+        let rate = pod_ns
+            .run(|| {
+                let t = Instant::now();
+                let mut count = 0u64;
+                while t.elapsed() < Duration::from_millis(700) {
+                    let c = std::net::TcpStream::connect((vip, 80)).unwrap();
+                    // RST on close: no TIME_WAIT piling up over the run.
+                    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+                    let r = unsafe {
+                        libc::setsockopt(
+                            std::os::fd::AsRawFd::as_raw_fd(&c),
+                            libc::SOL_SOCKET,
+                            libc::SO_LINGER,
+                            (&linger as *const libc::linger).cast(),
+                            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                        )
+                    };
+                    assert_eq!(r, 0);
+                    count += 1;
+                }
+                count as f64 / t.elapsed().as_secs_f64()
+            })
+            .unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Unblock the accept loop.
+        let _ = pod_ns.run(|| std::net::TcpStream::connect((vip, 80)));
+        rate
+    });
+    let counted = pod_ns.run(services::counters).unwrap().unwrap().unwrap();
+    assert!(counted["service"] > 0, "the connections went through the layer: {counted:?}");
+    rate
+}
+
+fn sh(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn main() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("make bench needs root (it creates its own network namespaces)");
+        std::process::exit(1);
+    }
+    let started = sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]);
+    let n = SERVICES;
+    let ports = 2 * n;
+    println!("services at scale: {n} Services ({ports} ports), {PODS} pods, median of {} rounds\n", rounds());
+    let dirs = Cleanup(vec![state_dir("none"), state_dir("one"), state_dir("node")]);
+    let (none, one, node) = (&dirs.0[0], &dirs.0[1], &dirs.0[2]);
+    let mut figs = Vec::new();
+
+    let floor_ms = floor(n);
+    println!("  floor: one pod's layer, pre-encoded, sent and committed        {floor_ms:>9.2} ms");
+    figs.push(fig("floor", "kernel floor: one pod's layer sent pre-encoded", floor_ms, "ms"));
+
+    // ADD with no snapshot, and with the 10,000-Service snapshot stored.
+    let (add_bare, rss_bare) = add_pod(none, "bscale-add0");
+    services_cmd(one, &["apply"], &snapshot(1, n));
+    let (add_ms, add_rss) = add_pod(one, "bscale-add");
+    println!("  ADD, no snapshot stored                                          {add_bare:>9.2} ms  {:>6.1} MiB", rss_bare / 1024.0);
+    println!("  ADD, {n} Services stored                                       {add_ms:>9.2} ms  {:>6.1} MiB", add_rss / 1024.0);
+    figs.push(fig("add_bare", "ADD (process), no snapshot stored", add_bare, "ms"));
+    figs.push(
+        fig("add", &format!("ADD (process), {n} Services stored"), add_ms, "ms")
+            .before(348.0)
+            .goal(1.5 * floor_ms, "1.5x the kernel floor".into()),
+    );
+    figs.push(
+        fig("add_rss", "ADD max RSS, snapshot stored", add_rss / 1024.0, "MiB")
+            .before(36.8)
+            .goal(8.0, "8 MiB".into()),
+    );
+
+    // 100 pods (capture only at first: no snapshot stored yet).
+    let pods: Vec<TestNetns> = (0..PODS).map(|_| TestNetns::new("bscale-pod")).collect();
+    for (i, p) in pods.iter().enumerate() {
+        cni("ADD", node, &p.path(), &format!("pod-{i}"));
+    }
+    let mut generation = 1u64;
+    // A new generation of `doc_services` Services plus `extra` more (mode off: none).
+    let mut apply = |doc_services: u32, extra: u32, off: bool| -> Ran {
+        generation += 1;
+        if off {
+            let doc = json!({"generation": generation, "mode": "off", "serviceRanges": [], "services": []});
+            return services_cmd(node, &["apply"], &serde_json::to_vec(&doc).unwrap());
+        }
+        let mut doc: Value = serde_json::from_slice(&snapshot(generation, doc_services)).unwrap();
+        for k in 0..extra {
+            doc["services"].as_array_mut().unwrap().push(json!({"namespace": "more", "name": format!("more-{k}"),
+                "vip": Ipv4Addr::from(0x0a61_0000 + k).to_string(), "ports": [{"protocol": "TCP", "port": 443}],
+                "usableEndpoints": true}));
+        }
+        services_cmd(node, &["apply"], &serde_json::to_vec(&doc).unwrap())
+    };
+    let mut first = Vec::new();
+    let mut first_rss = Vec::new();
+    for _ in 0..3 {
+        let r = apply(n, 0, false);
+        assert_eq!(r.stdout.matches("\"rebuilt\"").count(), PODS, "{}", r.stdout);
+        first.push(ms(r.wall));
+        first_rss.push(r.max_rss_kib as f64 / 1024.0);
+        apply(0, 0, true);
+    }
+    let first_ms = median(first);
+    apply(n, 0, false);
+    let mut extra = 0;
+    let one_more = median(
+        (0..rounds())
+            .map(|_| {
+                extra += 1;
+                let r = apply(n, extra, false);
+                assert_eq!(r.stdout.matches("\"elements +2 -0\"").count(), PODS, "{}", r.stdout);
+                ms(r.wall)
+            })
+            .collect(),
+    );
+    let mut unchanged_rss = Vec::new();
+    let unchanged = median(
+        (0..rounds())
+            .map(|_| {
+                let r = apply(n, extra, false);
+                assert_eq!(r.stdout.matches("\"unchanged\"").count(), PODS, "{}", r.stdout);
+                unchanged_rss.push(r.max_rss_kib as f64 / 1024.0);
+                ms(r.wall)
+            })
+            .collect(),
+    );
+    let demand = median((0..rounds()).map(|_| ms(services_cmd(node, &["demand"], b"").wall)).collect());
+    let counters = median((0..rounds()).map(|_| ms(services_cmd(node, &["counters"], b"").wall)).collect());
+    let verify = median(
+        (0..3)
+            .map(|_| {
+                let r = services_cmd(node, &["verify"], b"");
+                assert_eq!(r.stdout.matches("\"intact\"").count(), PODS, "{}", r.stdout);
+                ms(r.wall)
+            })
+            .collect(),
+    );
+    for (i, p) in pods.iter().enumerate() {
+        cni("DEL", node, &p.path(), &format!("pod-{i}"));
+    }
+    drop(pods);
+    println!("  first apply to {PODS} pods                                         {first_ms:>9.2} ms  {:>6.1} MiB", median(first_rss.clone()));
+    println!("  one Service more, {PODS} pods                                       {one_more:>9.2} ms");
+    println!("  apply that changes nothing, {PODS} pods                             {unchanged:>9.2} ms  {:>6.1} MiB", median(unchanged_rss.clone()));
+    println!("  demand, {PODS} pods                                                 {demand:>9.2} ms");
+    println!("  counters, {PODS} pods                                               {counters:>9.2} ms");
+    println!("  verify (read back + compare), {PODS} pods                           {verify:>9.2} ms");
+    figs.push(
+        fig("first_apply", &format!("first apply to {PODS} pods"), first_ms, "ms")
+            .before(9600.0)
+            .goal(1.5 * PODS as f64 * floor_ms, format!("1.5x {PODS}x the floor")),
+    );
+    figs.push(fig("first_apply_rss", "first apply max RSS", median(first_rss), "MiB").before(38.0));
+    figs.push(fig("one_more", &format!("one Service more, {PODS} pods"), one_more, "ms").before(11600.0).goal(30.0, "30 ms".into()));
+    figs.push(fig("unchanged", &format!("apply that changes nothing, {PODS} pods"), unchanged, "ms").before(12300.0).goal(20.0, "20 ms".into()));
+    figs.push(fig("unchanged_rss", "apply that changes nothing, max RSS", median(unchanged_rss), "MiB"));
+    figs.push(fig("demand", &format!("demand, {PODS} pods"), demand, "ms").before(6400.0).goal(100.0, "100 ms".into()));
+    figs.push(fig("counters", &format!("counters, {PODS} pods"), counters, "ms").before(250.0).goal(50.0, "50 ms".into()));
+    figs.push(fig("verify", &format!("verify (read back every layer), {PODS} pods"), verify, "ms"));
+
+    // Datapath: alternate, so drift on a shared machine hits both sizes alike.
+    let (mut small, mut large) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        small.push(connections_per_second(10));
+        large.push(connections_per_second(n));
+    }
+    let (cps_small, cps_large) = (median(small), median(large));
+    let cps_loss = (1.0 - cps_large / cps_small) * 100.0;
+    println!("  new TCP connections/s through the layer, 10 Services             {cps_small:>9.0}");
+    println!("  new TCP connections/s through the layer, {n} Services          {cps_large:>9.0}  ({cps_loss:+.1}% slower)");
+    figs.push(fig("cps_10", "new TCP connections/s, 10 Services", cps_small, "conn/s"));
+    figs.push(fig("cps_10k", &format!("new TCP connections/s, {n} Services"), cps_large, "conn/s"));
+    figs.push(fig("cps_loss", "connections/s lost at 10,000 vs 10 Services", cps_loss, "%").goal(5.0, "5%".into()));
+
+    // Kernel memory per pod.
+    for (key, services_n) in [("kmem_1k", 1_000u32), ("kmem_10k", n)] {
+        let (slab_vmalloc, memfree) = kernel_memory(services_n, 20);
+        println!(
+            "  kernel memory per pod layer, {services_n} Services: SUnreclaim+VmallocUsed {:>7.0} KiB, MemFree drop {:>7.0} KiB",
+            slab_vmalloc, memfree
+        );
+        figs.push(fig(key, &format!("kernel memory per pod layer, {services_n} Services (SUnreclaim + VmallocUsed)"), slab_vmalloc, "KiB"));
+        figs.push(fig(
+            if services_n == n { "kmem_10k_free" } else { "kmem_1k_free" },
+            &format!("kernel memory per pod layer, {services_n} Services (MemFree drop)"),
+            memfree,
+            "KiB",
+        ));
+    }
+
+    println!("\n  goals");
+    for f in figs.iter().filter(|f| f.goal.is_some()) {
+        let (limit, what) = f.goal.as_ref().unwrap();
+        println!(
+            "  {:<52} {:>10.2} {:<6} goal <= {:>9.2} ({what}): {}  ratio {:.2}",
+            f.name,
+            f.value,
+            f.unit,
+            limit,
+            if f.met() == Some(true) { "met" } else { "MISSED" },
+            f.value / limit
+        );
+    }
+    write_results(&started, &figs);
+}
+
+fn write_results(started: &str, figs: &[Figure]) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/results");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .unwrap_or_default();
+    let machine = json!({
+        "kernel": sh("uname", &["-r"]),
+        "cpu": cpu,
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "memory_kib": meminfo().get("MemTotal").copied().unwrap_or(0),
+        "os": sh("sh", &["-c", ". /etc/os-release && echo $PRETTY_NAME"]),
+        "rustc": sh("rustc", &["--version"]),
+        "nft": sh("nft", &["--version"]),
+        "aether_cni": format!("{} ({})", env!("CARGO_PKG_VERSION"), sh("git", &["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "--short", "HEAD"])),
+    });
+    let results: Vec<Value> = figs
+        .iter()
+        .map(|f| {
+            json!({"key": f.key, "name": f.name, "value": (f.value * 100.0).round() / 100.0, "unit": f.unit,
+                   "before": f.before, "goal": f.goal.as_ref().map(|g| json!({"max": (g.0 * 100.0).round() / 100.0, "what": g.1})),
+                   "met": f.met()})
+        })
+        .collect();
+    let doc = json!({"bench": "services-scale", "date": started, "services": SERVICES, "ports": 2 * SERVICES,
+                     "pods": PODS, "rounds": rounds(), "machine": machine, "results": results});
+    std::fs::write(dir.join("services-scale.json"), serde_json::to_string_pretty(&doc).unwrap() + "\n").unwrap();
+    let mut md = format!(
+        "# Service layer at scale (issue 11): `make bench` output\n\nWritten by `cni-plugin/benches/services_scale.rs`; not edited by hand.\n\n\
+         - date: {started}\n- machine: {} ({} CPUs, {} KiB), {}, kernel {}\n- {}, {}, aether-cni {}\n\
+         - {SERVICES} Services ({} ports), {PODS} pods, medians of {} rounds\n\n\
+         | measure | now (issue 11) | measured | goal | met |\n| --- | --- | --- | --- | --- |\n",
+        machine["cpu"].as_str().unwrap(),
+        machine["cpus"],
+        machine["memory_kib"],
+        machine["os"].as_str().unwrap(),
+        machine["kernel"].as_str().unwrap(),
+        machine["rustc"].as_str().unwrap(),
+        machine["nft"].as_str().unwrap(),
+        machine["aether_cni"].as_str().unwrap(),
+        2 * SERVICES,
+        rounds(),
+    );
+    for f in figs {
+        md.push_str(&format!(
+            "| {} | {} | {:.2} {} | {} | {} |\n",
+            f.name,
+            f.before.map_or("".into(), |b| format!("{b} {}", f.unit)),
+            f.value,
+            f.unit,
+            f.goal.as_ref().map_or("".into(), |(l, w)| format!("<= {l:.2} {} ({w})", f.unit)),
+            match f.met() {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "",
+            }
+        ));
+    }
+    md.push_str("\n![chart](services-scale.png)\n");
+    std::fs::write(dir.join("services-scale.md"), md).unwrap();
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/chart.py");
+    match Command::new("python3").arg(&chart).arg(dir.join("services-scale.json")).arg(dir.join("services-scale.png")).status() {
+        Ok(s) if s.success() => println!("\n  wrote bench/results/services-scale.{{json,md,png}}"),
+        _ => println!("\n  wrote bench/results/services-scale.{{json,md}}; the chart needs python3-matplotlib (make bench installs it)"),
+    }
+}

@@ -1,0 +1,253 @@
+//! The OCI image (`make image`, installer/image/build.sh) run with podman against a fake node
+//! root: temp directories bind-mounted as the host's CNI bin, conf and state directories.
+//! Install, a primary rewritten by "another CNI" and repaired, SIGTERM (podman stop)
+//! uninstalling to the original bytes, an upgrade keeping the files. The image is built in a
+//! private podman storage (its own --root/--runroot), removed at the end.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The binary the image holds: `AETHER_IMAGE_BIN` (make image's), else this build's.
+fn binary() -> PathBuf {
+    std::env::var_os("AETHER_IMAGE_BIN").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
+}
+
+/// Whether an ELF file asks for a program interpreter (a dynamic loader): PT_INTERP.
+fn is_dynamic(elf: &[u8]) -> bool {
+    assert_eq!(&elf[..5], b"\x7fELF\x02", "a 64-bit ELF");
+    let u16_at = |o: usize| u16::from_le_bytes([elf[o], elf[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(elf[0x20..0x28].try_into().unwrap()) as usize;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    (0..phnum).any(|i| u32::from_le_bytes(elf[phoff + i * phentsize..][..4].try_into().unwrap()) == 3)
+}
+
+/// A private podman storage and what was made in it; all removed on drop.
+struct Podman {
+    dir: PathBuf,
+    image: String,
+    containers: Vec<String>,
+}
+
+impl Podman {
+    fn flags(&self) -> Vec<String> {
+        let d = self.dir.display();
+        vec![format!("--root={d}/root"), format!("--runroot={d}/run"), "--storage-driver=vfs".into()]
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("podman");
+        c.args(self.flags()).args(args);
+        c
+    }
+
+    /// Runs podman; (success, stdout, stderr).
+    fn run(&self, args: &[&str]) -> (bool, String, String) {
+        let out = self.cmd(args).output().expect("podman (make clients-deps installs it)");
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let (ok, out, err) = self.run(args);
+        assert!(ok, "podman {args:?}: {err}");
+        out
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        for c in &self.containers {
+            let _ = self.cmd(&["rm", "-f", "-t", "0", c]).output();
+        }
+        let _ = self.cmd(&["rmi", "-f", &self.image]).output();
+        let _ = self.cmd(&["system", "reset", "-f"]).output();
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    fs::read_dir(dir).unwrap().map(|e| e.unwrap()).map(|e| (e.file_name().to_string_lossy().into(), fs::read(e.path()).unwrap())).collect()
+}
+
+fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    Some((text.split_whitespace().nth(1)?.parse().ok()?, text.split_once("\r\n\r\n")?.1.to_string()))
+}
+
+fn wait(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+struct Node {
+    root: PathBuf,
+}
+
+impl Node {
+    fn dir(&self, d: &str) -> PathBuf {
+        self.root.join(d)
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.root);
+    }
+}
+
+/// Starts the image's installer as the chart does (caps NET_ADMIN and SYS_ADMIN only,
+/// read-only root, host network); returns the container name and its HTTP address.
+fn start(p: &mut Podman, node: &Node, libs: &[String], tag: &str, env: &[&str]) -> (String, String) {
+    let name = format!("aether-image-test-{}-{tag}", std::process::id());
+    let mut args: Vec<String> = vec![
+        "run".into(), "-d".into(), format!("--name={name}"), "--network=host".into(), "--read-only".into(),
+        "--cap-drop=ALL".into(), "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
+        // Root lacks CAP_SYS_RESOURCE here: podman's default rlimits cannot be set.
+        "--ulimit=nofile=1024:1024".into(), "--ulimit=nproc=4096:4096".into(),
+        format!("--volume={}:/host/opt/cni/bin", node.dir("bin").display()),
+        format!("--volume={}:/host/etc/cni/net.d", node.dir("net.d").display()),
+        format!("--volume={}:/var/run/aether-cni", node.dir("state").display()),
+        "--env=HOST_IP=10.0.0.14".into(),
+    ];
+    args.extend(libs.iter().cloned());
+    args.extend(env.iter().map(|e| format!("--env={e}")));
+    args.extend([p.image.clone(), "install".into(), "--listen=127.0.0.1:0".into()]);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    p.ok(&argv);
+    p.containers.push(name.clone());
+    let mut addr = String::new();
+    wait("the installer's address in its log", || {
+        let (_, out, err) = p.run(&["logs", &name]);
+        let log = out + &err;
+        match log.lines().find(|l| l.contains("serving")).and_then(|l| l.split(" on ").nth(1)) {
+            Some(a) => {
+                addr = a.trim().to_string();
+                true
+            }
+            None => false,
+        }
+    });
+    wait("ready", || get(&addr, "/readyz").is_some_and(|(c, _)| c == 200));
+    (name, addr)
+}
+
+/// `podman stop` (SIGTERM, the image's STOPSIGNAL); returns the exit code and the log.
+fn stop(p: &Podman, name: &str) -> (String, String) {
+    p.ok(&["stop", "-t", "30", name]);
+    let code = p.ok(&["inspect", "--format", "{{.State.ExitCode}}", name]).trim().to_string();
+    let (_, out, err) = p.run(&["logs", name]);
+    (code, out + &err)
+}
+
+#[test]
+fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
+    if !aether_testkit::root_or_skip("the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node") {
+        return;
+    }
+    let pid = std::process::id();
+    let bin = binary();
+    let bin_bytes = fs::read(&bin).unwrap();
+    let mut p = Podman {
+        dir: std::env::temp_dir().join(format!("aether-image-test-{pid}")),
+        image: format!("localhost/aether-cni-test-{pid}:latest"),
+        containers: vec![],
+    };
+    let built = Command::new(repo().join("installer/image/build.sh"))
+        .arg(&bin)
+        .arg(&p.image)
+        .env("PODMAN_FLAGS", p.flags().join(" "))
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "build.sh: {}", String::from_utf8_lossy(&built.stderr));
+
+    // The image's only content: the binary and its licence.
+    let probe = format!("aether-image-test-{pid}-content");
+    p.ok(&["create", "--name", &probe, &p.image]);
+    p.containers.push(probe.clone());
+    let tar = p.dir.join("content.tar");
+    p.ok(&["export", "-o", &tar.display().to_string(), &probe]);
+    let listing = aether_testkit::run("tar", &["-tvf", &tar.display().to_string()]);
+    let files: Vec<&str> = listing.lines().filter(|l| l.starts_with('-')).map(|l| l.rsplit(' ').next().unwrap()).collect();
+    assert_eq!(files, ["LICENSE", "aether-cni"], "{listing}");
+    let extracted = p.dir.join("extracted");
+    fs::create_dir_all(&extracted).unwrap();
+    aether_testkit::run("tar", &["-xf", &tar.display().to_string(), "-C", &extracted.display().to_string(), "aether-cni"]);
+    assert_eq!(fs::read(extracted.join("aether-cni")).unwrap(), bin_bytes, "the very binary");
+
+    // The scratch image runs the binary alone if and only if it is static.
+    let ulimits = ["--ulimit=nofile=1024:1024", "--ulimit=nproc=4096:4096"];
+    let mut alone = vec!["run", "--rm", "--network=none"];
+    alone.extend(ulimits);
+    alone.extend([p.image.as_str(), "versions"]);
+    let (ran, out, err) = p.run(&alone);
+    let libs: Vec<String> = if is_dynamic(&bin_bytes) {
+        assert!(!ran && err.contains("no such file or directory"), "a dynamic binary cannot run in scratch: {out}{err}");
+        eprintln!(
+            "NOTE: {} is dynamically linked, so the scratch image cannot run it (asserted above); the behaviour \
+             below runs it with the host's library directories mounted read-only until the static binary (issue 8) lands",
+            bin.display()
+        );
+        ["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")).collect()
+    } else {
+        assert!(ran && out.lines().any(|l| l == "1.1.0"), "the static binary runs in the scratch image: {out}{err}");
+        vec![]
+    };
+
+    let node = Node { root: std::env::temp_dir().join(format!("aether-image-node-{pid}")) };
+    let _ = fs::remove_dir_all(&node.root);
+    for d in ["bin", "net.d", "state"] {
+        fs::create_dir_all(node.dir(d)).unwrap();
+    }
+    fs::copy(repo().join("testdata/install/primaries/10-bridge.conf"), node.dir("net.d/10-bridge.conf")).unwrap();
+    let original = snapshot(&node.dir("net.d"));
+    let chained = node.dir("net.d/00-aether-cni.conflist");
+
+    // Install.
+    let (name, _addr) = start(&mut p, &node, &libs, "a", &[]);
+    assert_eq!(fs::read(node.dir("bin/aether-cni")).unwrap(), bin_bytes);
+    let list: serde_json::Value = serde_json::from_slice(&fs::read(&chained).unwrap()).unwrap();
+    assert_eq!(list["plugins"][1]["hostIP"], "10.0.0.14");
+    assert_eq!(list["plugins"][1]["stateDir"], "/var/run/aether-cni");
+    // Another CNI rewrites its file (a rename over it): repaired.
+    let tmp = node.dir("net.d/.other-cni.tmp");
+    fs::write(&tmp, br#"{"cniVersion":"1.0.0","name":"mynet","type":"bridge","bridge":"cni9"}"#).unwrap();
+    fs::rename(&tmp, node.dir("net.d/10-bridge.conf")).unwrap();
+    wait("the repair", || fs::read_to_string(&chained).is_ok_and(|t| t.contains("cni9") && t.contains("aether-cni")));
+    let rewritten = snapshot(&node.dir("net.d"));
+    // SIGTERM: uninstalled, the conf directory exactly as the other CNI left it.
+    let (code, log) = stop(&p, &name);
+    assert_eq!(code, "0", "{log}");
+    let mut expected = rewritten.clone();
+    expected.remove("00-aether-cni.conflist");
+    assert_eq!(snapshot(&node.dir("net.d")), expected, "{log}");
+    assert!(snapshot(&node.dir("bin")).is_empty(), "{log}");
+    assert!(fs::read_to_string(node.dir("state/node-not-ready")).unwrap().contains("uninstalled"));
+
+    // An upgrade: the old installer stops keeping both files; the new one takes over.
+    fs::write(node.dir("net.d/10-bridge.conf"), &original["10-bridge.conf"]).unwrap();
+    let (old, _) = start(&mut p, &node, &libs, "old", &["AETHER_CNI_UPGRADE=1"]);
+    let installed = (snapshot(&node.dir("net.d")), snapshot(&node.dir("bin")));
+    let (code, log) = stop(&p, &old);
+    assert_eq!(code, "0", "{log}");
+    assert_eq!((snapshot(&node.dir("net.d")), snapshot(&node.dir("bin"))), installed, "kept for the upgrade: {log}");
+    assert!(!node.dir("state/node-not-ready").exists(), "pods keep working through the upgrade");
+    let (new, addr) = start(&mut p, &node, &libs, "new", &[]);
+    let metrics = get(&addr, "/metrics").unwrap().1;
+    assert!(metrics.contains("aether_cni_installer_installs_total{what=\"conflist\"} 0"), "nothing to redo:\n{metrics}");
+    let (code, log) = stop(&p, &new);
+    assert_eq!(code, "0", "{log}");
+    assert_eq!(snapshot(&node.dir("net.d")), original, "byte for byte as before install: {log}");
+}
