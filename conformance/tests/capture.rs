@@ -278,6 +278,46 @@ fn check_catches_each_tamper_in_the_ipv6_half() {
     assert!(text.contains("table ip6 aether_capture is missing"), "{text}");
 }
 
+/// A failure at each step of a dual-stack ADD leaves both families exactly as they were.
+#[test]
+fn a_failure_at_each_step_of_a_dual_stack_add_leaves_the_netns_unchanged() {
+    if !root_or_skip("a_failure_at_each_step_of_a_dual_stack_add_leaves_the_netns_unchanged") {
+        return;
+    }
+    let c = conf_dual("1.0.0", json!({}));
+    for step in ["nftables", "policy-rule", "local-route", "record", "services"] {
+        let ns = TestNetns::new("fail6");
+        let before = ns.snapshot_with_ipv6(TABLE);
+        let out = run_plugin("ADD", Some(&ns.path()), &c, &[("AETHER_CNI_INJECT_FAILURE", step)]);
+        let (code, text) = out.error();
+        assert_eq!(code, 5, "{step}: {text}");
+        assert_eq!(ns.snapshot_with_ipv6(TABLE), before, "ADD failing at {step} left something behind");
+    }
+    // The control: without the injection the same ADD changes both families.
+    let ns = TestNetns::new("fail6");
+    let before = ns.snapshot_with_ipv6(TABLE);
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+    let after = ns.snapshot_with_ipv6(TABLE);
+    assert!(after.contains("table ip aether_capture") && after.contains("table ip6 aether_capture"), "{after}");
+    assert_ne!(after, before);
+}
+
+/// An IPv6 pod on a node without `hostIPv6` while DNS capture is on: refused, naming the
+/// field, and nothing programmed in either family.
+#[test]
+fn an_ipv6_pod_without_the_nodes_ipv6_dns_address_is_refused() {
+    if !root_or_skip("an_ipv6_pod_without_the_nodes_ipv6_dns_address_is_refused") {
+        return;
+    }
+    let ns = TestNetns::new("no6");
+    let before = ns.snapshot_with_ipv6(TABLE);
+    let c = conf6("1.0.0", json!({"hostIPv6": null}));
+    let (code, text) = run_plugin("ADD", Some(&ns.path()), &c, &[]).error();
+    assert_eq!(code, 7, "{text}");
+    assert!(text.contains("hostIPv6"), "{text}");
+    assert_eq!(ns.snapshot_with_ipv6(TABLE), before);
+}
+
 #[test]
 fn check_catches_a_changed_chain_priority_and_a_missing_table() {
     if !root_or_skip("check_catches_a_changed_chain_priority_and_a_missing_table") {
