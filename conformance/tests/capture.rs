@@ -203,7 +203,10 @@ fn check_catches_each_tamper_in(h: &Half, conf: &Value) {
         (
             "rule added to our chain",
             |h, ns| {
-                ns.exec("nft", &["add", "rule", h.nft, "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"]);
+                ns.exec(
+                    "nft",
+                    &["add", "rule", h.nft, "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"],
+                );
             },
             "unexpected rule".into(),
         ),

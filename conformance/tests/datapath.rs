@@ -429,7 +429,12 @@ fn row_excluded(f: &Fam, test: &str) {
     let (lo, lo_element) = f.loopback;
     let loopback = sa(lo, APP_PORT);
     let mut cases = vec![
-        (lo_element, "excluded_nets", loopback, Probe::Answer(format!("app[a] tcp dst={loopback} from={lo} got=probe"))),
+        (
+            lo_element,
+            "excluded_nets",
+            loopback,
+            Probe::Answer(format!("app[a] tcp dst={loopback} from={lo} got=probe")),
+        ),
         (extra_net, "excluded_nets", sa(extra_addr, 80), upstream(&a, "tcp", sa(extra_addr, 80))),
         ("8080", "excluded_ports", sa(f.vip, 8080), upstream(&a, "tcp", sa(f.vip, 8080))),
         ("9000-9100", "excluded_ports", sa(f.vip, 9050), upstream(&a, "tcp", sa(f.vip, 9050))),
@@ -631,7 +636,9 @@ mod dual_stack {
             let l4 = sa(vip, MESH_L4_PORT);
             assert_eq!(a.udp(l4), capture(&a, "udp", l4), "UDP to {l4}");
         }
-        for (dns_vip, host) in [(IpAddr::V4(DNS_VIP), IpAddr::V4(HOST_IP)), (IpAddr::V6(DNS_VIP6), IpAddr::V6(HOST_IP6))] {
+        for (dns_vip, host) in
+            [(IpAddr::V4(DNS_VIP), IpAddr::V4(HOST_IP)), (IpAddr::V6(DNS_VIP6), IpAddr::V6(HOST_IP6))]
+        {
             assert_eq!(a.dns_udp(sa(dns_vip, 53)), answer, "DNS over UDP to {dns_vip}");
             assert_eq!(a.dns_tcp(sa(dns_vip, 53)), answer, "DNS over TCP to {dns_vip}");
             let to_host: Vec<_> = node.dns_seen().into_iter().filter(|s| s.dst == sa(host, DNS_PROXY_PORT)).collect();
@@ -644,13 +651,21 @@ mod dual_stack {
         // Control: without the IPv6 divert rule, IPv6 TCP goes straight out; IPv4 is untouched.
         V6.delete_rule(&a, "egress_divert", "meta l4proto tcp meta mark set");
         let got = a.tcp(sa(VIP6, 80));
-        control(got == upstream(&a, "tcp", sa(VIP6, 80)), "IPv6 divert rule deleted", format!("{got}\n{}", a.ruleset()));
+        control(
+            got == upstream(&a, "tcp", sa(VIP6, 80)),
+            "IPv6 divert rule deleted",
+            format!("{got}\n{}", a.ruleset()),
+        );
         assert_eq!(a.tcp(sa(VIP, 80)), capture(&a, "tcp", sa(VIP, 80)), "the IPv4 half stands alone");
         // ...and the other way round.
         V4.delete_rule(&a, "egress_divert", "meta l4proto tcp meta mark set");
         let got = a.tcp(sa(VIP, 80));
         control(got == upstream(&a, "tcp", sa(VIP, 80)), "IPv4 divert rule deleted", &got);
-        assert_eq!(a.udp(sa(VIP6, MESH_L4_PORT)), capture(&a, "udp", sa(VIP6, MESH_L4_PORT)), "IPv6 UDP still captured");
+        assert_eq!(
+            a.udp(sa(VIP6, MESH_L4_PORT)),
+            capture(&a, "udp", sa(VIP6, MESH_L4_PORT)),
+            "IPv6 UDP still captured"
+        );
     }
 
     /// DEL undoes both halves: every probe of both families goes where it went with no mesh.

@@ -4,8 +4,8 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::family::Family;
 use crate::error::{Error, Result};
+use crate::family::Family;
 use crate::model::*;
 use crate::route::PolicyRoute;
 
@@ -201,12 +201,7 @@ impl CaptureConfig {
 
     /// The policy rule and route that deliver `family`'s diverted packets to `lo`.
     pub fn policy_route(&self, family: Family) -> PolicyRoute {
-        PolicyRoute {
-            family,
-            fwmark: self.divert_mark,
-            table: self.route_table,
-            priority: self.rule_priority,
-        }
+        PolicyRoute { family, fwmark: self.divert_mark, table: self.route_table, priority: self.rule_priority }
     }
 }
 
@@ -462,7 +457,10 @@ mod tests {
                 }),
                 "scoped",
             ),
-            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::LOCALHOST.into(), port: 18054 })), "host IP"),
+            (
+                Box::new(|c| c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::LOCALHOST.into(), port: 18054 })),
+                "host IP",
+            ),
             (Box::new(|c| c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 0 })), "DNS proxy port"),
         ];
         for (tweak, want) in cases {
@@ -546,7 +544,8 @@ mod tests {
         let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
         c.families = vec![Family::Ipv6];
         c.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
-        c.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "fd00:1::/32".parse().unwrap(), "fe80::1/128".parse().unwrap()];
+        c.excluded_cidrs =
+            vec!["10.1.0.0/16".parse().unwrap(), "fd00:1::/32".parse().unwrap(), "fe80::1/128".parse().unwrap()];
         c
     }
 

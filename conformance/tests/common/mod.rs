@@ -68,7 +68,13 @@ pub fn prev_result_with(version: &str, addresses: &[&str]) -> Value {
         .collect();
     prev["routes"] = addresses
         .iter()
-        .map(|a| if v6(a) { json!({"dst": "::/0", "gw": "fd00:10:244::1"}) } else { json!({"dst": "0.0.0.0/0", "gw": "10.244.1.1"}) })
+        .map(|a| {
+            if v6(a) {
+                json!({"dst": "::/0", "gw": "fd00:10:244::1"})
+            } else {
+                json!({"dst": "0.0.0.0/0", "gw": "10.244.1.1"})
+            }
+        })
         .collect();
     prev
 }
