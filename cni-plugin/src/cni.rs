@@ -386,7 +386,9 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
     let Some(prev) = &conf.prev_result else {
-        return Err(CniError::invalid_config("prevResult is missing: the runtime must pass the result of ADD to CHECK"));
+        return Err(CniError::invalid_config(
+            "prevResult is missing: the runtime must pass the result of ADD to CHECK",
+        ));
     };
     check_prev_result(&conf.cni_version, prev)?;
     let ifname = env.require_ifname()?;
@@ -483,11 +485,8 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             continue;
         }
         let key = rec.key();
-        let outcome = rec
-            .open_netns()
-            .map_err(|e| record_netns_error(rec, e))
-            .map(|found| live(found, &key))
-            .and_then(|netns| {
+        let outcome =
+            rec.open_netns().map_err(|e| record_netns_error(rec, e)).map(|found| live(found, &key)).and_then(|netns| {
                 detach(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
             });
         match outcome {
@@ -569,7 +568,12 @@ mod tests {
             ("1.0.0", v1(json!({"routes": [{"dst": "0.0.0.0/99"}]})), 6, "routes[0].dst"),
             ("1.0.0", v1(json!({"dns": {"nameservers": "x"}})), 6, "dns.nameservers"),
             ("1.0.0", json!([1]), 6, "CNI result object"),
-            ("0.4.0", json!({"cniVersion": "0.4.0", "ips": [{"version": "6", "address": "10.1.0.5/16"}]}), 6, "ips[0].version"),
+            (
+                "0.4.0",
+                json!({"cniVersion": "0.4.0", "ips": [{"version": "6", "address": "10.1.0.5/16"}]}),
+                6,
+                "ips[0].version",
+            ),
             ("1.0.0", v1(json!({"ips": [{"address": format!("{}/24", "9".repeat(100_000))}]})), 6, "bytes in all"),
         ];
         for (version, prev, want, needle) in cases {

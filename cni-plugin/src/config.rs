@@ -128,10 +128,11 @@ pub struct NetConf {
 
 fn invalid(field: &str, value: &Value, why: &str) -> CniError {
     CniError::invalid_config(format!(
-        "network configuration field {} has {}: {why}",
+        "network configuration field {} has {}: {}",
         // Field paths are ours plus, for annotations, the runtime's key: longer, still bounded.
         crate::error::clip(&format!("{field:?}"), 4 * SHOWN_BYTES),
-        shown(&value.to_string())
+        shown(&value.to_string()),
+        crate::error::clip(why, 4 * SHOWN_BYTES)
     ))
 }
 
@@ -194,7 +195,11 @@ pub fn check_version(version: &str) -> Result<(), CniError> {
     }
     Err(CniError::new(
         code::INCOMPATIBLE_VERSION,
-        format!("cniVersion {} is not supported; supported: {}", shown(&format!("{version:?}")), SUPPORTED_VERSIONS.join(", ")),
+        format!(
+            "cniVersion {} is not supported; supported: {}",
+            shown(&format!("{version:?}")),
+            SUPPORTED_VERSIONS.join(", ")
+        ),
     ))
 }
 
@@ -453,7 +458,12 @@ fn pod_annotations(v: &Value) -> Result<BTreeMap<String, String>, CniError> {
 }
 
 fn bad_annotation(name: &str, value: &str, why: impl std::fmt::Display) -> CniError {
-    CniError::invalid_config(format!("pod annotation {name}={} is invalid: {why}", shown(&format!("{value:?}"))))
+    // `why` may quote the bad item (e.g. a port range's own parser does): bounded too.
+    CniError::invalid_config(format!(
+        "pod annotation {name}={} is invalid: {}",
+        shown(&format!("{value:?}")),
+        crate::error::clip(&why.to_string(), 4 * SHOWN_BYTES)
+    ))
 }
 
 /// The pod's capture configuration, or `None` when the pod is not managed.
@@ -468,7 +478,10 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
             return Err(bad_annotation(
                 name,
                 value,
-                format!("{} bytes, over the limit of {MAX_ANNOTATION_BYTES} bytes for an aether.io/ annotation", value.len()),
+                format!(
+                    "{} bytes, over the limit of {MAX_ANNOTATION_BYTES} bytes for an aether.io/ annotation",
+                    value.len()
+                ),
             ));
         }
     }

@@ -61,7 +61,10 @@ impl Env {
             || name == ".."
             || name.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
         {
-            return Err(CniError::invalid_env("CNI_IFNAME", format!("{} is not a usable interface name", crate::config::shown(&format!("{name:?}")))));
+            return Err(CniError::invalid_env(
+                "CNI_IFNAME",
+                format!("{} is not a usable interface name", crate::config::shown(&format!("{name:?}"))),
+            ));
         }
         Ok(name)
     }
@@ -74,9 +77,12 @@ impl Env {
 pub fn parse_args(raw: &str) -> Result<CniArgs, CniError> {
     let mut args = CniArgs::default();
     for pair in raw.split(';').filter(|p| !p.is_empty()) {
-        let (k, v) = pair
-            .split_once('=')
-            .ok_or_else(|| CniError::invalid_env("CNI_ARGS", format!("has {}, not KEY=VALUE", crate::config::shown(&format!("{pair:?}")))))?;
+        let (k, v) = pair.split_once('=').ok_or_else(|| {
+            CniError::invalid_env(
+                "CNI_ARGS",
+                format!("has {}, not KEY=VALUE", crate::config::shown(&format!("{pair:?}"))),
+            )
+        })?;
         match k {
             "K8S_POD_NAMESPACE" => args.pod_namespace = Some(v.to_string()),
             "K8S_POD_NAME" => args.pod_name = Some(v.to_string()),

@@ -5,6 +5,8 @@ mod config;
 mod doctor;
 mod env;
 mod error;
+#[cfg(test)]
+mod fuzz_tests;
 mod inspect;
 mod install;
 mod log;

@@ -210,7 +210,8 @@ impl ServicesDir {
     /// A file of the directory, capped in size; `None` if absent.
     fn read(&self, name: &str) -> Result<Option<Vec<u8>>, String> {
         let path = self.root.join(name);
-        state::read_capped(&path, state::MAX_STATE_FILE_BYTES).map_err(|e| format!("cannot read {}: {e}", path.display()))
+        state::read_capped(&path, state::MAX_STATE_FILE_BYTES)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))
     }
 
     fn layer_path(&self) -> PathBuf {
@@ -547,10 +548,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
     let off = new.for_pod(node_mark).mode == layer::LayerMode::Off;
     let mut folded_keys = Vec::new();
     if off {
-        let counts: Vec<(String, BTreeMap<String, u64>)> = records
-            .iter()
-            .filter_map(|r| Some((r.key(), flat(open(r).ok()?.run(layer::counters)).ok()??)))
-            .collect();
+        let counts: Vec<(String, BTreeMap<String, u64>)> =
+            records.iter().filter_map(|r| Some((r.key(), flat(open(r).ok()?.run(layer::counters)).ok()??))).collect();
         dir.fold_pods(&counts).map_err(|e| vec![e])?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
@@ -696,9 +695,11 @@ pub fn retire_layer(
             Ok(None) => {}
             Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
         }
+        state::crash_point("del-folded");
         if let Err(e) = flat(ns.run(layer::remove)) {
             out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
         }
+        state::crash_point("del-layer-removed");
     }
     if let Err(e) = dir.end_folding(&[key.to_string()]) {
         out.warnings.push(format!("the pod's folded counts stay marked: {e}"));
@@ -728,7 +729,8 @@ impl NodeCounters {
                 })
             })
             .collect();
-        let mut v = json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods});
+        let mut v =
+            json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods});
         if !self.unreadable.is_empty() {
             v["unreadableRecords"] = json!(self.unreadable);
         }
@@ -1105,7 +1107,8 @@ mod tests {
                 s.spawn(move || {
                     let n = Netns::open_foreign(ns.path()).unwrap();
                     let forget = || StateDir::new(&state).remove("k8s-pod-network", &format!("c{i}"), "eth0");
-                    let retired = retire_layer(&state, Some(&n), &format!("k8s-pod-network/c{i}/eth0"), forget).unwrap();
+                    let retired =
+                        retire_layer(&state, Some(&n), &format!("k8s-pod-network/c{i}/eth0"), forget).unwrap();
                     assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
                 });
             }

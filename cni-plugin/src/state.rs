@@ -338,7 +338,12 @@ impl Dir {
     fn openat(&self, name: &str, flags: libc::c_int, mode: libc::mode_t) -> std::io::Result<File> {
         let c = cstr(OsStr::new(name))?;
         let fd = check(unsafe {
-            libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags | libc::O_NOFOLLOW | libc::O_CLOEXEC, mode as libc::c_uint)
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                mode as libc::c_uint,
+            )
         })?;
         Ok(unsafe { File::from_raw_fd(fd) })
     }
@@ -495,7 +500,8 @@ fn is_stale_temp(name: &str, meta: &std::fs::Metadata) -> bool {
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|now| now.as_secs().saturating_sub(meta.mtime() as u64) > STALE_TEMP_AGE.as_secs())
         .unwrap_or(false);
-    let writer_alive = pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
+    let writer_alive = pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
     old && !writer_alive
 }
 
@@ -616,9 +622,7 @@ impl StateDir {
     /// Removes a file of the attachments directory by name; absence is fine.
     pub fn remove_file(&self, name: &str) -> Result<(), CniError> {
         let Some(dir) = self.attachments(false)? else { return Ok(()) };
-        dir.remove(name)
-            .map(|_| ())
-            .map_err(|e| io_error(format!("cannot remove {}", dir.join(name).display()), e))
+        dir.remove(name).map(|_| ()).map_err(|e| io_error(format!("cannot remove {}", dir.join(name).display()), e))
     }
 
     /// Every record (of all networks), every file that is not a readable record, and the
@@ -726,6 +730,16 @@ pub fn unusable_reason(root: &Path) -> Option<String> {
         }
         Err(e) => Some(format!("is a symlink to {target}, which cannot be read: {e}")),
     }
+}
+
+/// A point where a test may have the process SIGKILLed (`AETHER_CNI_CRASH_AT=<name>`), to
+/// prove what a crash exactly there leaves. Compiled in only with `fault-injection`.
+pub fn crash_point(name: &str) {
+    #[cfg(feature = "fault-injection")]
+    if std::env::var("AETHER_CNI_CRASH_AT").as_deref() == Ok(name) {
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let _ = name;
 }
 
 /// GC's bound on its lock wait; tests may shorten it (fault-injection builds only).
@@ -939,7 +953,11 @@ mod tests {
         let big = vec![b' '; MAX_RECORD_BYTES as usize + 1];
         fs::write(d.join("attachments/k8s-pod-network+big+eth0.json"), &big).unwrap();
         let scan = s.scan();
-        assert!(scan.unreadable[0].why.contains(&format!("limit of {MAX_RECORD_BYTES} bytes")), "{:?}", scan.unreadable);
+        assert!(
+            scan.unreadable[0].why.contains(&format!("limit of {MAX_RECORD_BYTES} bytes")),
+            "{:?}",
+            scan.unreadable
+        );
         fs::remove_dir_all(&d).unwrap();
     }
 
@@ -998,4 +1016,3 @@ mod tests {
         fs::remove_dir_all(&d).unwrap();
     }
 }
-

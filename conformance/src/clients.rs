@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use aether_testkit::TestNetns;
+
 pub const CAPTURE_TABLE: &str = "table ip aether_capture";
 pub const POLICY_RULE: &str = "fwmark 0xae71 lookup 44657";
 pub const ROUTE_TABLE: &str = "44657";
@@ -236,5 +238,67 @@ pub fn terminate(child: &mut std::process::Child, grace: std::time::Duration) ->
             return child.wait().unwrap();
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// podman with every path under the temp dir (root, run root, tmp dir, `containers.conf` from
+/// `containers.conf.in`: CNI backend, runc, cgroupfs, file locks), run in the node netns by
+/// `nsenter --net` (`ip netns exec` remounts /sys and breaks the runtime's cgroup mounts).
+/// Removes its containers on drop, even when an assertion failed midway.
+pub struct Podman<'a> {
+    node: &'a TestNetns,
+    dir: &'a TempDir,
+    net_dir: PathBuf,
+}
+
+impl<'a> Podman<'a> {
+    /// `bin_dir` and `net_dir`: the CNI plugins and configuration podman's networks use.
+    pub fn new(node: &'a TestNetns, dir: &'a TempDir, bin_dir: &Path, net_dir: &Path) -> Self {
+        for d in ["root", "runroot", "tmp"] {
+            dir.mkdir(d);
+        }
+        let conf = render(
+            "containers.conf.in",
+            &[
+                ("BIN_DIR", bin_dir.display().to_string()),
+                ("NET_DIR", net_dir.display().to_string()),
+                ("TMP_DIR", dir.join("tmp").display().to_string()),
+            ],
+        );
+        std::fs::write(dir.join("containers.conf"), conf).unwrap();
+        Podman { node, dir, net_dir: net_dir.to_path_buf() }
+    }
+
+    /// The storage flags (as `installer/image/build.sh` takes them in `PODMAN_FLAGS`).
+    pub fn storage_flags(&self) -> Vec<String> {
+        let d = |p: &str| self.dir.join(p).display().to_string();
+        vec!["--root".into(), d("root"), "--runroot".into(), d("runroot"), "--storage-driver".into(), "vfs".into()]
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        exec(
+            Command::new("nsenter")
+                .arg(format!("--net={}", self.node.path()))
+                .arg("podman")
+                .args(self.storage_flags())
+                .arg("--tmpdir")
+                .arg(self.dir.join("tmp"))
+                .arg("--network-config-dir")
+                .arg(&self.net_dir)
+                .args(["--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "none"])
+                .args(args)
+                .env("CONTAINERS_CONF", self.dir.join("containers.conf"))
+                .env_remove("CONTAINERS_STORAGE_CONF")
+                .env_remove("CONTAINERS_REGISTRIES_CONF"),
+        )
+    }
+}
+
+impl Drop for Podman<'_> {
+    fn drop(&mut self) {
+        let out = self.run(&["rm", "--force", "--all", "--time", "0"]);
+        if !out.ok {
+            eprintln!("podman rm --all: {}", out.stderr);
+        }
     }
 }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
-use crate::clients::{clients_dir, exec, must, render, repo, terminate, LibcniCache, TempDir};
+use crate::clients::{clients_dir, exec, must, records, render, repo, terminate, LibcniCache, TempDir};
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
@@ -54,6 +54,17 @@ pub struct NodeNet {
     pub bridge: &'static str,
     pub subnet: &'static str,
     pub gateway: &'static str,
+}
+
+/// What pods leave on the node, each list sorted: containerd's netns mounts, aether-cni's
+/// attachment records, host-local's leases, libcni's cache entries, runc's containers.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Traces {
+    pub netns_mounts: Vec<String>,
+    pub records: Vec<String>,
+    pub leases: Vec<String>,
+    pub libcni_cache: Vec<String>,
+    pub containers: Vec<String>,
 }
 
 /// A pod sandbox as the CRI and containerd report it.
@@ -312,6 +323,20 @@ impl Containerd {
         self.cri("RemovePodSandbox", &json!({"pod_sandbox_id": id}))
             .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}"));
         self.sandboxes.borrow_mut().retain(|s| s != id);
+    }
+
+    pub fn traces(&self) -> Traces {
+        let sorted = |mut v: Vec<String>| {
+            v.sort();
+            v
+        };
+        Traces {
+            netns_mounts: self.netns_mounts(),
+            records: sorted(records(&self.state_dir)),
+            leases: sorted(self.ipam_leases()),
+            libcni_cache: sorted(self.libcni_cache()),
+            containers: sorted(self.runc_containers()),
+        }
     }
 
     /// The pod netns mounts containerd holds (`netns_mounts_under_state_dir`).

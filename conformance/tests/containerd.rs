@@ -2,7 +2,9 @@
 //! (see `aether_conformance::containerd`), starting pod sandboxes through the CRI gRPC API on
 //! a network that chains `bridge` + `host-local` + `portmap` + `aether-cni`, checked from the
 //! outside: the pod netns as the kernel reports it, `aether-cni inspect`, the plugin's records,
-//! host-local's leases, libcni's cache, containerd's netns mounts and runc's containers.
+//! host-local's leases, libcni's cache, containerd's netns mounts and runc's containers. And
+//! a containerd node that gets aether-cni from the installer's image (run by podman) and
+//! loses it again on uninstall.
 //!
 //! What containerd 1.6 sends (and the other clients do not): the pod's annotations in
 //! `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, `null` for a pod without any;
@@ -15,10 +17,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use aether_conformance::clients::{
-    assert_captured, assert_clean, capture_state, client, exec, records, table_handle, terminate, KeptNetns,
+    assert_captured, assert_clean, capture_state, client, exec, must, records, repo, table_handle, KeptNetns, Podman,
 };
 use aether_conformance::cni_bin;
-use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, CHAINED_CONFLIST};
+use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, Traces, CHAINED_CONFLIST};
 use aether_testkit::root_or_skip;
 use serde_json::json;
 
@@ -131,13 +133,7 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
 
     // --- A malformed annotation fails the sandbox, with the annotation and value named, and
     // leaves nothing behind: no netns mount, record, lease, cache entry or container.
-    let before = (
-        ctrd.netns_mounts(),
-        records(&ctrd.state_dir),
-        ctrd.ipam_leases(),
-        ctrd.libcni_cache(),
-        ctrd.runc_containers(),
-    );
+    let before = ctrd.traces();
     let err = ctrd
         .run_pod("shop", "bad-0", Some(json!({"aether.io/exclude-outbound-ports": "http"})))
         .expect_err("RunPodSandbox with a malformed annotation succeeded");
@@ -145,17 +141,7 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
         err.contains("aether.io/exclude-outbound-ports") && err.contains("http") && err.contains("aether-cni"),
         "containerd's error does not name the plugin, annotation and value:\n{err}"
     );
-    let after = (
-        ctrd.netns_mounts(),
-        records(&ctrd.state_dir),
-        ctrd.ipam_leases(),
-        ctrd.libcni_cache(),
-        ctrd.runc_containers(),
-    );
-    assert_eq!(
-        before, after,
-        "a failed sandbox left something behind (netns mounts, records, leases, cache, containers)"
-    );
+    assert_eq!(before, ctrd.traces(), "a failed sandbox left something behind");
 
     // --- Stop and remove take everything away.
     stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdkeep1");
@@ -175,11 +161,7 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
     stop_and_remove(&ctrd, &scoped, &scoped_sb, "ctrdkeep4");
 
     // Nothing of any pod is left.
-    assert!(records(&ctrd.state_dir).is_empty(), "records left: {:?}", records(&ctrd.state_dir));
-    assert!(ctrd.netns_mounts().is_empty(), "netns mounts left: {:?}", ctrd.netns_mounts());
-    assert!(ctrd.ipam_leases().is_empty(), "leases left: {:?}", ctrd.ipam_leases());
-    assert!(ctrd.libcni_cache().is_empty(), "libcni cache left: {:?}", ctrd.libcni_cache());
-    assert!(ctrd.runc_containers().is_empty(), "containers left: {:?}", ctrd.runc_containers());
+    assert_eq!(ctrd.traces(), Traces::default(), "something of a pod is left");
 
     eprintln!("{test}: containerd 1.6 CRI run/status/stop/remove and a restart, through bridge+host-local+portmap+aether-cni, in {:?}", started.elapsed());
 }
@@ -240,48 +222,76 @@ fn names(state: &[(String, Vec<u8>)]) -> Vec<&str> {
     state.iter().map(|(n, _)| n.as_str()).collect()
 }
 
-/// `aether-cni install`, the DaemonSet's container, run against the node's directories in
-/// the node netns (its /healthz listener exists only there); stopped by PID (SIGTERM:
-/// uninstall), also on failure.
-struct Installer(std::process::Child);
-
-impl Installer {
-    fn start(ctrd: &Containerd) -> Self {
-        let log = std::fs::File::create(ctrd.dir.join("installer.log")).unwrap();
-        let child = Command::new("nsenter")
-            .arg(format!("--net={}", ctrd.node.path()))
-            .arg(cni_bin())
-            .arg("install")
-            .arg("--cni-bin-dir")
-            .arg(&ctrd.bin_dir)
-            .arg("--cni-conf-dir")
-            .arg(&ctrd.net_dir)
-            .arg("--state-dir")
-            .arg(&ctrd.state_dir)
-            .args(["--host-ip", NET.gateway, "--resync-seconds", "1"])
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("spawn aether-cni install");
-        Installer(child)
-    }
-
-    /// SIGTERM, and the installer's exit status (it uninstalls first).
-    fn stop(&mut self) -> std::process::ExitStatus {
-        terminate(&mut self.0, std::time::Duration::from_secs(20))
-    }
+/// The installer's image (`installer/image/build.sh`, what `make image` runs) built from the
+/// plugin binary under test in the test's private podman storage, and run as the chart runs
+/// it (host network: the node netns here; capabilities NET_ADMIN and SYS_ADMIN only; read-only
+/// root; the node's CNI bin, conf and state dirs mounted) by podman in the node netns.
+struct ImageInstaller<'a> {
+    podman: Podman<'a>,
+    name: String,
 }
 
-impl Drop for Installer {
-    fn drop(&mut self) {
-        self.stop();
+impl<'a> ImageInstaller<'a> {
+    fn start(ctrd: &'a Containerd) -> Self {
+        // podman's own network config dir is not the node's (it keeps a cni.lock there).
+        let podman = Podman::new(&ctrd.node, &ctrd.dir, &ctrd.bin_dir, &ctrd.dir.mkdir("podman-net"));
+        let image = format!("localhost/aether-cni:ctrd-{}", std::process::id());
+        let binary = cni_bin();
+        must(
+            "installer/image/build.sh",
+            exec(
+                Command::new("bash")
+                    .arg(repo().join("installer/image/build.sh"))
+                    .arg(binary)
+                    .arg(&image)
+                    .env("PODMAN_FLAGS", podman.storage_flags().join(" ")),
+            ),
+        );
+        let name = format!("aether-installer-{}", std::process::id());
+        let state = ctrd.state_dir.display().to_string();
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--detach".into(),
+            format!("--name={name}"),
+            "--network=host".into(),
+            "--read-only".into(),
+            "--cap-drop=ALL".into(),
+            "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
+            format!("--volume={}:/host/opt/cni/bin", ctrd.bin_dir.display()),
+            format!("--volume={}:/host/etc/cni/net.d", ctrd.net_dir.display()),
+            format!("--volume={state}:{state}"),
+            format!("--env=HOST_IP={}", NET.gateway),
+        ];
+        // Until the shipped binary is static (issue 8), a test build is dynamic: it gets the
+        // host's libraries, read-only (as cni-plugin/tests/image.rs does).
+        if exec(Command::new("ldd").arg(binary)).ok {
+            args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));
+        }
+        args.extend([image, "install".into(), format!("--state-dir={state}")]);
+        args.extend(["--listen=127.0.0.1:0".into(), "--resync-seconds=1".into()]);
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        must("podman run (the installer's image)", podman.run(&argv));
+        ImageInstaller { podman, name }
+    }
+
+    fn log(&self) -> String {
+        let out = self.podman.run(&["logs", &self.name]);
+        out.stdout + &out.stderr
+    }
+
+    /// `podman stop` (SIGTERM, the image's STOPSIGNAL: uninstall); the container's exit code.
+    fn stop(&self) -> String {
+        must("podman stop", self.podman.run(&["stop", "--time", "30", &self.name]));
+        must("podman inspect", self.podman.run(&["inspect", "--format", "{{.State.ExitCode}}", &self.name]))
+            .trim()
+            .to_string()
     }
 }
 
 #[test]
 fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     let test = "containerd_node_installer";
-    if !ready(test) {
+    if !ready(test) || client(test, std::path::Path::new("/usr/bin/podman")).is_none() {
         return;
     }
     let started = Instant::now();
@@ -295,9 +305,9 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     assert!(!capture_state(&sb.netns).0.contains("aether"), "a pod was captured before the installer ran");
     stop_and_remove(&ctrd, &before, &sb, "ctrdinstkeep0");
 
-    // The installer: it copies the binary and chains the entry onto the node's conflist;
-    // containerd picks the chained file up by itself.
-    let mut installer = Installer::start(&ctrd);
+    // The installer's image: it copies the binary and chains the entry onto the node's
+    // conflist; containerd picks the chained file up by itself.
+    let installer = ImageInstaller::start(&ctrd);
     ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
     let conf = dir_state(&ctrd.net_dir);
     let bin = dir_state(&ctrd.bin_dir);
@@ -307,7 +317,7 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     // Pods start captured, with no other setup: no annotations, and annotated.
     let pod = ctrd
         .run_pod("shop", "cart-0", None)
-        .unwrap_or_else(|e| panic!("RunPodSandbox after install: {e}\n--- installer\n{}", installer_log(&ctrd)));
+        .unwrap_or_else(|e| panic!("RunPodSandbox after install: {e}\n--- installer\n{}", installer.log()));
     let sb = ready_sandbox(&ctrd, &pod);
     assert_captured(&sb.netns, &["dnat to 10.250.9.1:18054"]);
     let (ok, text) = inspect(&ctrd, &pod);
@@ -321,8 +331,8 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdinstkeep2");
 
     // Uninstall (SIGTERM): the node's directories as they were, and pods start uncaptured.
-    let status = installer.stop();
-    assert!(status.success(), "the installer's uninstall failed ({status}):\n{}", installer_log(&ctrd));
+    let code = installer.stop();
+    assert_eq!(code, "0", "the installer's uninstall failed:\n{}", installer.log());
     assert_eq!(dir_state(&ctrd.net_dir), conf_before, "the conf dir differs after uninstall");
     assert_eq!(dir_state(&ctrd.bin_dir), bin_before, "the bin dir differs after uninstall");
     ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
@@ -339,8 +349,4 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
         "{test}: aether-cni install on a containerd node, pods captured, uninstall restored it, in {:?}",
         started.elapsed()
     );
-}
-
-fn installer_log(ctrd: &Containerd) -> String {
-    std::fs::read_to_string(ctrd.dir.join("installer.log")).unwrap_or_default()
 }

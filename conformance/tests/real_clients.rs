@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use aether_conformance::clients::{
     assert_captured, assert_clean, capture_state, client, cnitool_path, exec, must, records, render, table_handle,
-    KeptNetns, LibcniCache, Output, TempDir, ROUTE_TABLE,
+    KeptNetns, LibcniCache, Output, Podman, TempDir, ROUTE_TABLE,
 };
 use aether_conformance::cni_bin;
 use aether_testkit::{root_or_skip, TestNetns};
@@ -215,43 +215,6 @@ fn cnitool_chain_bridge_hostlocal_portmap_aether_0_4_0() {
 // podman 4.3, CNI backend
 // ---------------------------------------------------------------------------------------
 
-/// podman with every path under the temp dir, run in the node netns by `nsenter --net`
-/// (`ip netns exec` remounts /sys and breaks the runtime's cgroup mounts).
-struct Podman<'a> {
-    node: &'a TestNetns,
-    dir: &'a TempDir,
-}
-
-impl Podman<'_> {
-    fn run(&self, args: &[&str]) -> Output {
-        let d = |p: &str| self.dir.join(p).display().to_string();
-        exec(
-            Command::new("nsenter")
-                .arg(format!("--net={}", self.node.path()))
-                .arg("podman")
-                .args(["--root", &d("root"), "--runroot", &d("runroot"), "--tmpdir", &d("tmp")])
-                .args(["--storage-driver", "vfs", "--network-config-dir", &d("net")])
-                .args(["--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "none"])
-                .args(args)
-                .env("CONTAINERS_CONF", d("containers.conf"))
-                .env_remove("CONTAINERS_STORAGE_CONF")
-                .env_remove("CONTAINERS_REGISTRIES_CONF"),
-        )
-    }
-}
-
-/// Removes the test's containers even when an assertion failed midway.
-struct PodmanCleanup<'a>(&'a Podman<'a>);
-
-impl Drop for PodmanCleanup<'_> {
-    fn drop(&mut self) {
-        let out = self.0.run(&["rm", "--force", "--all", "--time", "0"]);
-        if !out.ok {
-            eprintln!("podman rm --all: {}", out.stderr);
-        }
-    }
-}
-
 #[test]
 fn podman_cni_backend_start_reload_stop() {
     let test = "podman_cni_backend_start_reload_stop";
@@ -267,9 +230,6 @@ fn podman_cni_backend_start_reload_stop() {
     let network = format!("aether-podman-{}", std::process::id());
     let (net_dir, bin_dir, state_dir, ipam_dir) =
         (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("state"), dir.mkdir("ipam"));
-    for d in ["root", "runroot", "tmp"] {
-        dir.mkdir(d);
-    }
     std::os::unix::fs::symlink(&plugin, bin_dir.join("aether-cni")).unwrap();
     std::fs::write(
         net_dir.join(format!("{network}.conflist")),
@@ -286,18 +246,6 @@ fn podman_cni_backend_start_reload_stop() {
         ),
     )
     .unwrap();
-    std::fs::write(
-        dir.join("containers.conf"),
-        render(
-            "containers.conf.in",
-            &[
-                ("BIN_DIR", bin_dir.display().to_string()),
-                ("NET_DIR", net_dir.display().to_string()),
-                ("TMP_DIR", dir.join("tmp").display().to_string()),
-            ],
-        ),
-    )
-    .unwrap();
     // The container's rootfs: busybox-static and a few links, no image, no registry.
     let rootfs = dir.mkdir("rootfs");
     for d in ["bin", "proc", "sys", "dev", "etc", "tmp"] {
@@ -309,8 +257,7 @@ fn podman_cni_backend_start_reload_stop() {
     }
 
     let node = TestNetns::new("pmnode");
-    let podman = Podman { node: &node, dir: &dir };
-    let _cleanup = PodmanCleanup(&podman);
+    let podman = Podman::new(&node, &dir, &bin_dir, &net_dir);
     let name = format!("aether-ctr-{}", std::process::id());
     let rootfs_arg = rootfs.display().to_string();
 

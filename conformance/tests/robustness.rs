@@ -217,7 +217,13 @@ fn item5_gc_clears_what_is_provably_stale_and_keeps_the_rest() {
     let out = gc(&c, &["live", "valid-torn"]);
     assert!(out.ok, "GC: {}\n{}", out.stdout, out.stderr);
     assert!(!out.stdout.contains("CNI_NETNS"), "{}", out.stdout);
-    assert!(out.stderr.contains("kept: the record of a valid attachment cannot be read file=k8s-pod-network+valid-torn+eth0.json"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains(
+            "kept: the record of a valid attachment cannot be read file=k8s-pod-network+valid-torn+eth0.json"
+        ),
+        "{}",
+        out.stderr
+    );
     let mut left: Vec<String> =
         std::fs::read_dir(&att).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     left.sort();
@@ -266,7 +272,11 @@ fn issue9_item2_a_record_missing_a_capture_field_still_names_its_pod() {
     std::fs::write(&file, v.to_string()).unwrap();
     let out = cli(&["inspect", "--state-dir", &state, "ctr-old"], b"");
     assert!(out.ok, "{}{}", out.stdout, out.stderr);
-    assert!(out.stdout.contains("container ctr-old") && out.stdout.contains("defaults: rulePriority"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("container ctr-old") && out.stdout.contains("defaults: rulePriority"),
+        "{}",
+        out.stdout
+    );
     let out = apply(&state, 2);
     assert!(out.ok && out.stdout.contains("ctr-old"), "{}", out.stdout);
     let counters = cli(&["services", "--state-dir", &state, "counters"], b"");
@@ -354,5 +364,42 @@ fn item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_vers
             assert!(text.contains(needle), "{cmd}: {text}");
         }
         assert!(!ns.exec("nft", &["list", "tables"]).contains("aether_capture"), "nothing programmed");
+    }
+}
+
+/// Item 2: a DEL killed after the pod's counts are folded, or after its layer is removed,
+/// loses no count and counts none twice: node totals never go backwards, and once the DEL
+/// is retried they are exactly what the pod made.
+#[test]
+fn item2_a_del_killed_at_any_point_keeps_the_node_totals() {
+    if !root_or_skip("item2_a_del_killed_at_any_point_keeps_the_node_totals") {
+        return;
+    }
+    let total = |state: &str| -> u64 {
+        let out = cli(&["services", "--state-dir", state, "counters"], b"");
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        v["node"].as_object().unwrap().values().filter_map(Value::as_u64).sum()
+    };
+    for point in ["del-folded", "del-layer-removed"] {
+        let c = conf("1.1.0", json!({}));
+        let state = state_of(&c);
+        assert!(apply(&state, 1).ok);
+        let ns = TestNetns::new("killdel");
+        ns.exec("ip", &["route", "add", "default", "dev", "lo"]);
+        assert!(run_plugin("ADD", Some(&ns.path()), &c, &as_ctr("ctr-k")).ok);
+        aether_conformance::sock::in_netns(&ns.path(), || {
+            for port in 20_001..=20_004 {
+                let to = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+                let _ = std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(200));
+            }
+        });
+        assert_eq!(total(&state), 4, "four connections counted");
+        let killed =
+            run_plugin("DEL", Some(&ns.path()), &c, &[("CNI_CONTAINERID", "ctr-k"), ("AETHER_CNI_CRASH_AT", point)]);
+        assert!(!killed.ok && killed.stdout.is_empty(), "{point}: the DEL was not killed: {}", killed.stdout);
+        assert_eq!(total(&state), 4, "{point}: after the killed DEL");
+        assert!(run_plugin("DEL", Some(&ns.path()), &c, &as_ctr("ctr-k")).ok);
+        assert_eq!(total(&state), 4, "{point}: after the retried DEL");
+        assert!(ns.exec("nft", &["list", "tables"]).trim().is_empty());
     }
 }

@@ -86,7 +86,7 @@ fn main() {
                 mtu += 1;
                 let t0 = Instant::now();
                 change(mtu);
-                wait_repaired(&mut inotify, &chained, &format!("\"mtu\": {mtu}")) - t0
+                wait_repaired(&mut inotify, &chained, &format!("\"mtu\":{mtu}")) - t0
             })
             .collect()
     };

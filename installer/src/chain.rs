@@ -12,6 +12,8 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::Error;
@@ -64,51 +66,119 @@ pub fn find_primary(dir: &Path, own_name: &str) -> Result<Primary, Error> {
     Ok(Primary { path, bytes, mode: meta.permissions().mode() & 0o7777 })
 }
 
+/// A JSON object's members in their order, each value as its original text.
+struct Members(Vec<(String, Box<RawValue>)>);
+
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+                let mut out = Vec::new();
+                while let Some(member) = map.next_entry::<String, Box<RawValue>>()? {
+                    out.push(member);
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl Members {
+    fn get(&self, key: &str) -> Option<&RawValue> {
+        // Go's encoding/json (libcni) takes the last of duplicated keys.
+        self.0.iter().rev().find(|(k, _)| k == key).map(|(_, v)| &**v)
+    }
+
+    fn value(&self, key: &str) -> Option<Value> {
+        self.get(key).and_then(|raw| serde_json::from_str(raw.get()).ok())
+    }
+}
+
 /// The chained conflist: the primary's plugins (a `.conf` becomes the one plugin of a list,
 /// as libcni's `ConfListFromConf` does), any earlier `aether-cni` entry dropped, `entry`
-/// appended. Every other field is kept as it was. Also returns `entry` as the runtime will
-/// pass it to the plugin (with the list's `name` and `cniVersion`), for validation.
+/// appended. Every other member is copied as its original text, in its order. Also returns
+/// `entry` as the runtime will pass it to the plugin (with the list's `name` and
+/// `cniVersion`), for validation.
 pub fn chain(primary: &Primary, entry: &Map<String, Value>) -> Result<(Vec<u8>, Vec<u8>), Error> {
     let invalid = |why: String| Error::InvalidPrimary { path: primary.path.clone(), why };
-    let root: Value = serde_json::from_slice(&primary.bytes).map_err(|e| invalid(format!("not JSON: {e}")))?;
-    let Value::Object(mut list) = root else { return Err(invalid("not a JSON object".into())) };
-    if !list.contains_key("plugins") {
-        // A single-plugin configuration (.conf): the whole object becomes the list's plugin.
-        if !list.get("type").is_some_and(Value::is_string) {
-            return Err(invalid("neither a \"plugins\" list nor a plugin \"type\"".into()));
+    let text = std::str::from_utf8(&primary.bytes).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
+    let top: Members = serde_json::from_str(text).map_err(|e| invalid(format!("not a JSON object: {e}")))?;
+    let (members, plugins): (Vec<(String, String)>, Vec<String>) = match top.get("plugins") {
+        Some(list) => {
+            let plugins: Vec<Box<RawValue>> = serde_json::from_str(list.get())
+                .map_err(|e| invalid(format!("field \"plugins\" is not a list: {e}")))?;
+            let members = top.0.iter().map(|(k, v)| (k.clone(), v.get().to_string())).collect();
+            (members, plugins.iter().map(|p| p.get().to_string()).collect())
         }
-        let plugin = Value::Object(list.clone());
-        list.retain(|k, _| k == "cniVersion" || k == "name");
-        list.insert("plugins".into(), Value::Array(vec![plugin]));
-    }
-    let name = match list.get("name") {
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        other => return Err(invalid(format!("field \"name\" is {}, expected a network name", shown(other)))),
+        None => {
+            // A single-plugin configuration (.conf): the whole object is the list's plugin.
+            if !top.value("type").is_some_and(|t| t.is_string()) {
+                return Err(invalid("neither a \"plugins\" list nor a plugin \"type\"".into()));
+            }
+            let members = top.0.iter().filter(|(k, _)| k == "cniVersion" || k == "name");
+            (members.map(|(k, v)| (k.clone(), v.get().to_string())).collect(), vec![text.trim().to_string()])
+        }
     };
-    let version = match list.get("cniVersion") {
-        Some(Value::String(s)) => s.clone(),
-        other => return Err(invalid(format!("field \"cniVersion\" is {}, expected a version string", shown(other)))),
+    let name = match top.value("name") {
+        Some(Value::String(s)) if !s.is_empty() => s,
+        other => return Err(invalid(format!("field \"name\" is {}, expected a network name", shown(other.as_ref())))),
     };
-    let Some(Value::Array(plugins)) = list.get_mut("plugins") else {
-        return Err(invalid("field \"plugins\" is not a list".into()));
+    let version = match top.value("cniVersion") {
+        Some(Value::String(s)) => s,
+        other => {
+            return Err(invalid(format!(
+                "field \"cniVersion\" is {}, expected a version string",
+                shown(other.as_ref())
+            )))
+        }
     };
+    let mut kept = Vec::new();
     for (i, p) in plugins.iter().enumerate() {
-        if !p.get("type").is_some_and(Value::is_string) {
-            return Err(invalid(format!("plugins[{i}] has no \"type\"")));
+        let plugin: Value = serde_json::from_str(p).expect("parsed as JSON above");
+        match plugin.get("type").and_then(Value::as_str) {
+            None => return Err(invalid(format!("plugins[{i}] has no \"type\""))),
+            Some(PLUGIN_TYPE) => {}
+            Some(_) => kept.push(p.as_str()),
         }
     }
-    plugins.retain(|p| p.get("type").and_then(Value::as_str) != Some(PLUGIN_TYPE));
-    if plugins.is_empty() {
+    if kept.is_empty() {
         return Err(invalid("it has no plugin besides aether-cni (aether-cni is chained, not a main plugin)".into()));
     }
-    plugins.push(Value::Object(entry.clone()));
-    let mut body = serde_json::to_vec_pretty(&list).expect("JSON values serialize");
-    body.push(b'\n');
+    let ours = serde_json::to_string_pretty(entry).expect("JSON values serialize").replace('\n', "\n    ");
+    let list = format!("[\n    {},\n    {ours}\n  ]", kept.join(",\n    "));
+    let mut body = String::from("{\n");
+    let mut wrote_plugins = false;
+    let mut lines: Vec<String> = Vec::new();
+    for (k, raw) in &members {
+        let key = serde_json::to_string(k).expect("strings serialize");
+        if k == "plugins" {
+            if wrote_plugins {
+                continue; // a duplicated key: the list is written once, where it first was
+            }
+            wrote_plugins = true;
+            lines.push(format!("  {key}: {list}"));
+        } else {
+            lines.push(format!("  {key}: {raw}"));
+        }
+    }
+    if !wrote_plugins {
+        lines.push(format!("  \"plugins\": {list}"));
+    }
+    body.push_str(&lines.join(",\n"));
+    body.push_str("\n}\n");
+    // What was built must read back as the list it claims to be.
+    debug_assert!(serde_json::from_str::<Value>(&body).is_ok());
 
     let mut as_passed = entry.clone();
     as_passed.insert("name".into(), Value::String(name));
     as_passed.insert("cniVersion".into(), Value::String(version));
-    Ok((body, serde_json::to_vec(&as_passed).expect("JSON values serialize")))
+    Ok((body.into_bytes(), serde_json::to_vec(&as_passed).expect("JSON values serialize")))
 }
 
 /// A value for an error message, cut short: never the whole of a huge value.

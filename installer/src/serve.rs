@@ -221,10 +221,23 @@ pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<Plugin>) -> Resul
         .name("installer-http".into())
         .spawn(move || {
             for request in s.incoming_requests() {
-                let (code, ctype, body) = respond(request.url(), &shared, &hooks);
-                let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("a valid header");
-                let _ =
-                    request.respond(tiny_http::Response::from_string(body).with_status_code(code).with_header(header));
+                let answer = {
+                    let (shared, hooks) = (shared.clone(), hooks.clone());
+                    move |request: tiny_http::Request| {
+                        let (code, ctype, body) = respond(request.url(), &shared, &hooks);
+                        let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("a valid header");
+                        let response =
+                            tiny_http::Response::from_string(body).with_status_code(code).with_header(header);
+                        let _ = request.respond(response);
+                    }
+                };
+                // A scrape reads every pod's counters (it may take a while on a busy node):
+                // on a thread of its own, so the kubelet's probes are never queued behind it.
+                if request.url().starts_with("/metrics") {
+                    let _ = std::thread::Builder::new().name("installer-scrape".into()).spawn(move || answer(request));
+                } else {
+                    answer(request);
+                }
             }
         })
         .map_err(|e| Error::Listen { addr, why: e.to_string() })?;

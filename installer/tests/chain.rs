@@ -188,3 +188,23 @@ fn an_entry_the_plugin_refuses_is_not_written_and_the_reason_says_why() {
 
 // Unwritable directories: cni-plugin/tests/install.rs mounts them read-only (root ignores
 // permission bits, so only a read-only mount makes a directory unwritable for the installer).
+
+#[test]
+fn the_main_cnis_members_and_plugins_are_copied_as_written() {
+    let fake = FakeNode::new("verbatim");
+    // Numbers no f64/u64 holds exactly, a spelling of 1.5, key order, odd spacing.
+    let plugin = r#"{ "type": "vendor",  "big": 18446744073709551616, "ratio": 1.50, "z": 1, "a": 2 }"#;
+    let text = format!(
+        "{{\"zeta\": [1,  2], \"cniVersion\": \"1.0.0\", \"name\": \"v\",\n \"plugins\": [{plugin}], \"alpha\": 1e3}}"
+    );
+    fs::write(fake.conf.join("10-vendor.conflist"), &text).unwrap();
+    let (mut n, _) = node(&fake, &[]);
+    n.reconcile_all();
+    let out = fs::read_to_string(fake.chained()).unwrap();
+    assert!(out.contains(plugin), "the plugin byte for byte:\n{out}");
+    let order: Vec<usize> = ["\"zeta\": [1,  2]", "\"cniVersion\"", "\"name\"", "\"plugins\"", "\"alpha\": 1e3"]
+        .iter()
+        .map(|k| out.find(k).unwrap())
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "members in their order:\n{out}");
+}

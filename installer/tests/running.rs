@@ -106,6 +106,19 @@ fn readyz_names_each_not_ready_cause_and_the_marker_follows() {
     });
     fs::remove_dir(fake.bin.join("aether-cni")).unwrap();
     wait_for(&r, "ready again", || readyz(&r).0 == 200);
+
+    // The chained file's place taken by a directory: the write fails, /readyz names it.
+    loop {
+        let _ = fs::remove_file(fake.chained());
+        if fs::create_dir(fake.chained()).is_ok() {
+            break;
+        }
+    }
+    wait_for(&r, "the chain write named", || {
+        readyz(&r).1.contains("chain: cannot write") && readyz(&r).1.contains("00-aether-cni.conflist")
+    });
+    fs::remove_dir(fake.chained()).unwrap();
+    wait_for(&r, "ready once more", || readyz(&r).0 == 200 && fake.marker().is_none());
     r.stop().unwrap();
 }
 
@@ -244,7 +257,7 @@ fn a_concurrent_reader_never_sees_a_partial_binary_or_conflist() {
         let tmpb = fake.bin.join(".foreign.tmp");
         fs::write(&tmpb, fake_binary(1 << 20, 5)).unwrap();
         fs::rename(&tmpb, fake.bin.join("aether-cni")).unwrap();
-        let want = format!("\"mtu\": {}", 1001 + i);
+        let want = format!("\"mtu\":{}", 1001 + i);
         wait_for(&r, "repair", || {
             fs::read_to_string(fake.chained()).unwrap_or_default().contains(&want)
                 && fs::read(fake.bin.join("aether-cni")).is_ok_and(|b| b == fake_binary(1 << 20, 4))
@@ -313,5 +326,32 @@ fn a_conf_directory_that_appears_later_is_watched_and_chained() {
     // And kept chained from then on.
     replace(&fake.conf.join("10-flannel.conflist"), flannel_with(1451).as_bytes());
     wait_for(&r, "repaired", || fs::read_to_string(fake.chained()).unwrap_or_default().contains("1451"));
+    r.stop().unwrap();
+}
+
+#[test]
+fn probes_are_answered_while_a_slow_scrape_reads_the_node_counters() {
+    let fake = FakeNode::new("slow-scrape");
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    let release = Arc::new(AtomicBool::new(false));
+    let mut plugin = common::plugin(&Switches::default());
+    let gate = release.clone();
+    plugin.node_counters = Box::new(move || {
+        // Held until the test has its /readyz answer (bounded, so a regression fails, not hangs).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !gate.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(String::new())
+    });
+    let r = start(fake.args(&[]), plugin, fake_binary(64, 8)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    let addr = r.addr();
+    let scrape = std::thread::spawn(move || get(addr, "/metrics"));
+    std::thread::sleep(Duration::from_millis(50)); // let the scrape reach the gate
+    assert_eq!(readyz(&r).0, 200);
+    assert!(!scrape.is_finished(), "the scrape is still held: /readyz was not queued behind it");
+    release.store(true, Ordering::SeqCst);
+    assert_eq!(scrape.join().unwrap().0, 200);
     r.stop().unwrap();
 }

@@ -102,7 +102,8 @@ impl Netns {
         let err = |source| Error::Cookie { path: self.path.clone(), source };
         self.run(|| {
             // Any socket belongs to the namespace of the thread that created it.
-            let fd = unsafe { nix::libc::socket(nix::libc::AF_UNIX, nix::libc::SOCK_DGRAM | nix::libc::SOCK_CLOEXEC, 0) };
+            let fd =
+                unsafe { nix::libc::socket(nix::libc::AF_UNIX, nix::libc::SOCK_DGRAM | nix::libc::SOCK_CLOEXEC, 0) };
             if fd < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -223,7 +224,10 @@ mod tests {
         if unsafe { libc_geteuid() } != 0 {
             {
                 use std::io::Write as _;
-                let _ = writeln!(std::io::stderr(), "SKIPPED (needs root): a_namespace_reusing_a_freed_inode_has_another_cookie");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED (needs root): a_namespace_reusing_a_freed_inode_has_another_cookie"
+                );
             }
             assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "root required");
             return;
