@@ -15,9 +15,14 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The binary the image holds: `AETHER_IMAGE_BIN` (make image's), else this build's.
+/// The binary the image holds: `AETHER_IMAGE_BIN`, else the static release binary `make test`
+/// builds (`AETHER_CNI_STATIC_BIN`, what `make image` ships), else this test build's.
 fn binary() -> PathBuf {
-    std::env::var_os("AETHER_IMAGE_BIN").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
+    ["AETHER_IMAGE_BIN", "AETHER_CNI_STATIC_BIN"]
+        .iter()
+        .find_map(|v| std::env::var_os(v).filter(|p| !p.is_empty()))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
 }
 
 /// Whether an ELF file asks for a program interpreter (a dynamic loader): PT_INTERP.
