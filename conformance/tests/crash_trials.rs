@@ -251,7 +251,8 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
         span.insert(format!("{op:?}"), t.elapsed().as_micros() as u64 + 1);
     }
 
-    let (mut kills, mut finished, mut trials) = (std::collections::BTreeMap::new(), 0u64, 0u64);
+    let (mut kills, mut finished, mut trials) =
+        (std::collections::BTreeMap::new(), std::collections::BTreeMap::new(), 0u64);
     let started = Instant::now();
     while kills.values().sum::<u64>() < want_kills {
         trials += 1;
@@ -259,12 +260,12 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
         let live: Vec<usize> = (0..node.slots.len()).filter(|&i| node.slots[i].pod.is_some()).collect();
         let free: Vec<usize> = (0..node.slots.len()).filter(|&i| node.slots[i].pod.is_none()).collect();
         // DEL and ADD most often: their kills are the ones that can cost counts or leak.
-        let op =
-            match [Op::Add, Op::Add, Op::Del, Op::Del, Op::Del, Op::Gc, Op::Apply, Op::Apply][rng.below(8) as usize] {
-                Op::Del | Op::Gc if live.is_empty() => Op::Add,
-                Op::Add if free.is_empty() => Op::Del,
-                other => other,
-            };
+        let weights = [Op::Add, Op::Add, Op::Add, Op::Del, Op::Del, Op::Del, Op::Del, Op::Gc, Op::Apply, Op::Apply];
+        let op = match weights[rng.below(weights.len() as u64) as usize] {
+            Op::Del | Op::Gc if live.is_empty() => Op::Add,
+            Op::Add if free.is_empty() => Op::Del,
+            other => other,
+        };
         let when = format!("trial {trials} ({op:?}, seed {seed})");
         let slot = match op {
             Op::Add => free[rng.below(free.len() as u64) as usize],
@@ -288,7 +289,7 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
         let mut child = node.spawn(op, &id, Some(&path), &valid);
         std::thread::sleep(Duration::from_micros(rng.below(span[&format!("{op:?}")])));
         if child.try_wait().unwrap().is_some() {
-            finished += 1;
+            *finished.entry(format!("{op:?}")).or_insert(0u64) += 1;
         } else {
             child.kill().unwrap();
             *kills.entry(format!("{op:?}")).or_insert(0u64) += 1;
@@ -325,7 +326,7 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
     }
     let total_kills: u64 = kills.values().sum();
     println!(
-        "crash trials: {trials} trials in {:.1} s (seed {seed}): {total_kills} SIGKILLs {kills:?}, {finished} finished before their kill; {} connections made and counted exactly, node totals never went backwards; every CHECK told the truth, every retried DEL/GC cleaned, every new ADD worked, every record parsed",
+        "crash trials: {trials} trials in {:.1} s (seed {seed}): {total_kills} SIGKILLs {kills:?}, finished before their kill {finished:?}; {} connections made and counted exactly, node totals never went backwards; every CHECK told the truth, every retried DEL/GC cleaned, every new ADD worked, every record parsed",
         started.elapsed().as_secs_f64(),
         node.made
     );
