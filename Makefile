@@ -2,8 +2,14 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-APT_PACKAGES := libnftnl-dev libmnl-dev nftables iproute2 pkg-config
+# Only what the tests use to observe and set up (nft, ip): the build needs no C library.
+APT_PACKAGES := nftables iproute2
 BIN := target/release/aether-cni
+# The release binary is a static PIE (glibc's static-pie start-up, no loader, no shared
+# library): it runs on any x86-64 node whatever its libraries. An explicit --target keeps
+# the flag off build scripts and proc-macros, which must stay dynamic.
+TARGET := x86_64-unknown-linux-gnu
+STATIC_RUSTFLAGS := -C target-feature=+crt-static
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 # make image: the image's name in podman's storage, and an OCI archive of it (for ctr import).
 IMAGE ?= localhost/aether-cni:$(VERSION)
@@ -26,14 +32,17 @@ deps:
 clients-deps: deps
 	bash conformance/clients/deps.sh
 
-## build: the release binary
+## build: the release binary, static (target/release/aether-cni)
 build: deps
-	$(CARGO) build --release -p aether-cni
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-cni --target $(TARGET)
+	install -D -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
-# The conformance tests use the very binary this build makes (no second build of their own).
-test: deps clients-deps
-	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni $(CARGO) test --workspace --features aether-cni/fault-injection
+# The conformance tests use the very binary this build makes (no second build of their own);
+# conformance/tests/static_binary.rs checks and runs the static release binary of `build`.
+test: deps clients-deps build
+	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
+		$(CARGO) test --workspace --features aether-cni/fault-injection
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni bash charts/tests/run.sh
 
 ## image: the OCI image (FROM scratch: the release binary and LICENSE only), built offline with

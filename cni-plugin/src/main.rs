@@ -79,9 +79,15 @@ fn main() -> ExitCode {
     // An operator piping into `head` should see the CLI end quietly, as Unix tools do,
     // not a panic from println! on a closed pipe.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    // The CLI's own output is its result; what goes wrong underneath reaches stderr.
-    log::init(&log::Settings { level: tracing::level_filters::LevelFilter::WARN, ..log::Settings::default() });
-    match Cli::parse().command {
+    // The CLI's own output is its result; what goes wrong underneath reaches stderr. The
+    // installer is a long-running service: its log (info and up) is its output.
+    let cli = Cli::parse();
+    let level = match cli.command {
+        Command::Install(_) => tracing::level_filters::LevelFilter::INFO,
+        _ => tracing::level_filters::LevelFilter::WARN,
+    };
+    log::init(&log::Settings { level, ..log::Settings::default() });
+    match cli.command {
         Command::Versions => {
             println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
             ExitCode::SUCCESS

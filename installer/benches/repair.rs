@@ -69,10 +69,7 @@ fn main() {
         kernel_checks: Box::new(|| Ok(())),
         node_counters: Box::new(|| Ok(String::new())),
     };
-    // The installer logs each repair on stderr: 600 lines here. Silenced while measuring.
-    let saved_stderr = unsafe { libc::dup(2) };
-    let devnull = fs::OpenOptions::new().write(true).open("/dev/null").unwrap();
-    unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&devnull), 2) };
+    // (No log subscriber here: the installer's 600 "repaired" lines go nowhere.)
     let running = start(args, plugin, vec![0u8; 1 << 20]).unwrap();
     let chained = conf.join("00-aether-cni.conflist");
     let mut inotify = inotify::Inotify::init().unwrap();
@@ -123,7 +120,6 @@ fn main() {
         .collect();
     let repairs = running.shared.metrics.repairs.with_label_values(&["conflist"]).get();
     running.stop().unwrap();
-    unsafe { libc::dup2(saved_stderr, 2) };
     let _ = fs::remove_dir_all(&root);
 
     println!("installer repair latency: overwrite of the primary -> chained copy written back ({ROUNDS} rounds each; goal < 100 ms)");

@@ -191,7 +191,7 @@ impl Node {
             }
             Err(why) => {
                 if status.not_ready.get(&reason) != Some(&why) {
-                    eprintln!("aether-cni install: not ready: {}: {why}", reason.name());
+                    tracing::warn!(reason = reason.name(), "not ready: {why}");
                     self.metrics().record_error(reason, &why);
                 }
                 status.not_ready.insert(reason, why);
@@ -224,10 +224,10 @@ impl Node {
             if let Some(t) = since {
                 self.metrics().repair_seconds.observe(t.elapsed().as_secs_f64());
             }
-            eprintln!("aether-cni install: repaired {}", path.display());
+            tracing::info!(file = %path.display(), "repaired");
         } else {
             self.metrics().installs.with_label_values(&[what]).inc();
-            eprintln!("aether-cni install: installed {}", path.display());
+            tracing::info!(file = %path.display(), "installed");
         }
     }
 
@@ -240,7 +240,7 @@ impl Node {
         if let Err(e) = &outcome {
             if !matches!(e, Error::Write { .. }) {
                 if let Err(source) = files::remove(&own) {
-                    eprintln!("aether-cni install: {}", Error::Remove { path: own.clone(), source });
+                    tracing::warn!("{}", Error::Remove { path: own.clone(), source });
                 }
             }
         }
@@ -297,7 +297,7 @@ impl Node {
         };
         match written {
             Ok(()) => self.marker_written = want,
-            Err(e) => eprintln!("aether-cni install: cannot update {}: {e}", marker.display()),
+            Err(e) => tracing::warn!(file = %marker.display(), "cannot update the not-ready marker: {e}"),
         }
     }
 
@@ -315,7 +315,7 @@ impl Node {
     /// upgrade, leaves both for the next installer.
     pub fn uninstall(&mut self) -> Result<(), Error> {
         if self.args.upgrade || self.args.state_dir.join(UPGRADE_FILE).exists() {
-            eprintln!("aether-cni install: stopping for an upgrade: the binary and the entry stay");
+            tracing::info!("stopping for an upgrade: the binary and the entry stay");
             return Ok(());
         }
         {
@@ -329,7 +329,7 @@ impl Node {
         for path in [self.conflist_path(), self.binary_path()] {
             files::remove_stale_temps(&path);
             match files::remove(&path) {
-                Ok(true) => eprintln!("aether-cni install: removed {}", path.display()),
+                Ok(true) => tracing::info!(file = %path.display(), "removed"),
                 Ok(false) => {}
                 Err(source) => return Err(Error::Remove { path, source }),
             }
@@ -515,9 +515,9 @@ pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
     let running = start(args, plugin, binary)?;
-    eprintln!("aether-cni install: serving /healthz, /readyz, /metrics on {}", running.addr());
+    tracing::info!("serving /healthz, /readyz, /metrics on {}", running.addr());
     if let Some(sig) = signals.forever().next() {
-        eprintln!("aether-cni install: signal {sig}: stopping");
+        tracing::info!(signal = sig, "stopping");
     }
     running.stop()
 }

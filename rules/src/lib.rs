@@ -8,6 +8,7 @@ pub mod capture;
 pub mod family;
 mod error;
 pub mod model;
+mod netlink;
 pub mod nft;
 pub mod route;
 pub mod services;

@@ -11,26 +11,19 @@
 
 use std::io;
 
-use netlink_packet_core::{
-    NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLMSG_DONE, NLMSG_ERROR, NLM_F_ACK, NLM_F_CREATE,
-    NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_EXCL, NLM_F_REQUEST,
-};
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
 use crate::error::{Error, Result};
 use crate::family::Family;
+use crate::netlink::{Socket, NETLINK_ROUTE};
 
 /// `lo` is created first in every network namespace, so it is always ifindex 1.
 const LOOPBACK_IFINDEX: u32 = 1;
-/// rtnetlink dumps are built in skbs of at most 32 KiB; 64 KiB leaves room to spare.
-const RECV_BUF: usize = 64 * 1024;
-/// A dump interrupted by a concurrent change (NLM_F_DUMP_INTR) is retried this many times.
-const DUMP_ATTEMPTS: usize = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PolicyRoute {
@@ -331,100 +324,27 @@ fn route_dump_message(family: Family) -> RouteMessage {
     msg
 }
 
-/// Wraps a payload in a request header; a fresh socket per call makes seq 1 unambiguous.
-fn request(payload: RouteNetlinkMessage, flags: u16) -> NetlinkMessage<RouteNetlinkMessage> {
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_ACK | flags;
-    header.sequence_number = 1;
-    let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
-    msg.finalize();
-    msg
-}
-
 fn route_err(op: &'static str, source: io::Error) -> Error {
     Error::Route { op, source }
 }
 
 /// Ok(true) on success, Ok(false) when the kernel said `benign` (already there / not there).
-fn absent_ok(res: io::Result<Replies>, benign: i32, op: &'static str) -> Result<bool> {
+fn absent_ok(res: io::Result<()>, benign: i32, op: &'static str) -> Result<bool> {
     match res {
-        Ok(_) => Ok(true),
+        Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(benign) => Ok(false),
         Err(e) => Err(route_err(op, e)),
     }
 }
 
-/// Runs a dump, retrying when the kernel flags it as interrupted by a concurrent change.
+/// Sends one request on a fresh socket and waits for its acknowledgement.
+fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<()> {
+    Socket::open(NETLINK_ROUTE)?.transact(payload, flags)
+}
+
+/// Runs a dump on a fresh socket (read again if interrupted by a concurrent change).
 fn dump(payload: RouteNetlinkMessage, op: &'static str) -> Result<Vec<RouteNetlinkMessage>> {
-    for _ in 0..DUMP_ATTEMPTS {
-        let replies = transact(payload.clone(), NLM_F_DUMP).map_err(|e| route_err(op, e))?;
-        if !replies.interrupted {
-            return Ok(replies.messages);
-        }
-    }
-    Err(route_err(op, io::Error::from_raw_os_error(libc::EINTR)))
-}
-
-#[derive(Default)]
-struct Replies {
-    messages: Vec<RouteNetlinkMessage>,
-    interrupted: bool,
-}
-
-/// Sends one request on a fresh socket and reads until its ACK (an NLMSG_ERROR with code 0)
-/// or, for a dump, NLMSG_DONE. A negative code becomes the matching io::Error.
-fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<Replies> {
-    let msg = request(payload, flags);
-    let mut out = vec![0u8; msg.buffer_len()];
-    msg.serialize(&mut out);
-
-    let mut sock = Socket::new(NETLINK_ROUTE)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    sock.send(&out, 0)?;
-
-    let mut replies = Replies::default();
-    let mut buf: Vec<u8> = Vec::with_capacity(RECV_BUF);
-    loop {
-        buf.clear();
-        // MSG_TRUNC makes recv report the datagram's real size, so truncation is detectable.
-        let n = sock.recv(&mut buf, libc::MSG_TRUNC)?;
-        if n > buf.len() {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("netlink reply of {n} bytes truncated")));
-        }
-        let mut data = &buf[..n];
-        while !data.is_empty() {
-            let len = NetlinkBuffer::new_checked(data).map_err(invalid)?.length() as usize;
-            let (one, rest) = data.split_at(len);
-            data = rest.get(len.div_ceil(4) * 4 - len..).unwrap_or(&[]); // NLMSG_ALIGN
-            let parsed = NetlinkMessage::<RouteNetlinkMessage>::deserialize(one);
-            let kind = NetlinkBuffer::new(one).message_type();
-            let msg = match parsed {
-                Ok(m) => m,
-                // An attribute this crate cannot parse only costs us that one dump entry.
-                Err(_) if kind != NLMSG_ERROR && kind != NLMSG_DONE => continue,
-                Err(e) => return Err(invalid(e)),
-            };
-            if msg.header.sequence_number != 1 {
-                continue;
-            }
-            replies.interrupted |= msg.header.flags & NLM_F_DUMP_INTR != 0;
-            match msg.payload {
-                NetlinkPayload::Error(e) => match e.code {
-                    None => return Ok(replies),
-                    Some(code) => return Err(io::Error::from_raw_os_error(-code.get())),
-                },
-                NetlinkPayload::Done(d) if d.code < 0 => return Err(io::Error::from_raw_os_error(-d.code)),
-                NetlinkPayload::Done(_) => return Ok(replies),
-                NetlinkPayload::InnerMessage(m) => replies.messages.push(m),
-                _ => {}
-            }
-        }
-    }
-}
-
-fn invalid(e: impl std::fmt::Display) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+    Socket::open(NETLINK_ROUTE).and_then(|mut s| s.dump(payload)).map_err(|e| route_err(op, e))
 }
 
 #[cfg(test)]
@@ -462,11 +382,11 @@ mod tests {
         assert_eq!(route_message(&small, false).header.table, 100);
 
         // The wire form round-trips and carries the ACK/EXCL flags.
-        let msg = request(RouteNetlinkMessage::NewRule(rule), NLM_F_CREATE | NLM_F_EXCL);
-        let mut bytes = vec![0; msg.buffer_len()];
-        msg.serialize(&mut bytes);
+        use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST};
+        let payload = RouteNetlinkMessage::NewRule(rule);
+        let bytes = crate::netlink::encode(payload.clone(), NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL, 1);
         let back = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap();
-        assert_eq!(back, msg);
+        assert_eq!(back.payload, NetlinkPayload::InnerMessage(payload));
         assert_eq!(back.header.flags, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
         assert_eq!(back.header.message_type, 32, "RTM_NEWRULE");
     }

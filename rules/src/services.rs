@@ -438,14 +438,14 @@ fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) 
     }
     let mut changes = Vec::new();
     for e in &expected.sets {
-        if e.flags & libc::NFT_SET_TIMEOUT as u32 != 0 {
+        if e.is_dynamic() {
             continue;
         }
         let a = actual.sets.iter().find(|a| a.name == e.name)?;
         if e.elements == a.elements {
             continue;
         }
-        if e.flags & libc::NFT_SET_INTERVAL as u32 != 0 {
+        if e.is_interval() {
             return None;
         }
         changes.push(nft::ElementChange {
@@ -488,15 +488,13 @@ pub fn counters() -> Result<Option<BTreeMap<String, u64>>> {
 pub fn demand() -> Result<Vec<(Ipv4Addr, Proto, u16)>> {
     let mut out = Vec::new();
     for (key, _) in nft::set_elements(TABLE, SET_DIALLED)? {
-        if key.len() != 12 {
-            continue;
-        }
-        let proto = match key[4] {
+        let Some((addr, proto, port)) = nft::key::parse_service_key(&key) else { continue };
+        let proto = match proto {
             6 => Proto::Tcp,
             17 => Proto::Udp,
             _ => continue,
         };
-        out.push((Ipv4Addr::new(key[0], key[1], key[2], key[3]), proto, u16::from_be_bytes([key[8], key[9]])));
+        out.push((addr, proto, port));
     }
     out.sort();
     Ok(out)

@@ -1,21 +1,45 @@
 //! Netlink message building, checked without root: the batch ADD would send is parsed back
 //! (as CHECK does with the kernel's dump) and its register-level expressions pinned.
 
-use aether_rules::nft::expected_view;
+use aether_rules::nft::{expected_view, Expr};
 use aether_rules::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 
 fn view(cfg: &CaptureConfig) -> aether_rules::nft::read::TableView {
     expected_view(&capture_ruleset(cfg).unwrap().table)
 }
 
-fn rule_exprs(v: &aether_rules::nft::read::TableView, chain: &str, comment_part: &str) -> String {
+fn rule_exprs(v: &aether_rules::nft::read::TableView, chain: &str, comment_part: &str) -> Vec<Expr> {
     let c = v.chains.iter().find(|c| c.name == chain).unwrap_or_else(|| panic!("no chain {chain}"));
     c.rules
         .iter()
         .find(|r| r.comment.contains(comment_part))
         .unwrap_or_else(|| panic!("no rule {comment_part:?} in {chain}"))
         .exprs
+        .0
         .clone()
+}
+
+// nf_tables.h numbers, spelled out so the test does not share the encoder's constants.
+const META_MARK: u32 = 3;
+const META_IIF: u32 = 4;
+const META_L4PROTO: u32 = 16;
+const CT_DIRECTION: u32 = 1;
+const CMP_EQ: u32 = 0;
+const NF_ACCEPT: i32 = 1;
+const TRANSPORT_HEADER: u32 = 2;
+const NFPROTO_IPV4: u32 = 2;
+const NAT_DNAT: u32 = 1;
+
+fn meta(key: u32) -> Expr {
+    Expr::Meta { key, dreg: 1 }
+}
+
+fn eq(data: &[u8]) -> Expr {
+    Expr::Cmp { sreg: 1, op: CMP_EQ, data: data.to_vec() }
+}
+
+fn accept() -> Expr {
+    Expr::Verdict { code: NF_ACCEPT, chain: None }
 }
 
 #[test]
@@ -23,26 +47,77 @@ fn rules_lower_to_the_registers_nft_itself_uses() {
     let mut cfg = CaptureConfig::new(CaptureMode::RedirectAll);
     cfg.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
     let v = view(&cfg);
+    // [ ct load direction => reg 1 ] [ cmp eq reg 1 0x00000001 ] [ immediate reg 0 accept ]
     assert_eq!(
         rule_exprs(&v, "egress_divert", "replies of tracked flows"),
-        "[ ct load direction => reg 1 ] [ cmp eq reg 1 0x00000001 ] [ immediate reg 0 accept ]"
+        [Expr::Ct { key: CT_DIRECTION, dreg: 1 }, eq(&[1]), accept()]
     );
+    // [ meta load mark => reg 1 ] [ cmp eq reg 1 0x0000ae7e ] [ immediate reg 0 accept ]
     assert_eq!(
         rule_exprs(&v, "egress_divert", "passthrough"),
-        "[ meta load mark => reg 1 ] [ cmp eq reg 1 0x0000ae7e ] [ immediate reg 0 accept ]"
+        [meta(META_MARK), eq(&0xae7e_u32.to_ne_bytes()), accept()]
     );
+    // [ meta load l4proto => reg 1 ] [ cmp eq reg 1 0x00000006 ] [ immediate reg 1 0x0000ae71 ]
+    // [ meta set mark with reg 1 ] [ immediate reg 0 accept ]
     assert_eq!(
         rule_exprs(&v, "egress_divert", "redirect-all"),
-        "[ meta load l4proto => reg 1 ] [ cmp eq reg 1 0x00000006 ] [ immediate reg 1 0x0000ae71 ] [ meta set mark with reg 1 ] [ immediate reg 0 accept ]"
+        [
+            meta(META_L4PROTO),
+            eq(&[6]),
+            Expr::Immediate { dreg: 1, data: 0xae71_u32.to_ne_bytes().to_vec() },
+            Expr::MetaSet { key: META_MARK, sreg: 1 },
+            accept()
+        ]
     );
+    // [ meta load iif => reg 1 ] [ cmp eq reg 1 0x00000001 ] [ meta load mark => reg 1 ]
+    // [ cmp eq reg 1 0x0000ae71 ] [ meta load l4proto => reg 1 ] [ cmp eq reg 1 0x00000011 ]
+    // [ payload load 2b @ transport header + 2 => reg 1 ] [ cmp eq reg 1 0x0000a246 ]
+    // [ immediate reg 1 0x0000a246 ] [ tproxy ip port reg 1 ] [ immediate reg 0 accept ]
+    // (libnftnl prints register words in host order: 0x0000a246 is the bytes 46 a2, port 18082.)
     assert_eq!(
         rule_exprs(&v, "loopback_tproxy", "diverted UDP"),
-        "[ meta load iif => reg 1 ] [ cmp eq reg 1 0x00000001 ] [ meta load mark => reg 1 ] [ cmp eq reg 1 0x0000ae71 ] \
-         [ meta load l4proto => reg 1 ] [ cmp eq reg 1 0x00000011 ] [ payload load 2b @ transport header + 2 => reg 1 ] \
-         [ cmp eq reg 1 0x0000a246 ] [ immediate reg 1 0x0000a246 ] [ tproxy ip port reg 1 ] [ immediate reg 0 accept ]"
+        [
+            meta(META_IIF),
+            eq(&1u32.to_ne_bytes()),
+            meta(META_MARK),
+            eq(&0xae71_u32.to_ne_bytes()),
+            meta(META_L4PROTO),
+            eq(&[17]),
+            Expr::Payload { base: TRANSPORT_HEADER, offset: 2, len: 2, dreg: 1 },
+            eq(&18082u16.to_be_bytes()),
+            Expr::Immediate { dreg: 1, data: 18082u16.to_be_bytes().to_vec() },
+            Expr::Tproxy { family: NFPROTO_IPV4, reg_addr: None, reg_port: Some(1) },
+            accept()
+        ]
     );
-    assert!(rule_exprs(&v, "dns_dnat", "DNS over UDP")
-        .contains("[ nat dnat ip addr_min reg 1 addr_max reg 1 proto_min reg 2 proto_max reg 2 flags 0x3 ]"));
+    // [ nat dnat ip addr_min reg 1 addr_max reg 1 proto_min reg 2 proto_max reg 2 flags 0x3 ]
+    assert!(rule_exprs(&v, "dns_dnat", "DNS over UDP").contains(&Expr::Nat {
+        kind: NAT_DNAT,
+        family: NFPROTO_IPV4,
+        reg_addr: Some((1, 1)),
+        reg_proto: Some((2, 2)),
+        flags: 0x3
+    }));
+}
+
+/// The notation CHECK and `inspect` print (README, "Reading CHECK's differences").
+#[test]
+fn expressions_print_in_our_notation() {
+    let mut cfg = CaptureConfig::new(CaptureMode::RedirectAll);
+    cfg.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+    let v = view(&cfg);
+    let text = |chain: &str, comment: &str| aether_rules::nft::Exprs(rule_exprs(&v, chain, comment)).to_string();
+    assert_eq!(text("egress_divert", "replies of tracked flows"), "r1 = ct direction; r1 == 0x01; accept");
+    assert_eq!(
+        text("loopback_tproxy", "diverted UDP"),
+        "r1 = meta iif; r1 == 0x01000000; r1 = meta mark; r1 == 0x71ae0000; r1 = meta l4proto; r1 == 0x11; \
+         r1 = th dport; r1 == 0x46a2; r1 = 0x46a2; tproxy ip to port r1; accept"
+    );
+    assert_eq!(
+        text("dns_dnat", "DNS over UDP"),
+        "r1 = meta l4proto; r1 == 0x11; r1 = th dport; r1 == 0x0035; r1 = 0x0a000001; r2 = 0x4686; \
+         dnat ip to addr r1-r1 port r2-r2 flags 0x3"
+    );
 }
 
 #[test]

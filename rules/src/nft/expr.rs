@@ -1,124 +1,138 @@
-//! nftables expressions at the register level, and the one place that turns them into
-//! libnftnl objects. nftnl 0.9 lacks `ct direction`, `tproxy`, NAT with a port register and
-//! lookups by set name with flags; one enum over nftnl-sys covers them all uniformly.
+//! nftables expressions at the register level, as one typed enum: the model lowers to it,
+//! it encodes to netlink attributes, and the kernel's dumps decode back to it. CHECK compares
+//! these values, and prints them in the notation of `Display` (see the README).
+//!
+//! The crate's types (`netlink-packet-netfilter`) encode payload, meta, cmp, bitwise,
+//! immediate and lookup; `ct`, `tproxy`, `nat`, `objref`, `dynset` and `reject` are small
+//! attribute encoders of ours, numbered after `linux/netfilter/nf_tables.h`.
 //!
 //! Each model `Match`/`Action` lowers to the same register sequence `nft` itself generates,
 //! so `nft list ruleset` prints our rules in its ordinary notation.
 
-use std::ffi::CString;
-use std::net::Ipv4Addr;
-use std::ptr::NonNull;
+use std::fmt;
 
-use nftnl::expr::Expression;
-use nftnl::nftnl_sys as sys;
+use netlink_packet_core::{DefaultNla, Nla, NLA_F_NESTED, NLA_TYPE_MASK};
+use netlink_packet_netfilter::nftables::{
+    Bitwise, Cmp, DataAttribute, ExpressionAttribute, Expressions, Immediate, ListAttribute, Lookup, Meta, MetaKey,
+    Operator, Payload, Register, Verdict, VerdictAttribute,
+};
 
+use super::key;
 use crate::model::{Action, Match};
 
-const REG_VERDICT: u32 = libc::NFT_REG_VERDICT as u32;
-const REG_1: u32 = libc::NFT_REG_1 as u32;
-const REG_2: u32 = libc::NFT_REG_2 as u32;
-/// The 32-bit registers after `reg 1`, where nft puts the later parts of a concatenation.
-const REG32_01: u32 = 9;
-const REG32_02: u32 = 10;
+/// A register number (`NFT_REG_*`, `NFT_REG32_*`).
+pub type Reg = u32;
+pub const REG_VERDICT: Reg = 0;
+pub const REG_1: Reg = 1;
+pub const REG_2: Reg = 2;
+
 /// `NF_CT_STATE_BIT(IP_CT_NEW)`
 const CT_STATE_NEW_BIT: u32 = 1 << 3;
 /// `IPS_CONFIRMED`: set once the first packet of a flow has left the stack.
 const CT_STATUS_CONFIRMED: u32 = 1 << 3;
-const NFT_OBJECT_COUNTER: u32 = 1;
+const IP_CT_DIR_REPLY: u8 = 1;
+const LOOPBACK_IFINDEX: u32 = 1;
+pub const NFT_OBJECT_COUNTER: u32 = 1;
 const NFT_DYNSET_OP_UPDATE: u32 = 1;
 const NFT_REJECT_ICMP_UNREACH: u32 = 0;
 const NFT_REJECT_TCP_RST: u32 = 1;
-const ICMP_PORT_UNREACH: u32 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
 /// nf_nat range flags: the kernel sets both when address and port registers are given and
 /// reports them in dumps, so sending them keeps what we send equal to what we read back.
 const NAT_RANGE_MAP_IPS: u32 = 1;
 const NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
-const IP_CT_DIR_REPLY: u8 = 1;
-const LOOPBACK_IFINDEX: u32 = 1;
+const NFT_LOOKUP_F_INV: u32 = 1;
+const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Expr {
-    /// Load `len` bytes at `offset` of a header into `dreg`.
-    Payload {
-        base: u32,
-        offset: u32,
-        len: u32,
-        dreg: u32,
-    },
-    /// Load a meta key into `dreg`.
-    Meta {
-        key: u32,
-        dreg: u32,
-    },
-    /// Set a meta key from register 1.
-    MetaSet(u32),
-    /// Load the conntrack direction into register 1.
-    CtDirection,
-    /// Register 1 equals `data`.
-    CmpEq(Vec<u8>),
-    /// Register 1 differs from `data`.
-    CmpNeq(Vec<u8>),
-    /// Load the conntrack state bits into register 1.
-    CtState,
-    CtStatus,
-    /// Register 1 = (register 1 & mask) ^ xor.
-    Bitwise {
-        mask: Vec<u8>,
-        xor: Vec<u8>,
-    },
-    /// Jump to a chain.
-    Jump(String),
-    /// Count in the named counter object.
-    Counter(String),
-    /// Add the key in register 1 to the named set, or refresh its timeout.
-    DynsetUpdate(String),
-    /// Reject: (type, ICMP code).
-    Reject {
-        kind: u32,
-        code: u32,
-    },
+/// Attribute numbers of the expressions the crate does not know (nf_tables.h).
+mod attr {
+    pub const CT_DREG: u16 = 1;
+    pub const CT_KEY: u16 = 2;
+    pub const TPROXY_FAMILY: u16 = 1;
+    pub const TPROXY_REG_ADDR: u16 = 2;
+    pub const TPROXY_REG_PORT: u16 = 3;
+    pub const NAT_TYPE: u16 = 1;
+    pub const NAT_FAMILY: u16 = 2;
+    pub const NAT_REG_ADDR_MIN: u16 = 3;
+    pub const NAT_REG_ADDR_MAX: u16 = 4;
+    pub const NAT_REG_PROTO_MIN: u16 = 5;
+    pub const NAT_REG_PROTO_MAX: u16 = 6;
+    pub const NAT_FLAGS: u16 = 7;
+    pub const OBJREF_IMM_TYPE: u16 = 1;
+    pub const OBJREF_IMM_NAME: u16 = 2;
+    pub const DYNSET_SET_NAME: u16 = 1;
+    pub const DYNSET_OP: u16 = 3;
+    pub const DYNSET_SREG_KEY: u16 = 4;
+    pub const DYNSET_TIMEOUT: u16 = 6;
+    pub const DYNSET_FLAGS: u16 = 9;
+    pub const REJECT_TYPE: u16 = 1;
+    pub const REJECT_ICMP_CODE: u16 = 2;
+}
+
+/// One expression of a rule, with everything the kernel reports about it. Attributes the
+/// kernel fills in with a default when they are not sent (lookup and dynset flags, dynset
+/// timeout) decode to that default, so what we send and what we read back compare equal
+/// whatever order or completeness the dump has.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Expr {
+    /// Load `len` bytes at `offset` of a header (`base`: 0 link, 1 network, 2 transport).
+    Payload { base: u32, offset: u32, len: u32, dreg: Reg },
+    /// Load a meta key (`NFT_META_*`).
+    Meta { key: u32, dreg: Reg },
+    /// Set a meta key from a register.
+    MetaSet { key: u32, sreg: Reg },
+    /// Load a conntrack key (`NFT_CT_*`).
+    Ct { key: u32, dreg: Reg },
+    /// Compare a register with `data` (`op`: `NFT_CMP_*`).
+    Cmp { sreg: Reg, op: u32, data: Vec<u8> },
+    /// `dreg = (sreg & mask) ^ xor`
+    Bitwise { sreg: Reg, dreg: Reg, mask: Vec<u8>, xor: Vec<u8> },
     /// Load `data` into a register.
-    Immediate {
-        reg: u32,
-        data: Vec<u8>,
-    },
-    Accept,
-    /// Register 1 (and the registers after it, for a concatenation) is in the named set, or
-    /// with `invert` is not.
-    Lookup {
-        set: String,
-        invert: bool,
-    },
-    /// Assign the packet to the transparent socket on the port in register 1.
-    Tproxy,
-    /// DNAT to the address in register 1 and the port in register 2.
-    Dnat,
+    Immediate { dreg: Reg, data: Vec<u8> },
+    /// A verdict: accept (1), drop (0), jump (-3) or goto (-4) to `chain`, return (-5)...
+    Verdict { code: i32, chain: Option<String> },
+    /// The key in `sreg` (and the registers after it, for a concatenation) is in the set,
+    /// or with `invert` is not.
+    Lookup { set: String, sreg: Reg, invert: bool },
+    /// Use a named stateful object (`NFT_OBJECT_COUNTER`: count in it).
+    Objref { kind: u32, name: String },
+    /// Add the key in `sreg_key` to the set, or refresh it (`op`: `NFT_DYNSET_OP_*`);
+    /// `timeout_ms` 0 means the set's own.
+    Dynset { set: String, op: u32, sreg_key: Reg, timeout_ms: u64, flags: u32 },
+    /// Reject (`kind`: `NFT_REJECT_*`) with an ICMP `code`.
+    Reject { kind: u32, code: u8 },
+    /// Assign the packet to the transparent socket at the address/port in these registers.
+    Tproxy { family: u32, reg_addr: Option<Reg>, reg_port: Option<Reg> },
+    /// NAT (`kind`: `NFT_NAT_*`) to the address and port ranges in these registers.
+    Nat { kind: u32, family: u32, reg_addr: Option<(Reg, Reg)>, reg_proto: Option<(Reg, Reg)>, flags: u32 },
+    /// Anything else: its name and raw attributes (type, bytes).
+    Other { name: String, attributes: Vec<(u16, Vec<u8>)> },
 }
 
 pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
     let meta = |key: i32| Expr::Meta { key: key as u32, dreg: REG_1 };
-    let l4proto = |p: crate::model::Proto| vec![meta(libc::NFT_META_L4PROTO), Expr::CmpEq(vec![p.number()])];
-    let dport = || Expr::Payload { base: libc::NFT_PAYLOAD_TRANSPORT_HEADER as u32, offset: 2, len: 2, dreg: REG_1 };
-    let daddr = || Expr::Payload { base: libc::NFT_PAYLOAD_NETWORK_HEADER as u32, offset: 16, len: 4, dreg: REG_1 };
-    let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), invert };
+    let eq = |data: Vec<u8>| Expr::Cmp { sreg: REG_1, op: libc::NFT_CMP_EQ as u32, data };
+    let l4proto = |p: crate::model::Proto| vec![meta(libc::NFT_META_L4PROTO), eq(vec![p.number()])];
+    let dport = || Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 2, len: 2, dreg: REG_1 };
+    let daddr = || Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset: 16, len: 4, dreg: REG_1 };
+    let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), sreg: REG_1, invert };
+    let ct = |key: i32| Expr::Ct { key: key as u32, dreg: REG_1 };
+    let bits = |mask: u32| Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: mask.to_ne_bytes().to_vec(), xor: vec![0; 4] };
     match m {
-        Match::CtDirectionReply => vec![Expr::CtDirection, Expr::CmpEq(vec![IP_CT_DIR_REPLY])],
-        Match::Mark(mark) => vec![meta(libc::NFT_META_MARK), Expr::CmpEq(mark.to_ne_bytes().to_vec())],
-        Match::InputLoopback => vec![meta(libc::NFT_META_IIF), Expr::CmpEq(LOOPBACK_IFINDEX.to_ne_bytes().to_vec())],
+        Match::CtDirectionReply => vec![ct(libc::NFT_CT_DIRECTION), eq(vec![IP_CT_DIR_REPLY])],
+        Match::Mark(mark) => vec![meta(libc::NFT_META_MARK), eq(mark.to_ne_bytes().to_vec())],
+        Match::InputLoopback => vec![meta(libc::NFT_META_IIF), eq(LOOPBACK_IFINDEX.to_ne_bytes().to_vec())],
         Match::DaddrInSet(set) => vec![daddr(), lookup(set, false)],
         Match::DaddrNotInSet(set) => vec![daddr(), lookup(set, true)],
         Match::L4ProtoNotInSet(set) => vec![meta(libc::NFT_META_L4PROTO), lookup(set, true)],
         // Only the very first packet of a flow sees its conntrack entry unconfirmed: later
         // packets of a UDP flow stay `new` until a reply, but are confirmed.
-        Match::CtUnconfirmed => vec![
-            Expr::CtStatus,
-            Expr::Bitwise { mask: CT_STATUS_CONFIRMED.to_ne_bytes().to_vec(), xor: vec![0; 4] },
-            Expr::CmpEq(vec![0; 4]),
-        ],
+        Match::CtUnconfirmed => vec![ct(libc::NFT_CT_STATUS), bits(CT_STATUS_CONFIRMED), eq(vec![0; 4])],
         Match::CtStateNew => vec![
-            Expr::CtState,
-            Expr::Bitwise { mask: CT_STATE_NEW_BIT.to_ne_bytes().to_vec(), xor: vec![0; 4] },
-            Expr::CmpNeq(vec![0; 4]),
+            ct(libc::NFT_CT_STATE),
+            bits(CT_STATE_NEW_BIT),
+            Expr::Cmp { sreg: REG_1, op: libc::NFT_CMP_NEQ as u32, data: vec![0; 4] },
         ],
         Match::ServiceKeyInSet(set) => {
             let mut e = service_key();
@@ -128,7 +142,7 @@ pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
         Match::L4Proto(p) => l4proto(*p),
         Match::Dport(p, port) => {
             let mut e = l4proto(*p);
-            e.extend([dport(), Expr::CmpEq(port.to_be_bytes().to_vec())]);
+            e.extend([dport(), eq(port.to_be_bytes().to_vec())]);
             e
         }
         Match::DportInSet(p, set) => {
@@ -139,37 +153,56 @@ pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
     }
 }
 
-/// `ip daddr . meta l4proto . th dport` into registers 1, 9 and 10, as nft lays it out.
+/// `ip daddr . meta l4proto . th dport` into the registers of `key::SERVICE_KEY`.
 fn service_key() -> Vec<Expr> {
+    let [addr, proto, port] = key::SERVICE_KEY_REGISTERS;
     vec![
-        Expr::Payload { base: libc::NFT_PAYLOAD_NETWORK_HEADER as u32, offset: 16, len: 4, dreg: REG_1 },
-        Expr::Meta { key: libc::NFT_META_L4PROTO as u32, dreg: REG32_01 },
-        Expr::Payload { base: libc::NFT_PAYLOAD_TRANSPORT_HEADER as u32, offset: 2, len: 2, dreg: REG32_02 },
+        Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset: 16, len: 4, dreg: addr },
+        Expr::Meta { key: libc::NFT_META_L4PROTO as u32, dreg: proto },
+        Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 2, len: 2, dreg: port },
     ]
 }
 
 pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
+    let accept = || Expr::Verdict { code: libc::NF_ACCEPT, chain: None };
+    let jump = |c: &String| Expr::Verdict { code: libc::NFT_JUMP, chain: Some(c.clone()) };
+    let counter = |c: &String| Expr::Objref { kind: NFT_OBJECT_COUNTER, name: c.clone() };
     match a {
-        Action::Accept => vec![Expr::Accept],
+        Action::Accept => vec![accept()],
         Action::SetMarkAccept(mark) => vec![
-            Expr::Immediate { reg: REG_1, data: mark.to_ne_bytes().to_vec() },
-            Expr::MetaSet(libc::NFT_META_MARK as u32),
-            Expr::Accept,
+            Expr::Immediate { dreg: REG_1, data: mark.to_ne_bytes().to_vec() },
+            Expr::MetaSet { key: libc::NFT_META_MARK as u32, sreg: REG_1 },
+            accept(),
         ],
-        Action::TproxyAccept(port) => {
-            vec![Expr::Immediate { reg: REG_1, data: port.to_be_bytes().to_vec() }, Expr::Tproxy, Expr::Accept]
-        }
+        Action::TproxyAccept(port) => vec![
+            Expr::Immediate { dreg: REG_1, data: port.to_be_bytes().to_vec() },
+            Expr::Tproxy { family: libc::NFPROTO_IPV4 as u32, reg_addr: None, reg_port: Some(REG_1) },
+            accept(),
+        ],
         Action::Dnat(addr, port) => vec![
-            Expr::Immediate { reg: REG_1, data: Ipv4Addr::octets(addr).to_vec() },
-            Expr::Immediate { reg: REG_2, data: port.to_be_bytes().to_vec() },
-            Expr::Dnat,
+            Expr::Immediate { dreg: REG_1, data: addr.octets().to_vec() },
+            Expr::Immediate { dreg: REG_2, data: port.to_be_bytes().to_vec() },
+            // The kernel fills the range maxima from the minima and reports them.
+            Expr::Nat {
+                kind: libc::NFT_NAT_DNAT as u32,
+                family: libc::NFPROTO_IPV4 as u32,
+                reg_addr: Some((REG_1, REG_1)),
+                reg_proto: Some((REG_2, REG_2)),
+                flags: NAT_RANGE_MAP_IPS | NAT_RANGE_PROTO_SPECIFIED,
+            },
         ],
-        Action::Jump(chain) => vec![Expr::Jump(chain.clone())],
-        Action::CountAccept(counter) => vec![Expr::Counter(counter.clone()), Expr::Accept],
-        Action::CountJump(counter, chain) => vec![Expr::Counter(counter.clone()), Expr::Jump(chain.clone())],
+        Action::Jump(chain) => vec![jump(chain)],
+        Action::CountAccept(c) => vec![counter(c), accept()],
+        Action::CountJump(c, chain) => vec![counter(c), jump(chain)],
         Action::UpdateServiceKeySet(set) => {
             let mut e = service_key();
-            e.push(Expr::DynsetUpdate(set.clone()));
+            e.push(Expr::Dynset {
+                set: set.clone(),
+                op: NFT_DYNSET_OP_UPDATE,
+                sreg_key: key::SERVICE_KEY_REGISTERS[0],
+                timeout_ms: 0,
+                flags: 0,
+            });
             e
         }
         Action::RejectTcpReset => vec![Expr::Reject { kind: NFT_REJECT_TCP_RST, code: 0 }],
@@ -179,146 +212,542 @@ pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
     }
 }
 
-fn set_str(e: NonNull<sys::nftnl_expr>, attr: u32, s: &str) {
-    let s = CString::new(s).expect("names have no NUL");
-    // libnftnl copies the string.
-    unsafe { sys::nftnl_expr_set_str(e.as_ptr(), attr as u16, s.as_ptr()) };
+// ---- encoding ----
+
+pub(crate) fn u32_attr(kind: u16, v: u32) -> DefaultNla {
+    DefaultNla::new(kind, v.to_be_bytes().to_vec())
 }
 
-fn alloc(name: &std::ffi::CStr) -> NonNull<sys::nftnl_expr> {
-    // libnftnl returns NULL only when out of memory.
-    NonNull::new(unsafe { sys::nftnl_expr_alloc(name.as_ptr()) }).expect("nftnl_expr_alloc: out of memory")
+pub(crate) fn u64_attr(kind: u16, v: u64) -> DefaultNla {
+    DefaultNla::new(kind, v.to_be_bytes().to_vec())
 }
 
-fn set_u32(e: NonNull<sys::nftnl_expr>, attr: u32, v: u32) {
-    unsafe { sys::nftnl_expr_set_u32(e.as_ptr(), attr as u16, v) };
+pub(crate) fn str_attr(kind: u16, s: &str) -> DefaultNla {
+    let mut v = s.as_bytes().to_vec();
+    v.push(0);
+    DefaultNla::new(kind, v)
 }
 
-fn set_data(e: NonNull<sys::nftnl_expr>, attr: u32, data: &[u8]) {
-    unsafe { sys::nftnl_expr_set(e.as_ptr(), attr as u16, data.as_ptr().cast(), data.len() as u32) };
+fn other(name: &str, attributes: Vec<DefaultNla>) -> Expressions {
+    Expressions::Other { expression_type: name.to_string(), attributes }
 }
 
-impl Expression for Expr {
-    fn to_expr(&self, _rule: &nftnl::Rule) -> NonNull<sys::nftnl_expr> {
+impl Expr {
+    /// The netlink form of the expression: one element of `NFTA_RULE_EXPRESSIONS`.
+    pub(crate) fn encode(&self) -> ListAttribute<ExpressionAttribute> {
+        let reg = Register::from;
+        let value = |d: &[u8]| DataAttribute::Value(d.to_vec());
+        let data = match self {
+            Expr::Payload { base, offset, len, dreg } => Expressions::Payload(vec![
+                Payload::DestinationRegister(reg(*dreg)),
+                Payload::Base(*base),
+                Payload::Offset(*offset),
+                Payload::Len(*len),
+            ]),
+            Expr::Meta { key, dreg } => {
+                Expressions::Meta(vec![Meta::Key(MetaKey::from(*key)), Meta::DestinationRegister(reg(*dreg))])
+            }
+            Expr::MetaSet { key, sreg } => {
+                Expressions::Meta(vec![Meta::Key(MetaKey::from(*key)), Meta::SourceRegister(reg(*sreg))])
+            }
+            Expr::Cmp { sreg, op, data } => Expressions::Cmp(vec![
+                Cmp::SourceRegister(reg(*sreg)),
+                Cmp::Op(Operator::from(*op)),
+                Cmp::Data(value(data)),
+            ]),
+            Expr::Bitwise { sreg, dreg, mask, xor } => Expressions::Bitwise(vec![
+                Bitwise::SourceRegister(reg(*sreg)),
+                Bitwise::DestinationRegister(reg(*dreg)),
+                Bitwise::Length(mask.len() as u32),
+                Bitwise::Mask(value(mask)),
+                Bitwise::Xor(value(xor)),
+            ]),
+            Expr::Immediate { dreg, data } => {
+                Expressions::Immediate(vec![Immediate::DestinationRegister(reg(*dreg)), Immediate::Data(value(data))])
+            }
+            Expr::Verdict { code, chain } => {
+                let mut v = vec![VerdictAttribute::Code(Verdict::from(*code as u32))];
+                v.extend(chain.iter().map(|c| VerdictAttribute::Chain(c.clone())));
+                Expressions::Immediate(vec![
+                    Immediate::DestinationRegister(Register::Verdict),
+                    Immediate::Data(DataAttribute::Verdict(v)),
+                ])
+            }
+            Expr::Lookup { set, sreg, invert } => Expressions::Lookup(vec![
+                Lookup::SourceRegister(reg(*sreg)),
+                Lookup::Set(set.clone()),
+                // The kernel always reports the flags word.
+                Lookup::Flags(if *invert { NFT_LOOKUP_F_INV } else { 0 }),
+            ]),
+            Expr::Ct { key, dreg } => {
+                other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_DREG, *dreg)])
+            }
+            Expr::Objref { kind, name } => other(
+                "objref",
+                vec![u32_attr(attr::OBJREF_IMM_TYPE, *kind), str_attr(attr::OBJREF_IMM_NAME, name)],
+            ),
+            Expr::Dynset { set, op, sreg_key, timeout_ms, flags } => other(
+                "dynset",
+                vec![
+                    u32_attr(attr::DYNSET_SREG_KEY, *sreg_key),
+                    u32_attr(attr::DYNSET_OP, *op),
+                    str_attr(attr::DYNSET_SET_NAME, set),
+                    u32_attr(attr::DYNSET_FLAGS, *flags),
+                    u64_attr(attr::DYNSET_TIMEOUT, *timeout_ms),
+                ],
+            ),
+            Expr::Reject { kind, code } => other(
+                "reject",
+                vec![u32_attr(attr::REJECT_TYPE, *kind), DefaultNla::new(attr::REJECT_ICMP_CODE, vec![*code])],
+            ),
+            Expr::Tproxy { family, reg_addr, reg_port } => {
+                let mut a = vec![u32_attr(attr::TPROXY_FAMILY, *family)];
+                a.extend(reg_addr.map(|r| u32_attr(attr::TPROXY_REG_ADDR, r)));
+                a.extend(reg_port.map(|r| u32_attr(attr::TPROXY_REG_PORT, r)));
+                other("tproxy", a)
+            }
+            Expr::Nat { kind, family, reg_addr, reg_proto, flags } => {
+                let mut a = vec![u32_attr(attr::NAT_TYPE, *kind), u32_attr(attr::NAT_FAMILY, *family)];
+                if let Some((min, max)) = reg_addr {
+                    a.extend([u32_attr(attr::NAT_REG_ADDR_MIN, *min), u32_attr(attr::NAT_REG_ADDR_MAX, *max)]);
+                }
+                if let Some((min, max)) = reg_proto {
+                    a.extend([u32_attr(attr::NAT_REG_PROTO_MIN, *min), u32_attr(attr::NAT_REG_PROTO_MAX, *max)]);
+                }
+                a.push(u32_attr(attr::NAT_FLAGS, *flags));
+                other("nat", a)
+            }
+            Expr::Other { name, attributes } => {
+                other(name, attributes.iter().map(|(k, v)| DefaultNla::new(*k, v.clone())).collect())
+            }
+        };
+        ListAttribute::from(data)
+    }
+
+    /// The expression an element of a dumped (or built) rule holds.
+    pub(crate) fn decode(element: &ListAttribute<ExpressionAttribute>) -> Option<Expr> {
+        let ListAttribute::Element(attrs) = element else { return None };
+        let name = attrs.iter().find_map(|a| match a {
+            ExpressionAttribute::Name(n) => Some(n.clone()),
+            _ => None,
+        })?;
+        let data = attrs.iter().find_map(|a| match a {
+            ExpressionAttribute::Data(d) => Some(d),
+            _ => None,
+        });
+        Some(match data {
+            Some(Expressions::Payload(a)) => decode_payload(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Meta(a)) => decode_meta(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Cmp(a)) => decode_cmp(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Bitwise(a)) => decode_bitwise(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Immediate(a)) => decode_immediate(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Lookup(a)) => decode_lookup(a).unwrap_or_else(|| unparsed(&name, data)),
+            Some(Expressions::Other { attributes, .. }) | Some(Expressions::Unknown(attributes)) => {
+                let raw: Vec<(u16, Vec<u8>)> = attributes.iter().map(|n| (n.kind() & NLA_TYPE_MASK, nla_value(n))).collect();
+                decode_ours(&name, &raw).unwrap_or(Expr::Other { name, attributes: raw })
+            }
+            _ => unparsed(&name, data),
+        })
+    }
+}
+
+/// The raw bytes of any attribute.
+fn nla_value(n: &impl Nla) -> Vec<u8> {
+    let mut v = vec![0; n.value_len()];
+    n.emit_value(&mut v);
+    v
+}
+
+/// An expression whose attributes did not fit the type: kept whole, so it compares unequal
+/// to anything we lower and still prints.
+fn unparsed(name: &str, data: Option<&Expressions>) -> Expr {
+    use netlink_packet_core::Emitable;
+    let raw = data.map(|d| {
+        let mut v = vec![0; d.buffer_len()];
+        d.emit(&mut v);
+        v
+    });
+    Expr::Other { name: name.to_string(), attributes: raw.map(|v| vec![(0, v)]).unwrap_or_default() }
+}
+
+fn decode_payload(attrs: &[Payload]) -> Option<Expr> {
+    let (mut base, mut offset, mut len, mut dreg) = (None, None, None, None);
+    for a in attrs {
+        match a {
+            Payload::DestinationRegister(r) => dreg = Some(u32::from(*r)),
+            Payload::Base(b) => base = Some(*b),
+            Payload::Offset(o) => offset = Some(*o),
+            Payload::Len(l) => len = Some(*l),
+            _ => return None,
+        }
+    }
+    Some(Expr::Payload { base: base?, offset: offset?, len: len?, dreg: dreg? })
+}
+
+fn decode_meta(attrs: &[Meta]) -> Option<Expr> {
+    let (mut key, mut dreg, mut sreg) = (None, None, None);
+    for a in attrs {
+        match a {
+            Meta::Key(k) => key = Some(u32::from(*k)),
+            Meta::DestinationRegister(r) => dreg = Some(u32::from(*r)),
+            Meta::SourceRegister(r) => sreg = Some(u32::from(*r)),
+            _ => return None,
+        }
+    }
+    match (key?, dreg, sreg) {
+        (key, Some(dreg), None) => Some(Expr::Meta { key, dreg }),
+        (key, None, Some(sreg)) => Some(Expr::MetaSet { key, sreg }),
+        _ => None,
+    }
+}
+
+fn data_value(d: &DataAttribute) -> Option<Vec<u8>> {
+    match d {
+        DataAttribute::Value(v) => Some(v.clone()),
+        _ => None,
+    }
+}
+
+fn decode_cmp(attrs: &[Cmp]) -> Option<Expr> {
+    let (mut sreg, mut op, mut data) = (None, None, None);
+    for a in attrs {
+        match a {
+            Cmp::SourceRegister(r) => sreg = Some(u32::from(*r)),
+            Cmp::Op(o) => op = Some(u32::from(*o)),
+            Cmp::Data(d) => data = Some(data_value(d)?),
+            _ => return None,
+        }
+    }
+    Some(Expr::Cmp { sreg: sreg?, op: op?, data: data? })
+}
+
+fn decode_bitwise(attrs: &[Bitwise]) -> Option<Expr> {
+    let (mut sreg, mut dreg, mut len, mut mask, mut xor) = (None, None, None, None, None);
+    for a in attrs {
+        match a {
+            Bitwise::SourceRegister(r) => sreg = Some(u32::from(*r)),
+            Bitwise::DestinationRegister(r) => dreg = Some(u32::from(*r)),
+            Bitwise::Length(l) => len = Some(*l as usize),
+            Bitwise::Mask(d) => mask = Some(data_value(d)?),
+            Bitwise::Xor(d) => xor = Some(data_value(d)?),
+            // NFT_BITWISE_BOOL (0), the only operation we use, is what an absent op means.
+            Bitwise::Op(0) => {}
+            _ => return None,
+        }
+    }
+    let (mask, xor) = (mask?, xor?);
+    (len? == mask.len()).then_some(Expr::Bitwise { sreg: sreg?, dreg: dreg?, mask, xor })
+}
+
+fn decode_immediate(attrs: &[Immediate]) -> Option<Expr> {
+    let (mut dreg, mut data) = (None, None);
+    for a in attrs {
+        match a {
+            Immediate::DestinationRegister(r) => dreg = Some(u32::from(*r)),
+            Immediate::Data(d) => data = Some(d),
+            _ => return None,
+        }
+    }
+    match (dreg?, data?) {
+        (REG_VERDICT, DataAttribute::Verdict(v)) => {
+            let (mut code, mut chain) = (None, None);
+            for a in v {
+                match a {
+                    VerdictAttribute::Code(c) => code = Some(u32::from(*c) as i32),
+                    VerdictAttribute::Chain(c) => chain = Some(c.clone()),
+                    _ => return None,
+                }
+            }
+            Some(Expr::Verdict { code: code?, chain })
+        }
+        (dreg, DataAttribute::Value(v)) => Some(Expr::Immediate { dreg, data: v.clone() }),
+        _ => None,
+    }
+}
+
+fn decode_lookup(attrs: &[Lookup]) -> Option<Expr> {
+    let (mut set, mut sreg, mut flags) = (None, None, 0);
+    for a in attrs {
+        match a {
+            Lookup::Set(s) => set = Some(s.clone()),
+            Lookup::SourceRegister(r) => sreg = Some(u32::from(*r)),
+            Lookup::Flags(f) => flags = *f,
+            _ => return None,
+        }
+    }
+    (flags & !NFT_LOOKUP_F_INV == 0).then_some(())?;
+    Some(Expr::Lookup { set: set?, sreg: sreg?, invert: flags & NFT_LOOKUP_F_INV != 0 })
+}
+
+/// Decodes the expressions we encode ourselves from their raw attributes; any attribute we
+/// do not model makes it `None` (then it is kept raw).
+fn decode_ours(name: &str, raw: &[(u16, Vec<u8>)]) -> Option<Expr> {
+    let get = |k: u16| raw.iter().find(|(t, _)| *t == k).map(|(_, v)| v.as_slice());
+    let u32_of = |k: u16| get(k).and_then(|v| Some(u32::from_be_bytes(v.try_into().ok()?)));
+    let str_of = |k: u16| {
+        get(k).map(|v| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned())
+    };
+    let only = |known: &[u16]| raw.iter().all(|(k, _)| known.contains(k));
+    match name {
+        "ct" if only(&[attr::CT_KEY, attr::CT_DREG]) => {
+            Some(Expr::Ct { key: u32_of(attr::CT_KEY)?, dreg: u32_of(attr::CT_DREG)? })
+        }
+        "objref" if only(&[attr::OBJREF_IMM_TYPE, attr::OBJREF_IMM_NAME]) => {
+            Some(Expr::Objref { kind: u32_of(attr::OBJREF_IMM_TYPE)?, name: str_of(attr::OBJREF_IMM_NAME)? })
+        }
+        "dynset"
+            if only(&[
+                attr::DYNSET_SET_NAME,
+                attr::DYNSET_OP,
+                attr::DYNSET_SREG_KEY,
+                attr::DYNSET_TIMEOUT,
+                attr::DYNSET_FLAGS,
+            ]) =>
+        {
+            Some(Expr::Dynset {
+                set: str_of(attr::DYNSET_SET_NAME)?,
+                op: u32_of(attr::DYNSET_OP)?,
+                sreg_key: u32_of(attr::DYNSET_SREG_KEY)?,
+                timeout_ms: match get(attr::DYNSET_TIMEOUT) {
+                    Some(v) => u64::from_be_bytes(v.try_into().ok()?),
+                    None => 0,
+                },
+                flags: match get(attr::DYNSET_FLAGS) {
+                    Some(_) => u32_of(attr::DYNSET_FLAGS)?,
+                    None => 0,
+                },
+            })
+        }
+        "reject" if only(&[attr::REJECT_TYPE, attr::REJECT_ICMP_CODE]) => Some(Expr::Reject {
+            kind: u32_of(attr::REJECT_TYPE)?,
+            code: match get(attr::REJECT_ICMP_CODE) {
+                Some([c]) => *c,
+                Some(_) => return None,
+                None => 0,
+            },
+        }),
+        "tproxy" if only(&[attr::TPROXY_FAMILY, attr::TPROXY_REG_ADDR, attr::TPROXY_REG_PORT]) => {
+            Some(Expr::Tproxy {
+                family: u32_of(attr::TPROXY_FAMILY)?,
+                reg_addr: u32_of(attr::TPROXY_REG_ADDR),
+                reg_port: u32_of(attr::TPROXY_REG_PORT),
+            })
+        }
+        "nat"
+            if only(&[
+                attr::NAT_TYPE,
+                attr::NAT_FAMILY,
+                attr::NAT_REG_ADDR_MIN,
+                attr::NAT_REG_ADDR_MAX,
+                attr::NAT_REG_PROTO_MIN,
+                attr::NAT_REG_PROTO_MAX,
+                attr::NAT_FLAGS,
+            ]) =>
+        {
+            let pair = |min: u16, max: u16| Some((u32_of(min)?, u32_of(max).or(u32_of(min))?));
+            Some(Expr::Nat {
+                kind: u32_of(attr::NAT_TYPE)?,
+                family: u32_of(attr::NAT_FAMILY)?,
+                reg_addr: pair(attr::NAT_REG_ADDR_MIN, attr::NAT_REG_ADDR_MAX),
+                reg_proto: pair(attr::NAT_REG_PROTO_MIN, attr::NAT_REG_PROTO_MAX),
+                flags: u32_of(attr::NAT_FLAGS).unwrap_or(0),
+            })
+        }
+        _ => None,
+    }
+}
+
+// ---- our notation ----
+
+/// `r1`..`r4` (128-bit registers), `r32.0`..`r32.15` (their 32-bit quarters), `verdict`.
+struct RegName(Reg);
+
+impl fmt::Display for RegName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            0 => write!(f, "verdict"),
+            r @ 1..=4 => write!(f, "r{r}"),
+            r @ 8..=23 => write!(f, "r32.{}", r - 8),
+            r => write!(f, "reg{r}"),
+        }
+    }
+}
+
+struct Hex<'a>(&'a [u8]);
+
+impl fmt::Display for Hex<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "0x")?;
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+fn meta_name(key: u32) -> String {
+    match key as i32 {
+        libc::NFT_META_MARK => "mark".into(),
+        libc::NFT_META_IIF => "iif".into(),
+        libc::NFT_META_OIF => "oif".into(),
+        libc::NFT_META_L4PROTO => "l4proto".into(),
+        libc::NFT_META_NFPROTO => "nfproto".into(),
+        k => format!("key {k}"),
+    }
+}
+
+fn ct_name(key: u32) -> String {
+    match key as i32 {
+        libc::NFT_CT_STATE => "state".into(),
+        libc::NFT_CT_DIRECTION => "direction".into(),
+        libc::NFT_CT_STATUS => "status".into(),
+        libc::NFT_CT_MARK => "mark".into(),
+        k => format!("key {k}"),
+    }
+}
+
+fn payload_name(base: u32, offset: u32, len: u32) -> String {
+    match (base, offset, len) {
+        (NFT_PAYLOAD_NETWORK_HEADER, 12, 4) => "ip saddr".into(),
+        (NFT_PAYLOAD_NETWORK_HEADER, 16, 4) => "ip daddr".into(),
+        (NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2) => "th sport".into(),
+        (NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2) => "th dport".into(),
+        (b, o, l) => {
+            let base = match b {
+                0 => "ll",
+                NFT_PAYLOAD_NETWORK_HEADER => "nh",
+                NFT_PAYLOAD_TRANSPORT_HEADER => "th",
+                _ => "base?",
+            };
+            format!("@{base},{},{}", o * 8, l * 8)
+        }
+    }
+}
+
+fn verdict_name(code: i32) -> &'static str {
+    match code {
+        libc::NF_DROP => "drop",
+        libc::NF_ACCEPT => "accept",
+        libc::NFT_CONTINUE => "continue",
+        libc::NFT_BREAK => "break",
+        libc::NFT_JUMP => "jump",
+        libc::NFT_GOTO => "goto",
+        libc::NFT_RETURN => "return",
+        _ => "verdict?",
+    }
+}
+
+/// One expression in our notation: loads as `r1 = <source>`, tests as `r1 == <bytes>`,
+/// bytes in hex as they sit in the register (see the README, "Reading CHECK's differences").
+impl fmt::Display for Expr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Expr::Payload { base, offset, len, dreg } => {
-                let e = alloc(c"payload");
-                set_u32(e, sys::NFTNL_EXPR_PAYLOAD_DREG, *dreg);
-                set_u32(e, sys::NFTNL_EXPR_PAYLOAD_BASE, *base);
-                set_u32(e, sys::NFTNL_EXPR_PAYLOAD_OFFSET, *offset);
-                set_u32(e, sys::NFTNL_EXPR_PAYLOAD_LEN, *len);
-                e
+                write!(f, "{} = {}", RegName(*dreg), payload_name(*base, *offset, *len))
             }
-            Expr::Meta { key, dreg } => {
-                let e = alloc(c"meta");
-                set_u32(e, sys::NFTNL_EXPR_META_KEY, *key);
-                set_u32(e, sys::NFTNL_EXPR_META_DREG, *dreg);
-                e
+            Expr::Meta { key, dreg } => write!(f, "{} = meta {}", RegName(*dreg), meta_name(*key)),
+            Expr::MetaSet { key, sreg } => write!(f, "meta {} set {}", meta_name(*key), RegName(*sreg)),
+            Expr::Ct { key, dreg } => write!(f, "{} = ct {}", RegName(*dreg), ct_name(*key)),
+            Expr::Cmp { sreg, op, data } => {
+                let op = match *op as i32 {
+                    libc::NFT_CMP_EQ => "==",
+                    libc::NFT_CMP_NEQ => "!=",
+                    libc::NFT_CMP_LT => "<",
+                    libc::NFT_CMP_LTE => "<=",
+                    libc::NFT_CMP_GT => ">",
+                    libc::NFT_CMP_GTE => ">=",
+                    _ => "cmp?",
+                };
+                write!(f, "{} {op} {}", RegName(*sreg), Hex(data))
             }
-            Expr::MetaSet(key) => {
-                let e = alloc(c"meta");
-                set_u32(e, sys::NFTNL_EXPR_META_KEY, *key);
-                set_u32(e, sys::NFTNL_EXPR_META_SREG, REG_1);
-                e
+            Expr::Bitwise { sreg, dreg, mask, xor } => {
+                write!(f, "{} = ({} & {}) ^ {}", RegName(*dreg), RegName(*sreg), Hex(mask), Hex(xor))
             }
-            Expr::CtDirection => {
-                let e = alloc(c"ct");
-                set_u32(e, sys::NFTNL_EXPR_CT_KEY, libc::NFT_CT_DIRECTION as u32);
-                set_u32(e, sys::NFTNL_EXPR_CT_DREG, REG_1);
-                e
+            Expr::Immediate { dreg, data } => write!(f, "{} = {}", RegName(*dreg), Hex(data)),
+            Expr::Verdict { code, chain: Some(c) } => write!(f, "{} {c}", verdict_name(*code)),
+            Expr::Verdict { code, chain: None } => write!(f, "{}", verdict_name(*code)),
+            Expr::Lookup { set, sreg, invert } => {
+                write!(f, "{} {}in @{set}", RegName(*sreg), if *invert { "not " } else { "" })
             }
-            Expr::CmpEq(data) | Expr::CmpNeq(data) => {
-                let op = if matches!(self, Expr::CmpEq(_)) { libc::NFT_CMP_EQ } else { libc::NFT_CMP_NEQ };
-                let e = alloc(c"cmp");
-                set_u32(e, sys::NFTNL_EXPR_CMP_SREG, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_CMP_OP, op as u32);
-                set_data(e, sys::NFTNL_EXPR_CMP_DATA, data);
-                e
+            Expr::Objref { kind: NFT_OBJECT_COUNTER, name } => write!(f, "counter name {name:?}"),
+            Expr::Objref { kind, name } => write!(f, "objref type {kind} name {name:?}"),
+            Expr::Dynset { set, op, sreg_key, timeout_ms, flags } => {
+                let op = match *op {
+                    0 => "add",
+                    NFT_DYNSET_OP_UPDATE => "update",
+                    2 => "delete",
+                    _ => "op?",
+                };
+                write!(f, "{op} @{set} {{ {} }}", RegName(*sreg_key))?;
+                if *timeout_ms != 0 {
+                    write!(f, " timeout {timeout_ms}ms")?;
+                }
+                if *flags != 0 {
+                    write!(f, " flags {flags:#x}")?;
+                }
+                Ok(())
             }
-            Expr::CtState | Expr::CtStatus => {
-                let key = if matches!(self, Expr::CtState) { libc::NFT_CT_STATE } else { libc::NFT_CT_STATUS };
-                let e = alloc(c"ct");
-                set_u32(e, sys::NFTNL_EXPR_CT_KEY, key as u32);
-                set_u32(e, sys::NFTNL_EXPR_CT_DREG, REG_1);
-                e
+            Expr::Reject { kind: NFT_REJECT_TCP_RST, code: 0 } => write!(f, "reject with tcp reset"),
+            Expr::Reject { kind: NFT_REJECT_ICMP_UNREACH, code } => write!(f, "reject with icmp code {code}"),
+            Expr::Reject { kind, code } => write!(f, "reject type {kind} code {code}"),
+            Expr::Tproxy { family, reg_addr, reg_port } => {
+                let fam = if *family == libc::NFPROTO_IPV4 as u32 { "ip".to_string() } else { format!("family {family}") };
+                write!(f, "tproxy {fam} to")?;
+                if let Some(r) = reg_addr {
+                    write!(f, " addr {}", RegName(*r))?;
+                }
+                if let Some(r) = reg_port {
+                    write!(f, " port {}", RegName(*r))?;
+                }
+                Ok(())
             }
-            Expr::Bitwise { mask, xor } => {
-                let e = alloc(c"bitwise");
-                set_u32(e, sys::NFTNL_EXPR_BITWISE_SREG, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_BITWISE_DREG, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_BITWISE_LEN, mask.len() as u32);
-                set_data(e, sys::NFTNL_EXPR_BITWISE_MASK, mask);
-                set_data(e, sys::NFTNL_EXPR_BITWISE_XOR, xor);
-                e
+            Expr::Nat { kind, family, reg_addr, reg_proto, flags } => {
+                let kind = match *kind as i32 {
+                    libc::NFT_NAT_SNAT => "snat",
+                    libc::NFT_NAT_DNAT => "dnat",
+                    _ => "nat?",
+                };
+                let fam = if *family == libc::NFPROTO_IPV4 as u32 { "ip".to_string() } else { format!("family {family}") };
+                write!(f, "{kind} {fam} to")?;
+                if let Some((a, b)) = reg_addr {
+                    write!(f, " addr {}-{}", RegName(*a), RegName(*b))?;
+                }
+                if let Some((a, b)) = reg_proto {
+                    write!(f, " port {}-{}", RegName(*a), RegName(*b))?;
+                }
+                write!(f, " flags {flags:#x}")
             }
-            Expr::Jump(chain) => {
-                let e = alloc(c"immediate");
-                set_u32(e, sys::NFTNL_EXPR_IMM_DREG, REG_VERDICT);
-                set_u32(e, sys::NFTNL_EXPR_IMM_VERDICT, libc::NFT_JUMP as u32);
-                set_str(e, sys::NFTNL_EXPR_IMM_CHAIN, chain);
-                e
-            }
-            Expr::Counter(name) => {
-                let e = alloc(c"objref");
-                set_u32(e, sys::NFTNL_EXPR_OBJREF_IMM_TYPE, NFT_OBJECT_COUNTER);
-                set_str(e, sys::NFTNL_EXPR_OBJREF_IMM_NAME, name);
-                e
-            }
-            Expr::DynsetUpdate(set) => {
-                let e = alloc(c"dynset");
-                set_u32(e, sys::NFTNL_EXPR_DYNSET_SREG_KEY, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_DYNSET_OP, NFT_DYNSET_OP_UPDATE);
-                set_str(e, sys::NFTNL_EXPR_DYNSET_SET_NAME, set);
-                // The kernel reports the flags word; send it so dumps compare equal.
-                set_u32(e, sys::NFTNL_EXPR_DYNSET_FLAGS, 0);
-                // Likewise the timeout: 0 means the set's own.
-                unsafe { sys::nftnl_expr_set_u64(e.as_ptr(), sys::NFTNL_EXPR_DYNSET_TIMEOUT as u16, 0) };
-                e
-            }
-            Expr::Reject { kind, code } => {
-                let e = alloc(c"reject");
-                set_u32(e, sys::NFTNL_EXPR_REJECT_TYPE, *kind);
-                unsafe { sys::nftnl_expr_set_u8(e.as_ptr(), sys::NFTNL_EXPR_REJECT_CODE as u16, *code as u8) };
-                e
-            }
-            Expr::Immediate { reg, data } => {
-                let e = alloc(c"immediate");
-                set_u32(e, sys::NFTNL_EXPR_IMM_DREG, *reg);
-                set_data(e, sys::NFTNL_EXPR_IMM_DATA, data);
-                e
-            }
-            Expr::Accept => {
-                let e = alloc(c"immediate");
-                set_u32(e, sys::NFTNL_EXPR_IMM_DREG, REG_VERDICT);
-                set_u32(e, sys::NFTNL_EXPR_IMM_VERDICT, libc::NF_ACCEPT as u32);
-                e
-            }
-            Expr::Lookup { set, invert } => {
-                let e = alloc(c"lookup");
-                set_u32(e, sys::NFTNL_EXPR_LOOKUP_SREG, REG_1);
-                set_str(e, sys::NFTNL_EXPR_LOOKUP_SET, set);
-                // The kernel always reports the flags word; send it so dumps compare equal.
-                set_u32(e, sys::NFTNL_EXPR_LOOKUP_FLAGS, if *invert { libc::NFT_LOOKUP_F_INV as u32 } else { 0 });
-                e
-            }
-            Expr::Tproxy => {
-                let e = alloc(c"tproxy");
-                set_u32(e, sys::NFTNL_EXPR_TPROXY_FAMILY, libc::NFPROTO_IPV4 as u32);
-                set_u32(e, sys::NFTNL_EXPR_TPROXY_REG_PORT, REG_1);
-                e
-            }
-            Expr::Dnat => {
-                let e = alloc(c"nat");
-                set_u32(e, sys::NFTNL_EXPR_NAT_TYPE, libc::NFT_NAT_DNAT as u32);
-                set_u32(e, sys::NFTNL_EXPR_NAT_FAMILY, libc::NFPROTO_IPV4 as u32);
-                set_u32(e, sys::NFTNL_EXPR_NAT_REG_ADDR_MIN, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_NAT_REG_PROTO_MIN, REG_2);
-                // The kernel fills the range maxima from the minima and reports them.
-                set_u32(e, sys::NFTNL_EXPR_NAT_REG_ADDR_MAX, REG_1);
-                set_u32(e, sys::NFTNL_EXPR_NAT_REG_PROTO_MAX, REG_2);
-                set_u32(e, sys::NFTNL_EXPR_NAT_FLAGS, NAT_RANGE_MAP_IPS | NAT_RANGE_PROTO_SPECIFIED);
-                e
+            Expr::Other { name, attributes } => {
+                write!(f, "{name}(")?;
+                for (i, (k, v)) in attributes.iter().enumerate() {
+                    write!(f, "{}{k}={}", if i > 0 { " " } else { "" }, Hex(v))?;
+                }
+                write!(f, ")")
             }
         }
     }
+}
+
+/// A rule's expressions, printed `[ e1; e2; ... ]`-free: `e1; e2; ...`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Exprs(pub Vec<Expr>);
+
+impl fmt::Display for Exprs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A nested attribute of ours holding `attrs`.
+pub(crate) fn nested(kind: u16, attrs: &[DefaultNla]) -> DefaultNla {
+    use netlink_packet_core::Emitable;
+    let mut v = vec![0; attrs.buffer_len()];
+    attrs.emit(&mut v);
+    DefaultNla::new(kind | NLA_F_NESTED, v)
 }

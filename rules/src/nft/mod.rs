@@ -1,22 +1,106 @@
-//! nftables over netlink: program a table in one transaction, delete it, read it back.
+//! nftables over netlink, in pure Rust: program a table in one transaction, delete it,
+//! read it back. Messages are built and parsed with `netlink-packet-netfilter` (plus small
+//! encoders of ours in `expr`), and sent over the crate's one netlink conversation layer.
 
 mod expr;
-mod netlink;
+pub mod key;
 pub mod read;
 mod render;
 
+pub use expr::{Expr, Exprs, Reg};
 pub use render::ElementChange;
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
+use std::io;
 
-use nftnl::nftnl_sys as sys;
+use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NlasIterator};
+use netlink_packet_netfilter::nftables::{
+    GenMessage, NfTablesMessage, RuleAttribute, RuleMessage, SetAttribute, SetElementList, SetElementMessage,
+    SetMessage, TableAttribute, TableMessage,
+};
+use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 
 use crate::error::{Error, Result};
 use crate::model::Table;
-use netlink::NftSocket;
+use crate::netlink::{Socket, NETLINK_NETFILTER};
 use read::TableView;
-use render::Existing;
+use render::{Batch, Existing};
+
+/// What one error reply to a batch message costs the receive buffer (the skb's truesize,
+/// generously): room for all of them, so a refused large batch's answers never overflow.
+const ERROR_TRUESIZE: usize = 1024;
+
+fn open() -> Result<Socket> {
+    Socket::open(NETLINK_NETFILTER).map_err(|source| Error::Nftables { op: "open socket", source })
+}
+
+/// Sends `batch` as one transaction and waits for the kernel's verdict. No message asks for
+/// an ACK (errors are reported anyway); a GETGEN request after the batch is the fence: its
+/// answer comes after every answer to the batch. An error names the refused object.
+fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
+    let nft = |op| move |source| Error::Nftables { op, source };
+    sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
+    let first = sock.take_seqs(batch.seq_count());
+    sock.send(&batch.encode(first)).map_err(nft("send transaction"))?;
+    let gen = NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+        NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+    );
+    let fence = sock.request(gen, 0).map_err(nft("send generation fence"))?;
+    match sock.batch_verdict(fence).map_err(nft("generation fence"))? {
+        None => Ok(()),
+        Some((seq, code)) => {
+            let what = seq
+                .checked_sub(first + 1)
+                .and_then(|i| batch.labels.get(i as usize))
+                .map(String::as_str)
+                .unwrap_or("the transaction");
+            Err(Error::Transaction { object: what.to_string(), source: io::Error::from_raw_os_error(code) })
+        }
+    }
+}
+
+/// Runs a dump and parses its messages. A message that does not parse is skipped when it
+/// is not about `table` (someone else's, with attributes newer than the crate) and is an
+/// error when it is (CHECK must not pass over what it cannot read).
+fn dump(sock: &mut Socket, request: NfTablesMessage, table: &str, op: &'static str) -> Result<Vec<NfTablesMessage>> {
+    let raw = match sock.dump_raw(render::message(request)) {
+        Ok(r) => r,
+        // No such table (or set): nothing to dump.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(Vec::new()),
+        Err(source) => return Err(Error::Nftables { op, source }),
+    };
+    let mut out = Vec::with_capacity(raw.len());
+    for bytes in &raw {
+        match parse(bytes) {
+            Ok(m) => out.extend(m),
+            Err(e) if names_table(bytes, table) => {
+                return Err(Error::Nftables { op, source: io::Error::new(io::ErrorKind::InvalidData, e.to_string()) })
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// One nftables message, parsed (`None` for other subsystems).
+fn parse(bytes: &[u8]) -> std::result::Result<Option<NfTablesMessage>, netlink_packet_core::DecodeError> {
+    if let Some(m) = read::fast_elements(bytes) {
+        return Ok(Some(m));
+    }
+    Ok(match NetlinkMessage::<NetfilterMessage>::deserialize(bytes)?.payload {
+        NetlinkPayload::InnerMessage(NetfilterMessage { inner: NetfilterMessageInner::NfTables(m), .. }) => Some(m),
+        _ => None,
+    })
+}
+
+/// Whether a raw nftables message's first attribute (the table, for every kind we dump)
+/// is `table`.
+fn names_table(bytes: &[u8], table: &str) -> bool {
+    const HEADERS: usize = 16 + 4;
+    let Some(attrs) = bytes.get(HEADERS..) else { return false };
+    NlasIterator::new(attrs).flatten().any(|a| a.kind() == 1 && a.value().strip_suffix(&[0]) == Some(table.as_bytes()))
+}
 
 /// Makes the current netns hold exactly `table` (creating it, or replacing one already
 /// there), in one transaction.
@@ -37,30 +121,22 @@ pub(crate) fn program(table: &Table) -> Result<()> {
 /// changes nothing, and the table is replaced instead: never two rulesets merged into one.
 /// A table deleted in that window is harmless: the replace creates it first.
 pub(crate) fn program_keeping(table: &Table, counters: &BTreeMap<String, (u64, u64)>) -> Result<()> {
-    let mut sock = NftSocket::open()?;
-    let exists = table_exists(&mut sock, &cname(&table.name)?)?;
+    let mut sock = open()?;
+    let exists = table_flags(&mut sock, &table.name)?.is_some();
     program_on(&mut sock, table, counters, exists)
 }
 
 /// `program_keeping` once the lookup said whether the table `exists` (which may no longer
 /// be true when the transaction commits).
-fn program_on(
-    sock: &mut NftSocket,
-    table: &Table,
-    counters: &BTreeMap<String, (u64, u64)>,
-    exists: bool,
-) -> Result<()> {
+fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64, u64)>, exists: bool) -> Result<()> {
     if exists {
-        let r = render::table_batch_keeping(table, counters, Existing::Replace);
-        return sock.transact(&r.batch, &r.labels);
+        return commit(sock, &render::table_batch_keeping(table, counters, Existing::Replace));
     }
-    let r = render::table_batch_keeping(table, counters, Existing::Refuse);
-    match sock.transact(&r.batch, &r.labels) {
+    match commit(sock, &render::table_batch_keeping(table, counters, Existing::Refuse)) {
         Err(Error::Transaction { object, source })
             if source.raw_os_error() == Some(libc::EEXIST) && object == render::table_label(&table.name) =>
         {
-            let r = render::table_batch_keeping(table, counters, Existing::Replace);
-            sock.transact(&r.batch, &r.labels)
+            commit(sock, &render::table_batch_keeping(table, counters, Existing::Replace))
         }
         other => other,
     }
@@ -68,7 +144,7 @@ fn program_on(
 
 /// The transaction that creates `table` (which must not exist yet), encoded once, so that a
 /// benchmark can time the kernel's own work alone: the floor any ADD of it pays.
-pub struct Encoded(render::Rendered);
+pub struct Encoded(Batch);
 
 pub fn encode(table: &Table) -> Encoded {
     Encoded(render::table_batch(table, Existing::Refuse))
@@ -77,7 +153,7 @@ pub fn encode(table: &Table) -> Encoded {
 impl Encoded {
     /// Sends the transaction in the current netns and waits for the kernel's verdict.
     pub fn send(&self) -> Result<()> {
-        NftSocket::open()?.transact(&self.0.batch, &self.0.labels)
+        commit(&mut open()?, &self.0)
     }
 }
 
@@ -86,56 +162,54 @@ pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<
     if changes.is_empty() {
         return Ok(());
     }
-    let r = render::element_changes(table, changes);
-    NftSocket::open()?.transact(&r.batch, &r.labels)
+    commit(&mut open()?, &render::element_changes(table, changes))
+}
+
+fn obj_request(table: &str) -> NfTablesMessage {
+    NfTablesMessage::GetObject(vec![
+        expr::str_attr(1 /* NFTA_OBJ_TABLE */, table),
+        expr::u32_attr(3 /* NFTA_OBJ_TYPE */, expr::NFT_OBJECT_COUNTER),
+    ])
 }
 
 /// The named counters of `table` in the current netns (empty when there is no such table).
 pub fn counters(table: &str) -> Result<BTreeMap<String, (u64, u64)>> {
-    let mut sock = NftSocket::open()?;
-    let cname = cname(table)?;
-    let objs = match sock.dump(libc::NFT_MSG_GETOBJ, "dump counters", |hdr| unsafe { obj_filter(hdr, &cname) }) {
-        Ok(o) => o,
-        Err(Error::Nftables { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => Vec::new(),
-        Err(e) => return Err(e),
-    };
-    Ok(TableView::from_messages(table, objs.iter().map(Vec::as_slice)).counters)
-}
-
-unsafe fn obj_filter(hdr: *mut libc::nlmsghdr, table: &CString) {
-    unsafe {
-        let o = sys::nftnl_obj_alloc();
-        sys::nftnl_obj_set_str(o, sys::NFTNL_OBJ_TABLE as u16, table.as_ptr());
-        sys::nftnl_obj_set_u32(o, sys::NFTNL_OBJ_TYPE as u16, 1);
-        sys::nftnl_obj_nlmsg_build_payload(hdr, o);
-        sys::nftnl_obj_free(o);
-    }
+    let objs = dump(&mut open()?, obj_request(table), table, "dump counters")?;
+    Ok(TableView::from_messages(table, &objs).counters)
 }
 
 /// The raw elements of one set of `table`: (key, interval end). Dumps that set's elements
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
 pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
-    let mut sock = NftSocket::open()?;
-    let (cname, set_name) = (cname(table)?, cname(set)?);
-    let messages = match sock.dump(libc::NFT_MSG_GETSETELEM, "dump set elements", |hdr| unsafe {
-        let s = sys::nftnl_set_alloc();
-        sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, cname.as_ptr());
-        sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, set_name.as_ptr());
-        sys::nftnl_set_elems_nlmsg_build_payload(hdr, s);
-        sys::nftnl_set_free(s);
-    }) {
-        Ok(m) => m,
-        Err(Error::Nftables { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    Ok(read::set_elements(table, set, messages.iter().map(Vec::as_slice)))
+    let messages = dump(&mut open()?, elements_request(table, set), table, "dump set elements")?;
+    let mut out = Vec::new();
+    for m in &messages {
+        if let NfTablesMessage::NewSetElement(e) = m {
+            if let Some((name, elems)) = read::parse_elements(&e.attributes, table) {
+                if name == set {
+                    out.extend(elems);
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The raw keys (key, interval end) `elements` of the model set `set` are sent as: what
 /// `ElementChange` carries.
 pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> Vec<(Vec<u8>, bool)> {
-    render::element_keys(set, elements)
+    key::element_keys(set, elements)
+}
+
+fn set_request(table: &str) -> NfTablesMessage {
+    NfTablesMessage::GetSet(SetMessage { attributes: vec![SetAttribute::Table(table.to_string())] })
+}
+
+fn elements_request(table: &str, set: &str) -> NfTablesMessage {
+    NfTablesMessage::GetSetElement(SetElementMessage {
+        attributes: vec![SetElementList::Table(table.to_string()), SetElementList::Set(set.to_string())],
+    })
 }
 
 /// Deletes the table; `Ok(false)` when it was not there.
@@ -146,12 +220,11 @@ pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> 
 /// too (~8 ms, measured on 6.18); that one is the kernel's: `NFT_MSG_DESTROYTABLE` (which
 /// would also spare the lookup) measured the same, and is not in kernels before 6.3.
 pub(crate) fn remove(name: &str) -> Result<bool> {
-    let mut sock = NftSocket::open()?;
-    if !table_exists(&mut sock, &cname(name)?)? {
+    let mut sock = open()?;
+    if table_flags(&mut sock, name)?.is_none() {
         return Ok(false);
     }
-    let r = render::delete_table(name);
-    match sock.transact(&r.batch, &r.labels) {
+    match commit(&mut sock, &render::delete_table(name)) {
         Ok(()) => Ok(true),
         // Deleted by someone else since the lookup.
         Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => Ok(false),
@@ -159,75 +232,57 @@ pub(crate) fn remove(name: &str) -> Result<bool> {
     }
 }
 
-/// What the kernel will hold after `program(table)`, parsed from the very messages sent.
+/// What the kernel will hold after `program(table)`, read from the very messages ADD sends.
 pub fn expected_view(table: &Table) -> TableView {
-    let r = render::table_batch(table, Existing::Refuse);
-    TableView::from_messages(&table.name, r.batch.iter())
-}
-
-fn cname(name: &str) -> Result<CString> {
-    CString::new(name).map_err(|_| Error::InvalidConfig(format!("table name {name:?}")))
-}
-
-/// Whether the current netns has table ip `name`.
-fn table_exists(sock: &mut NftSocket, name: &CString) -> Result<bool> {
-    Ok(table_flags(sock, name)?.is_some())
+    let b = render::table_batch(table, Existing::Refuse);
+    TableView::from_messages(&table.name, b.messages.iter().map(|(m, _)| m))
 }
 
 /// The flags of table `name` (e.g. dormant), or `None` when there is no such table.
-fn table_flags(sock: &mut NftSocket, name: &CString) -> Result<Option<u32>> {
-    let tables = sock.dump(libc::NFT_MSG_GETTABLE, "dump tables", |_| {})?;
-    Ok(tables.iter().find_map(|m| unsafe {
-        let t = sys::nftnl_table_alloc();
-        let found = sys::nftnl_table_nlmsg_parse(m.as_ptr().cast(), t) >= 0
-            && std::ffi::CStr::from_ptr(sys::nftnl_table_get_str(t, sys::NFTNL_TABLE_NAME as u16)) == name.as_c_str();
-        let flags = found.then(|| {
-            if sys::nftnl_table_is_set(t, sys::NFTNL_TABLE_FLAGS as u16) {
-                sys::nftnl_table_get_u32(t, sys::NFTNL_TABLE_FLAGS as u16)
-            } else {
-                0
-            }
-        });
-        sys::nftnl_table_free(t);
-        flags
+fn table_flags(sock: &mut Socket, name: &str) -> Result<Option<u32>> {
+    let tables = dump(sock, NfTablesMessage::GetTable(TableMessage { attributes: vec![] }), name, "dump tables")?;
+    Ok(tables.iter().find_map(|m| match m {
+        NfTablesMessage::NewTable(t) if t.attributes.iter().any(|a| matches!(a, TableAttribute::Name(n) if n == name)) => {
+            Some(
+                t.attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        TableAttribute::Flags(f) => Some(f.bits()),
+                        _ => None,
+                    })
+                    .unwrap_or(0),
+            )
+        }
+        _ => None,
     }))
 }
 
 /// What the kernel holds of table `name` in the current netns, or `None` if it has no such
 /// table.
 pub fn kernel_view(name: &str) -> Result<Option<TableView>> {
-    let mut sock = NftSocket::open()?;
-    let cname = cname(name)?;
-    let Some(flags) = table_flags(&mut sock, &cname)? else {
+    let mut sock = open()?;
+    let Some(flags) = table_flags(&mut sock, name)? else {
         return Ok(None);
     };
-    let sets = sock.dump(libc::NFT_MSG_GETSET, "dump sets", |hdr| unsafe {
-        let s = sys::nftnl_set_alloc();
-        sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, cname.as_ptr());
-        sys::nftnl_set_nlmsg_build_payload(hdr, s);
-        sys::nftnl_set_free(s);
-    })?;
-    let mut messages = sets.clone();
-    let set_view = TableView::from_messages(name, sets.iter().map(Vec::as_slice));
-    for set in &set_view.sets {
-        let set_name = CString::new(set.name.as_str()).expect("kernel names have no NUL");
-        messages.extend(sock.dump(libc::NFT_MSG_GETSETELEM, "dump set elements", |hdr| unsafe {
-            let s = sys::nftnl_set_alloc();
-            sys::nftnl_set_set_str(s, sys::NFTNL_SET_TABLE as u16, cname.as_ptr());
-            sys::nftnl_set_set_str(s, sys::NFTNL_SET_NAME as u16, set_name.as_ptr());
-            sys::nftnl_set_elems_nlmsg_build_payload(hdr, s);
-            sys::nftnl_set_free(s);
-        })?);
+    let mut messages = dump(&mut sock, set_request(name), name, "dump sets")?;
+    let set_names: Vec<String> = TableView::from_messages(name, &messages).sets.into_iter().map(|s| s.name).collect();
+    for set in &set_names {
+        messages.extend(dump(&mut sock, elements_request(name, set), name, "dump set elements")?);
     }
-    messages.extend(sock.dump(libc::NFT_MSG_GETOBJ, "dump counters", |hdr| unsafe { obj_filter(hdr, &cname) })?);
-    messages.extend(sock.dump(libc::NFT_MSG_GETCHAIN, "dump chains", |_| {})?);
-    messages.extend(sock.dump(libc::NFT_MSG_GETRULE, "dump rules", |hdr| unsafe {
-        let r = sys::nftnl_rule_alloc();
-        sys::nftnl_rule_set_str(r, sys::NFTNL_RULE_TABLE as u16, cname.as_ptr());
-        sys::nftnl_rule_nlmsg_build_payload(hdr, r);
-        sys::nftnl_rule_free(r);
-    })?);
-    let mut view = TableView::from_messages(name, messages.iter().map(Vec::as_slice));
+    messages.extend(dump(&mut sock, obj_request(name), name, "dump counters")?);
+    messages.extend(dump(
+        &mut sock,
+        NfTablesMessage::GetChain(netlink_packet_netfilter::nftables::ChainMessage { attributes: vec![] }),
+        name,
+        "dump chains",
+    )?);
+    messages.extend(dump(
+        &mut sock,
+        NfTablesMessage::GetRule(RuleMessage { attributes: vec![RuleAttribute::Table(name.to_string())] }),
+        name,
+        "dump rules",
+    )?);
+    let mut view = TableView::from_messages(name, &messages);
     view.flags = flags;
     Ok(Some(view))
 }
@@ -249,6 +304,63 @@ mod tests {
         assert_eq!(rules(&actual), t.chains.iter().map(|c| c.rules.len()).sum::<usize>());
     }
 
+    /// The tables of every capture mode and exclusion mix, and the Service layer in count
+    /// and refuse mode.
+    fn all_tables() -> Vec<Table> {
+        use crate::services::{services_table, LayerMode, ServiceLayer, ServicePort};
+        let mut out = Vec::new();
+        for mode in [crate::CaptureMode::RedirectAll, crate::CaptureMode::Scoped] {
+            for (dns, exclusions) in [(false, false), (true, false), (true, true)] {
+                let mut cfg = crate::CaptureConfig::new(mode);
+                if dns {
+                    cfg.dns = Some(crate::DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+                }
+                if exclusions {
+                    cfg.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "240.0.0.0/4".parse().unwrap()];
+                    cfg.excluded_ports = vec!["8080".parse().unwrap(), "65000-65535".parse().unwrap()];
+                }
+                out.push(crate::capture_ruleset(&cfg).unwrap().table);
+            }
+        }
+        for mode in [LayerMode::Count, LayerMode::Refuse] {
+            let mut l = ServiceLayer::new(mode);
+            l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
+            l.mesh_vips = vec!["10.96.5.5".parse().unwrap()];
+            // More ports than one element message holds: the elements go in chunks.
+            l.ports = (0..600u32)
+                .map(|i| ServicePort {
+                    vip: std::net::Ipv4Addr::from(0x0a60_0100 + i),
+                    proto: crate::model::Proto::Tcp,
+                    port: 80,
+                    has_endpoints: i % 3 != 0,
+                })
+                .collect();
+            out.push(services_table(&l).unwrap().unwrap());
+        }
+        out
+    }
+
+    /// What we send survives the wire: each batch, serialized and parsed back as bytes (as
+    /// the kernel's dumps are), reads as the same view, expression for expression.
+    #[test]
+    fn every_batch_parses_back_from_its_bytes_to_the_same_view() {
+        for t in all_tables() {
+            let batch = render::table_batch(&t, Existing::Refuse);
+            let bytes = batch.encode(1);
+            let mut parsed = Vec::new();
+            let mut rest = &bytes[..];
+            while !rest.is_empty() {
+                let len = u32::from_ne_bytes(rest[..4].try_into().unwrap()) as usize;
+                parsed.extend(parse(&rest[..len]).unwrap());
+                rest = &rest[len.div_ceil(4) * 4..];
+            }
+            assert_eq!(parsed.len(), batch.messages.len(), "{}: begin and end delimit the messages", t.name);
+            let back = TableView::from_messages(&t.name, &parsed);
+            assert_eq!(back, expected_view(&t), "{}", t.name);
+            assert!(back.chains.iter().flat_map(|c| &c.rules).all(|r| !r.exprs.0.iter().any(|e| matches!(e, Expr::Other { .. }))));
+        }
+    }
+
     /// The lookup before the transaction is a window: whatever happens to the table in it,
     /// the netns ends with exactly one intact table.
     #[test]
@@ -258,7 +370,7 @@ mod tests {
         }
         let t = table();
         aether_netns::run_in_private(|| {
-            let mut sock = NftSocket::open().unwrap();
+            let mut sock = open().unwrap();
             // Created after a lookup that found none: the exclusive create is refused and
             // the table replaced, not merged into (which would double every rule).
             program(&t).unwrap();

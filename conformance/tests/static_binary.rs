@@ -1,0 +1,163 @@
+//! The release binary (`make build`) is a static PIE that runs on any node: no program
+//! interpreter, no shared library, read from its ELF headers; and it programs a fresh pod
+//! netns (ADD, CHECK, DEL) with nothing but the kernel.
+
+mod common;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use aether_testkit::{root_or_skip, TestNetns};
+use serde_json::json;
+
+const PT_DYNAMIC: u32 = 2;
+const PT_INTERP: u32 = 3;
+const ET_DYN: u16 = 3;
+const DT_NULL: u64 = 0;
+const DT_NEEDED: u64 = 1;
+const DT_FLAGS_1: u64 = 0x6fff_fffb;
+const DF_1_PIE: u64 = 0x0800_0000;
+
+/// What the ELF headers of an x86-64 executable say about how it is loaded.
+#[derive(Debug, PartialEq, Eq)]
+struct Linkage {
+    /// `ET_DYN`: position-independent.
+    position_independent: bool,
+    /// A `PT_INTERP`: the kernel starts a dynamic loader first.
+    interpreter: Option<String>,
+    /// `DT_NEEDED` entries: shared libraries the loader must find (offsets into .dynstr).
+    needed: usize,
+    /// `DF_1_PIE` in `DT_FLAGS_1`.
+    pie_flag: bool,
+}
+
+fn u16_at(b: &[u8], o: usize) -> u16 {
+    u16::from_le_bytes(b[o..o + 2].try_into().unwrap())
+}
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().unwrap())
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().unwrap())
+}
+
+/// Reads the program headers and the dynamic section of a little-endian ELF64 file.
+fn linkage(elf: &[u8]) -> Linkage {
+    assert_eq!(&elf[..4], b"\x7fELF", "not an ELF file");
+    assert_eq!((elf[4], elf[5]), (2, 1), "not ELF64 little-endian");
+    let (phoff, phentsize, phnum) = (u64_at(elf, 0x20) as usize, u16_at(elf, 0x36) as usize, u16_at(elf, 0x38));
+    let mut out = Linkage {
+        position_independent: u16_at(elf, 0x10) == ET_DYN,
+        interpreter: None,
+        needed: 0,
+        pie_flag: false,
+    };
+    for i in 0..phnum as usize {
+        let ph = phoff + i * phentsize;
+        let (kind, offset, size) = (u32_at(elf, ph), u64_at(elf, ph + 8) as usize, u64_at(elf, ph + 32) as usize);
+        match kind {
+            PT_INTERP => {
+                out.interpreter = Some(String::from_utf8_lossy(&elf[offset..offset + size]).trim_end_matches('\0').into())
+            }
+            PT_DYNAMIC => {
+                for entry in elf[offset..offset + size].chunks_exact(16) {
+                    let (tag, val) = (u64_at(entry, 0), u64_at(entry, 8));
+                    match tag {
+                        DT_NULL => break,
+                        DT_NEEDED => out.needed += 1,
+                        DT_FLAGS_1 => out.pie_flag = val & DF_1_PIE != 0,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `$AETHER_CNI_STATIC_BIN` (`make test` sets it to what `make build` made), else
+/// `target/release/aether-cni` if present.
+fn release_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("AETHER_CNI_STATIC_BIN") {
+        let p = PathBuf::from(p);
+        assert!(p.is_file(), "AETHER_CNI_STATIC_BIN={} is not a file: run `make build`", p.display());
+        return Some(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/aether-cni");
+    p.is_file().then_some(p)
+}
+
+fn release_bin_or_skip(test: &str) -> Option<PathBuf> {
+    let bin = release_bin();
+    if bin.is_none() {
+        assert!(
+            std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() != Ok("1"),
+            "{test}: no release binary: run `make build` (or set AETHER_CNI_STATIC_BIN)"
+        );
+        let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no target/release/aether-cni (run `make build`)");
+    }
+    bin
+}
+
+#[test]
+fn the_release_binary_is_a_static_pie() {
+    // The control: a dynamically linked program reads as one.
+    let ls = linkage(&std::fs::read("/bin/ls").unwrap());
+    assert!(ls.interpreter.is_some() && ls.needed > 0, "the ELF reader misses a dynamic binary: {ls:?}");
+
+    let Some(bin) = release_bin_or_skip("the_release_binary_is_a_static_pie") else { return };
+    let l = linkage(&std::fs::read(&bin).unwrap());
+    assert_eq!(
+        l,
+        Linkage { position_independent: true, interpreter: None, needed: 0, pie_flag: true },
+        "{} is not a static PIE",
+        bin.display()
+    );
+    let size = std::fs::metadata(&bin).unwrap().len();
+    println!("{}: static-pie, {size} bytes ({:.1} MiB)", bin.display(), size as f64 / (1 << 20) as f64);
+}
+
+#[test]
+fn the_release_binary_programs_a_fresh_pod_netns() {
+    if !root_or_skip("the_release_binary_programs_a_fresh_pod_netns") {
+        return;
+    }
+    let Some(bin) = release_bin_or_skip("the_release_binary_programs_a_fresh_pod_netns") else { return };
+    let ns = TestNetns::new("static");
+    let conf = common::conf("1.0.0", json!({}));
+    let run = |command: &str| {
+        let mut child = Command::new(&bin)
+            .env_clear()
+            .envs([
+                ("CNI_COMMAND", command),
+                ("CNI_CONTAINERID", "ctr-static"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_PATH", "/opt/cni/bin"),
+                ("CNI_NETNS", &ns.path()),
+                ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0"),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(conf.to_string().as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{command} by {}: {}{}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run("ADD");
+    let listing = ns.exec("nft", &["list", "table", "ip", "aether_capture"]);
+    assert!(listing.contains("tproxy to :18001"), "{listing}");
+    run("CHECK");
+    run("DEL");
+    let (present, _, _) = ns.try_exec("nft", &["list", "table", "ip", "aether_capture"]);
+    assert!(!present, "DEL left the table");
+}
