@@ -19,6 +19,7 @@ use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 
+use crate::family::Family;
 use crate::error::{Error, Result};
 use crate::model::*;
 use crate::nft;
@@ -265,7 +266,7 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
             rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
         ],
     });
-    Ok(Some(Table { name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
+    Ok(Some(Table { family: Family::Ipv4, name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
 }
 
 /// What `apply` did in the current netns.
@@ -288,9 +289,9 @@ pub enum Applied {
 /// counted between that read and the replace is lost; structure changes are mode changes).
 pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
     let Some(table) = services_table(layer)? else {
-        return nft::remove(TABLE).map(Applied::Removed);
+        return nft::remove(Family::Ipv4, TABLE).map(Applied::Removed);
     };
-    let Some(actual) = nft::kernel_view(TABLE)? else {
+    let Some(actual) = nft::kernel_view(Family::Ipv4, TABLE)? else {
         nft::program(&table)?;
         return Ok(Applied::Rebuilt);
     };
@@ -316,7 +317,7 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
 /// vouch for.
 pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
     let Some(table) = services_table(layer)? else {
-        return nft::remove(TABLE).map(Applied::Removed);
+        return nft::remove(Family::Ipv4, TABLE).map(Applied::Removed);
     };
     let counters = nft::counters(TABLE)?;
     nft::program_keeping(&table, &counters)?;
@@ -459,13 +460,13 @@ fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) 
 
 /// Removes the layer from the current netns; `Ok(false)` when it was absent.
 pub fn remove() -> Result<bool> {
-    nft::remove(TABLE)
+    nft::remove(Family::Ipv4, TABLE)
 }
 
 /// Compares the kernel's layer with `layer`; an empty list means intact.
 pub fn verify(layer: &ServiceLayer) -> Result<Vec<String>> {
     let table = services_table(layer)?;
-    Ok(match (table, nft::kernel_view(TABLE)?) {
+    Ok(match (table, nft::kernel_view(Family::Ipv4, TABLE)?) {
         (None, None) => Vec::new(),
         (None, Some(_)) => vec![format!("table ip {TABLE} is present, but the mode is off")],
         (Some(_), None) => vec![format!("table ip {TABLE} is missing")],
