@@ -676,6 +676,25 @@ pub fn apply_current_snapshot_in_netns(
     Ok(Some(stored.generation))
 }
 
+/// For ADD, before `apply_current_snapshot_in_netns`: ends the folding mark of attachment
+/// `key` if a DEL killed after removing its layer left one and no layer is there now. The
+/// layer ADD makes counts from zero; with the old mark still there, readers would subtract
+/// the old pod's folded counts from the new one's (a runtime re-ADDs the same container, e.g.
+/// podman's network reload: DEL then ADD). Costs one small read when there is no mark.
+pub fn end_stale_fold(state_dir: &Path, netns: &Netns, key: &str) -> Result<(), CniError> {
+    let dir = ServicesDir::new(state_dir);
+    let marked = |dir: &ServicesDir| dir.accumulator().is_ok_and(|a| a.folding.contains_key(key));
+    if !marked(&dir) {
+        return Ok(());
+    }
+    let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot apply the Service layer").with_details(what);
+    let _lock = dir.lock(true).map_err(fail)?;
+    if marked(&dir) && matches!(netns.run(layer::counters), Ok(Ok(None))) {
+        dir.end_folding(&[key.to_string()]).map_err(fail)?;
+    }
+    Ok(())
+}
+
 /// The outcome of work done inside a netns, as one message.
 fn flat<T>(r: Result<aether_rules::Result<T>, aether_netns::Error>) -> Result<T, String> {
     r.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()))
