@@ -96,7 +96,7 @@ fn install_remove(netns: &Netns, rs: &Ruleset, reinstall: bool) -> (Vec<Duration
                 aether_rules::install(rs, None).unwrap();
                 let add = t.elapsed();
                 let t = Instant::now();
-                let removed = aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap();
+                let removed = aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap();
                 let del = t.elapsed();
                 assert!(removed.table && removed.rule && removed.route, "{removed:?}");
                 if i >= WARM_UP {
@@ -123,7 +123,7 @@ fn run(ns: &TestNetns) {
     let (readds, _) = install_remove(&netns, &rs, true);
     let readd = stat("install over an intact install (re-ADD)", readds);
     let absent = measure("remove, nothing there (repeated DEL)", || {
-        netns.run(|| aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap()).unwrap();
+        netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
     });
 
     println!("\none pod's life in-process (fresh install + remove):");
@@ -131,7 +131,7 @@ fn run(ns: &TestNetns) {
         netns
             .run(|| {
                 aether_rules::install(&rs, None).unwrap();
-                aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap();
+                aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap();
             })
             .unwrap()
     });
@@ -145,7 +145,7 @@ fn run(ns: &TestNetns) {
     let list = measure("exec: nft list table (no comparison)", || {
         sh(&["ip", "netns", "exec", ns_name, "nft", "list", "table", "ip", "aether_capture"]);
     });
-    netns.run(|| aether_rules::remove(&rs.table.name, &rs.policy_route).unwrap()).unwrap();
+    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
 
     println!("\nfresh processes, as a runtime runs a plugin (ADD, CHECK, DEL of one pod, each round):");
     let new_bin = std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string());

@@ -251,16 +251,17 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         if fail.as_deref() == Some("services") {
             return Err(CniError::new(code::IO_FAILURE, "injected failure at step services"));
         }
+        services::end_stale_fold(&conf.state_dir, &netns, &format!("{}/{id}/{ifname}", conf.name))?;
         services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
     });
     let generation = match layered {
         Ok(generation) => generation,
         Err(e) => {
             // All or nothing: a pod with rules but no record would escape GC and CHECK.
-            let pr = ruleset.policy_route;
+            let prs = ruleset.policy_routes();
             let undo = netns.run(|| {
                 aether_rules::services::remove()?;
-                aether_rules::remove(capture::TABLE, &pr)
+                aether_rules::remove(capture::TABLE, &prs)
             });
             if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
                 warn!("undoing after a failure also failed: {undo}");
@@ -272,7 +273,9 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         }
     };
     info!(mode = %cfg.mode, services_generation = %generation.map_or("none".to_string(), |g| g.to_string()), "capture programmed");
-    debug!("ruleset: {}", ruleset.table);
+    for table in ruleset.tables() {
+        debug!("ruleset: {table}");
+    }
     Ok(Some(result))
 }
 
@@ -350,11 +353,14 @@ fn detach(
 ) -> Result<(), CniError> {
     let removed = match &netns {
         Some(netns) => {
-            // The policy route ADD installed is in the record; without one (a record lost, or an
-            // ADD that failed before writing it) the node's settings name it.
-            let policy_route =
-                record.and_then(|r| r.capture.as_ref()).map_or_else(|| conf.base.policy_route(), |c| c.policy_route());
-            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_route))??)
+            // The policy routes ADD installed are in the record (one per family); without one
+            // (a record lost, or an ADD that failed before writing it) the node's settings
+            // name them, in both families.
+            let policy_routes = record.and_then(|r| r.capture.as_ref()).map_or_else(
+                || aether_rules::Family::ALL.map(|f| conf.base.policy_route(f)).to_vec(),
+                |c| c.policy_routes(),
+            );
+            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_routes))??)
         }
         None => None,
     };
@@ -417,10 +423,15 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
             }
             diffs
         }
-        None => match netns.run(|| aether_rules::nft::kernel_view(capture::TABLE))?? {
-            Some(_) => vec![format!("pod is not managed but table ip {} exists", capture::TABLE)],
-            None => vec![],
-        },
+        None => {
+            let mut found = Vec::new();
+            for family in aether_rules::Family::ALL {
+                if netns.run(|| aether_rules::nft::kernel_view(family, capture::TABLE))??.is_some() {
+                    found.push(format!("pod is not managed but table {} {} exists", family.nft_name(), capture::TABLE));
+                }
+            }
+            found
+        }
     };
     if diffs.is_empty() {
         info!("capture intact");
@@ -451,7 +462,7 @@ fn status(conf: &NetConf) -> Result<Output, CniError> {
 pub fn kernel_probe() -> Result<(), String> {
     let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
     cfg.dns =
-        Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1), port: capture::DNS_PROXY_PORT });
+        Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(), port: capture::DNS_PROXY_PORT });
     crate::doctor::probe(&cfg)
 }
 

@@ -4,12 +4,13 @@
 //! Fields are read one by one so every error names the field and the value it found.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 
 use aether_rules::capture::{self, CaptureConfig, CaptureMode, DnsDivert};
 use aether_rules::model::PortRange;
-use ipnet::Ipv4Net;
+use aether_rules::Family;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde_json::{Map, Value};
 
 use crate::error::{code, CniError};
@@ -58,9 +59,10 @@ const SPEC_FIELDS: [&str; 13] = [
     "disableGC",
 ];
 /// This plugin's own keys.
-const OWN_FIELDS: [&str; 18] = [
+const OWN_FIELDS: [&str; 19] = [
     "captureMode",
     "hostIP",
+    "hostIPv6",
     "captureDNS",
     "capturePort",
     "meshL4Port",
@@ -105,6 +107,8 @@ pub struct NetConf {
     pub prev_result: Option<Value>,
     pub capture: Capture,
     pub host_ip: Option<Ipv4Addr>,
+    /// The node's IPv6 address for the DNS proxy, for pods with IPv6 addresses.
+    pub host_ipv6: Option<Ipv6Addr>,
     pub capture_dns: bool,
     pub dns_proxy_port: u16,
     /// Everything but mode, DNS and exclusions, which the pod may refine.
@@ -243,10 +247,17 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
                 .map_err(|_| invalid("hostIP", &Value::String(s.clone()), "expected an IPv4 address"))?,
         ),
     };
+    let host_ipv6 = match f.str("hostIPv6")? {
+        None => None,
+        Some(s) => Some(
+            s.parse::<Ipv6Addr>()
+                .map_err(|_| invalid("hostIPv6", &Value::String(s.clone()), "expected an IPv6 address"))?,
+        ),
+    };
     let capture_dns = f.bool("captureDNS")?.unwrap_or(true);
-    if capture_dns && host_ip.is_none() {
+    if capture_dns && host_ip.is_none() && host_ipv6.is_none() {
         return Err(CniError::invalid_config(
-            "network configuration field \"hostIP\" is missing: DNS capture (captureDNS, on by default) needs the node's address",
+            "network configuration field \"hostIP\" is missing: DNS capture (captureDNS, on by default) needs the node's address (hostIP, and hostIPv6 for IPv6 pods)",
         ));
     }
 
@@ -326,6 +337,7 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         prev_result: map.get("prevResult").filter(|v| !v.is_null()).cloned(),
         capture,
         host_ip,
+        host_ipv6,
         capture_dns,
         dns_proxy_port,
         base,
@@ -348,7 +360,10 @@ pub fn parse(stdin: &[u8]) -> Result<NetConf, CniError> {
         probe.mode = mode;
     }
     if conf.capture_dns {
-        probe.dns = conf.host_ip.map(|host_ip| DnsDivert { host_ip, port: conf.dns_proxy_port });
+        // The families the node has a DNS address for: each is checked as a pod's would be.
+        probe.dns = conf.dns_divert(Family::Ipv4);
+        probe.dns_ipv6 = conf.dns_divert(Family::Ipv6);
+        probe.families = Family::ALL.into_iter().filter(|f| conf.dns_divert(*f).is_some()).collect();
     }
     probe.validate().map_err(|e| CniError::invalid_config(format!("network configuration: {e}")))?;
     Ok(conf)
@@ -371,10 +386,13 @@ fn valid_attachments(map: &Map<String, Value>) -> Result<Option<Vec<(String, Str
         .map(Some)
 }
 
-fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
-    let s = v.as_str().ok_or("expected an IPv4 CIDR string such as 10.0.0.0/8")?;
-    parse_ipv4_net(s.trim(), true).ok_or_else(|| {
-        format!("{} is not an IPv4 CIDR (such as 10.0.0.0/8) or address", shown(&format!("{:?}", s.trim())))
+fn parse_cidr(v: &Value) -> Result<IpNet, String> {
+    let s = v.as_str().ok_or("expected a CIDR string such as 10.0.0.0/8 or fd00::/8")?;
+    parse_ip_net(s.trim(), true).ok_or_else(|| {
+        format!(
+            "{} is not an IPv4 or IPv6 CIDR (such as 10.0.0.0/8 or fd00::/8) or address",
+            shown(&format!("{:?}", s.trim()))
+        )
     })
 }
 
@@ -384,14 +402,32 @@ fn parse_cidr(v: &Value) -> Result<Ipv4Net, String> {
 /// digits without a leading zero.
 pub fn parse_ipv4_net(s: &str, bare_address_ok: bool) -> Option<Ipv4Net> {
     let (addr, prefix) = match s.split_once('/') {
-        Some((a, p)) if p.bytes().all(|b| b.is_ascii_digit()) && (p == "0" || !p.starts_with('0')) => {
-            (a, p.parse::<u8>().ok()?)
-        }
-        Some(_) => return None,
+        Some((a, p)) => (a, plain_prefix(p)?),
         None if bare_address_ok => (s, 32),
         None => return None,
     };
     Ipv4Net::new(addr.parse::<Ipv4Addr>().ok()?, prefix).ok()
+}
+
+/// An IPv4 or IPv6 CIDR (or, with `bare_address_ok`, an address as a /32 or /128), by
+/// the same rules as [`parse_ipv4_net`]; an IPv6 address is anything with a colon.
+pub fn parse_ip_net(s: &str, bare_address_ok: bool) -> Option<IpNet> {
+    if !s.contains(':') {
+        return parse_ipv4_net(s, bare_address_ok).map(IpNet::V4);
+    }
+    let (addr, prefix) = match s.split_once('/') {
+        Some((a, p)) => (a, plain_prefix(p)?),
+        None if bare_address_ok => (s, 128),
+        None => return None,
+    };
+    Ipv6Net::new(addr.parse::<Ipv6Addr>().ok()?, prefix).ok().map(IpNet::V6)
+}
+
+/// A prefix length as plain digits, without a sign or a leading zero.
+fn plain_prefix(p: &str) -> Option<u8> {
+    (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && (p == "0" || !p.starts_with('0')))
+        .then(|| p.parse().ok())
+        .flatten()
 }
 
 /// The pod's annotations, inserted by the runtime because the configuration declares the
@@ -477,14 +513,60 @@ pub fn effective(conf: &NetConf, pod_namespace: Option<&str>) -> Result<Option<C
     }
     let Capture::Mode(mode) = capture else { return Ok(None) };
     cfg.mode = mode;
+    cfg.families = pod_families(conf.prev_result.as_ref())?;
     if dns {
-        let host_ip = conf.host_ip.ok_or_else(|| {
-            bad_annotation(ANNOTATION_CAPTURE_DNS, "true", "the network configuration has no hostIP for the DNS proxy")
-        })?;
-        cfg.dns = Some(DnsDivert { host_ip, port: conf.dns_proxy_port });
+        for &family in &cfg.families {
+            let divert = conf.dns_divert(family).ok_or_else(|| {
+                let (field, what) = match family {
+                    Family::Ipv4 => ("hostIP", "an IPv4 address"),
+                    Family::Ipv6 => ("hostIPv6", "an IPv6 address"),
+                };
+                let why = format!("the network configuration has no {field} for the DNS proxy, and the pod has {what}");
+                match a.get(ANNOTATION_CAPTURE_DNS) {
+                    Some(v) => bad_annotation(ANNOTATION_CAPTURE_DNS, v, why),
+                    None => CniError::invalid_config(format!(
+                        "network configuration field {field:?} is missing: DNS capture (captureDNS, on by default) of a pod with {what} needs it"
+                    )),
+                }
+            })?;
+            match family {
+                Family::Ipv4 => cfg.dns = Some(divert),
+                Family::Ipv6 => cfg.dns_ipv6 = Some(divert),
+            }
+        }
     }
     cfg.validate().map_err(|e| CniError::invalid_config(e.to_string()))?;
     Ok(Some(cfg))
+}
+
+impl NetConf {
+    /// The node's DNS proxy for `family`'s table, if the configuration has its address.
+    pub fn dns_divert(&self, family: Family) -> Option<DnsDivert> {
+        let host_ip = match family {
+            Family::Ipv4 => self.host_ip.map(IpAddr::from),
+            Family::Ipv6 => self.host_ipv6.map(IpAddr::from),
+        }?;
+        Some(DnsDivert { host_ip, port: self.dns_proxy_port })
+    }
+}
+
+/// The address families of the pod: those of `prevResult`'s `ips` (IPv4 first). A
+/// result without addresses keeps the IPv4-only capture of earlier versions.
+pub fn pod_families(prev_result: Option<&Value>) -> Result<Vec<Family>, CniError> {
+    let ips = prev_result.and_then(|p| p.get("ips")).and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
+    let mut found = Vec::new();
+    for (i, ip) in ips.iter().enumerate() {
+        let field = format!("prevResult.ips[{i}].address");
+        let v = ip.get("address").unwrap_or(&Value::Null);
+        let addr = v
+            .as_str()
+            .and_then(|s| s.split_once('/').map_or(Some(s), |(a, _)| Some(a)))
+            .and_then(|a| a.parse::<IpAddr>().ok())
+            .ok_or_else(|| invalid(&field, v, "expected an address with its prefix, such as 10.1.0.5/16"))?;
+        found.push(Family::of(addr));
+    }
+    let families: Vec<Family> = Family::ALL.into_iter().filter(|f| found.contains(f)).collect();
+    Ok(if families.is_empty() { vec![Family::Ipv4] } else { families })
 }
 
 #[cfg(test)]
@@ -519,7 +601,8 @@ mod tests {
             "captureMode": "scoped", "captureDNS": false, "capturePort": 15001, "meshL4Port": 15082,
             "scopedPorts": [15081, 15082], "dnsProxyPort": 15054, "divertMark": "0x1e71",
             "passthroughMark": 7806, "routeTable": 100, "rulePriority": 1000,
-            "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7"], "excludeOutboundPorts": [22, "9000-9100"],
+            "excludeOutboundCIDRs": ["10.9.0.0/16", "192.0.2.7", "fd00:9::/48", "2001:db8::7"],
+            "excludeOutboundPorts": [22, "9000-9100"], "hostIPv6": "fd00::1",
             "excludeNamespaces": ["infra"], "logFile": "/tmp/a.log", "logLevel": "debug", "logFormat": "json", "stateDir": "/tmp/st",
             "capabilities": {"io.kubernetes.cri.pod-annotations": true}, "args": {"x": 1}, "ipMasq": false
         }))
@@ -530,7 +613,10 @@ mod tests {
         assert_eq!(c.base.scoped_ports, [15081, 15082]);
         assert_eq!((c.base.divert_mark, c.base.passthrough_mark), (0x1e71, 7806));
         assert_eq!((c.base.route_table, c.base.rule_priority), (100, 1000));
-        assert_eq!(c.base.excluded_cidrs, ["10.9.0.0/16".parse::<Ipv4Net>().unwrap(), "192.0.2.7/32".parse().unwrap()]);
+        let cidrs: Vec<IpNet> =
+            ["10.9.0.0/16", "192.0.2.7/32", "fd00:9::/48", "2001:db8::7/128"].map(|n| n.parse().unwrap()).to_vec();
+        assert_eq!(c.base.excluded_cidrs, cidrs);
+        assert_eq!(c.host_ipv6, Some("fd00::1".parse().unwrap()));
         assert_eq!(c.base.excluded_ports, [PortRange::single(22), PortRange { first: 9000, last: 9100 }]);
         assert_eq!(c.exclude_namespaces, ["infra"]);
         assert_eq!(c.log_file, Some(PathBuf::from("/tmp/a.log")));
@@ -559,7 +645,14 @@ mod tests {
             (json!({"routeTable": 255}), 7, "route table", "255"),
             (json!({"rulePriority": 40000}), 7, "rule priority", "40000"),
             (json!({"excludeOutboundCIDRs": ["10.0.0.0/33"]}), 7, "excludeOutboundCIDRs", "10.0.0.0/33"),
-            (json!({"excludeOutboundCIDRs": ["fd00::/8"]}), 7, "excludeOutboundCIDRs", "fd00::/8"),
+            (json!({"excludeOutboundCIDRs": ["fd00::/129"]}), 7, "excludeOutboundCIDRs", "fd00::/129"),
+            (json!({"excludeOutboundCIDRs": ["fd00::g/64"]}), 7, "excludeOutboundCIDRs", "fd00::g/64"),
+            (json!({"excludeOutboundCIDRs": ["fd00::/064"]}), 7, "excludeOutboundCIDRs", "fd00::/064"),
+            (json!({"excludeOutboundCIDRs": ["fd00::/"]}), 7, "excludeOutboundCIDRs", "fd00::/"),
+            (json!({"hostIPv6": "10.0.0.1"}), 7, "hostIPv6", "10.0.0.1"),
+            (json!({"hostIPv6": "fd00::1/64"}), 7, "hostIPv6", "fd00::1/64"),
+            (json!({"hostIPv6": "::1"}), 7, "host IP", "::1"),
+            (json!({"hostIPv6": "ff02::1"}), 7, "host IP", "ff02::1"),
             (json!({"excludeOutboundCIDRs": ["10.96.01.0/24"]}), 7, "excludeOutboundCIDRs", "10.96.01.0/24"),
             (json!({"excludeOutboundCIDRs": ["10.0.0.0/+8"]}), 7, "excludeOutboundCIDRs", "10.0.0.0/+8"),
             (json!({"excludeOutboundPorts": ["90-80"]}), 7, "excludeOutboundPorts", "90-80"),
@@ -649,6 +742,85 @@ mod tests {
         for bad in [json!(1), json!([]), json!({ANNOTATION_CAPTURE: null}), json!({ANNOTATION_CAPTURE: "bogus"})] {
             let c = with_annotations(bad.clone());
             assert_eq!(effective(&c, Some("shop")).unwrap_err().code, 7, "{bad}");
+        }
+    }
+
+    fn with_prev_ips(extra: Value, ips: &[&str]) -> NetConf {
+        let ips: Vec<Value> = ips.iter().map(|a| json!({"address": a})).collect();
+        let mut e = extra;
+        e["prevResult"] = json!({"cniVersion": "1.0.0", "ips": ips});
+        conf(e).unwrap()
+    }
+
+    /// The families come from prevResult's addresses; each family's table DNATs DNS to the
+    /// node address of that family.
+    #[test]
+    fn families_follow_the_pods_addresses() {
+        let v6 = json!({"hostIPv6": "fd00::1"});
+        let f = |c: &NetConf| effective(c, Some("shop")).unwrap().unwrap();
+        let v4_only = f(&with_prev_ips(v6.clone(), &["10.1.0.5/16"]));
+        assert_eq!(v4_only.families, [Family::Ipv4]);
+        assert_eq!((v4_only.dns.map(|d| d.host_ip.to_string()), v4_only.dns_ipv6), (Some("10.0.0.1".into()), None));
+        let v6_only = f(&with_prev_ips(v6.clone(), &["fd00:10:244::5/64"]));
+        assert_eq!(v6_only.families, [Family::Ipv6]);
+        assert_eq!(v6_only.dns, None);
+        assert_eq!(v6_only.dns_ipv6.unwrap().host_ip.to_string(), "fd00::1");
+        let dual = f(&with_prev_ips(v6.clone(), &["fd00:10:244::5/64", "10.1.0.5/16"]));
+        assert_eq!(dual.families, [Family::Ipv4, Family::Ipv6], "IPv4 first, whatever the order in prevResult");
+        assert!(dual.dns.is_some() && dual.dns_ipv6.is_some());
+        // No addresses (or no prevResult): IPv4, as before IPv6.
+        assert_eq!(f(&with_prev_ips(v6.clone(), &[])).families, [Family::Ipv4]);
+        assert_eq!(f(&conf(json!({})).unwrap()).families, [Family::Ipv4]);
+        // DNS off: no node address needed for either family.
+        let off = f(&with_prev_ips(json!({"captureDNS": false}), &["fd00:10:244::5/64"]));
+        assert_eq!((off.dns, off.dns_ipv6), (None, None));
+        // An IPv6-only node: hostIPv6 alone satisfies DNS capture.
+        let only6 = parse(
+            br#"{"cniVersion":"1.0.0","name":"n","type":"aether-cni","hostIPv6":"fd00::1",
+                "prevResult":{"cniVersion":"1.0.0","ips":[{"address":"fd00:10:244::5/64"}]}}"#,
+        )
+        .unwrap();
+        assert_eq!(f(&only6).families, [Family::Ipv6]);
+    }
+
+    #[test]
+    fn a_family_without_its_dns_address_or_a_bad_address_is_refused_naming_it() {
+        // IPv6 pod, DNS on, no hostIPv6.
+        let e = effective(&with_prev_ips(json!({}), &["fd00:10:244::5/64"]), Some("shop")).unwrap_err();
+        assert_eq!(e.code, 7);
+        assert!(e.msg.contains("hostIPv6") && e.msg.contains("IPv6"), "{}", e.msg);
+        // IPv4 pod on an IPv6-only node.
+        let c = parse(
+            br#"{"cniVersion":"1.0.0","name":"n","type":"aether-cni","hostIPv6":"fd00::1",
+                "prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.1.0.5/16"}]}}"#,
+        )
+        .unwrap();
+        let e = effective(&c, Some("shop")).unwrap_err();
+        assert!(e.msg.contains("\"hostIP\"") && e.msg.contains("IPv4"), "{}", e.msg);
+        // The annotation that turned DNS on is named.
+        let mut a = json!({"runtimeConfig": {POD_ANNOTATIONS_CAPABILITY: {ANNOTATION_CAPTURE_DNS: "true"}}, "captureDNS": false});
+        a["prevResult"] = json!({"ips": [{"address": "fd00:10:244::5/64"}]});
+        let e = effective(&conf(a).unwrap(), Some("shop")).unwrap_err();
+        assert!(e.msg.contains(ANNOTATION_CAPTURE_DNS) && e.msg.contains("hostIPv6"), "{}", e.msg);
+        // A prevResult address that is not one.
+        for bad in ["fd00::zz/64", "", "10.1.0/16"] {
+            let c = with_prev_ips(json!({}), &[bad]);
+            let e = effective(&c, Some("shop")).unwrap_err();
+            assert_eq!(e.code, 7);
+            assert!(e.msg.contains("prevResult.ips[0].address") && e.msg.contains(bad), "{}", e.msg);
+        }
+    }
+
+    #[test]
+    fn ipv6_exclusions_in_the_annotation_are_read_and_checked() {
+        let c = with_annotations(json!({ANNOTATION_EXCLUDE_CIDRS: "fd00:20::/32, 10.20.0.0/16,2001:db8::1"}));
+        let cfg = effective(&c, Some("shop")).unwrap().unwrap();
+        let want: Vec<IpNet> = ["fd00:20::/32", "10.20.0.0/16", "2001:db8::1/128"].map(|n| n.parse().unwrap()).to_vec();
+        assert_eq!(cfg.excluded_cidrs, want);
+        for bad in ["fd00::/200", "fd00:::1", "fd00::/-1"] {
+            let e = effective(&with_annotations(json!({ANNOTATION_EXCLUDE_CIDRS: bad})), Some("shop")).unwrap_err();
+            assert_eq!(e.code, 7);
+            assert!(e.msg.contains(ANNOTATION_EXCLUDE_CIDRS) && e.msg.contains(bad), "{}", e.msg);
         }
     }
 

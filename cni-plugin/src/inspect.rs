@@ -148,18 +148,22 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
         None => println!("no attachment record names this netns: showing what the kernel holds"),
     }
     if records.first().and_then(|r| r.capture.as_ref()).is_none() {
-        match netns.run(|| aether_rules::nft::kernel_view(capture::TABLE)) {
-            Ok(Ok(Some(view))) => {
-                for c in &view.chains {
-                    println!("chain {} {:?}", c.name, c.hook);
-                    for r in &c.rules {
-                        println!("  {}  # {}", r.exprs, r.comment);
+        for family in aether_rules::Family::ALL {
+            let table = format!("table {} {}", family.nft_name(), capture::TABLE);
+            match netns.run(|| aether_rules::nft::kernel_view(family, capture::TABLE)) {
+                Ok(Ok(Some(view))) => {
+                    println!("{table}:");
+                    for c in &view.chains {
+                        println!("chain {} {:?}", c.name, c.hook);
+                        for r in &c.rules {
+                            println!("  {}  # {}", r.exprs, r.comment);
+                        }
                     }
                 }
+                Ok(Ok(None)) => println!("capture: {table} is absent"),
+                Ok(Err(e)) => println!("capture: cannot read {table}: {e}"),
+                Err(e) => println!("capture: cannot enter the netns: {e}"),
             }
-            Ok(Ok(None)) => println!("capture: table ip {} is absent", capture::TABLE),
-            Ok(Err(e)) => println!("capture: cannot read: {e}"),
-            Err(e) => println!("capture: cannot enter the netns: {e}"),
         }
     }
     println!("\nService layer:");
@@ -185,15 +189,22 @@ fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
             return false;
         }
     };
-    let pr = ruleset.policy_route;
-    println!(
-        "capture: mode {}, DNS {}",
-        cfg.mode,
-        cfg.dns.map(|d| format!("to {}:{}", d.host_ip, d.port)).unwrap_or("off".into())
-    );
-    print!("{}", ruleset.table);
-    println!("ip rule: fwmark {:#x} lookup {} priority {}", pr.fwmark, pr.table, pr.priority);
-    println!("ip route: local 0.0.0.0/0 dev lo table {}", pr.table);
+    let dns: Vec<String> = cfg
+        .families
+        .iter()
+        .filter_map(|f| cfg.dns_for(*f))
+        .map(|d| format!("{}", std::net::SocketAddr::new(d.host_ip, d.port)))
+        .collect();
+    println!("capture: mode {}, DNS {}", cfg.mode, if dns.is_empty() { "off".into() } else { format!("to {}", dns.join(" and ")) });
+    for half in &ruleset.halves {
+        let (pr, ip) = match half.table.family {
+            aether_rules::Family::Ipv4 => (&half.policy_route, "ip"),
+            aether_rules::Family::Ipv6 => (&half.policy_route, "ip -6"),
+        };
+        print!("{}", half.table);
+        println!("{ip} rule: {}", pr.describe_policy_rule());
+        println!("{ip} route: {}", pr.describe_route());
+    }
     match verify(netns, &ruleset) {
         Ok(d) if d.is_empty() => {
             println!("kernel: intact (every set, chain, rule, the policy rule and the route as above)");

@@ -5,10 +5,46 @@
 mod common;
 
 use aether_testkit::{root_or_skip, TestNetns};
-use common::{conf, run_plugin};
+use common::{conf, prev_result_with, run_plugin};
 use serde_json::{json, Value};
 
 const TABLE: u32 = 44657;
+
+/// The netns as a golden file shows it: with the IPv6 rule and route when the pod (the
+/// configuration's `prevResult`) has an IPv6 address, so IPv4-only golden files stay as
+/// they were.
+fn snapshot(ns: &TestNetns, conf: &Value) -> String {
+    let ipv6 = conf["prevResult"]["ips"]
+        .as_array()
+        .is_some_and(|ips| ips.iter().any(|ip| ip["address"].as_str().is_some_and(|a| a.contains(':'))));
+    if ipv6 {
+        ns.snapshot_with_ipv6(TABLE)
+    } else {
+        ns.snapshot(TABLE)
+    }
+}
+
+/// `conf` for an IPv6-only pod (fd00:10:244::5/64) on a node whose DNS proxy is on fd00::1.
+fn conf6(version: &str, extra: Value) -> Value {
+    pod_conf(version, &["fd00:10:244::5/64"], extra)
+}
+
+/// `conf` for a dual-stack pod (10.244.1.5/24 and fd00:10:244::5/64).
+fn conf_dual(version: &str, extra: Value) -> Value {
+    pod_conf(version, &["10.244.1.5/24", "fd00:10:244::5/64"], extra)
+}
+
+fn pod_conf(version: &str, addresses: &[&str], extra: Value) -> Value {
+    let mut c = conf(version, json!({"hostIPv6": "fd00::1", "prevResult": prev_result_with(version, addresses)}));
+    for (k, v) in extra.as_object().unwrap() {
+        if v.is_null() {
+            c.as_object_mut().unwrap().remove(k);
+        } else {
+            c[k] = v.clone();
+        }
+    }
+    c
+}
 
 /// ADD, compare with the golden file, CHECK, DEL, compare with the netns before ADD.
 fn golden_case(tag: &str, golden: &str, conf: Value) {
@@ -16,16 +52,16 @@ fn golden_case(tag: &str, golden: &str, conf: Value) {
         return;
     }
     let ns = TestNetns::new(tag);
-    let before = ns.snapshot(TABLE);
+    let before = snapshot(&ns, &conf);
     let add = run_plugin("ADD", Some(&ns.path()), &conf, &[]);
     assert!(add.ok, "ADD failed: {}\n{}", add.stdout, add.stderr);
-    aether_testkit::assert_golden(golden, &ns.snapshot(TABLE));
+    aether_testkit::assert_golden(golden, &snapshot(&ns, &conf));
     let check = run_plugin("CHECK", Some(&ns.path()), &conf, &[]);
     assert!(check.ok, "CHECK after ADD failed: {}\n{}", check.stdout, check.stderr);
     assert_eq!(check.stdout, "", "CHECK prints nothing on success");
     let del = run_plugin("DEL", Some(&ns.path()), &conf, &[]);
     assert!(del.ok && del.stdout.is_empty(), "DEL: {}\n{}", del.stdout, del.stderr);
-    assert_eq!(ns.snapshot(TABLE), before, "DEL must leave the netns as it was before ADD");
+    assert_eq!(snapshot(&ns, &conf), before, "DEL must leave the netns as it was before ADD");
 }
 
 #[test]
@@ -72,110 +108,217 @@ fn golden_annotations_scoped_with_exclusions() {
     golden_case("gann", "annotations.txt", c);
 }
 
-/// The handle of the rule in `chain` whose comment contains `comment`.
-fn handle_of(ns: &TestNetns, chain: &str, comment: &str) -> String {
-    let listing = ns.exec("nft", &["-a", "list", "chain", "ip", "aether_capture", chain]);
+#[test]
+fn golden_ipv6_redirect_all() {
+    golden_case("g6def", "ipv6-redirect-all.txt", conf6("1.0.0", json!({})));
+}
+
+#[test]
+fn golden_ipv6_scoped() {
+    golden_case("g6scp", "ipv6-scoped.txt", conf6("1.0.0", json!({"captureMode": "scoped"})));
+}
+
+#[test]
+fn golden_ipv6_dns_off() {
+    golden_case("g6dns", "ipv6-dns-off.txt", conf6("1.0.0", json!({"captureDNS": false, "hostIPv6": null})));
+}
+
+/// Exclusions of both families from the configuration and the annotation, on a dual-stack
+/// pod: each table takes its own family's.
+#[test]
+fn golden_dual_stack_exclusions() {
+    let c = conf_dual(
+        "1.1.0",
+        json!({
+            "excludeOutboundCIDRs": ["10.96.0.1/32", "fd00:10:96::1", "2001:db8::/32", "fd00:10:96::/112"],
+            "excludeOutboundPorts": [22, "9000-9100"],
+            "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {
+                "aether.io/exclude-outbound-cidrs": "10.50.0.0/16, fd00:50::/48"
+            }}
+        }),
+    );
+    golden_case("gdexc", "dual-stack-exclusions.txt", c);
+}
+
+#[test]
+fn golden_dual_stack_redirect_all() {
+    golden_case("gddef", "dual-stack-redirect-all.txt", conf_dual("1.0.0", json!({})));
+}
+
+#[test]
+fn golden_dual_stack_scoped() {
+    golden_case("gdscp", "dual-stack-scoped.txt", conf_dual("0.4.0", json!({"captureMode": "scoped"})));
+}
+
+/// The handle of the rule in chain `chain` of the capture table of `family` (`ip` or `ip6`)
+/// whose comment contains `comment`.
+fn handle_in(ns: &TestNetns, family: &str, chain: &str, comment: &str) -> String {
+    let listing = ns.exec("nft", &["-a", "list", "chain", family, "aether_capture", chain]);
     let line =
         listing.lines().find(|l| l.contains(comment)).unwrap_or_else(|| panic!("no rule {comment:?} in\n{listing}"));
     line.rsplit("# handle ").next().unwrap().trim().to_string()
 }
 
-/// Six ways a ruleset can stop being ours; CHECK must catch each, naming what differs.
-#[test]
-fn check_catches_each_tamper() {
-    if !root_or_skip("check_catches_each_tamper") {
-        return;
-    }
-    type Tamper = fn(&TestNetns);
-    let tampers: [(&str, Tamper, &str); 6] = [
+/// One family's capture table, as the tamper tests break it.
+struct Half {
+    /// `ip` or `ip6`.
+    nft: &'static str,
+    /// `-4` or `-6`.
+    ip_flag: &'static str,
+    any: &'static str,
+    /// An element of `excluded_nets`, and how CHECK names its removal.
+    element: (&'static str, &'static str),
+    /// How CHECK's differences in this half begin.
+    prefix: &'static str,
+}
+
+const HALF4: Half = Half {
+    nft: "ip",
+    ip_flag: "-4",
+    any: "0.0.0.0/0",
+    element: ("169.254.0.0/16", "element 169.254.0.0 is missing"),
+    prefix: "",
+};
+const HALF6: Half = Half {
+    nft: "ip6",
+    ip_flag: "-6",
+    any: "::/0",
+    element: ("fe80::/10", "element fe80:: is missing"),
+    prefix: "IPv6 half: ",
+};
+
+/// Six ways a half can stop being ours; CHECK must catch each, naming what differs, after a
+/// passing CHECK (the control). `conf`'s pod has the half's family.
+fn check_catches_each_tamper_in(h: &Half, conf: &Value) {
+    type Tamper = fn(&Half, &TestNetns);
+    let tampers: [(&str, Tamper, String); 6] = [
         (
             "rule deleted",
-            |ns| {
-                let h = handle_of(ns, "egress_divert", "excluded TCP ports");
-                ns.exec("nft", &["delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
+            |h, ns| {
+                let hd = handle_in(ns, h.nft, "egress_divert", "excluded TCP ports");
+                ns.exec("nft", &["delete", "rule", h.nft, "aether_capture", "egress_divert", "handle", &hd]);
             },
-            "excluded TCP ports are not captured",
+            "excluded TCP ports are not captured".into(),
         ),
         (
             "rule added to our chain",
-            |ns| {
+            |h, ns| {
                 ns.exec(
                     "nft",
-                    &["add", "rule", "ip", "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"],
+                    &["add", "rule", h.nft, "aether_capture", "egress_divert", "tcp", "dport", "9999", "accept"],
                 );
             },
-            "unexpected rule",
+            "unexpected rule".into(),
         ),
         (
             "port changed",
-            |ns| {
-                let h = handle_of(ns, "loopback_tproxy", "transparent capture listener");
-                ns.exec(
-                    "nft",
-                    &[
-                        "replace",
-                        "rule",
-                        "ip",
-                        "aether_capture",
-                        "loopback_tproxy",
-                        "handle",
-                        &h,
-                        "iif",
-                        "lo",
-                        "meta",
-                        "mark",
-                        "0xae71",
-                        "meta",
-                        "l4proto",
-                        "tcp",
-                        "tproxy",
-                        "to",
-                        ":18002",
-                        "accept",
-                        "comment",
-                        "\"diverted TCP goes to the transparent capture listener\"",
-                    ],
-                );
+            |h, ns| {
+                let hd = handle_in(ns, h.nft, "loopback_tproxy", "transparent capture listener");
+                let tproxy = format!("iif lo meta mark 0xae71 meta l4proto tcp tproxy {} to :18002 accept", h.nft);
+                let mut args = vec!["replace", "rule", h.nft, "aether_capture", "loopback_tproxy", "handle", &hd];
+                args.extend(tproxy.split(' '));
+                args.extend(["comment", "\"diverted TCP goes to the transparent capture listener\""]);
+                ns.exec("nft", &args);
             },
-            "chain loopback_tproxy rule 1",
+            "chain loopback_tproxy rule 1".into(),
         ),
         (
             "set element removed",
-            |ns| {
-                ns.exec(
-                    "nft",
-                    &["delete", "element", "ip", "aether_capture", "excluded_nets", "{", "169.254.0.0/16", "}"],
-                );
+            |h, ns| {
+                ns.exec("nft", &["delete", "element", h.nft, "aether_capture", "excluded_nets", "{", h.element.0, "}"]);
             },
-            "element 169.254.0.0 is missing",
+            h.element.1.into(),
         ),
         (
             "ip rule removed",
-            |ns| {
-                ns.exec("ip", &["rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+            |h, ns| {
+                ns.exec("ip", &[h.ip_flag, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
             },
-            "policy rule",
+            format!("{}policy rule 'fwmark 0xae71 lookup 44657 priority 32000' is missing", h.prefix),
         ),
         (
             "route removed",
-            |ns| {
-                ns.exec("ip", &["route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+            |h, ns| {
+                ns.exec("ip", &[h.ip_flag, "route", "del", "local", h.any, "dev", "lo", "table", "44657"]);
             },
-            "route 'local 0.0.0.0/0 dev lo table 44657' is missing",
+            format!("{}route 'local {} dev lo table 44657' is missing", h.prefix, h.any),
         ),
     ];
-    let c = conf("1.0.0", json!({}));
     for (what, tamper, expect) in tampers {
         let ns = TestNetns::new("tamp");
-        assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+        assert!(run_plugin("ADD", Some(&ns.path()), conf, &[]).ok);
         // The control: the same CHECK passes before the tamper.
-        let intact = run_plugin("CHECK", Some(&ns.path()), &c, &[]);
-        assert!(intact.ok, "{what}: CHECK before tampering failed: {}", intact.stdout);
-        tamper(&ns);
-        let (code, text) = run_plugin("CHECK", Some(&ns.path()), &c, &[]).error();
-        assert_eq!(code, 100, "{what}: {text}");
-        assert!(text.contains(expect), "{what}: CHECK should name {expect:?}, said: {text}");
+        let intact = run_plugin("CHECK", Some(&ns.path()), conf, &[]);
+        assert!(intact.ok, "{} {what}: CHECK before tampering failed: {}", h.nft, intact.stdout);
+        tamper(h, &ns);
+        let (code, text) = run_plugin("CHECK", Some(&ns.path()), conf, &[]).error();
+        assert_eq!(code, 100, "{} {what}: {text}", h.nft);
+        assert!(text.contains(&expect), "{} {what}: CHECK should name {expect:?}, said: {text}", h.nft);
+        assert!(text.contains(h.prefix), "{} {what}: CHECK should say which half: {text}", h.nft);
     }
+}
+
+#[test]
+fn check_catches_each_tamper() {
+    if root_or_skip("check_catches_each_tamper") {
+        check_catches_each_tamper_in(&HALF4, &conf("1.0.0", json!({})));
+    }
+}
+
+/// The same tampers in the IPv6 half of a dual-stack pod: CHECK catches each, though the
+/// IPv4 half is intact, and says it is the IPv6 half; and a missing IPv6 table.
+#[test]
+fn check_catches_each_tamper_in_the_ipv6_half() {
+    if !root_or_skip("check_catches_each_tamper_in_the_ipv6_half") {
+        return;
+    }
+    let c = conf_dual("1.0.0", json!({}));
+    check_catches_each_tamper_in(&HALF6, &c);
+    let ns = TestNetns::new("tamp6");
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+    ns.exec("nft", &["delete", "table", "ip6", "aether_capture"]);
+    let (_, text) = run_plugin("CHECK", Some(&ns.path()), &c, &[]).error();
+    assert!(text.contains("table ip6 aether_capture is missing"), "{text}");
+}
+
+/// A failure at each step of a dual-stack ADD leaves both families exactly as they were.
+#[test]
+fn a_failure_at_each_step_of_a_dual_stack_add_leaves_the_netns_unchanged() {
+    if !root_or_skip("a_failure_at_each_step_of_a_dual_stack_add_leaves_the_netns_unchanged") {
+        return;
+    }
+    let c = conf_dual("1.0.0", json!({}));
+    for step in ["nftables", "policy-rule", "local-route", "record", "services"] {
+        let ns = TestNetns::new("fail6");
+        let before = ns.snapshot_with_ipv6(TABLE);
+        let out = run_plugin("ADD", Some(&ns.path()), &c, &[("AETHER_CNI_INJECT_FAILURE", step)]);
+        let (code, text) = out.error();
+        assert_eq!(code, 5, "{step}: {text}");
+        assert_eq!(ns.snapshot_with_ipv6(TABLE), before, "ADD failing at {step} left something behind");
+    }
+    // The control: without the injection the same ADD changes both families.
+    let ns = TestNetns::new("fail6");
+    let before = ns.snapshot_with_ipv6(TABLE);
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+    let after = ns.snapshot_with_ipv6(TABLE);
+    assert!(after.contains("table ip aether_capture") && after.contains("table ip6 aether_capture"), "{after}");
+    assert_ne!(after, before);
+}
+
+/// An IPv6 pod on a node without `hostIPv6` while DNS capture is on: refused, naming the
+/// field, and nothing programmed in either family.
+#[test]
+fn an_ipv6_pod_without_the_nodes_ipv6_dns_address_is_refused() {
+    if !root_or_skip("an_ipv6_pod_without_the_nodes_ipv6_dns_address_is_refused") {
+        return;
+    }
+    let ns = TestNetns::new("no6");
+    let before = ns.snapshot_with_ipv6(TABLE);
+    let c = conf6("1.0.0", json!({"hostIPv6": null}));
+    let (code, text) = run_plugin("ADD", Some(&ns.path()), &c, &[]).error();
+    assert_eq!(code, 7, "{text}");
+    assert!(text.contains("hostIPv6"), "{text}");
+    assert_eq!(ns.snapshot_with_ipv6(TABLE), before);
 }
 
 #[test]

@@ -1,10 +1,11 @@
 //! The pod capture ruleset (DESIGN.md "The pod ruleset"), built from a `CaptureConfig`.
 
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use crate::error::{Error, Result};
+use crate::family::Family;
 use crate::model::*;
 use crate::route::PolicyRoute;
 
@@ -32,6 +33,8 @@ pub const KUBE_PROXY_MARKS: [u32; 2] = [0x4000, 0x8000];
 
 /// Networks never captured nor DNATed: loopback, link-local, multicast.
 pub const FIXED_EXCLUDED_NETS: [&str; 3] = ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"];
+/// The same for IPv6.
+pub const FIXED_EXCLUDED_NETS6: [&str; 3] = ["::1/128", "fe80::/10", "ff00::/8"];
 
 /// Table and set names, shared by builders and readers.
 pub const TABLE: &str = "aether_capture";
@@ -69,20 +72,33 @@ pub struct CaptureConfig {
     pub capture_port: u16,
     pub mesh_l4_port: u16,
     pub scoped_ports: Vec<u16>,
-    /// Where `:53` goes; `None` leaves DNS alone entirely.
+    /// Where the IPv4 table sends `:53`; `None` leaves IPv4 DNS alone entirely.
     pub dns: Option<DnsDivert>,
-    pub excluded_cidrs: Vec<Ipv4Net>,
+    /// Where the IPv6 table sends `:53` (the node's IPv6 address); `None` leaves it alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_ipv6: Option<DnsDivert>,
+    /// Networks of either family; each family's table takes its own.
+    pub excluded_cidrs: Vec<IpNet>,
     pub excluded_ports: Vec<PortRange>,
     pub divert_mark: u32,
     pub passthrough_mark: u32,
     pub route_table: u32,
     pub rule_priority: u32,
+    /// The families the pod has addresses in: one table, one policy rule and one route
+    /// each. Records from before IPv6 have none written: IPv4.
+    #[serde(default = "ipv4_only")]
+    pub families: Vec<Family>,
 }
 
+fn ipv4_only() -> Vec<Family> {
+    vec![Family::Ipv4]
+}
+
+/// A DNS proxy address and port; the address is of the family of the table that DNATs to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DnsDivert {
-    pub host_ip: Ipv4Addr,
+    pub host_ip: IpAddr,
     pub port: u16,
 }
 
@@ -95,12 +111,22 @@ impl CaptureConfig {
             mesh_l4_port: MESH_L4_PORT,
             scoped_ports: SCOPED_PORTS.to_vec(),
             dns: None,
+            dns_ipv6: None,
             excluded_cidrs: Vec::new(),
             excluded_ports: Vec::new(),
             divert_mark: DIVERT_MARK,
             passthrough_mark: PASSTHROUGH_MARK,
             route_table: ROUTE_TABLE,
             rule_priority: RULE_PRIORITY,
+            families: ipv4_only(),
+        }
+    }
+
+    /// Where `family`'s table sends `:53`, if anywhere.
+    pub fn dns_for(&self, family: Family) -> Option<DnsDivert> {
+        match family {
+            Family::Ipv4 => self.dns,
+            Family::Ipv6 => self.dns_ipv6,
         }
     }
 
@@ -137,9 +163,16 @@ impl CaptureConfig {
         if self.scoped_ports.contains(&0) {
             return bad("scoped port 0 is not a port".into());
         }
-        if let Some(dns) = self.dns {
+        if self.families.is_empty() {
+            return bad("no address family to capture".into());
+        }
+        for family in Family::ALL {
+            let Some(dns) = self.dns_for(family) else { continue };
             if dns.port == 0 {
                 return bad("DNS proxy port must not be 0".into());
+            }
+            if Family::of(dns.host_ip) != family {
+                return bad(format!("host IP {} is not an {family} address, for the {family} table", dns.host_ip));
             }
             if dns.host_ip.is_unspecified() || dns.host_ip.is_loopback() || dns.host_ip.is_multicast() {
                 return bad(format!(
@@ -161,31 +194,65 @@ impl CaptureConfig {
         Ok(())
     }
 
-    /// The policy rule and route that deliver diverted packets to `lo`.
-    pub fn policy_route(&self) -> PolicyRoute {
-        PolicyRoute {
-            family: crate::Family::Ipv4,
-            fwmark: self.divert_mark,
-            table: self.route_table,
-            priority: self.rule_priority,
-        }
+    /// The policy rules and routes of the pod's families.
+    pub fn policy_routes(&self) -> Vec<PolicyRoute> {
+        self.families.iter().map(|f| self.policy_route(*f)).collect()
+    }
+
+    /// The policy rule and route that deliver `family`'s diverted packets to `lo`.
+    pub fn policy_route(&self, family: Family) -> PolicyRoute {
+        PolicyRoute { family, fwmark: self.divert_mark, table: self.route_table, priority: self.rule_priority }
     }
 }
 
-/// Builds the capture ruleset. Rule order is the table of DESIGN.md, top to bottom.
+/// Builds the capture ruleset: one half per family of the pod (`cfg.families`), each the
+/// same table of DESIGN.md, top to bottom, in its family.
 pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
     cfg.validate()?;
+    let halves = Family::ALL
+        .into_iter()
+        .filter(|f| cfg.families.contains(f))
+        .map(|family| Half { table: capture_table(cfg, family), policy_route: cfg.policy_route(family) })
+        .collect();
+    Ok(Ruleset { halves })
+}
+
+/// The excluded networks of `family`: the fixed ones and the configured ones of that family,
+/// merged so interval elements never overlap (the kernel refuses overlapping intervals).
+fn excluded_nets(cfg: &CaptureConfig, family: Family) -> Vec<Element> {
+    let parse = |n: &&str| n.parse::<IpNet>().expect("constant");
+    let nets = match family {
+        Family::Ipv4 => FIXED_EXCLUDED_NETS.iter().map(parse),
+        Family::Ipv6 => FIXED_EXCLUDED_NETS6.iter().map(parse),
+    }
+    .chain(cfg.excluded_cidrs.iter().copied())
+    .filter(|n| Family::of(n.addr()) == family)
+    .map(|n| n.trunc());
+    let mut merged = IpNet::aggregate(&nets.collect());
+    merged.sort();
+    merged
+        .into_iter()
+        .map(|n| match n {
+            IpNet::V4(n) => Element::Net(n),
+            IpNet::V6(n) => Element::Net6(n),
+        })
+        .collect()
+}
+
+/// One family's capture table.
+fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
     let rule =
         |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.to_string() };
 
-    let mut nets: Vec<Ipv4Net> = FIXED_EXCLUDED_NETS.iter().map(|n| n.parse().expect("constant")).collect();
-    nets.extend(cfg.excluded_cidrs.iter().map(|n| n.trunc()));
     let mut ports = cfg.excluded_ports.clone();
     let excluded_nets = Set {
         name: SET_EXCLUDED_NETS.into(),
-        key: KeyType::Ipv4Addr,
+        key: match family {
+            Family::Ipv4 => KeyType::Ipv4Addr,
+            Family::Ipv6 => KeyType::Ipv6Addr,
+        },
         interval: true,
-        elements: merge_nets(nets).into_iter().map(Element::Net).collect(),
+        elements: excluded_nets(cfg, family),
         comment: "destinations never captured nor DNATed".into(),
         timeout_secs: None,
     };
@@ -199,7 +266,8 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         timeout_secs: None,
     };
 
-    let dns_comment = match cfg.dns {
+    let dns = cfg.dns_for(family);
+    let dns_comment = match dns {
         Some(_) => "DNS is not captured (the dns_dnat chain sends it to the node DNS proxy)",
         None => "DNS is not captured (DNS capture is off: it goes where the pod sends it)",
     };
@@ -276,7 +344,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
             rules: tproxy,
         },
     ];
-    if let Some(dns) = cfg.dns {
+    if let Some(dns) = dns {
         chains.push(Chain {
             name: CHAIN_DNS.into(),
             hook: Some(BaseHook { kind: ChainKind::Nat, hook: Hook::Output, priority: -100 }),
@@ -305,18 +373,7 @@ pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
         });
     }
 
-    Ok(Ruleset {
-        table: Table { name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], counters: Vec::new(), chains },
-        policy_route: cfg.policy_route(),
-    })
-}
-
-/// Sorts networks and drops those inside another, so interval elements never overlap (the
-/// kernel refuses overlapping intervals).
-fn merge_nets(mut nets: Vec<Ipv4Net>) -> Vec<Ipv4Net> {
-    nets = Ipv4Net::aggregate(&nets);
-    nets.sort();
-    nets
+    Table { family, name: TABLE.into(), sets: vec![excluded_nets, excluded_ports], counters: Vec::new(), chains }
 }
 
 /// Sorted ranges in, overlapping or adjacent ranges joined.
@@ -336,7 +393,7 @@ mod tests {
     use super::*;
 
     fn rules_of<'a>(rs: &'a Ruleset, chain: &str) -> &'a [Rule] {
-        &rs.table.chains.iter().find(|c| c.name == chain).expect("chain").rules
+        &rs.halves[0].table.chains.iter().find(|c| c.name == chain).expect("chain").rules
     }
 
     #[test]
@@ -400,7 +457,10 @@ mod tests {
                 }),
                 "scoped",
             ),
-            (Box::new(|c| c.dns = Some(DnsDivert { host_ip: Ipv4Addr::LOCALHOST, port: 18054 })), "host IP"),
+            (
+                Box::new(|c| c.dns = Some(DnsDivert { host_ip: std::net::Ipv4Addr::LOCALHOST.into(), port: 18054 })),
+                "host IP",
+            ),
             (Box::new(|c| c.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 0 })), "DNS proxy port"),
         ];
         for (tweak, want) in cases {
@@ -422,11 +482,11 @@ mod tests {
         assert!(excl_ports < tcp_all);
         assert_eq!(divert[tcp_all].action, Action::SetMarkAccept(DIVERT_MARK));
         assert_eq!(divert.last().unwrap().matches, vec![Match::Dport(Proto::Udp, 18082)]);
-        assert!(rs.table.chains.iter().all(|c| c.name != CHAIN_DNS), "DNS off by default");
+        assert!(rs.halves[0].table.chains.iter().all(|c| c.name != CHAIN_DNS), "DNS off by default");
         let tproxy = rules_of(&rs, CHAIN_TPROXY);
         assert_eq!(tproxy[0].action, Action::TproxyAccept(18001));
         assert_eq!(tproxy[1].action, Action::TproxyAccept(18082));
-        assert!(rs.table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
+        assert!(rs.halves[0].table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
     }
 
     #[test]
@@ -465,9 +525,9 @@ mod tests {
             "9201".parse().unwrap(),
         ];
         let rs = capture_ruleset(&c).unwrap();
-        let nets: Vec<String> = rs.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        let nets: Vec<String> = rs.halves[0].table.sets[0].elements.iter().map(|e| e.to_string()).collect();
         assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
-        let ports: Vec<String> = rs.table.sets[1].elements.iter().map(|e| e.to_string()).collect();
+        let ports: Vec<String> = rs.halves[0].table.sets[1].elements.iter().map(|e| e.to_string()).collect();
         assert_eq!(ports, ["8080", "9000-9201"]);
     }
 
@@ -478,5 +538,68 @@ mod tests {
         for bad in ["0", "65536", "9100-9000", "abc", "", "80-", "-80", "1-2-3"] {
             assert!(bad.parse::<PortRange>().is_err(), "{bad:?} accepted");
         }
+    }
+
+    fn v6_cfg() -> CaptureConfig {
+        let mut c = CaptureConfig::new(CaptureMode::RedirectAll);
+        c.families = vec![Family::Ipv6];
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+        c.excluded_cidrs =
+            vec!["10.1.0.0/16".parse().unwrap(), "fd00:1::/32".parse().unwrap(), "fe80::1/128".parse().unwrap()];
+        c
+    }
+
+    #[test]
+    fn an_ipv6_pod_gets_the_same_table_in_family_ip6() {
+        let rs = capture_ruleset(&v6_cfg()).unwrap();
+        assert_eq!(rs.halves.len(), 1);
+        let half = &rs.halves[0];
+        assert_eq!((half.table.family, half.policy_route.family), (Family::Ipv6, Family::Ipv6));
+        assert_eq!(half.table.sets[0].key, KeyType::Ipv6Addr);
+        let nets: Vec<String> = half.table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(nets, ["::1/128", "fd00:1::/32", "fe80::/10", "ff00::/8"], "IPv6 exclusions only, merged");
+        let dns = rules_of(&rs, CHAIN_DNS);
+        assert_eq!(dns[2].action, Action::Dnat("fd00::1".parse().unwrap(), 18054));
+        // The same rows as IPv4's, in the same order.
+        let mut v4 = v6_cfg();
+        v4.families = vec![Family::Ipv4];
+        v4.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        let rs4 = capture_ruleset(&v4).unwrap();
+        for (c4, c6) in rs4.halves[0].table.chains.iter().zip(&half.table.chains) {
+            assert_eq!((&c4.name, c4.hook), (&c6.name, c6.hook));
+            let m4: Vec<_> = c4.rules.iter().map(|r| (&r.matches, &r.comment)).collect();
+            let m6: Vec<_> = c6.rules.iter().map(|r| (&r.matches, &r.comment)).collect();
+            assert_eq!(m4, m6, "chain {}", c4.name);
+        }
+        let text = half.table.to_string();
+        assert!(text.starts_with("table ip6 aether_capture {"), "{text}");
+        assert!(text.contains("ip6 daddr @excluded_nets accept") && !text.contains(" ip daddr"), "{text}");
+        assert!(text.contains("dnat to [fd00::1]:18054"), "{text}");
+    }
+
+    #[test]
+    fn a_dual_stack_pod_gets_both_halves_ipv4_first_and_ipv4_is_unchanged() {
+        let mut dual = v6_cfg();
+        dual.families = vec![Family::Ipv6, Family::Ipv4];
+        dual.dns = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        let rs = capture_ruleset(&dual).unwrap();
+        let fams: Vec<Family> = rs.halves.iter().map(|h| h.table.family).collect();
+        assert_eq!(fams, [Family::Ipv4, Family::Ipv6]);
+        let mut v4 = dual.clone();
+        v4.families = vec![Family::Ipv4];
+        assert_eq!(rs.halves[0], capture_ruleset(&v4).unwrap().halves[0], "the IPv4 half is the IPv4-only ruleset");
+        let nets: Vec<String> = rs.halves[0].table.sets[0].elements.iter().map(|e| e.to_string()).collect();
+        assert_eq!(nets, ["10.1.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4"]);
+    }
+
+    #[test]
+    fn a_family_without_its_dns_address_or_with_the_wrong_one_is_refused() {
+        let mut c = v6_cfg();
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("not an IPv6 address"));
+        c.dns_ipv6 = Some(DnsDivert { host_ip: "::1".parse().unwrap(), port: 18054 });
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("cannot receive"));
+        c.families.clear();
+        assert!(capture_ruleset(&c).unwrap_err().to_string().contains("no address family"));
     }
 }

@@ -16,7 +16,7 @@ pub mod services;
 pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 pub use error::{Error, Result};
 pub use family::Family;
-pub use model::Ruleset;
+pub use model::{Half, Ruleset};
 pub use route::{PolicyRoute, PolicyRouteState};
 
 /// The steps of `install`, in order; a test can make any of them fail to prove that what
@@ -50,31 +50,53 @@ impl std::str::FromStr for Step {
     }
 }
 
-/// Programs `rs` in the current netns: the nftables table in one transaction, then the
-/// policy rule, then the local route. All or nothing: if a step fails, what the earlier
-/// steps made is removed before the error is returned. `fail_before` injects a failure.
+/// Programs `rs` in the current netns: every family's table in one nftables transaction,
+/// then each family's policy rule and local route. All or nothing: if a step fails, what the
+/// earlier steps made is removed before the error is returned. `fail_before` injects a
+/// failure (at the step's first family).
 pub fn install(rs: &Ruleset, fail_before: Option<Step>) -> Result<()> {
     let gate = |step: Step| if fail_before == Some(step) { Err(Error::Injected(step)) } else { Ok(()) };
     gate(Step::Nftables)?;
-    nft::program(&rs.table)?;
-    let rule_created = match gate(Step::PolicyRule).and_then(|()| rs.policy_route.add_rule()) {
-        Ok(created) => created,
-        Err(e) => {
-            let _ = nft::remove(&rs.table.name);
-            return Err(e);
+    let tables: Vec<&model::Table> = rs.tables().collect();
+    nft::program_tables(&tables)?;
+    // What this call created, undone in reverse on a failure.
+    let mut made: Vec<(&PolicyRoute, bool, bool)> = Vec::new();
+    let mut result = Ok(());
+    for half in &rs.halves {
+        let pr = &half.policy_route;
+        let rule = match gate(Step::PolicyRule).and_then(|()| pr.add_rule()) {
+            Ok(created) => created,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        made.push((pr, rule, false));
+        match gate(Step::LocalRoute).and_then(|()| pr.add_route()) {
+            Ok(created) => made.last_mut().expect("pushed").2 = created,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
         }
-    };
-    if let Err(e) = gate(Step::LocalRoute).and_then(|()| rs.policy_route.add_route()) {
-        if rule_created {
-            let _ = rs.policy_route.del_rule();
-        }
-        let _ = nft::remove(&rs.table.name);
-        return Err(e);
     }
-    Ok(())
+    if result.is_err() {
+        for (pr, rule, route) in made.into_iter().rev() {
+            if route {
+                let _ = pr.del_route();
+            }
+            if rule {
+                let _ = pr.del_rule();
+            }
+        }
+        for t in &tables {
+            let _ = nft::remove(t.family, &t.name);
+        }
+    }
+    result
 }
 
-/// What `remove` found and deleted.
+/// What `remove` found and deleted (in any family).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Removed {
     pub table: bool,
@@ -82,32 +104,63 @@ pub struct Removed {
     pub route: bool,
 }
 
-/// Removes everything `install` made, whatever is left of it; absence is not an error.
-/// Every part is attempted; the first error is returned.
-pub fn remove(table: &str, policy_route: &PolicyRoute) -> Result<Removed> {
-    let t = nft::remove(table);
-    let r = policy_route.del_rule();
-    let o = policy_route.del_route();
-    Ok(Removed { table: t?, rule: r?, route: o? })
+/// Removes everything `install` made, whatever is left of it: for each of `policy_routes`,
+/// the table `table` of its family, its rule and its route. Absence is not an error, nor is
+/// a family the netns has no support for. Every part is attempted; the first error is
+/// returned.
+pub fn remove(table: &str, policy_routes: &[PolicyRoute]) -> Result<Removed> {
+    let mut removed = Removed::default();
+    let mut first_err = None;
+    let mut note = |r: Result<bool>, flag: &mut bool| match r {
+        Ok(b) => *flag |= b,
+        Err(e) if unsupported(&e) => {}
+        Err(e) => {
+            first_err.get_or_insert(e);
+        }
+    };
+    for pr in policy_routes {
+        note(nft::remove(pr.family, table), &mut removed.table);
+        note(pr.del_rule(), &mut removed.rule);
+        note(pr.del_route(), &mut removed.route);
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(removed),
+    }
 }
 
-/// Compares what the kernel holds with `rs`; an empty list means intact.
-pub fn verify(rs: &Ruleset) -> Result<Vec<String>> {
-    let mut diffs = match nft::kernel_view(&rs.table.name)? {
-        None => vec![format!("table ip {} is missing", rs.table.name)],
-        Some(actual) => nft::read::diff(&nft::expected_view(&rs.table), &actual),
+/// The kernel has no such family here (IPv6 disabled, say): nothing of it can exist.
+fn unsupported(e: &Error) -> bool {
+    let source = match e {
+        Error::Nftables { source, .. } | Error::Transaction { source, .. } | Error::Route { source, .. } => source,
+        _ => return false,
     };
-    let pr = &rs.policy_route;
-    let state = pr.read_state()?;
-    if !state.rule_present {
-        diffs.push(format!(
-            "policy rule 'fwmark {:#x} lookup {} priority {}' is missing",
-            pr.fwmark, pr.table, pr.priority
-        ));
+    source.raw_os_error() == Some(libc::EAFNOSUPPORT)
+}
+
+/// Compares what the kernel holds with `rs`; an empty list means intact. Differences in the
+/// IPv6 half say so; the IPv4 half's read as they always have.
+pub fn verify(rs: &Ruleset) -> Result<Vec<String>> {
+    let mut diffs = Vec::new();
+    for half in &rs.halves {
+        let (t, pr) = (&half.table, &half.policy_route);
+        let prefix = match t.family {
+            Family::Ipv4 => String::new(),
+            Family::Ipv6 => format!("{} half: ", t.family),
+        };
+        let mut found = match nft::kernel_view(t.family, &t.name)? {
+            None => vec![format!("table {} {} is missing", t.family.nft_name(), t.name)],
+            Some(actual) => nft::read::diff(&nft::expected_view(t), &actual),
+        };
+        let state = pr.read_state()?;
+        if !state.rule_present {
+            found.push(format!("policy rule '{}' is missing", pr.describe_policy_rule()));
+        }
+        if !state.route_present {
+            found.push(format!("route '{}' is missing", pr.describe_route()));
+        }
+        found.extend(state.notes);
+        diffs.extend(found.into_iter().map(|d| format!("{prefix}{d}")));
     }
-    if !state.route_present {
-        diffs.push(format!("route 'local 0.0.0.0/0 dev lo table {}' is missing", pr.table));
-    }
-    diffs.extend(state.notes);
     Ok(diffs)
 }

@@ -5,22 +5,48 @@
 //! prints it for people. Nothing here talks to the kernel.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 
+use crate::family::Family;
 use crate::route::PolicyRoute;
 
-/// Everything one capture attachment programs in a pod netns.
+/// Everything one capture attachment programs in a pod netns: for each address family the
+/// pod has, a table and the policy rule and route that go with it (IPv4 first). All tables
+/// go to the kernel in one transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ruleset {
+    pub halves: Vec<Half>,
+}
+
+/// One family's part of a [`Ruleset`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Half {
     pub table: Table,
     pub policy_route: PolicyRoute,
 }
 
-/// An nftables table of family `ip` (IPv4 only for now).
+impl Ruleset {
+    /// The half of `family`, if the pod has that family.
+    pub fn half(&self, family: Family) -> Option<&Half> {
+        self.halves.iter().find(|h| h.table.family == family)
+    }
+
+    pub fn tables(&self) -> impl Iterator<Item = &Table> {
+        self.halves.iter().map(|h| &h.table)
+    }
+
+    pub fn policy_routes(&self) -> Vec<PolicyRoute> {
+        self.halves.iter().map(|h| h.policy_route).collect()
+    }
+}
+
+/// An nftables table: `table ip` or `table ip6` (the family decides the network header
+/// layout of address matches and the family of tproxy and NAT).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Table {
+    pub family: Family,
     pub name: String,
     pub sets: Vec<Set>,
     /// Named counter objects (`counter <name> { }`), created before the rules that use them.
@@ -44,6 +70,7 @@ pub struct Set {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyType {
     Ipv4Addr,
+    Ipv6Addr,
     InetService,
     /// `ipv4_addr . inet_proto . inet_service`: a Service port, kube-proxy's key.
     ServiceKey,
@@ -68,6 +95,7 @@ impl KeyType {
     pub fn nft_type(self) -> u32 {
         match self {
             KeyType::Ipv4Addr => 7,
+            KeyType::Ipv6Addr => 8,
             KeyType::InetService => 13,
             // TYPE_IPADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
             KeyType::ServiceKey => concat_type(&[7, 12, 13]),
@@ -78,6 +106,7 @@ impl KeyType {
     pub fn byte_len(self) -> u32 {
         match self {
             KeyType::Ipv4Addr => 4,
+            KeyType::Ipv6Addr => 16,
             KeyType::InetService => 2,
             // Each component padded to a 32-bit register.
             KeyType::ServiceKey => 12,
@@ -88,6 +117,7 @@ impl KeyType {
     pub fn name(self) -> &'static str {
         match self {
             KeyType::Ipv4Addr => "ipv4_addr",
+            KeyType::Ipv6Addr => "ipv6_addr",
             KeyType::InetService => "inet_service",
             KeyType::ServiceKey => "ipv4_addr . inet_proto . inet_service",
             KeyType::InetProto => "inet_proto",
@@ -98,6 +128,7 @@ impl KeyType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Element {
     Net(Ipv4Net),
+    Net6(Ipv6Net),
     Ports(PortRange),
     /// One address, in a set without intervals.
     Addr(Ipv4Addr),
@@ -247,7 +278,7 @@ pub enum Match {
     Mark(u32),
     /// `iif "lo"`: lo is ifindex 1 in every netns.
     InputLoopback,
-    /// `ip daddr @set`
+    /// `ip daddr @set` (`ip6 daddr` in an IPv6 table)
     DaddrInSet(String),
     /// `meta l4proto <proto>`
     L4Proto(Proto),
@@ -274,8 +305,8 @@ pub enum Action {
     SetMarkAccept(u32),
     /// `tproxy to :<port> accept`: deliver to the transparent listener on this port.
     TproxyAccept(u16),
-    /// `dnat to <addr>:<port>`
-    Dnat(Ipv4Addr, u16),
+    /// `dnat to <addr>:<port>`, the address of the table's family.
+    Dnat(IpAddr, u16),
     /// `jump <chain>`
     Jump(String),
     /// `counter name "<counter>" accept`
@@ -290,36 +321,53 @@ pub enum Action {
     RejectIcmpPortUnreachable,
 }
 
+/// A model value written in nft's notation for a table of `family` (`ip daddr` or `ip6 daddr`).
+pub struct InFamily<'a, T>(pub &'a T, pub Family);
+
 impl fmt::Display for Match {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        write!(f, "{}", InFamily(self, Family::Ipv4))
+    }
+}
+
+impl fmt::Display for InFamily<'_, Match> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ip = self.1.nft_name();
+        match self.0 {
             Match::CtDirectionReply => write!(f, "ct direction reply"),
             Match::Mark(m) => write!(f, "meta mark {m:#010x}"),
             Match::InputLoopback => write!(f, "iif \"lo\""),
-            Match::DaddrInSet(s) => write!(f, "ip daddr @{s}"),
+            Match::DaddrInSet(s) => write!(f, "{ip} daddr @{s}"),
             Match::L4Proto(p) => write!(f, "meta l4proto {}", p.name()),
             Match::Dport(p, port) => write!(f, "{} dport {port}", p.name()),
             Match::DportInSet(p, s) => write!(f, "{} dport @{s}", p.name()),
             Match::CtStateNew => write!(f, "ct state new"),
             Match::CtUnconfirmed => write!(f, "ct status & confirmed == 0"),
-            Match::DaddrNotInSet(s) => write!(f, "ip daddr != @{s}"),
+            Match::DaddrNotInSet(s) => write!(f, "{ip} daddr != @{s}"),
             Match::L4ProtoNotInSet(s) => write!(f, "meta l4proto != @{s}"),
-            Match::ServiceKeyInSet(s) => write!(f, "ip daddr . meta l4proto . th dport @{s}"),
+            Match::ServiceKeyInSet(s) => write!(f, "{ip} daddr . meta l4proto . th dport @{s}"),
         }
     }
 }
 
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        write!(f, "{}", InFamily(self, Family::Ipv4))
+    }
+}
+
+impl fmt::Display for InFamily<'_, Action> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ip = self.1.nft_name();
+        match self.0 {
             Action::Accept => write!(f, "accept"),
             Action::SetMarkAccept(m) => write!(f, "meta mark set {m:#010x} accept"),
             Action::TproxyAccept(port) => write!(f, "tproxy to :{port} accept"),
-            Action::Dnat(addr, port) => write!(f, "dnat to {addr}:{port}"),
+            Action::Dnat(addr, port) => write!(f, "dnat to {}", std::net::SocketAddr::new(*addr, *port)),
             Action::Jump(c) => write!(f, "jump {c}"),
             Action::CountAccept(c) => write!(f, "counter name {c:?} accept"),
             Action::CountJump(c, chain) => write!(f, "counter name {c:?} jump {chain}"),
-            Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ ip daddr . meta l4proto . th dport }}"),
+            Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ {ip} daddr . meta l4proto . th dport }}"),
             Action::RejectTcpReset => write!(f, "reject with tcp reset"),
             Action::RejectIcmpPortUnreachable => write!(f, "reject with icmp port-unreachable"),
         }
@@ -328,10 +376,16 @@ impl fmt::Display for Action {
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for m in &self.matches {
-            write!(f, "{m} ")?;
+        write!(f, "{}", InFamily(self, Family::Ipv4))
+    }
+}
+
+impl fmt::Display for InFamily<'_, Rule> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for m in &self.0.matches {
+            write!(f, "{} ", InFamily(m, self.1))?;
         }
-        write!(f, "{} comment {:?}", self.action, self.comment)
+        write!(f, "{} comment {:?}", InFamily(&self.0.action, self.1), self.0.comment)
     }
 }
 
@@ -339,6 +393,7 @@ impl fmt::Display for Element {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Element::Net(n) => write!(f, "{n}"),
+            Element::Net6(n) => write!(f, "{n}"),
             Element::Ports(p) => write!(f, "{p}"),
             Element::Addr(a) => write!(f, "{a}"),
             Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
@@ -351,7 +406,7 @@ impl fmt::Display for Element {
 /// golden files are the kernel's output, never this).
 impl fmt::Display for Table {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "table ip {} {{", self.name)?;
+        writeln!(f, "table {} {} {{", self.family.nft_name(), self.name)?;
         for c in &self.counters {
             writeln!(f, "\tcounter {c} {{\n\t}}")?;
         }
@@ -379,7 +434,7 @@ impl fmt::Display for Table {
                 )?;
             }
             for rule in &chain.rules {
-                writeln!(f, "\t\t{rule}")?;
+                writeln!(f, "\t\t{}", InFamily(rule, self.family))?;
             }
             writeln!(f, "\t}}")?;
         }

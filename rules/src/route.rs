@@ -70,12 +70,12 @@ impl PolicyRoute {
     /// Deletes the route. Ok(false) if it was not there.
     pub fn del_route(&self) -> Result<bool> {
         let msg = RouteNetlinkMessage::DelRoute(route_message(self, true));
-        // A missing route is ESRCH for IPv4 (a table that never existed too), ENOENT for IPv6.
-        let absent = match self.family {
-            Family::Ipv4 => libc::ESRCH,
-            Family::Ipv6 => libc::ENOENT,
-        };
-        absent_ok(transact(msg, 0), absent, "delete route")
+        // A missing route is ESRCH for IPv4 (a table that never existed too); IPv6 says
+        // ENOENT for a missing route and ESRCH for a table that never existed.
+        match (self.family, absent_ok(transact(msg, 0), libc::ESRCH, "delete route")) {
+            (Family::Ipv6, Err(Error::Route { source, .. })) if source.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            (_, other) => other,
+        }
     }
 
     /// Dumps rules and the routes of our table, and reports whether exactly our rule and our
@@ -513,6 +513,9 @@ mod tests {
         });
         assert!(!v4.rule_present && !v4.route_present, "IPv4 pair gone: {v4:?}");
         assert!(v6.rule_present && v6.route_present, "deleting the IPv4 pair leaves the IPv6 one: {v6:?}");
+        let never = PolicyRoute { table: 4242, ..PR6 };
+        let (rule, route) = in_netns(&name, move || (never.del_rule().unwrap(), never.del_route().unwrap()));
+        assert!(!rule && !route, "an IPv6 table that never existed has nothing to delete");
         let v6 = in_netns(&name, || {
             assert!(PR6.del_rule().unwrap() && PR6.del_route().unwrap());
             assert!(!PR6.del_rule().unwrap() && !PR6.del_route().unwrap(), "IPv6 pair already gone");

@@ -19,6 +19,7 @@ use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 
+use crate::family::Family;
 use crate::error::{Error, Result};
 use crate::model::*;
 use crate::nft;
@@ -265,7 +266,7 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
             rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
         ],
     });
-    Ok(Some(Table { name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
+    Ok(Some(Table { family: Family::Ipv4, name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
 }
 
 /// What `apply` did in the current netns.
@@ -288,9 +289,9 @@ pub enum Applied {
 /// counted between that read and the replace is lost; structure changes are mode changes).
 pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
     let Some(table) = services_table(layer)? else {
-        return nft::remove(TABLE).map(Applied::Removed);
+        return nft::remove(Family::Ipv4, TABLE).map(Applied::Removed);
     };
-    let Some(actual) = nft::kernel_view(TABLE)? else {
+    let Some(actual) = nft::kernel_view(Family::Ipv4, TABLE)? else {
         nft::program(&table)?;
         return Ok(Applied::Rebuilt);
     };
@@ -315,12 +316,42 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
 /// objects only). What ADD does, and what an apply does to a pod whose generation it cannot
 /// vouch for.
 pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
-    let Some(table) = services_table(layer)? else {
-        return nft::remove(TABLE).map(Applied::Removed);
-    };
-    let counters = nft::counters(TABLE)?;
-    nft::program_keeping(&table, &counters)?;
-    Ok(Applied::Rebuilt)
+    match Prepared::new(layer)? {
+        Some(p) => p.rebuild(),
+        None => nft::remove(Family::Ipv4, TABLE).map(Applied::Removed),
+    }
+}
+
+/// A layer made ready for many pod netns: the transaction that creates it encoded once, so
+/// an apply that rebuilds many pods pays the encoding once, and each pod without the layer
+/// costs what the kernel takes to create it.
+pub struct Prepared {
+    table: Table,
+    create: nft::Encoded,
+}
+
+impl Prepared {
+    /// `None` in mode `off` (no layer).
+    pub fn new(layer: &ServiceLayer) -> Result<Option<Prepared>> {
+        Ok(services_table(layer)?.map(|table| Prepared { create: nft::encode(&table), table }))
+    }
+
+    /// `rebuild` in the current netns: the encoded transaction where there is no layer yet,
+    /// otherwise the table replaced with its counters carried over.
+    pub fn rebuild(&self) -> Result<Applied> {
+        // The layer always has counters: none means no table (one small dump tells).
+        let counters = nft::counters(TABLE)?;
+        if counters.is_empty() {
+            match self.create.send() {
+                Ok(()) => return Ok(Applied::Rebuilt),
+                // Created since the look (the create is exclusive): replaced below.
+                Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        nft::program_keeping(&self.table, &counters)?;
+        Ok(Applied::Rebuilt)
+    }
 }
 
 /// The set elements that turn the layer for `old` into the layer for `new`, computed from the
@@ -459,13 +490,13 @@ fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) 
 
 /// Removes the layer from the current netns; `Ok(false)` when it was absent.
 pub fn remove() -> Result<bool> {
-    nft::remove(TABLE)
+    nft::remove(Family::Ipv4, TABLE)
 }
 
 /// Compares the kernel's layer with `layer`; an empty list means intact.
 pub fn verify(layer: &ServiceLayer) -> Result<Vec<String>> {
     let table = services_table(layer)?;
-    Ok(match (table, nft::kernel_view(TABLE)?) {
+    Ok(match (table, nft::kernel_view(Family::Ipv4, TABLE)?) {
         (None, None) => Vec::new(),
         (None, Some(_)) => vec![format!("table ip {TABLE} is present, but the mode is off")],
         (Some(_), None) => vec![format!("table ip {TABLE} is missing")],

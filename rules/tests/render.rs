@@ -5,7 +5,15 @@ use aether_rules::nft::{expected_view, Expr};
 use aether_rules::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 
 fn view(cfg: &CaptureConfig) -> aether_rules::nft::read::TableView {
-    expected_view(&capture_ruleset(cfg).unwrap().table)
+    expected_view(&capture_ruleset(cfg).unwrap().halves.remove(0).table)
+}
+
+/// An IPv6-only pod's configuration (its one half is the IPv6 table).
+fn v6(mode: CaptureMode) -> CaptureConfig {
+    let mut cfg = CaptureConfig::new(mode);
+    cfg.families = vec![aether_rules::Family::Ipv6];
+    cfg.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+    cfg
 }
 
 fn rule_exprs(v: &aether_rules::nft::read::TableView, chain: &str, comment_part: &str) -> Vec<Expr> {
@@ -28,6 +36,8 @@ const CMP_EQ: u32 = 0;
 const NF_ACCEPT: i32 = 1;
 const TRANSPORT_HEADER: u32 = 2;
 const NFPROTO_IPV4: u32 = 2;
+const NFPROTO_IPV6: u32 = 10;
+const NETWORK_HEADER: u32 = 1;
 const NAT_DNAT: u32 = 1;
 
 fn meta(key: u32) -> Expr {
@@ -167,4 +177,42 @@ fn every_rule_carries_a_comment() {
             }
         }
     }
+}
+
+/// The IPv6 half: the same rules, with the IPv6 header's destination (offset 24, 16 bytes),
+/// and tproxy and NAT of family IPv6 with a 16-byte address (what `nft` sends for
+/// `ip6 daddr @set`, `tproxy ip6 to :18001`, `dnat ip6 to [fd00::1]:18054`).
+#[test]
+fn the_ipv6_half_lowers_to_ipv6_registers() {
+    let v = view(&v6(CaptureMode::RedirectAll));
+    let set_lookup = |set: &str| Expr::Lookup { set: set.into(), sreg: 1, invert: false };
+    assert_eq!(
+        rule_exprs(&v, "egress_divert", "excluded destinations"),
+        [Expr::Payload { base: NETWORK_HEADER, offset: 24, len: 16, dreg: 1 }, set_lookup("excluded_nets"), accept()]
+    );
+    assert!(rule_exprs(&v, "loopback_tproxy", "diverted TCP").contains(&Expr::Tproxy {
+        family: NFPROTO_IPV6,
+        reg_addr: None,
+        reg_port: Some(1)
+    }));
+    let dnat = rule_exprs(&v, "dns_dnat", "DNS over TCP");
+    let fd00_1: std::net::Ipv6Addr = "fd00::1".parse().unwrap();
+    assert!(dnat.contains(&Expr::Immediate { dreg: 1, data: fd00_1.octets().to_vec() }), "{dnat:?}");
+    assert!(dnat.contains(&Expr::Nat {
+        kind: NAT_DNAT,
+        family: NFPROTO_IPV6,
+        reg_addr: Some((1, 1)),
+        reg_proto: Some((2, 2)),
+        flags: 0x3
+    }));
+    let text = aether_rules::nft::Exprs(rule_exprs(&v, "dns_dnat", "excluded destinations")).to_string();
+    assert_eq!(text, "r1 = ip6 daddr; r1 in @excluded_nets; accept");
+    // Interval elements of ipv6_addr: ff00::/8 runs to the top of the key space (no end key).
+    let nets = &v.sets.iter().find(|s| s.name == "excluded_nets").unwrap();
+    assert_eq!((nets.key_type, nets.key_len), (8, 16));
+    let ff: std::net::Ipv6Addr = "ff00::".parse().unwrap();
+    assert!(nets.elements.contains(&(ff.octets().to_vec(), false)));
+    let loopback_end: std::net::Ipv6Addr = "::2".parse().unwrap();
+    assert!(nets.elements.contains(&(loopback_end.octets().to_vec(), true)), "::1/128 ends at ::2");
+    assert_eq!(nets.elements.len(), 5, "::1/128 and fe80::/10 have ends, ff00::/8 none: {:?}", nets.elements);
 }

@@ -95,6 +95,23 @@ impl TestNetns {
     }
 }
 
+impl TestNetns {
+    /// [`TestNetns::snapshot`] plus `ip -6 rule` and `ip -6 route show table <table>`: the
+    /// state of a pod with IPv6 addresses.
+    pub fn snapshot_with_ipv6(&self, table: u32) -> String {
+        format!(
+            "{}# ip -6 rule\n{}# ip -6 route show table {table}\n{}",
+            self.snapshot(table),
+            self.exec("ip", &["-6", "rule"]),
+            match self.try_exec("ip", &["-6", "route", "show", "table", &table.to_string()]) {
+                (true, out, _) => out,
+                (false, _, err) if err.contains("FIB table does not exist") => String::new(),
+                (false, _, err) => panic!("ip -6 route show table {table}: {err}"),
+            },
+        )
+    }
+}
+
 impl Drop for TestNetns {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["netns", "del", &self.name]).status();

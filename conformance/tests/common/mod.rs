@@ -50,6 +50,35 @@ pub fn prev_result(version: &str) -> Value {
     })
 }
 
+/// A `prevResult` of `version` whose pod has `addresses` (CIDRs of either family, each
+/// with its family's gateway), otherwise as [`prev_result`].
+pub fn prev_result_with(version: &str, addresses: &[&str]) -> Value {
+    let mut prev = prev_result(version);
+    let v6 = |a: &str| a.contains(':');
+    prev["ips"] = addresses
+        .iter()
+        .map(|a| {
+            let (gw, ver) = if v6(a) { ("fd00:10:244::1", "6") } else { ("10.244.1.1", "4") };
+            let mut ip = json!({"address": a, "gateway": gw, "interface": 2});
+            if version == "0.4.0" {
+                ip["version"] = json!(ver);
+            }
+            ip
+        })
+        .collect();
+    prev["routes"] = addresses
+        .iter()
+        .map(|a| {
+            if v6(a) {
+                json!({"dst": "::/0", "gw": "fd00:10:244::1"})
+            } else {
+                json!({"dst": "0.0.0.0/0", "gw": "10.244.1.1"})
+            }
+        })
+        .collect();
+    prev
+}
+
 static STATE_DIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// A state directory of the test's own under cargo's target/tmp (the node's default is

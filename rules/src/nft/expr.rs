@@ -18,6 +18,7 @@ use netlink_packet_netfilter::nftables::{
 };
 
 use super::key;
+use crate::family::Family;
 use crate::model::{Action, Match};
 
 /// A register number (`NFT_REG_*`, `NFT_REG32_*`).
@@ -110,12 +111,22 @@ pub enum Expr {
     Other { name: String, attributes: Vec<(u16, Vec<u8>)> },
 }
 
-pub(crate) fn lower_match(m: &Match) -> Vec<Expr> {
+/// The destination address in the network header: IPv4's at 16 (4 bytes), IPv6's at 24 (16).
+fn daddr(family: Family, dreg: Reg) -> Expr {
+    let (offset, len) = match family {
+        Family::Ipv4 => (16, 4),
+        Family::Ipv6 => (24, 16),
+    };
+    Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset, len, dreg }
+}
+
+/// A match's expressions in a table of `family`.
+pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
     let meta = |key: i32| Expr::Meta { key: key as u32, dreg: REG_1 };
     let eq = |data: Vec<u8>| Expr::Cmp { sreg: REG_1, op: libc::NFT_CMP_EQ as u32, data };
     let l4proto = |p: crate::model::Proto| vec![meta(libc::NFT_META_L4PROTO), eq(vec![p.number()])];
     let dport = || Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 2, len: 2, dreg: REG_1 };
-    let daddr = || Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset: 16, len: 4, dreg: REG_1 };
+    let daddr = || daddr(family, REG_1);
     let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), sreg: REG_1, invert };
     let ct = |key: i32| Expr::Ct { key: key as u32, dreg: REG_1 };
     let bits = |mask: u32| Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: mask.to_ne_bytes().to_vec(), xor: vec![0; 4] };
@@ -163,7 +174,9 @@ fn service_key() -> Vec<Expr> {
     ]
 }
 
-pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
+/// An action's expressions in a table of `family` (tproxy and NAT name the family).
+pub(crate) fn lower_action(a: &Action, family: Family) -> Vec<Expr> {
+    let nfproto = u32::from(family.nfproto());
     let accept = || Expr::Verdict { code: libc::NF_ACCEPT, chain: None };
     let jump = |c: &String| Expr::Verdict { code: libc::NFT_JUMP, chain: Some(c.clone()) };
     let counter = |c: &String| Expr::Objref { kind: NFT_OBJECT_COUNTER, name: c.clone() };
@@ -176,16 +189,22 @@ pub(crate) fn lower_action(a: &Action) -> Vec<Expr> {
         ],
         Action::TproxyAccept(port) => vec![
             Expr::Immediate { dreg: REG_1, data: port.to_be_bytes().to_vec() },
-            Expr::Tproxy { family: libc::NFPROTO_IPV4 as u32, reg_addr: None, reg_port: Some(REG_1) },
+            Expr::Tproxy { family: nfproto, reg_addr: None, reg_port: Some(REG_1) },
             accept(),
         ],
         Action::Dnat(addr, port) => vec![
-            Expr::Immediate { dreg: REG_1, data: addr.octets().to_vec() },
+            Expr::Immediate {
+                dreg: REG_1,
+                data: match addr {
+                    std::net::IpAddr::V4(a) => a.octets().to_vec(),
+                    std::net::IpAddr::V6(a) => a.octets().to_vec(),
+                },
+            },
             Expr::Immediate { dreg: REG_2, data: port.to_be_bytes().to_vec() },
             // The kernel fills the range maxima from the minima and reports them.
             Expr::Nat {
                 kind: libc::NFT_NAT_DNAT as u32,
-                family: libc::NFPROTO_IPV4 as u32,
+                family: nfproto,
                 reg_addr: Some((REG_1, REG_1)),
                 reg_proto: Some((REG_2, REG_2)),
                 flags: NAT_RANGE_MAP_IPS | NAT_RANGE_PROTO_SPECIFIED,
@@ -606,10 +625,20 @@ fn ct_name(key: u32) -> String {
     }
 }
 
+/// `ip`, `ip6`, or the number of another family.
+fn family_name(family: u32) -> String {
+    match Family::ALL.into_iter().find(|f| u32::from(f.nfproto()) == family) {
+        Some(f) => f.nft_name().to_string(),
+        None => format!("family {family}"),
+    }
+}
+
 fn payload_name(base: u32, offset: u32, len: u32) -> String {
     match (base, offset, len) {
         (NFT_PAYLOAD_NETWORK_HEADER, 12, 4) => "ip saddr".into(),
         (NFT_PAYLOAD_NETWORK_HEADER, 16, 4) => "ip daddr".into(),
+        (NFT_PAYLOAD_NETWORK_HEADER, 8, 16) => "ip6 saddr".into(),
+        (NFT_PAYLOAD_NETWORK_HEADER, 24, 16) => "ip6 daddr".into(),
         (NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2) => "th sport".into(),
         (NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2) => "th dport".into(),
         (b, o, l) => {
@@ -691,7 +720,7 @@ impl fmt::Display for Expr {
             Expr::Reject { kind: NFT_REJECT_ICMP_UNREACH, code } => write!(f, "reject with icmp code {code}"),
             Expr::Reject { kind, code } => write!(f, "reject type {kind} code {code}"),
             Expr::Tproxy { family, reg_addr, reg_port } => {
-                let fam = if *family == libc::NFPROTO_IPV4 as u32 { "ip".to_string() } else { format!("family {family}") };
+                let fam = family_name(*family);
                 write!(f, "tproxy {fam} to")?;
                 if let Some(r) = reg_addr {
                     write!(f, " addr {}", RegName(*r))?;
@@ -707,7 +736,7 @@ impl fmt::Display for Expr {
                     libc::NFT_NAT_DNAT => "dnat",
                     _ => "nat?",
                 };
-                let fam = if *family == libc::NFPROTO_IPV4 as u32 { "ip".to_string() } else { format!("family {family}") };
+                let fam = family_name(*family);
                 write!(f, "{kind} {fam} to")?;
                 if let Some((a, b)) = reg_addr {
                     write!(f, " addr {}-{}", RegName(*a), RegName(*b))?;

@@ -1,7 +1,7 @@
 //! The one place for set key byte layouts and set flags: how a model element becomes key
 //! bytes, how key bytes read back, and what a set's flags mean.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use super::expr::Reg;
 use crate::model::{Element, KeyType, Proto};
@@ -40,6 +40,7 @@ pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
     match (key, e) {
         (KeyType::Ipv4Addr, Element::Addr(a)) => a.octets().to_vec(),
         (KeyType::Ipv4Addr, Element::Net(n)) if n.prefix_len() == 32 => n.addr().octets().to_vec(),
+        (KeyType::Ipv6Addr, Element::Net6(n)) if n.prefix_len() == 128 => n.addr().octets().to_vec(),
         (KeyType::InetService, Element::Ports(r)) if r.first == r.last => r.first.to_be_bytes().to_vec(),
         (KeyType::ServiceKey, Element::Service(a, proto, port)) => service_key(*a, proto.number(), *port).to_vec(),
         (KeyType::InetProto, Element::Proto(p)) => vec![p.number()],
@@ -55,6 +56,13 @@ pub(crate) fn interval_keys(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
             let mut v = vec![(n.network().octets().to_vec(), false)];
             if let Some(next) = u32::from(n.broadcast()).checked_add(1) {
                 v.push((Ipv4Addr::from(next).octets().to_vec(), true));
+            }
+            v
+        }
+        (KeyType::Ipv6Addr, Element::Net6(n)) => {
+            let mut v = vec![(n.network().octets().to_vec(), false)];
+            if let Some(next) = u128::from(n.broadcast()).checked_add(1) {
+                v.push((Ipv6Addr::from(next).octets().to_vec(), true));
             }
             v
         }
@@ -82,6 +90,7 @@ pub(crate) fn element_keys(set: &crate::model::Set, elements: &[Element]) -> Vec
 pub fn show_key(key: &[u8], end: bool) -> String {
     let k = match key.len() {
         4 => Ipv4Addr::new(key[0], key[1], key[2], key[3]).to_string(),
+        16 => Ipv6Addr::from(<[u8; 16]>::try_from(key).expect("16 bytes")).to_string(),
         2 => u16::from_be_bytes([key[0], key[1]]).to_string(),
         1 => proto_name(key[0]),
         SERVICE_KEY_LEN => {

@@ -21,6 +21,7 @@ use netlink_packet_netfilter::nftables::{
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 
 use crate::error::{Error, Result};
+use crate::family::Family;
 use crate::model::Table;
 use crate::netlink::{Socket, NETLINK_NETFILTER};
 use read::TableView;
@@ -63,8 +64,15 @@ fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
 /// Runs a dump and parses its messages. A message that does not parse is skipped when it
 /// is not about `table` (someone else's, with attributes newer than the crate) and is an
 /// error when it is (CHECK must not pass over what it cannot read).
-fn dump(sock: &mut Socket, request: NfTablesMessage, table: &str, op: &'static str) -> Result<Vec<NfTablesMessage>> {
-    let raw = match sock.dump_raw(render::message(request)) {
+/// Dumps are of one family: the kernel reports only tables of the family the request names.
+fn dump(
+    sock: &mut Socket,
+    family: Family,
+    request: NfTablesMessage,
+    table: &str,
+    op: &'static str,
+) -> Result<Vec<NfTablesMessage>> {
+    let raw = match sock.dump_raw(render::message(family, request)) {
         Ok(r) => r,
         // No such table (or set): nothing to dump.
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(Vec::new()),
@@ -122,8 +130,34 @@ pub(crate) fn program(table: &Table) -> Result<()> {
 /// A table deleted in that window is harmless: the replace creates it first.
 pub(crate) fn program_keeping(table: &Table, counters: &BTreeMap<String, (u64, u64)>) -> Result<()> {
     let mut sock = open()?;
-    let exists = table_flags(&mut sock, &table.name)?.is_some();
+    let exists = table_flags(&mut sock, table.family, &table.name)?.is_some();
     program_on(&mut sock, table, counters, exists)
+}
+
+/// Makes the current netns hold exactly `tables` (a pod's IPv4 and IPv6 halves), all in
+/// one transaction: the kernel applies both or neither. Each is created, or replaced if
+/// there, as `program` does for one.
+pub(crate) fn program_tables(tables: &[&Table]) -> Result<()> {
+    if let [table] = tables {
+        return program(table);
+    }
+    let mut sock = open()?;
+    let mut plan = Vec::with_capacity(tables.len());
+    for t in tables {
+        let exists = table_flags(&mut sock, t.family, &t.name)?.is_some();
+        plan.push((*t, if exists { Existing::Replace } else { Existing::Refuse }));
+    }
+    match commit(&mut sock, &render::tables_batch(&plan)) {
+        // One appeared since the lookup: replace them all instead.
+        Err(Error::Transaction { object, source })
+            if source.raw_os_error() == Some(libc::EEXIST)
+                && tables.iter().any(|t| object == render::table_label(t.family, &t.name)) =>
+        {
+            let replace: Vec<_> = tables.iter().map(|t| (*t, Existing::Replace)).collect();
+            commit(&mut sock, &render::tables_batch(&replace))
+        }
+        other => other,
+    }
 }
 
 /// `program_keeping` once the lookup said whether the table `exists` (which may no longer
@@ -134,7 +168,7 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
     }
     match commit(sock, &render::table_batch_keeping(table, counters, Existing::Refuse)) {
         Err(Error::Transaction { object, source })
-            if source.raw_os_error() == Some(libc::EEXIST) && object == render::table_label(&table.name) =>
+            if source.raw_os_error() == Some(libc::EEXIST) && object == render::table_label(table.family, &table.name) =>
         {
             commit(sock, &render::table_batch_keeping(table, counters, Existing::Replace))
         }
@@ -162,7 +196,7 @@ pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<
     if changes.is_empty() {
         return Ok(());
     }
-    commit(&mut open()?, &render::element_changes(table, changes))
+    commit(&mut open()?, &render::element_changes(Family::Ipv4, table, changes))
 }
 
 fn obj_request(table: &str) -> NfTablesMessage {
@@ -174,7 +208,7 @@ fn obj_request(table: &str) -> NfTablesMessage {
 
 /// The named counters of `table` in the current netns (empty when there is no such table).
 pub fn counters(table: &str) -> Result<BTreeMap<String, (u64, u64)>> {
-    let objs = dump(&mut open()?, obj_request(table), table, "dump counters")?;
+    let objs = dump(&mut open()?, Family::Ipv4, obj_request(table), table, "dump counters")?;
     Ok(TableView::from_messages(table, &objs).counters)
 }
 
@@ -182,7 +216,7 @@ pub fn counters(table: &str) -> Result<BTreeMap<String, (u64, u64)>> {
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
 pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
-    let messages = dump(&mut open()?, elements_request(table, set), table, "dump set elements")?;
+    let messages = dump(&mut open()?, Family::Ipv4, elements_request(table, set), table, "dump set elements")?;
     let mut out = Vec::new();
     for m in &messages {
         if let NfTablesMessage::NewSetElement(e) = m {
@@ -219,12 +253,12 @@ fn elements_request(table: &str, set: &str) -> NfTablesMessage {
 /// of the table; now it costs the lookup (~0.1 ms). Deleting a table costs a grace period
 /// too (~8 ms, measured on 6.18); that one is the kernel's: `NFT_MSG_DESTROYTABLE` (which
 /// would also spare the lookup) measured the same, and is not in kernels before 6.3.
-pub(crate) fn remove(name: &str) -> Result<bool> {
+pub(crate) fn remove(family: Family, name: &str) -> Result<bool> {
     let mut sock = open()?;
-    if table_flags(&mut sock, name)?.is_none() {
+    if table_flags(&mut sock, family, name)?.is_none() {
         return Ok(false);
     }
-    match commit(&mut sock, &render::delete_table(name)) {
+    match commit(&mut sock, &render::delete_table(family, name)) {
         Ok(()) => Ok(true),
         // Deleted by someone else since the lookup.
         Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => Ok(false),
@@ -239,8 +273,9 @@ pub fn expected_view(table: &Table) -> TableView {
 }
 
 /// The flags of table `name` (e.g. dormant), or `None` when there is no such table.
-fn table_flags(sock: &mut Socket, name: &str) -> Result<Option<u32>> {
-    let tables = dump(sock, NfTablesMessage::GetTable(TableMessage { attributes: vec![] }), name, "dump tables")?;
+fn table_flags(sock: &mut Socket, family: Family, name: &str) -> Result<Option<u32>> {
+    let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
+    let tables = dump(sock, family, request, name, "dump tables")?;
     Ok(tables.iter().find_map(|m| match m {
         NfTablesMessage::NewTable(t) if t.attributes.iter().any(|a| matches!(a, TableAttribute::Name(n) if n == name)) => {
             Some(
@@ -259,25 +294,27 @@ fn table_flags(sock: &mut Socket, name: &str) -> Result<Option<u32>> {
 
 /// What the kernel holds of table `name` in the current netns, or `None` if it has no such
 /// table.
-pub fn kernel_view(name: &str) -> Result<Option<TableView>> {
+pub fn kernel_view(family: Family, name: &str) -> Result<Option<TableView>> {
     let mut sock = open()?;
-    let Some(flags) = table_flags(&mut sock, name)? else {
+    let Some(flags) = table_flags(&mut sock, family, name)? else {
         return Ok(None);
     };
-    let mut messages = dump(&mut sock, set_request(name), name, "dump sets")?;
+    let mut messages = dump(&mut sock, family, set_request(name), name, "dump sets")?;
     let set_names: Vec<String> = TableView::from_messages(name, &messages).sets.into_iter().map(|s| s.name).collect();
     for set in &set_names {
-        messages.extend(dump(&mut sock, elements_request(name, set), name, "dump set elements")?);
+        messages.extend(dump(&mut sock, family, elements_request(name, set), name, "dump set elements")?);
     }
-    messages.extend(dump(&mut sock, obj_request(name), name, "dump counters")?);
+    messages.extend(dump(&mut sock, family, obj_request(name), name, "dump counters")?);
     messages.extend(dump(
         &mut sock,
+        family,
         NfTablesMessage::GetChain(netlink_packet_netfilter::nftables::ChainMessage { attributes: vec![] }),
         name,
         "dump chains",
     )?);
     messages.extend(dump(
         &mut sock,
+        family,
         NfTablesMessage::GetRule(RuleMessage { attributes: vec![RuleAttribute::Table(name.to_string())] }),
         name,
         "dump rules",
@@ -294,11 +331,20 @@ mod tests {
     fn table() -> Table {
         let mut cfg = crate::CaptureConfig::new(crate::CaptureMode::RedirectAll);
         cfg.dns = Some(crate::DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
-        crate::capture_ruleset(&cfg).unwrap().table
+        crate::capture_ruleset(&cfg).unwrap().halves.remove(0).table
+    }
+
+    /// A dual-stack pod's two tables.
+    fn dual() -> Vec<Table> {
+        let mut cfg = crate::CaptureConfig::new(crate::CaptureMode::RedirectAll);
+        cfg.families = Family::ALL.to_vec();
+        cfg.dns = Some(crate::DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+        cfg.dns_ipv6 = Some(crate::DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+        crate::capture_ruleset(&cfg).unwrap().halves.into_iter().map(|h| h.table).collect()
     }
 
     fn intact(t: &Table) {
-        let actual = kernel_view(&t.name).unwrap().expect("the table is there");
+        let actual = kernel_view(t.family, &t.name).unwrap().expect("the table is there");
         assert_eq!(read::diff(&expected_view(t), &actual), Vec::<String>::new());
         let rules = |v: &TableView| v.chains.iter().map(|c| c.rules.len()).sum::<usize>();
         assert_eq!(rules(&actual), t.chains.iter().map(|c| c.rules.len()).sum::<usize>());
@@ -312,14 +358,18 @@ mod tests {
         for mode in [crate::CaptureMode::RedirectAll, crate::CaptureMode::Scoped] {
             for (dns, exclusions) in [(false, false), (true, false), (true, true)] {
                 let mut cfg = crate::CaptureConfig::new(mode);
+                cfg.families = Family::ALL.to_vec();
                 if dns {
                     cfg.dns = Some(crate::DnsDivert { host_ip: "10.0.0.1".parse().unwrap(), port: 18054 });
+                    cfg.dns_ipv6 = Some(crate::DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
                 }
                 if exclusions {
-                    cfg.excluded_cidrs = vec!["10.1.0.0/16".parse().unwrap(), "240.0.0.0/4".parse().unwrap()];
+                    cfg.excluded_cidrs = ["10.1.0.0/16", "240.0.0.0/4", "fd00:1::/32", "2001:db8::7/128"]
+                        .map(|n| n.parse::<ipnet::IpNet>().unwrap().trunc())
+                        .to_vec();
                     cfg.excluded_ports = vec!["8080".parse().unwrap(), "65000-65535".parse().unwrap()];
                 }
-                out.push(crate::capture_ruleset(&cfg).unwrap().table);
+                out.extend(crate::capture_ruleset(&cfg).unwrap().halves.into_iter().map(|h| h.table));
             }
         }
         for mode in [LayerMode::Count, LayerMode::Refuse] {
@@ -377,15 +427,54 @@ mod tests {
             program_on(&mut sock, &t, &BTreeMap::new(), false).unwrap();
             intact(&t);
             // Deleted after a lookup that found it: the replace creates it first.
-            assert!(remove(&t.name).unwrap());
+            assert!(remove(t.family, &t.name).unwrap());
             program_on(&mut sock, &t, &BTreeMap::new(), true).unwrap();
             intact(&t);
             // A re-program replaces; removing twice finds nothing the second time.
             program(&t).unwrap();
             intact(&t);
-            assert!(remove(&t.name).unwrap());
-            assert!(!remove(&t.name).unwrap());
-            assert!(kernel_view(&t.name).unwrap().is_none());
+            assert!(remove(t.family, &t.name).unwrap());
+            assert!(!remove(t.family, &t.name).unwrap());
+            assert!(kernel_view(t.family, &t.name).unwrap().is_none());
+        })
+        .unwrap();
+    }
+
+    /// A dual-stack pod's tables go in one transaction: both, or (when the kernel refuses
+    /// one) neither; same-named tables of the two families are two tables, read, replaced
+    /// and removed each on its own.
+    #[test]
+    fn both_families_go_in_one_transaction() {
+        if !aether_testkit::root_or_skip("both_families_go_in_one_transaction") {
+            return;
+        }
+        let tables = dual();
+        let refs: Vec<&Table> = tables.iter().collect();
+        assert_eq!((tables[0].family, tables[1].family), (Family::Ipv4, Family::Ipv6));
+        aether_netns::run_in_private(|| {
+            program_tables(&refs).unwrap();
+            tables.iter().for_each(intact);
+            // Again: both replaced, still one of each.
+            program_tables(&refs).unwrap();
+            tables.iter().for_each(intact);
+            assert!(remove(Family::Ipv6, &tables[1].name).unwrap());
+            assert!(kernel_view(Family::Ipv6, &tables[1].name).unwrap().is_none());
+            intact(&tables[0]);
+            // One there, one not: the missing one is created, the other replaced.
+            program_tables(&refs).unwrap();
+            tables.iter().for_each(intact);
+            for t in &tables {
+                assert!(remove(t.family, &t.name).unwrap());
+            }
+            // All or nothing: a broken IPv6 table (a rule naming a set it lacks) takes the
+            // IPv4 one down with it.
+            let mut broken = tables[1].clone();
+            broken.sets.clear();
+            let err = program_tables(&[&tables[0], &broken]).unwrap_err().to_string();
+            assert!(err.contains("table ip6 aether_capture"), "{err}");
+            for t in &tables {
+                assert!(kernel_view(t.family, &t.name).unwrap().is_none(), "{} left behind", t.family);
+            }
         })
         .unwrap();
     }

@@ -13,6 +13,7 @@ use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProto
 
 use super::expr::{self, lower_action, lower_match, Expr, NFT_OBJECT_COUNTER};
 use super::key;
+use crate::family::Family;
 use crate::model;
 
 /// Elements per NEWSETELEM/DELSETELEM message: well under the 64 KiB a message can hold
@@ -36,12 +37,17 @@ const COUNTER_PACKETS: u16 = 2;
 pub(crate) struct Batch {
     pub messages: Vec<(NfTablesMessage, u16)>,
     pub labels: Vec<String>,
+    /// The family of each message's table.
+    pub families: Vec<Family>,
+    /// Set IDs name sets created in this transaction: unique across its tables.
+    next_set_id: u32,
 }
 
 impl Batch {
-    fn add(&mut self, msg: NfTablesMessage, flags: u16, label: String) {
+    fn add(&mut self, family: Family, msg: NfTablesMessage, flags: u16, label: String) {
         self.messages.push((msg, flags));
         self.labels.push(label);
+        self.families.push(family);
     }
 
     /// The wire form: batch begin, the messages, batch end, numbered from `first_seq`
@@ -54,8 +60,8 @@ impl Batch {
             0,
             first_seq,
         );
-        for (i, (msg, flags)) in self.messages.iter().enumerate() {
-            out.extend(crate::netlink::encode(message(msg.clone()), *flags, first_seq + 1 + i as u32));
+        for (i, ((msg, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
+            out.extend(crate::netlink::encode(message(*family, msg.clone()), *flags, first_seq + 1 + i as u32));
         }
         let end = first_seq + 1 + self.messages.len() as u32;
         out.extend(crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchEnd), 0, end));
@@ -68,9 +74,13 @@ impl Batch {
     }
 }
 
-/// An nftables message of family `ip`.
-pub(crate) fn message(m: NfTablesMessage) -> NetfilterMessage {
-    NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::IPv4, 0, 0), m)
+/// An nftables message about a table of `family` (`ip` or `ip6`; a dump of that family).
+pub(crate) fn message(family: Family, m: NfTablesMessage) -> NetfilterMessage {
+    let f = match family {
+        Family::Ipv4 => NetfilterProtoFamily::IPv4,
+        Family::Ipv6 => NetfilterProtoFamily::IPv6,
+    };
+    NetfilterMessage::new(NetfilterHeader::new(f, 0, 0), m)
 }
 
 /// What a table batch does about a table of the same name the kernel may already hold.
@@ -97,6 +107,16 @@ pub(crate) fn table_batch(table: &model::Table, existing: Existing) -> Batch {
     table_batch_keeping(table, &BTreeMap::new(), existing)
 }
 
+/// Several tables in one transaction (a dual-stack pod's two halves), each with what becomes
+/// of a table of its family and name the kernel may already hold.
+pub(crate) fn tables_batch(tables: &[(&model::Table, Existing)]) -> Batch {
+    let mut b = Batch::default();
+    for (table, existing) in tables {
+        add_table(&mut b, table, &BTreeMap::new(), *existing);
+    }
+    b
+}
+
 /// `table_batch`, with the named counters starting from the given (packets, bytes), so a
 /// rebuild does not lose what they counted.
 pub(crate) fn table_batch_keeping(
@@ -105,61 +125,68 @@ pub(crate) fn table_batch_keeping(
     existing: Existing,
 ) -> Batch {
     let mut b = Batch::default();
-    let label = table_label(&table.name);
+    add_table(&mut b, table, counters, existing);
+    b
+}
+
+fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u64, u64)>, existing: Existing) {
+    let family = table.family;
+    let label = table_label(family, &table.name);
     let new_table = || NfTablesMessage::NewTable(table_message(&table.name));
+    // An error names the object the kernel refused; in the IPv6 table, the table too.
+    let named = |what: String| if family == Family::Ipv4 { what } else { format!("{what} of {label}") };
     match existing {
-        Existing::Refuse => b.add(new_table(), NLM_F_CREATE | NLM_F_EXCL, label),
+        Existing::Refuse => b.add(family, new_table(), NLM_F_CREATE | NLM_F_EXCL, label.clone()),
         Existing::Replace => {
-            b.add(new_table(), NLM_F_CREATE, label.clone());
-            b.add(
-                NfTablesMessage::DeleteTable(table_message(&table.name)),
-                0,
-                format!("flush of table ip {}", table.name),
-            );
-            b.add(new_table(), NLM_F_CREATE, label);
+            b.add(family, new_table(), NLM_F_CREATE, label.clone());
+            b.add(family, NfTablesMessage::DeleteTable(table_message(&table.name)), 0, format!("flush of {label}"));
+            b.add(family, new_table(), NLM_F_CREATE, label.clone());
         }
     }
     for name in &table.counters {
         let start = counters.get(name).copied().unwrap_or((0, 0));
-        b.add(counter(&table.name, name, start), NLM_F_CREATE, format!("counter {name}"));
+        b.add(family, counter(&table.name, name, start), NLM_F_CREATE, named(format!("counter {name}")));
     }
-    for (i, set) in table.sets.iter().enumerate() {
-        let id = i as u32 + 1;
-        b.add(set_message(&table.name, set, id), NLM_F_CREATE, format!("set {}", set.name));
+    for set in &table.sets {
+        b.next_set_id += 1;
+        let id = b.next_set_id;
+        b.add(family, set_message(&table.name, set, id), NLM_F_CREATE, named(format!("set {}", set.name)));
         // A netlink message holds at most 64 KiB: elements go in chunks.
         for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
             let elems = elements(&table.name, &set.name, Some(id), &key::element_keys(set, chunk));
-            b.add(NfTablesMessage::NewSetElement(elems), NLM_F_CREATE, format!("elements of set {}", set.name));
+            let what = named(format!("elements of set {}", set.name));
+            b.add(family, NfTablesMessage::NewSetElement(elems), NLM_F_CREATE, what);
         }
     }
     for c in &table.chains {
-        b.add(NfTablesMessage::NewChain(chain(&table.name, c)), NLM_F_CREATE, format!("chain {}", c.name));
+        b.add(family, NfTablesMessage::NewChain(chain(&table.name, c)), NLM_F_CREATE, named(format!("chain {}", c.name)));
     }
     for c in &table.chains {
         for (i, r) in c.rules.iter().enumerate() {
             b.add(
-                NfTablesMessage::NewRule(rule(&table.name, &c.name, r)),
+                family,
+                NfTablesMessage::NewRule(rule(&table.name, &c.name, r, family)),
                 NLM_F_CREATE | NLM_F_APPEND,
-                format!("rule {} of chain {} ({})", i + 1, c.name, r.comment),
+                named(format!("rule {} of chain {} ({})", i + 1, c.name, r.comment)),
             );
         }
     }
-    b
 }
 
 /// The label of the (first) table message of a table batch.
-pub(crate) fn table_label(name: &str) -> String {
-    format!("table ip {name}")
+pub(crate) fn table_label(family: Family, name: &str) -> String {
+    format!("table {} {name}", family.nft_name())
 }
 
 /// A change of set elements only: for each set, the raw keys (with their interval-end flag)
 /// to delete and to add, in one transaction. Sets are described as the kernel reports them.
-pub(crate) fn element_changes(table: &str, changes: &[ElementChange]) -> Batch {
+pub(crate) fn element_changes(family: Family, table: &str, changes: &[ElementChange]) -> Batch {
     let mut b = Batch::default();
     for c in changes {
         // Changes of interval sets are rebuilt whole, so a chunk never splits a range.
         for chunk in c.delete.chunks(ELEMENTS_PER_MESSAGE) {
             b.add(
+                family,
                 NfTablesMessage::DeleteSetElement(elements(table, &c.set, None, chunk)),
                 0,
                 format!("{} element(s) removed from set {}", chunk.len(), c.set),
@@ -167,6 +194,7 @@ pub(crate) fn element_changes(table: &str, changes: &[ElementChange]) -> Batch {
         }
         for chunk in c.add.chunks(ELEMENTS_PER_MESSAGE) {
             b.add(
+                family,
                 NfTablesMessage::NewSetElement(elements(table, &c.set, None, chunk)),
                 NLM_F_CREATE,
                 format!("{} element(s) added to set {}", chunk.len(), c.set),
@@ -185,9 +213,9 @@ pub struct ElementChange {
 }
 
 /// The transaction that deletes `name` (with everything in it).
-pub(crate) fn delete_table(name: &str) -> Batch {
+pub(crate) fn delete_table(family: Family, name: &str) -> Batch {
     let mut b = Batch::default();
-    b.add(NfTablesMessage::DeleteTable(table_message(name)), 0, format!("delete of table ip {name}"));
+    b.add(family, NfTablesMessage::DeleteTable(table_message(name)), 0, format!("delete of {}", table_label(family, name)));
     b
 }
 
@@ -277,13 +305,13 @@ fn chain(table: &str, c: &model::Chain) -> ChainMessage {
 }
 
 /// A rule's expressions, as lowered from the model.
-pub(crate) fn rule_exprs(r: &model::Rule) -> Vec<Expr> {
-    let mut out: Vec<Expr> = r.matches.iter().flat_map(lower_match).collect();
-    out.extend(lower_action(&r.action));
+pub(crate) fn rule_exprs(r: &model::Rule, family: Family) -> Vec<Expr> {
+    let mut out: Vec<Expr> = r.matches.iter().flat_map(|m| lower_match(m, family)).collect();
+    out.extend(lower_action(&r.action, family));
     out
 }
 
-fn rule(table: &str, chain: &str, r: &model::Rule) -> RuleMessage {
+fn rule(table: &str, chain: &str, r: &model::Rule, family: Family) -> RuleMessage {
     let mut comment = r.comment.as_bytes().to_vec();
     comment.push(0);
     let mut udata = vec![UDATA_RULE_COMMENT, u8::try_from(comment.len()).expect("comments are short constants")];
@@ -292,7 +320,7 @@ fn rule(table: &str, chain: &str, r: &model::Rule) -> RuleMessage {
         attributes: vec![
             RuleAttribute::Table(table.to_string()),
             RuleAttribute::Chain(chain.to_string()),
-            RuleAttribute::Expressions(rule_exprs(r).iter().map(Expr::encode).collect()),
+            RuleAttribute::Expressions(rule_exprs(r, family).iter().map(Expr::encode).collect()),
             RuleAttribute::UserData(udata),
         ],
     }
