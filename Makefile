@@ -67,6 +67,8 @@ demo: build
 bench: deps build clients-deps
 	AETHER_BENCH_BIN=$(CURDIR)/target/$(TARGET)/release/aether-cni $(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
+	@# cargo bench rebuilt target/release/aether-cni (dynamic, for CARGO_BIN_EXE): put the static one back
+	install -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
 
 ## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a
 ## Service apply each round), then checks nothing is left behind (root; bounded)
