@@ -7,6 +7,8 @@
 //! - shell-out baseline: the same ruleset by `nft -f` plus `ip rule` and `ip route`, the way
 //!   a plugin that execs the tools would do it, then `nft delete table` + `ip rule del`
 //! - CHECK in-process (`verify`) against `nft list table` by exec
+//! - a dual-stack pod: both families' tables in one transaction, plus a rule and a route
+//!   each, against the IPv4-only pod above
 //!
 //! Needs root (it makes its own netns, deleted again even on a panic). Prints medians, p90s
 //! and ratios; asserts only that each step succeeds. `AETHER_BENCH_ROUNDS` overrides the
@@ -190,6 +192,19 @@ fn run(ns: &TestNetns) {
     netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&state);
 
+    println!("\na dual-stack pod (IPv4 and IPv6 tables, one transaction; a rule and a route each):");
+    let mut dual_cfg = cfg.clone();
+    dual_cfg.families = aether_rules::Family::ALL.to_vec();
+    dual_cfg.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+    let dual = capture_ruleset(&dual_cfg).unwrap();
+    let (adds, _) = install_remove(&netns, &dual, false);
+    let dual_fresh = stat("install, fresh netns (ADD)", adds);
+    netns.run(|| aether_rules::install(&dual, None).unwrap()).unwrap();
+    let dual_check = measure("in-process CHECK (dump + compare)", || {
+        assert!(netns.run(|| aether_rules::verify(&dual).unwrap()).unwrap().is_empty())
+    });
+    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &dual.policy_routes()).unwrap()).unwrap();
+
     println!("\nratios (of medians):");
     ratio("remove / fresh install", remove, fresh);
     ratio("re-ADD install / fresh install", readd, fresh);
@@ -198,4 +213,6 @@ fn run(ns: &TestNetns) {
     ratio("plugin exec / in-process", exec, inproc);
     ratio("shell-out / plugin exec", shell, exec);
     ratio("nft list exec / in-process CHECK", list, check);
+    ratio("dual-stack ADD / IPv4 ADD", dual_fresh, fresh);
+    ratio("dual-stack CHECK / IPv4 CHECK", dual_check, check);
 }
