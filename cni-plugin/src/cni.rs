@@ -251,6 +251,7 @@ fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         if fail.as_deref() == Some("services") {
             return Err(CniError::new(code::IO_FAILURE, "injected failure at step services"));
         }
+        services::end_stale_fold(&conf.state_dir, &netns, &format!("{}/{id}/{ifname}", conf.name))?;
         services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
     });
     let generation = match layered {

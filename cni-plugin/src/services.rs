@@ -237,7 +237,8 @@ impl ServicesDir {
             Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
         };
         snapshot::parse(&text)
-            .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0))))
+            // No source digest: the next apply, whatever it sends, writes `layer.bin`.
+            .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0), 0)))
             .map_err(|errs| format!("stored snapshot {} is invalid: {}", path.display(), errs.join("; ")))
     }
 
@@ -490,8 +491,12 @@ fn describe(a: &Applied) -> String {
 /// back; a pod that already holds this content is not touched; any other pod (new, behind by
 /// more than one generation, or whose change the kernel refused) is rebuilt.
 pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec<String>> {
-    let snap = snapshot::parse(text)?;
-    let new = StoredLayer::new(snap.generation, &snap.layer(0));
+    // The very document already stored (the agent sending it again) is not parsed again:
+    // `layer.bin` records which document it was made from.
+    let source = layer_file::source_digest(text);
+    let made_from_it = |stored: Option<StoredLayer>| stored.filter(|s| s.source == source);
+    let stored_source = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(_, source)| source);
+    let mut parsed = if stored_source == Some(source) { None } else { Some(snapshot::parse(text)?) };
     let _lock = dir.lock(true).map_err(|e| vec![e])?;
     let mut warnings = Vec::new();
     // A stored layer that no longer reads (a damaged file, another format) must not lock the
@@ -500,25 +505,40 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
+    let new = match made_from_it(previous.clone()) {
+        Some(same) => same,
+        None => {
+            let snap = match parsed.take() {
+                Some(s) => s,
+                // Stored by a racing apply and replaced since the look above.
+                None => snapshot::parse(text)?,
+            };
+            StoredLayer::new(snap.generation, &snap.layer(0), source)
+        }
+    };
     if let Some(old) = &previous {
-        if snap.generation < old.generation {
+        if new.generation < old.generation {
             return Err(vec![format!(
                 "generation: {} is older than the stored generation {}; nothing changed",
-                snap.generation, old.generation
+                new.generation, old.generation
             )]);
         }
-        if snap.generation == old.generation && old.digest != new.digest {
+        if new.generation == old.generation && old.digest != new.digest {
             return Err(vec![format!(
                 "generation: {} is already stored with different content; a new snapshot needs a new generation",
-                snap.generation
+                new.generation
             )]);
         }
     }
-    dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
-    dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
+    if previous.as_ref().is_none_or(|old| old.source != source) {
+        dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
+        dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
+    }
     let node_mark = dir.divert_mark();
-    // One change per divert mark in use (in practice one), computed on first need.
+    // One change and one encoded layer per divert mark in use (in practice one), made on
+    // first need.
     let mut changes: BTreeMap<u32, Option<LayerChange>> = BTreeMap::new();
+    let mut prepared: BTreeMap<u32, Option<layer::Prepared>> = BTreeMap::new();
     let scan = StateDir::new(&dir.state).scan();
     for u in &scan.unreadable {
         warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
@@ -571,21 +591,29 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
             }
             Ok(ns) => {
                 let held = dir.pod_holds(&ns);
-                let outcome = match (&held, &previous) {
-                    (Some(h), _) if h.is(&new, mark) => Ok(Applied::Unchanged),
-                    (Some(h), Some(prev)) if h.is(prev, mark) => {
-                        let change = changes
+                let change = match (&held, &previous) {
+                    (Some(h), _) if h.is(&new, mark) => None,
+                    (Some(h), Some(prev)) if h.is(prev, mark) => Some(
+                        changes
                             .entry(mark)
-                            .or_insert_with(|| LayerChange::between(&prev.for_pod(mark), &l).ok().flatten());
-                        match change {
-                            // Refused (the pod's layer is not what its file says): rebuilt.
-                            Some(c) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
+                            .or_insert_with(|| LayerChange::between(&prev.for_pod(mark), &l).ok().flatten())
+                            .as_ref(),
+                    ),
+                    _ => Some(None),
+                };
+                let outcome = match change {
+                    None => Ok(Applied::Unchanged),
+                    // Refused (the pod's layer is not what its file says): rebuilt.
+                    Some(Some(c)) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
+                    Some(None) => {
+                        let ready = prepared.entry(mark).or_insert_with(|| layer::Prepared::new(&l).ok().flatten());
+                        match ready {
+                            Some(p) => flat(ns.run(|| p.rebuild())),
                             None => flat(ns.run(|| layer::rebuild(&l))),
                         }
                     }
-                    _ => flat(ns.run(|| layer::rebuild(&l))),
                 };
-                if outcome.is_ok() && held.is_none_or(|h| h.generation != new.generation || !h.is(&new, mark)) {
+                if outcome.is_ok() && held.is_none_or(|h| !h.is(&new, mark)) {
                     if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(&new, &ns, mark)) {
                         warnings.push(e);
                     }
@@ -609,7 +637,7 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         removed_keys.retain(|k| folded_keys.contains(k));
         dir.end_folding(&removed_keys).map_err(|e| vec![e])?;
     }
-    Ok(ApplyReport { generation: snap.generation, pods, warnings })
+    Ok(ApplyReport { generation: new.generation, pods, warnings })
 }
 
 /// For ADD, in the host netns, after the attachment record is written: applies the stored
@@ -646,6 +674,25 @@ pub fn apply_current_snapshot_in_netns(
         crate::warn!("{e}");
     }
     Ok(Some(stored.generation))
+}
+
+/// For ADD, before `apply_current_snapshot_in_netns`: ends the folding mark of attachment
+/// `key` if a DEL killed after removing its layer left one and no layer is there now. The
+/// layer ADD makes counts from zero; with the old mark still there, readers would subtract
+/// the old pod's folded counts from the new one's (a runtime re-ADDs the same container, e.g.
+/// podman's network reload: DEL then ADD). Costs one small read when there is no mark.
+pub fn end_stale_fold(state_dir: &Path, netns: &Netns, key: &str) -> Result<(), CniError> {
+    let dir = ServicesDir::new(state_dir);
+    let marked = |dir: &ServicesDir| dir.accumulator().is_ok_and(|a| a.folding.contains_key(key));
+    if !marked(&dir) {
+        return Ok(());
+    }
+    let fail = |what: String| CniError::new(code::IO_FAILURE, "cannot apply the Service layer").with_details(what);
+    let _lock = dir.lock(true).map_err(fail)?;
+    if marked(&dir) && matches!(netns.run(layer::counters), Ok(Ok(None))) {
+        dir.end_folding(&[key.to_string()]).map_err(fail)?;
+    }
+    Ok(())
 }
 
 /// The outcome of work done inside a netns, as one message.
@@ -802,7 +849,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
         }
     }
     let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
-    let generation = layer_file::read_generation(&dir.layer_path()).ok().flatten();
+    let generation = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(generation, _)| generation);
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 

@@ -15,9 +15,14 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The binary the image holds: `AETHER_IMAGE_BIN` (make image's), else this build's.
+/// The binary the image holds: `AETHER_IMAGE_BIN`, else the static release binary `make test`
+/// builds (`AETHER_CNI_STATIC_BIN`, what `make image` ships), else this test build's.
 fn binary() -> PathBuf {
-    std::env::var_os("AETHER_IMAGE_BIN").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
+    ["AETHER_IMAGE_BIN", "AETHER_CNI_STATIC_BIN"]
+        .iter()
+        .find_map(|v| std::env::var_os(v).filter(|p| !p.is_empty()))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
 }
 
 /// Whether an ELF file asks for a program interpreter (a dynamic loader): PT_INTERP.
@@ -73,7 +78,11 @@ impl Drop for Podman {
 }
 
 fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    fs::read_dir(dir).unwrap().map(|e| e.unwrap()).map(|e| (e.file_name().to_string_lossy().into(), fs::read(e.path()).unwrap())).collect()
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into(), fs::read(e.path()).unwrap()))
+        .collect()
 }
 
 fn get(addr: &str, path: &str) -> Option<(u16, String)> {
@@ -113,10 +122,16 @@ impl Drop for Node {
 fn start(p: &mut Podman, node: &Node, libs: &[String], tag: &str, env: &[&str]) -> (String, String) {
     let name = format!("aether-image-test-{}-{tag}", std::process::id());
     let mut args: Vec<String> = vec![
-        "run".into(), "-d".into(), format!("--name={name}"), "--network=host".into(), "--read-only".into(),
-        "--cap-drop=ALL".into(), "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
+        "run".into(),
+        "-d".into(),
+        format!("--name={name}"),
+        "--network=host".into(),
+        "--read-only".into(),
+        "--cap-drop=ALL".into(),
+        "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
         // Root lacks CAP_SYS_RESOURCE here: podman's default rlimits cannot be set.
-        "--ulimit=nofile=1024:1024".into(), "--ulimit=nproc=4096:4096".into(),
+        "--ulimit=nofile=1024:1024".into(),
+        "--ulimit=nproc=4096:4096".into(),
         format!("--volume={}:/host/opt/cni/bin", node.dir("bin").display()),
         format!("--volume={}:/host/etc/cni/net.d", node.dir("net.d").display()),
         format!("--volume={}:/var/run/aether-cni", node.dir("state").display()),
@@ -180,11 +195,15 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     let tar = p.dir.join("content.tar");
     p.ok(&["export", "-o", &tar.display().to_string(), &probe]);
     let listing = aether_testkit::run("tar", &["-tvf", &tar.display().to_string()]);
-    let files: Vec<&str> = listing.lines().filter(|l| l.starts_with('-')).map(|l| l.rsplit(' ').next().unwrap()).collect();
+    let files: Vec<&str> =
+        listing.lines().filter(|l| l.starts_with('-')).map(|l| l.rsplit(' ').next().unwrap()).collect();
     assert_eq!(files, ["LICENSE", "aether-cni"], "{listing}");
     let extracted = p.dir.join("extracted");
     fs::create_dir_all(&extracted).unwrap();
-    aether_testkit::run("tar", &["-xf", &tar.display().to_string(), "-C", &extracted.display().to_string(), "aether-cni"]);
+    aether_testkit::run(
+        "tar",
+        &["-xf", &tar.display().to_string(), "-C", &extracted.display().to_string(), "aether-cni"],
+    );
     assert_eq!(fs::read(extracted.join("aether-cni")).unwrap(), bin_bytes, "the very binary");
 
     // The scratch image runs the binary alone if and only if it is static.
@@ -194,7 +213,10 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     alone.extend([p.image.as_str(), "versions"]);
     let (ran, out, err) = p.run(&alone);
     let libs: Vec<String> = if is_dynamic(&bin_bytes) {
-        assert!(!ran && err.contains("no such file or directory"), "a dynamic binary cannot run in scratch: {out}{err}");
+        assert!(
+            !ran && err.contains("no such file or directory"),
+            "a dynamic binary cannot run in scratch: {out}{err}"
+        );
         eprintln!(
             "NOTE: {} is dynamically linked, so the scratch image cannot run it (asserted above); the behaviour \
              below runs it with the host's library directories mounted read-only until the static binary (issue 8) lands",
@@ -246,7 +268,10 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     assert!(!node.dir("state/node-not-ready").exists(), "pods keep working through the upgrade");
     let (new, addr) = start(&mut p, &node, &libs, "new", &[]);
     let metrics = get(&addr, "/metrics").unwrap().1;
-    assert!(metrics.contains("aether_cni_installer_installs_total{what=\"conflist\"} 0"), "nothing to redo:\n{metrics}");
+    assert!(
+        metrics.contains("aether_cni_installer_installs_total{what=\"conflist\"} 0"),
+        "nothing to redo:\n{metrics}"
+    );
     let (code, log) = stop(&p, &new);
     assert_eq!(code, "0", "{log}");
     assert_eq!(snapshot(&node.dir("net.d")), original, "byte for byte as before install: {log}");

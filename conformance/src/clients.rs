@@ -269,10 +269,15 @@ impl<'a> Podman<'a> {
         Podman { node, dir, net_dir: net_dir.to_path_buf() }
     }
 
-    /// The storage flags (as `installer/image/build.sh` takes them in `PODMAN_FLAGS`).
+    /// The flags that keep podman's storage and state under the temp dir (as
+    /// `installer/image/build.sh` takes them in `PODMAN_FLAGS`). `--tmpdir` too: podman's
+    /// default, `/run/libpod`, is shared with every other podman on the machine.
     pub fn storage_flags(&self) -> Vec<String> {
         let d = |p: &str| self.dir.join(p).display().to_string();
-        vec!["--root".into(), d("root"), "--runroot".into(), d("runroot"), "--storage-driver".into(), "vfs".into()]
+        [("--root", d("root")), ("--runroot", d("runroot")), ("--tmpdir", d("tmp")), ("--storage-driver", "vfs".into())]
+            .into_iter()
+            .flat_map(|(flag, value)| [flag.to_string(), value])
+            .collect()
     }
 
     pub fn run(&self, args: &[&str]) -> Output {
@@ -281,8 +286,6 @@ impl<'a> Podman<'a> {
                 .arg(format!("--net={}", self.node.path()))
                 .arg("podman")
                 .args(self.storage_flags())
-                .arg("--tmpdir")
-                .arg(self.dir.join("tmp"))
                 .arg("--network-config-dir")
                 .arg(&self.net_dir)
                 .args(["--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "none"])

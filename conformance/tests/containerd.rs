@@ -218,6 +218,25 @@ fn dir_state(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
     v
 }
 
+/// The entries that differ, as text.
+fn text_diff(before: &[(String, Vec<u8>)], after: &[(String, Vec<u8>)]) -> String {
+    let mut out = String::new();
+    for (name, held) in after {
+        match before.iter().find(|(n, _)| n == name) {
+            Some((_, was)) if was == held => {}
+            Some((_, was)) => {
+                out += &format!(
+                    "{name} changed:\n{}\n-> {}\n",
+                    String::from_utf8_lossy(was),
+                    String::from_utf8_lossy(held)
+                )
+            }
+            None => out += &format!("{name} appeared ({} bytes)\n", held.len()),
+        }
+    }
+    out
+}
+
 fn names(state: &[(String, Vec<u8>)]) -> Vec<&str> {
     state.iter().map(|(n, _)| n.as_str()).collect()
 }
@@ -244,7 +263,8 @@ impl<'a> ImageInstaller<'a> {
                     .arg(repo().join("installer/image/build.sh"))
                     .arg(binary)
                     .arg(&image)
-                    .env("PODMAN_FLAGS", podman.storage_flags().join(" ")),
+                    .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
+                    .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf")),
             ),
         );
         let name = format!("aether-installer-{}", std::process::id());
@@ -333,8 +353,17 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     // Uninstall (SIGTERM): the node's directories as they were, and pods start uncaptured.
     let code = installer.stop();
     assert_eq!(code, "0", "the installer's uninstall failed:\n{}", installer.log());
-    assert_eq!(dir_state(&ctrd.net_dir), conf_before, "the conf dir differs after uninstall");
-    assert_eq!(dir_state(&ctrd.bin_dir), bin_before, "the bin dir differs after uninstall");
+    for (what, dir, before) in [("conf", &ctrd.net_dir, &conf_before), ("bin", &ctrd.bin_dir, &bin_before)] {
+        let after = dir_state(dir);
+        assert!(
+            after == *before,
+            "the {what} dir differs after uninstall: {:?} before, {:?} after\n{}\n--- installer\n{}",
+            names(before),
+            names(&after),
+            text_diff(before, &after),
+            installer.log()
+        );
+    }
     ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
     let after = ctrd.run_pod("shop", "after-0", None).unwrap_or_else(|e| panic!("RunPodSandbox after uninstall: {e}"));
     let sb = ready_sandbox(&ctrd, &after);

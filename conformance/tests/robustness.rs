@@ -403,3 +403,46 @@ fn item2_a_del_killed_at_any_point_keeps_the_node_totals() {
         assert!(ns.exec("nft", &["list", "tables"]).trim().is_empty());
     }
 }
+
+/// Item 2, then a re-ADD of the same container (podman's network reload is DEL then ADD):
+/// the DEL killed after removing the layer left the pod's counts folded and marked; the new
+/// layer counts from zero and every new connection reaches the node totals.
+#[test]
+fn item2_a_re_add_after_a_killed_del_counts_from_zero() {
+    if !root_or_skip("item2_a_re_add_after_a_killed_del_counts_from_zero") {
+        return;
+    }
+    let total = |state: &str| -> u64 {
+        let out = cli(&["services", "--state-dir", state, "counters"], b"");
+        let v: Value = serde_json::from_str(&out.stdout).unwrap();
+        v["node"].as_object().unwrap().values().filter_map(Value::as_u64).sum()
+    };
+    let connect = |ns: &TestNetns, ports: std::ops::RangeInclusive<u16>| {
+        aether_conformance::sock::in_netns(&ns.path(), || {
+            for port in ports {
+                let to = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+                let _ = std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_millis(200));
+            }
+        })
+    };
+    let c = conf("1.1.0", json!({}));
+    let state = state_of(&c);
+    assert!(apply(&state, 1).ok);
+    let ns = TestNetns::new("readd");
+    ns.exec("ip", &["route", "add", "default", "dev", "lo"]);
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &as_ctr("ctr-r")).ok);
+    connect(&ns, 21_001..=21_004);
+    let killed = run_plugin(
+        "DEL",
+        Some(&ns.path()),
+        &c,
+        &[("CNI_CONTAINERID", "ctr-r"), ("AETHER_CNI_CRASH_AT", "del-layer-removed")],
+    );
+    assert!(!killed.ok && killed.stdout.is_empty(), "the DEL was not killed: {}", killed.stdout);
+    assert_eq!(total(&state), 4);
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &as_ctr("ctr-r")).ok);
+    connect(&ns, 21_005..=21_006);
+    assert_eq!(total(&state), 6, "the re-ADDed pod's two connections reach the node totals");
+    assert!(run_plugin("DEL", Some(&ns.path()), &c, &as_ctr("ctr-r")).ok);
+    assert_eq!(total(&state), 6);
+}

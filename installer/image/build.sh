@@ -18,7 +18,7 @@ cp "$repo/LICENSE" "$ctx/LICENSE"
 cp "$here/Containerfile" "$ctx/Containerfile"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
 # shellcheck disable=SC2086 # PODMAN_FLAGS is a list of flags
-podman ${PODMAN_FLAGS:-} build --quiet --pull=never --network=none --build-arg "VERSION=$version" \
+podman ${PODMAN_FLAGS:-} build --quiet --layers=false --pull=never --network=none --build-arg "VERSION=$version" \
     -t "$image" -f "$ctx/Containerfile" "$ctx" >/dev/null
 if [ -n "$archive" ]; then
     mkdir -p "$(dirname "$archive")"

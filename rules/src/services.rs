@@ -316,12 +316,42 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
 /// objects only). What ADD does, and what an apply does to a pod whose generation it cannot
 /// vouch for.
 pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
-    let Some(table) = services_table(layer)? else {
-        return nft::remove(Family::Ipv4, TABLE).map(Applied::Removed);
-    };
-    let counters = nft::counters(TABLE)?;
-    nft::program_keeping(&table, &counters)?;
-    Ok(Applied::Rebuilt)
+    match Prepared::new(layer)? {
+        Some(p) => p.rebuild(),
+        None => nft::remove(Family::Ipv4, TABLE).map(Applied::Removed),
+    }
+}
+
+/// A layer made ready for many pod netns: the transaction that creates it encoded once, so
+/// an apply that rebuilds many pods pays the encoding once, and each pod without the layer
+/// costs what the kernel takes to create it.
+pub struct Prepared {
+    table: Table,
+    create: nft::Encoded,
+}
+
+impl Prepared {
+    /// `None` in mode `off` (no layer).
+    pub fn new(layer: &ServiceLayer) -> Result<Option<Prepared>> {
+        Ok(services_table(layer)?.map(|table| Prepared { create: nft::encode(&table), table }))
+    }
+
+    /// `rebuild` in the current netns: the encoded transaction where there is no layer yet,
+    /// otherwise the table replaced with its counters carried over.
+    pub fn rebuild(&self) -> Result<Applied> {
+        // The layer always has counters: none means no table (one small dump tells).
+        let counters = nft::counters(TABLE)?;
+        if counters.is_empty() {
+            match self.create.send() {
+                Ok(()) => return Ok(Applied::Rebuilt),
+                // Created since the look (the create is exclusive): replaced below.
+                Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        nft::program_keeping(&self.table, &counters)?;
+        Ok(Applied::Rebuilt)
+    }
 }
 
 /// The set elements that turn the layer for `old` into the layer for `new`, computed from the

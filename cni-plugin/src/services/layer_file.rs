@@ -10,6 +10,7 @@
 //! | 8 | magic `AETHSVL\n` |
 //! | 4 | format version |
 //! | 8 | generation |
+//! | 8 | FNV-1a 64 of the JSON document it was made from |
 //! | 1 + 3 | mode (0 off, 1 count, 2 refuse), 3 zero bytes |
 //! | 4 | dialled timeout, seconds |
 //! | 4 + 4 + 4 | number of ranges, mesh VIPs, Service ports |
@@ -33,9 +34,10 @@ use super::snapshot::{MAX_MESH_VIPS, MAX_SERVICE_PORTS, MAX_SERVICE_RANGES};
 
 const MAGIC: &[u8; 8] = b"AETHSVL\n";
 pub const VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 8 + 4 + 4 + 12;
-/// Where the content (everything the digest covers) starts: after the generation.
-const CONTENT: usize = 20;
+const HEADER: usize = 8 + 4 + 8 + 8 + 4 + 4 + 12;
+/// Where the content (everything the digest covers) starts: after the generation and the
+/// source digest.
+const CONTENT: usize = 28;
 const RANGE: usize = 5;
 const VIP: usize = 4;
 const PORT: usize = 8;
@@ -65,18 +67,26 @@ pub struct StoredLayer {
     pub layer: ServiceLayer,
     /// FNV-1a 64 of the encoded content: equal for equal layers, whatever the generation.
     pub digest: u64,
+    /// `source_digest` of the document it was made from: the same document sent again need
+    /// not be parsed again.
+    pub source: u64,
+}
+
+/// The digest `StoredLayer::source` holds for a document.
+pub fn source_digest(text: &[u8]) -> u64 {
+    fnv1a(text)
 }
 
 impl StoredLayer {
     /// The stored form of `layer` at `generation` (lists sorted, the mark dropped).
-    pub fn new(generation: u64, layer: &ServiceLayer) -> StoredLayer {
+    pub fn new(generation: u64, layer: &ServiceLayer, source: u64) -> StoredLayer {
         let mut layer = layer.clone();
         layer.ranges.sort();
         layer.mesh_vips.sort();
         layer.ports.sort();
         layer.divert_mark = 0;
-        let bytes = encode_parts(generation, &layer);
-        StoredLayer { generation, digest: fnv1a(&bytes[CONTENT..bytes.len() - TRAILER]), layer }
+        let bytes = encode_parts(generation, source, &layer);
+        StoredLayer { generation, digest: fnv1a(&bytes[CONTENT..bytes.len() - TRAILER]), source, layer }
     }
 
     /// The layer for a pod whose capture diverts with `divert_mark`.
@@ -85,16 +95,17 @@ impl StoredLayer {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        encode_parts(self.generation, &self.layer)
+        encode_parts(self.generation, self.source, &self.layer)
     }
 }
 
-fn encode_parts(generation: u64, l: &ServiceLayer) -> Vec<u8> {
+fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
     let mut b =
         Vec::with_capacity(HEADER + l.ranges.len() * RANGE + l.mesh_vips.len() * VIP + l.ports.len() * PORT + TRAILER);
     b.extend_from_slice(MAGIC);
     b.extend_from_slice(&VERSION.to_be_bytes());
     b.extend_from_slice(&generation.to_be_bytes());
+    b.extend_from_slice(&source.to_be_bytes());
     b.extend_from_slice(&[mode_byte(l.mode), 0, 0, 0]);
     b.extend_from_slice(&l.dialled_timeout_secs.to_be_bytes());
     for n in [l.ranges.len(), l.mesh_vips.len(), l.ports.len()] {
@@ -153,7 +164,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     if b.len() < HEADER + TRAILER {
         return Err(damaged("shorter than its header"));
     }
-    let (nr, nm, np) = (be32(b, 28) as usize, be32(b, 32) as usize, be32(b, 36) as usize);
+    let (nr, nm, np) = (be32(b, 36) as usize, be32(b, 40) as usize, be32(b, 44) as usize);
     if nr > MAX_SERVICE_RANGES || nm > MAX_MESH_VIPS || np > MAX_SERVICE_PORTS {
         return Err(damaged("counts beyond the snapshot limits"));
     }
@@ -165,7 +176,8 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
         return Err(damaged("checksum mismatch"));
     }
     let generation = u64::from_be_bytes(b[12..20].try_into().unwrap());
-    let mode = match b[20] {
+    let source = u64::from_be_bytes(b[20..28].try_into().unwrap());
+    let mode = match b[28] {
         0 => LayerMode::Off,
         1 => LayerMode::Count,
         2 => LayerMode::Refuse,
@@ -173,7 +185,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     };
     let mut l = ServiceLayer::new(mode);
     l.divert_mark = 0;
-    l.dialled_timeout_secs = be32(b, 24);
+    l.dialled_timeout_secs = be32(b, 32);
     let addr = |at: usize| Ipv4Addr::new(b[at], b[at + 1], b[at + 2], b[at + 3]);
     let mut at = HEADER;
     for _ in 0..nr {
@@ -199,7 +211,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
         });
         at += PORT;
     }
-    Ok(StoredLayer { generation, digest: fnv1a(&b[CONTENT..end]), layer: l })
+    Ok(StoredLayer { generation, digest: fnv1a(&b[CONTENT..end]), source, layer: l })
 }
 
 /// Reads the file; `Ok(None)` when there is none. Memory: the file, bounded by `MAX_BYTES`.
@@ -218,15 +230,16 @@ pub fn read(path: &Path) -> Result<Option<StoredLayer>, LayerFileError> {
     decode(path, &bytes).map(Some)
 }
 
-/// The generation in the file's header, reading the header only (for `counters`).
-pub fn read_generation(path: &Path) -> Result<Option<u64>, LayerFileError> {
+/// The generation and the source digest in the file's header, reading the header only
+/// (for `counters`, and for `apply` to tell the stored document sent again).
+pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io(e)),
     };
-    let mut head = [0u8; 20];
+    let mut head = [0u8; 28];
     f.read_exact(&mut head).map_err(|_| LayerFileError::Damaged { path: path.to_path_buf(), what: "no header" })?;
     if &head[..8] != MAGIC {
         return Err(LayerFileError::NotALayerFile { path: path.to_path_buf() });
@@ -234,7 +247,8 @@ pub fn read_generation(path: &Path) -> Result<Option<u64>, LayerFileError> {
     if be32(&head, 8) != VERSION {
         return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(&head, 8) });
     }
-    Ok(Some(u64::from_be_bytes(head[12..20].try_into().unwrap())))
+    let word = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().unwrap());
+    Ok(Some((word(12), word(20))))
 }
 
 #[cfg(test)]
@@ -256,7 +270,7 @@ mod tests {
     #[test]
     fn round_trips_and_the_digest_ignores_order_generation_and_mark() {
         let p = Path::new("layer.bin");
-        let a = StoredLayer::new(7, &layer());
+        let a = StoredLayer::new(7, &layer(), 1);
         let back = decode(p, &a.encode()).unwrap();
         assert_eq!(back, a);
         assert_eq!(back.for_pod(0xae71).ports.len(), 2);
@@ -264,18 +278,18 @@ mod tests {
         shuffled.ports.reverse();
         shuffled.ranges.reverse();
         shuffled.divert_mark = 0x1234;
-        let b = StoredLayer::new(8, &shuffled);
+        let b = StoredLayer::new(8, &shuffled, 2);
         assert_eq!(a.digest, b.digest);
         assert_eq!(a.layer, b.layer);
         let mut other = layer();
         other.mode = LayerMode::Count;
-        assert_ne!(StoredLayer::new(7, &other).digest, a.digest);
+        assert_ne!(StoredLayer::new(7, &other, 1).digest, a.digest);
     }
 
     #[test]
     fn damage_is_detected_and_named() {
         let p = Path::new("layer.bin");
-        let good = StoredLayer::new(7, &layer()).encode();
+        let good = StoredLayer::new(7, &layer(), 1).encode();
         let msg = |b: &[u8]| decode(p, b).unwrap_err().to_string();
         let mut flipped = good.clone();
         flipped[HEADER + 2] ^= 1;
@@ -286,7 +300,7 @@ mod tests {
         v2[11] = 2;
         assert_eq!(msg(&v2), "layer.bin has format version 2; this plugin reads version 1");
         let mut huge = good.clone();
-        huge[36..40].copy_from_slice(&u32::MAX.to_be_bytes());
+        huge[44..48].copy_from_slice(&u32::MAX.to_be_bytes());
         assert_eq!(msg(&huge), "layer.bin is damaged: counts beyond the snapshot limits");
     }
 }
