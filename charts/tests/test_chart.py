@@ -46,6 +46,7 @@ TUNED = {
         "logFile": "/var/log/aether-cni.log",
         "logLevel": "debug",
     },
+    "installer": {"hostIPsFromNode": True},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "mesh", "effect": "NoSchedule"}],
     "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
     "updateStrategy": {"type": "OnDelete"},
@@ -201,15 +202,19 @@ def test_every_plugin_setting_becomes_a_flag():
     assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
 
 
-def entry_from_args(values):
-    """The DaemonSet's args, as the kubelet expands them, given to the real binary's
-    `install --print-entry`: the entry the plugin will receive, checked by its own parser."""
+NODE_ENV = {"status.hostIP": "10.0.0.21", "status.hostIPs": "10.0.0.21,fd00::21"}
+
+
+def entry_from_args(values, node=NODE_ENV):
+    """The DaemonSet's args and env, as the kubelet expands them for a node with `node`'s
+    fields, given to the real binary's `install --print-entry`: the entry the plugin will
+    receive, checked by its own parser."""
     c = container(daemonset(values))
-    host_ip = "10.0.0.21"
-    args = [a.replace("$(HOST_IP)", host_ip) for a in c["args"]]
+    env = {e["name"]: node[e["valueFrom"]["fieldRef"]["fieldPath"]] for e in c["env"]}
+    args = [a.replace("$(HOST_IP)", env["HOST_IP"]) for a in c["args"]]
     out = subprocess.run(
         [os.environ["AETHER_CNI_BIN"], *c["command"][1:], *args, "--print-entry"],
-        env={"HOST_IP": host_ip, "PATH": os.environ.get("PATH", "")},
+        env={**env, "PATH": os.environ.get("PATH", "")},
         capture_output=True,
         text=True,
     )
@@ -243,3 +248,13 @@ def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
         text=True,
     )
     assert out.returncode == 1 and 'field "captureMode" has "everything"' in out.stderr, out.stderr
+
+
+def test_node_addresses_of_both_families_reach_the_entry():
+    c = container(daemonset({"installer": {"hostIPsFromNode": True}}))
+    assert c["env"][1] == {"name": "HOST_IPS", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIPs"}}}
+    entry = entry_from_args({"installer": {"hostIPsFromNode": True}})
+    assert (entry["hostIP"], entry["hostIPv6"]) == ("10.0.0.21", "fd00::21")
+    # An IPv6-only node: status.hostIP is IPv6; it becomes hostIPv6 and the listen address.
+    entry = entry_from_args({}, {"status.hostIP": "fd00::22"})
+    assert "hostIP" not in entry and entry["hostIPv6"] == "fd00::22"

@@ -26,8 +26,9 @@ pub struct InstallArgs {
     /// entry's `stateDir`, which the plugin uses on the host).
     #[arg(long, env = "AETHER_CNI_STATE_DIR", default_value = "/var/run/aether-cni")]
     pub state_dir: PathBuf,
-    /// Address for /healthz, /readyz and /metrics.
-    #[arg(long, env = "AETHER_CNI_LISTEN", default_value = "127.0.0.1:18095")]
+    /// Address for /healthz, /readyz and /metrics: IP:PORT (an IPv6 address with or without
+    /// brackets: the chart passes `$(HOST_IP):PORT` whatever the node's family).
+    #[arg(long, env = "AETHER_CNI_LISTEN", default_value = "127.0.0.1:18095", value_parser = parse_listen)]
     pub listen: SocketAddr,
     /// Keep the binary and the entry when stopped (an upgrade: the next installer takes
     /// over). Also honoured when `<state-dir>/installer-upgrade` exists at stop time.
@@ -41,9 +42,17 @@ pub struct InstallArgs {
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub resync_seconds: u64,
 
-    /// Entry `hostIP`: the node address of the DNS proxy (the chart passes status.hostIP).
+    /// The node address of the DNS proxy (the chart passes status.hostIP): entry `hostIP`, or
+    /// `hostIPv6` when it is an IPv6 address (an IPv6-only node).
     #[arg(long, env = "HOST_IP")]
     pub host_ip: Option<String>,
+    /// Entry `hostIPv6`: the node's IPv6 address, for IPv6 pods' DNS.
+    #[arg(long, env = "HOST_IPV6")]
+    pub host_ipv6: Option<String>,
+    /// The node's addresses, comma-separated (status.hostIPs): the first IPv4 one fills
+    /// `hostIP` and the first IPv6 one `hostIPv6` where --host-ip/--host-ipv6 did not.
+    #[arg(long, env = "HOST_IPS", value_delimiter = ',')]
+    pub host_ips: Option<Vec<String>>,
     /// Entry `captureMode`: redirect-all, scoped or disabled.
     #[arg(long)]
     pub capture_mode: Option<String>,
@@ -91,7 +100,38 @@ pub struct InstallArgs {
     pub log_level: Option<String>,
 }
 
+/// `IP:PORT`, `[IPv6]:PORT`, or an unbracketed `IPv6:PORT` (the port after the last colon).
+fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(a) = s.parse() {
+        return Ok(a);
+    }
+    let bad = || format!("{s:?} is not an address and port such as 127.0.0.1:18095 or [fd00::1]:18095");
+    let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+    Ok(SocketAddr::new(host.parse().map_err(|_| bad())?, port.parse().map_err(|_| bad())?))
+}
+
 impl InstallArgs {
+    /// The entry's (`hostIP`, `hostIPv6`): explicit flags first, then the node's addresses by
+    /// family. Text that is no address at all goes to `hostIP` as given, for the plugin's
+    /// parser to name.
+    fn host_addresses(&self) -> (Option<String>, Option<String>) {
+        let is_v6 = |s: &str| s.parse::<std::net::Ipv6Addr>().is_ok();
+        let given = |o: &Option<String>| o.as_deref().map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+        let (mut v4, mut v6) = (None, given(&self.host_ipv6));
+        match given(&self.host_ip) {
+            Some(ip) if is_v6(&ip) => v6 = v6.or(Some(ip)),
+            other => v4 = other,
+        }
+        for ip in self.host_ips.iter().flatten().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+            if is_v6(ip) {
+                v6 = v6.or_else(|| Some(ip.to_string()));
+            } else if ip.parse::<std::net::Ipv4Addr>().is_ok() {
+                v4 = v4.or_else(|| Some(ip.to_string()));
+            }
+        }
+        (v4, v6)
+    }
+
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync_seconds.max(1))
     }
@@ -111,7 +151,9 @@ impl InstallArgs {
         let strings = |v: &Option<Vec<String>>| {
             v.as_ref().map(|l| l.iter().filter(|s| !s.is_empty()).map(|s| Value::from(s.trim())).collect())
         };
-        put("hostIP", self.host_ip.clone().filter(|s| !s.is_empty()).map(Value::from));
+        let (v4, v6) = self.host_addresses();
+        put("hostIP", v4.map(Value::from));
+        put("hostIPv6", v6.map(Value::from));
         put("captureMode", self.capture_mode.clone().map(Value::from));
         put("captureDNS", self.capture_dns.map(Value::from));
         put("capturePort", self.capture_port.map(Value::from));
@@ -138,5 +180,49 @@ impl InstallArgs {
         put("logFile", self.log_file.clone().map(Value::from));
         put("logLevel", self.log_level.clone().map(Value::from));
         e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: InstallArgs,
+    }
+
+    fn entry(flags: &[&str]) -> Map<String, Value> {
+        Cli::try_parse_from(std::iter::once("install").chain(flags.iter().copied())).unwrap().args.entry()
+    }
+
+    #[test]
+    fn node_addresses_go_to_the_field_of_their_family() {
+        let e = entry(&["--host-ip=10.0.0.1"]);
+        assert_eq!((e.get("hostIP"), e.get("hostIPv6")), (Some(&"10.0.0.1".into()), None));
+        let e = entry(&["--host-ip=fd00::1"]);
+        assert_eq!((e.get("hostIP"), e.get("hostIPv6")), (None, Some(&"fd00::1".into())), "an IPv6-only node");
+        let e = entry(&["--host-ip=10.0.0.1", "--host-ips=10.0.0.1,fd00::1"]);
+        assert_eq!((e.get("hostIP"), e.get("hostIPv6")), (Some(&"10.0.0.1".into()), Some(&"fd00::1".into())));
+        let e = entry(&["--host-ips=fd00::2,10.0.0.2", "--host-ipv6=fd00::9"]);
+        assert_eq!((e.get("hostIP"), e.get("hostIPv6")), (Some(&"10.0.0.2".into()), Some(&"fd00::9".into())));
+        let e = entry(&["--host-ip=not-an-ip"]);
+        assert_eq!(e.get("hostIP"), Some(&"not-an-ip".into()), "left for the plugin's parser to name");
+    }
+
+    #[test]
+    fn listen_takes_either_family_with_or_without_brackets() {
+        for (text, want) in [
+            ("127.0.0.1:18095", "127.0.0.1:18095"),
+            ("[fd00::1]:18095", "[fd00::1]:18095"),
+            ("fd00::1:18095", "[fd00::1]:18095"),
+        ] {
+            assert_eq!(parse_listen(text).unwrap().to_string(), want);
+        }
+        for bad in ["localhost:18095", "10.0.0.1", "10.0.0.1:http"] {
+            assert!(parse_listen(bad).unwrap_err().contains(bad));
+        }
     }
 }
