@@ -3,10 +3,15 @@
 //! - in-process, the parts apart: `aether_rules::install` into a fresh pod netns (the
 //!   common ADD), `install` over an intact one (a re-ADD: the table is replaced atomically),
 //!   and `aether_rules::remove` (DEL); then fresh install + remove together, as one pod's life
-//! - plugin exec: the `aether-cni` binary driven through the CNI protocol, ADD then DEL
-//! - shell-out baseline: the same ruleset by `nft -f` plus `ip rule` and `ip route`, the way
-//!   a plugin that execs the tools would do it, then `nft delete table` + `ip rule del`
+//! - fresh processes, as a runtime runs plugins: ADD, CHECK and DEL of the static release
+//!   binary (`AETHER_BENCH_BIN`, else this build's), of an older binary if
+//!   `AETHER_BENCH_OLD_BIN` names one (the libnftnl build, for the record), of Debian's
+//!   `tuning` plugin (a chained Go plugin that does next to nothing: the cost of being a
+//!   plugin at all), and of the same ruleset by exec of `nft -f` + `ip rule` + `ip route`
+//!   (CHECK: `nft list table`; DEL: `nft delete table` + `ip rule del` + `ip route del`)
 //! - CHECK in-process (`verify`) against `nft list table` by exec
+//! - a dual-stack pod: both families' tables in one transaction, plus a rule and a route
+//!   each, against the IPv4-only pod above
 //!
 //! Needs root (it makes its own netns, deleted again even on a panic). Prints medians, p90s
 //! and ratios; asserts only that each step succeeds. `AETHER_BENCH_ROUNDS` overrides the
@@ -123,7 +128,7 @@ fn run(ns: &TestNetns) {
         netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
     });
 
-    println!("\none pod's life (fresh install + remove), and the alternatives:");
+    println!("\none pod's life in-process (fresh install + remove):");
     let inproc = measure("in-process install + remove", || {
         netns
             .run(|| {
@@ -133,6 +138,136 @@ fn run(ns: &TestNetns) {
             .unwrap()
     });
 
+    println!("\nCHECK:");
+    netns.run(|| aether_rules::install(&rs, None).unwrap()).unwrap();
+    let check = measure("in-process CHECK (dump + compare)", || {
+        assert!(netns.run(|| aether_rules::verify(&rs).unwrap()).unwrap().is_empty())
+    });
+    let ns_name = ns.name.as_str();
+    let list = measure("exec: nft list table (no comparison)", || {
+        sh(&["ip", "netns", "exec", ns_name, "nft", "list", "table", "ip", "aether_capture"]);
+    });
+    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
+
+    println!("\na dual-stack pod (IPv4 and IPv6 tables, one transaction; a rule and a route each):");
+    let mut dual_cfg = cfg.clone();
+    dual_cfg.families = aether_rules::Family::ALL.to_vec();
+    dual_cfg.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+    let dual = capture_ruleset(&dual_cfg).unwrap();
+    let (adds, _) = install_remove(&netns, &dual, false);
+    let dual_fresh = stat("install, fresh netns (ADD)", adds);
+    netns.run(|| aether_rules::install(&dual, None).unwrap()).unwrap();
+    let dual_check = measure("in-process CHECK (dump + compare)", || {
+        assert!(netns.run(|| aether_rules::verify(&dual).unwrap()).unwrap().is_empty())
+    });
+    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &dual.policy_routes()).unwrap()).unwrap();
+
+    println!("\nfresh processes, as a runtime runs a plugin (ADD, CHECK, DEL of one pod, each round):");
+    let new_bin = std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string());
+    // The attachment record is written with fsync (durable across a node crash): on this
+    // VM's disk that alone costs milliseconds, so the plugin is also measured with its state
+    // directory on tmpfs, where the fsync is free: the plugin's own cost.
+    let disk = std::env::temp_dir();
+    let tmpfs = std::path::PathBuf::from("/dev/shm");
+    let new = plugin_rounds(ns, "aether-cni", &new_bin, &aether_conf(&disk), true);
+    let new_tmpfs = plugin_rounds(ns, "aether-cni, stateDir on tmpfs", &new_bin, &aether_conf(&tmpfs), true);
+    let old = std::env::var("AETHER_BENCH_OLD_BIN")
+        .ok()
+        .map(|b| plugin_rounds(ns, "aether-cni (old, libnftnl)", &b, &aether_conf(&disk), true));
+    // tuning needs the interface it is chained for: a veth pair inside the pod netns only.
+    sh(&["ip", "-n", ns_name, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer"]);
+    let tuning_dir = std::env::temp_dir().join(format!("aether-bench-tuning-{}", std::process::id()));
+    let tuning_conf = serde_json::json!({
+        "cniVersion": "1.0.0", "name": "bench", "type": "tuning", "dataDir": tuning_dir.display().to_string(),
+        "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": ns.path()}],
+                       "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
+    })
+    .to_string();
+    let tuning = plugin_rounds(ns, "Debian tuning 1.1.1 (chained, does nothing here)", TUNING, &tuning_conf, false);
+    sh(&["ip", "-n", ns_name, "link", "del", "eth0"]);
+    let _ = std::fs::remove_dir_all(&tuning_dir);
+    let shell = shell_rounds(ns);
+
+    println!("\nratios (of medians):");
+    ratio("remove / fresh install", remove, fresh);
+    ratio("re-ADD install / fresh install", readd, fresh);
+    ratio("remove / remove with nothing there", remove, absent);
+    ratio("nft list exec / in-process CHECK", list, check);
+    ratio("dual-stack ADD / IPv4 ADD", dual_fresh, fresh);
+    ratio("dual-stack CHECK / IPv4 CHECK", dual_check, check);
+    for (i, what) in ["ADD", "CHECK", "DEL"].iter().enumerate() {
+        ratio(&format!("{what}: aether-cni / tuning (goal for ADD: <= 0.6)"), new[i], tuning[i]);
+        ratio(&format!("{what}: aether-cni, stateDir on tmpfs / tuning"), new_tmpfs[i], tuning[i]);
+        ratio(&format!("{what}: exec of nft + ip / aether-cni, stateDir on tmpfs"), shell[i], new_tmpfs[i]);
+        ratio(&format!("{what}: exec of nft + ip / aether-cni (goal for ADD: >= 5)"), shell[i], new[i]);
+        if let Some(old) = &old {
+            ratio(&format!("{what}: old (libnftnl) / aether-cni"), old[i], new[i]);
+        }
+    }
+    ratio("in-process pod life / fresh-process ADD + DEL", inproc, Stat { median: new[0].median + new[2].median, p90: new[0].p90 });
+}
+
+const TUNING: &str = "/usr/lib/cni/tuning";
+
+fn aether_conf(parent: &std::path::Path) -> String {
+    let state = parent.join(format!("aether-bench-state-{}", std::process::id()));
+    serde_json::json!({
+        "cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "hostIP": "10.0.0.1",
+        "stateDir": state.display().to_string(),
+        "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.244.1.5/24"}]}
+    })
+    .to_string()
+}
+
+/// Runs one plugin command as a runtime does: a fresh process, CNI_* in its environment,
+/// the configuration on stdin.
+fn plugin(bin: &str, netns: &str, cmd: &str, conf: &str) {
+    let mut child = Command::new(bin)
+        .env_clear()
+        .env("CNI_COMMAND", cmd)
+        .env("CNI_CONTAINERID", format!("bench-{}", std::process::id()))
+        .env("CNI_NETNS", netns)
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/usr/lib/cni")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    child.stdin.take().unwrap().write_all(conf.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{bin} {cmd}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// ADD, CHECK and DEL by fresh processes, each timed, `rounds` times; [ADD, CHECK, DEL].
+fn plugin_rounds(ns: &TestNetns, name: &str, bin: &str, conf: &str, is_aether: bool) -> [Stat; 3] {
+    let path = ns.path();
+    let mut samples: [Vec<Duration>; 3] = Default::default();
+    for i in 0..WARM_UP + rounds() {
+        for (k, cmd) in ["ADD", "CHECK", "DEL"].iter().enumerate() {
+            let t = Instant::now();
+            plugin(bin, &path, cmd, conf);
+            if i >= WARM_UP {
+                samples[k].push(t.elapsed());
+            }
+        }
+    }
+    if is_aether {
+        for parent in [std::env::temp_dir(), "/dev/shm".into()] {
+            let _ = std::fs::remove_dir_all(parent.join(format!("aether-bench-state-{}", std::process::id())));
+        }
+    }
+    let [a, c, d] = samples;
+    [stat(&format!("{name}: ADD"), a), stat(&format!("{name}: CHECK"), c), stat(&format!("{name}: DEL"), d)]
+}
+
+/// The same ruleset by exec of the tools, as a plugin that shells out would: [ADD, CHECK, DEL].
+fn shell_rounds(ns: &TestNetns) -> [Stat; 3] {
     // The golden listing is valid nft input: the same ruleset, as text.
     let golden =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden/redirect-all.txt")).unwrap();
@@ -141,61 +276,32 @@ fn run(ns: &TestNetns) {
     let nft_file = std::env::temp_dir().join(format!("aether-bench-{}.nft", std::process::id()));
     std::fs::write(&nft_file, &nft_text).unwrap();
     let nft_file = nft_file.to_str().unwrap().to_string();
-    let ns_name = ns.name.as_str();
-    let shell = measure("shell-out: nft -f + ip rule + ip route, and back", || {
-        sh(&["ip", "netns", "exec", ns_name, "nft", "-f", &nft_file]);
-        sh(&["ip", "-n", ns_name, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-        sh(&["ip", "-n", ns_name, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-        sh(&["ip", "netns", "exec", ns_name, "nft", "delete", "table", "ip", "aether_capture"]);
-        sh(&["ip", "-n", ns_name, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-        sh(&["ip", "-n", ns_name, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-    });
+    let n = ns.name.as_str();
+    let mut samples: [Vec<Duration>; 3] = Default::default();
+    for i in 0..WARM_UP + rounds() {
+        let steps: [&dyn Fn(); 3] = [
+            &|| {
+                sh(&["ip", "netns", "exec", n, "nft", "-f", &nft_file]);
+                sh(&["ip", "-n", n, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                sh(&["ip", "-n", n, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+            },
+            &|| sh(&["ip", "netns", "exec", n, "nft", "list", "table", "ip", "aether_capture"]),
+            &|| {
+                sh(&["ip", "netns", "exec", n, "nft", "delete", "table", "ip", "aether_capture"]);
+                sh(&["ip", "-n", n, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                sh(&["ip", "-n", n, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+            },
+        ];
+        for (k, step) in steps.iter().enumerate() {
+            let t = Instant::now();
+            step();
+            if i >= WARM_UP {
+                samples[k].push(t.elapsed());
+            }
+        }
+    }
     let _ = std::fs::remove_file(&nft_file);
-
-    let state = std::env::temp_dir().join(format!("aether-bench-state-{}", std::process::id()));
-    let conf = serde_json::json!({
-        "cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "hostIP": "10.0.0.1",
-        "stateDir": state.display().to_string(),
-        "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.244.1.5/24"}]}
-    })
-    .to_string();
-    let path = ns.path();
-    let plugin = |cmd: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_aether-cni"))
-            .env("CNI_COMMAND", cmd)
-            .env("CNI_CONTAINERID", "bench")
-            .env("CNI_NETNS", &path)
-            .env("CNI_IFNAME", "eth0")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(conf.as_bytes()).unwrap();
-        assert!(child.wait().unwrap().success(), "{cmd}");
-    };
-    let exec = measure("plugin exec: CNI ADD + DEL (whole process)", || {
-        plugin("ADD");
-        plugin("DEL");
-    });
-
-    println!("\nCHECK:");
-    netns.run(|| aether_rules::install(&rs, None).unwrap()).unwrap();
-    let check = measure("in-process CHECK (dump + compare)", || {
-        assert!(netns.run(|| aether_rules::verify(&rs).unwrap()).unwrap().is_empty())
-    });
-    let list = measure("exec: nft list table (no comparison)", || {
-        sh(&["ip", "netns", "exec", ns_name, "nft", "list", "table", "ip", "aether_capture"]);
-    });
-    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
-    let _ = std::fs::remove_dir_all(&state);
-
-    println!("\nratios (of medians):");
-    ratio("remove / fresh install", remove, fresh);
-    ratio("re-ADD install / fresh install", readd, fresh);
-    ratio("remove / remove with nothing there", remove, absent);
-    ratio("shell-out / in-process", shell, inproc);
-    ratio("plugin exec / in-process", exec, inproc);
-    ratio("shell-out / plugin exec", shell, exec);
-    ratio("nft list exec / in-process CHECK", list, check);
+    let [a, c, d] = samples;
+    let name = "exec: nft -f + ip rule + ip route";
+    [stat(&format!("{name}: ADD"), a), stat(&format!("{name}: CHECK (nft list)"), c), stat(&format!("{name}: DEL"), d)]
 }
