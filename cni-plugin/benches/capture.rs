@@ -10,6 +10,8 @@
 //!   plugin at all), and of the same ruleset by exec of `nft -f` + `ip rule` + `ip route`
 //!   (CHECK: `nft list table`; DEL: `nft delete table` + `ip rule del` + `ip route del`)
 //! - CHECK in-process (`verify`) against `nft list table` by exec
+//! - a dual-stack pod: both families' tables in one transaction, plus a rule and a route
+//!   each, against the IPv4-only pod above
 //!
 //! Needs root (it makes its own netns, deleted again even on a panic). Prints medians, p90s
 //! and ratios; asserts only that each step succeeds. `AETHER_BENCH_ROUNDS` overrides the
@@ -147,6 +149,19 @@ fn run(ns: &TestNetns) {
     });
     netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &rs.policy_routes()).unwrap()).unwrap();
 
+    println!("\na dual-stack pod (IPv4 and IPv6 tables, one transaction; a rule and a route each):");
+    let mut dual_cfg = cfg.clone();
+    dual_cfg.families = aether_rules::Family::ALL.to_vec();
+    dual_cfg.dns_ipv6 = Some(DnsDivert { host_ip: "fd00::1".parse().unwrap(), port: 18054 });
+    let dual = capture_ruleset(&dual_cfg).unwrap();
+    let (adds, _) = install_remove(&netns, &dual, false);
+    let dual_fresh = stat("install, fresh netns (ADD)", adds);
+    netns.run(|| aether_rules::install(&dual, None).unwrap()).unwrap();
+    let dual_check = measure("in-process CHECK (dump + compare)", || {
+        assert!(netns.run(|| aether_rules::verify(&dual).unwrap()).unwrap().is_empty())
+    });
+    netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &dual.policy_routes()).unwrap()).unwrap();
+
     println!("\nfresh processes, as a runtime runs a plugin (ADD, CHECK, DEL of one pod, each round):");
     let new_bin = std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string());
     // The attachment record is written with fsync (durable across a node crash): on this
@@ -178,6 +193,8 @@ fn run(ns: &TestNetns) {
     ratio("re-ADD install / fresh install", readd, fresh);
     ratio("remove / remove with nothing there", remove, absent);
     ratio("nft list exec / in-process CHECK", list, check);
+    ratio("dual-stack ADD / IPv4 ADD", dual_fresh, fresh);
+    ratio("dual-stack CHECK / IPv4 CHECK", dual_check, check);
     for (i, what) in ["ADD", "CHECK", "DEL"].iter().enumerate() {
         ratio(&format!("{what}: aether-cni / tuning (goal for ADD: <= 0.6)"), new[i], tuning[i]);
         ratio(&format!("{what}: aether-cni, stateDir on tmpfs / tuning"), new_tmpfs[i], tuning[i]);

@@ -66,8 +66,30 @@ impl TempDir {
     }
 }
 
+/// Processes whose command line names a path under `dir`: those a test started with paths
+/// in its own temp dir (runtimes, shims, conmon, containers given its dirs), never another's.
+pub fn pids_mentioning(dir: &Path) -> Vec<i32> {
+    let needle = format!("{}/", dir.display());
+    let me = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        })
+        .collect()
+}
+
 impl Drop for TempDir {
     fn drop(&mut self) {
+        // After a failure midway, whatever the test started with these dirs and did not stop
+        // (e.g. a container podman could not remove) is ended by PID before its dirs go.
+        for pid in pids_mentioning(&self.0) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let prefix = format!("{}/", self.0.display());
         if let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") {
             let mut points: Vec<&str> =

@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
-use crate::clients::{clients_dir, exec, must, records, render, repo, terminate, LibcniCache, TempDir};
+use crate::clients::{
+    clients_dir, exec, must, pids_mentioning, records, render, repo, terminate, LibcniCache, TempDir,
+};
 
 /// The sandbox image's name, as `make clients-deps` packs it.
 pub const SANDBOX_IMAGE: &str = "localhost/aether-pause:test";
@@ -379,22 +381,6 @@ impl Containerd {
             .filter(|n| n.starts_with(&format!("{}-", self.network)))
             .collect()
     }
-
-    /// Shims this containerd started (found by its unique socket in their command line).
-    fn shim_pids(&self) -> Vec<i32> {
-        let needle = format!("-address\0{}\0", self.socket.display());
-        std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                    String::from_utf8_lossy(&c).contains(&needle) && c.starts_with(b"/usr/bin/containerd-shim")
-                })
-            })
-            .collect()
-    }
 }
 
 impl Drop for Containerd {
@@ -418,7 +404,8 @@ impl Drop for Containerd {
                 .args(["delete", "--force", &id])
                 .status();
         }
-        for pid in self.shim_pids() {
+        // Shims of this containerd (their command line names its socket), by PID.
+        for pid in pids_mentioning(&self.dir.0) {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
         for id in self.sandboxes.borrow().iter() {

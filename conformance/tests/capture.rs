@@ -321,6 +321,29 @@ fn an_ipv6_pod_without_the_nodes_ipv6_dns_address_is_refused() {
     assert_eq!(ns.snapshot_with_ipv6(TABLE), before);
 }
 
+/// GC of a dual-stack pod the runtime no longer has removes both halves (from the record's
+/// families); the control: the pod GC keeps is left with both.
+#[test]
+fn gc_removes_both_halves_of_a_stale_dual_stack_pod() {
+    if !root_or_skip("gc_removes_both_halves_of_a_stale_dual_stack_pod") {
+        return;
+    }
+    let c = conf_dual("1.1.0", json!({}));
+    let (stale, keep) = (TestNetns::new("gc6s"), TestNetns::new("gc6k"));
+    let before = stale.snapshot_with_ipv6(TABLE);
+    for (ns, id) in [(&stale, "stale-6"), (&keep, "keep-6")] {
+        assert!(run_plugin("ADD", Some(&ns.path()), &c, &[("CNI_CONTAINERID", id)]).ok);
+    }
+    let mut gc = c.clone();
+    gc["prevResult"] = Value::Null;
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "keep-6", "ifname": "eth0"}]);
+    let out = run_plugin("GC", None, &gc, &[("CNI_CONTAINERID", ""), ("CNI_IFNAME", ""), ("CNI_NETNS", "")]);
+    assert!(out.ok, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(stale.snapshot_with_ipv6(TABLE), before, "GC left part of the stale pod's capture");
+    let kept = keep.snapshot_with_ipv6(TABLE);
+    assert!(kept.contains("table ip aether_capture") && kept.contains("table ip6 aether_capture"), "{kept}");
+}
+
 #[test]
 fn check_catches_a_changed_chain_priority_and_a_missing_table() {
     if !root_or_skip("check_catches_a_changed_chain_priority_and_a_missing_table") {

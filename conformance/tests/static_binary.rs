@@ -47,18 +47,15 @@ fn linkage(elf: &[u8]) -> Linkage {
     assert_eq!(&elf[..4], b"\x7fELF", "not an ELF file");
     assert_eq!((elf[4], elf[5]), (2, 1), "not ELF64 little-endian");
     let (phoff, phentsize, phnum) = (u64_at(elf, 0x20) as usize, u16_at(elf, 0x36) as usize, u16_at(elf, 0x38));
-    let mut out = Linkage {
-        position_independent: u16_at(elf, 0x10) == ET_DYN,
-        interpreter: None,
-        needed: 0,
-        pie_flag: false,
-    };
+    let mut out =
+        Linkage { position_independent: u16_at(elf, 0x10) == ET_DYN, interpreter: None, needed: 0, pie_flag: false };
     for i in 0..phnum as usize {
         let ph = phoff + i * phentsize;
         let (kind, offset, size) = (u32_at(elf, ph), u64_at(elf, ph + 8) as usize, u64_at(elf, ph + 32) as usize);
         match kind {
             PT_INTERP => {
-                out.interpreter = Some(String::from_utf8_lossy(&elf[offset..offset + size]).trim_end_matches('\0').into())
+                out.interpreter =
+                    Some(String::from_utf8_lossy(&elf[offset..offset + size]).trim_end_matches('\0').into())
             }
             PT_DYNAMIC => {
                 for entry in elf[offset..offset + size].chunks_exact(16) {

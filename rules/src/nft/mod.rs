@@ -93,7 +93,7 @@ fn dump(
 
 /// One nftables message, parsed (`None` for other subsystems).
 fn parse(bytes: &[u8]) -> std::result::Result<Option<NfTablesMessage>, netlink_packet_core::DecodeError> {
-    if let Some(m) = read::fast_elements(bytes) {
+    if let Some(m) = read::fast_elements(bytes).or_else(|| read::fast_rule(bytes)) {
         return Ok(Some(m));
     }
     Ok(match NetlinkMessage::<NetfilterMessage>::deserialize(bytes)?.payload {
