@@ -127,6 +127,8 @@ fn start(p: &mut Podman, node: &Node, libs: &[String], tag: &str, env: &[&str]) 
         format!("--name={name}"),
         "--network=host".into(),
         "--read-only".into(),
+        // As Kubernetes' readOnlyRootFilesystem: no writable /tmp either (podman adds tmpfs by default).
+        "--read-only-tmpfs=false".into(),
         "--cap-drop=ALL".into(),
         "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
         // Root lacks CAP_SYS_RESOURCE here: podman's default rlimits cannot be set.
@@ -162,7 +164,10 @@ fn start(p: &mut Podman, node: &Node, libs: &[String], tag: &str, env: &[&str]) 
 /// `podman stop` (SIGTERM, the image's STOPSIGNAL); returns the exit code and the log.
 fn stop(p: &Podman, name: &str) -> (String, String) {
     p.ok(&["stop", "-t", "30", name]);
-    let code = p.ok(&["inspect", "--format", "{{.State.ExitCode}}", name]).trim().to_string();
+    let state = p.ok(&["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", name]);
+    let (status, code) = state.trim().split_once(' ').unwrap();
+    assert_ne!(status, "running", "podman stop left {name} running");
+    let code = code.to_string();
     let (_, out, err) = p.run(&["logs", name]);
     (code, out + &err)
 }

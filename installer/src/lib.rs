@@ -408,9 +408,24 @@ impl Watcher {
         let thread = std::thread::Builder::new()
             .name("installer-inotify".into())
             .spawn(move || {
+                // poll with a timeout rather than a blocking read, so that stopping needs no
+                // event to wake the thread (a read-only root has nowhere to make one).
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&inotify);
                 let mut buf = [0u8; 8192];
                 while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                    let Ok(events) = inotify.read_events_blocking(&mut buf) else { break };
+                    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                    let ready = unsafe { libc::poll(&mut pfd, 1, 200) };
+                    if ready < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                        break;
+                    }
+                    if ready <= 0 {
+                        continue;
+                    }
+                    let events = match inotify.read_events(&mut buf) {
+                        Ok(events) => events,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        Err(_) => break,
+                    };
                     let at = Instant::now();
                     for e in events {
                         if tx.send(Msg::Changed { name: e.name.map(|n| n.to_os_string()), at }).is_err() {
@@ -437,13 +452,6 @@ impl Watcher {
 impl Drop for Watcher {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Wake the blocked read: a watch on a fresh temp directory, then its removal.
-        let wake = std::env::temp_dir().join(format!(".aether-installer-wake.{}", std::process::id()));
-        let mut watches = self.watches.clone();
-        if fs::create_dir_all(&wake).is_ok() {
-            let _ = watches.add(&wake, inotify::WatchMask::DELETE_SELF);
-            let _ = fs::remove_dir(&wake);
-        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
