@@ -995,7 +995,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
         Some(stored) => {
             let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
             out.push(format!(
-                "snapshot generation {}, mode {:?}: {} ranges, {} mesh VIPs, {} Service ports",
+                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports",
                 stored.generation,
                 l.mode,
                 l.ranges.len(),

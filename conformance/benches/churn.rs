@@ -190,9 +190,9 @@ fn main() {
     }
     println!("  left behind      {}", if leaks.is_empty() { "nothing".to_string() } else { leaks.join("; ") });
     println!(
-        "  node totals      {} read while churning, {dips} went backwards; final {:?}, expected {expected_total}",
+        "  node totals      {} read while churning, {dips} went backwards; final {}, expected {expected_total}",
         polled.len(),
-        final_total
+        final_total.map_or_else(|| "unreadable".to_string(), |t| t.to_string())
     );
     let ok = failures.is_empty() && leaks.is_empty() && dips == 0 && final_total == Some(expected_total);
     // exit() skips destructors: the pods' namespaces go first.

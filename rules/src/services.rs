@@ -59,6 +59,17 @@ pub enum LayerMode {
     Refuse,
 }
 
+/// The snapshot's own spelling (`off`, `count`, `refuse`), for people and logs.
+impl std::fmt::Display for LayerMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LayerMode::Off => "off",
+            LayerMode::Count => "count",
+            LayerMode::Refuse => "refuse",
+        })
+    }
+}
+
 /// One port of one Service, as the layer needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePort {
