@@ -204,7 +204,11 @@ fn run(ns: &TestNetns) {
             ratio(&format!("{what}: old (libnftnl) / aether-cni"), old[i], new[i]);
         }
     }
-    ratio("in-process pod life / fresh-process ADD + DEL", inproc, Stat { median: new[0].median + new[2].median, p90: new[0].p90 });
+    ratio(
+        "in-process pod life / fresh-process ADD + DEL",
+        inproc,
+        Stat { median: new[0].median + new[2].median, p90: new[0].p90 },
+    );
 }
 
 const TUNING: &str = "/usr/lib/cni/tuning";

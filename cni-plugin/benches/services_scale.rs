@@ -75,7 +75,12 @@ fn layer(n: u32) -> ServiceLayer {
     l.ranges = vec!["10.96.0.0/15".parse().unwrap()];
     l.ports = (0..n)
         .flat_map(|i| {
-            service_ports(i).map(|port| ServicePort { vip: service_vip(i), proto: Proto::Tcp, port, has_endpoints: i % 10 != 0 })
+            service_ports(i).map(|port| ServicePort {
+                vip: service_vip(i),
+                proto: Proto::Tcp,
+                port,
+                has_endpoints: i % 10 != 0,
+            })
         })
         .collect();
     l
@@ -161,7 +166,8 @@ fn run(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Ran {
     });
     assert!(child.wait().unwrap().success(), "the launcher failed: {}", feed.1);
     let last = feed.1.lines().last().unwrap_or_default();
-    let f: Vec<&str> = last.strip_prefix(LAUNCH).unwrap_or_else(|| panic!("no measure in {last:?}")).split_whitespace().collect();
+    let f: Vec<&str> =
+        last.strip_prefix(LAUNCH).unwrap_or_else(|| panic!("no measure in {last:?}")).split_whitespace().collect();
     let ok = f[2] == "1";
     if !ok {
         eprintln!("{args:?} failed:\n{}\n{}", feed.0, feed.1);
@@ -366,7 +372,8 @@ fn connections_per_second(n: u32) -> f64 {
     let l = ServiceLayer { divert_mark: 0xae71, ..layer(n) };
     let pod_ns = Netns::open_foreign(pod.path()).unwrap();
     pod_ns.run(|| services::rebuild(&l)).unwrap().unwrap();
-    let listener = Netns::open_foreign(peer.path()).unwrap().run(|| std::net::TcpListener::bind((vip, 80)).unwrap()).unwrap();
+    let listener =
+        Netns::open_foreign(peer.path()).unwrap().run(|| std::net::TcpListener::bind((vip, 80)).unwrap()).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let rate = std::thread::scope(|s| {
         s.spawn(|| {
@@ -457,7 +464,9 @@ fn main() {
             .goal(1.5 * floor.wall_ms, "1.5x the kernel floor".into()),
     );
     figs.push(
-        Figure::value("add_rss", "ADD max RSS, snapshot stored", add.rss_mib, "MiB").before(36.8).goal(8.0, "8 MiB".into()),
+        Figure::value("add_rss", "ADD max RSS, snapshot stored", add.rss_mib, "MiB")
+            .before(36.8)
+            .goal(8.0, "8 MiB".into()),
     );
 
     // 100 pods (capture only at first: no snapshot stored yet).
@@ -507,7 +516,8 @@ fn main() {
     let unchanged_generation = medians((0..rounds()).map(|_| expect(apply(n, extra, false), "unchanged")).collect());
     // The stored document sent again (an agent retrying, or resyncing without news).
     let stored = std::fs::read(node.join("services/snapshot.json")).unwrap();
-    let unchanged = medians((0..rounds()).map(|_| expect(services_cmd(node, &["apply"], &stored), "unchanged")).collect());
+    let unchanged =
+        medians((0..rounds()).map(|_| expect(services_cmd(node, &["apply"], &stored), "unchanged")).collect());
     // The same documents to a node without pods: reading, checking and storing them alone.
     let mut g = 0;
     let no_pods = medians(
@@ -539,7 +549,11 @@ fn main() {
             .goal(1.5 * PODS as f64 * floor.wall_ms, format!("1.5x {PODS}x the floor")),
     );
     figs.push(Figure::value("first_apply_rss", "first apply max RSS", first.rss_mib, "MiB").before(38.0));
-    figs.push(fig("one_more", &format!("one Service more, {PODS} pods"), &one_more).before(11600.0).goal(30.0, "30 ms".into()));
+    figs.push(
+        fig("one_more", &format!("one Service more, {PODS} pods"), &one_more)
+            .before(11600.0)
+            .goal(30.0, "30 ms".into()),
+    );
     figs.push(
         fig("unchanged", &format!("apply that changes nothing (the stored document again), {PODS} pods"), &unchanged)
             .before(12300.0)
@@ -553,7 +567,12 @@ fn main() {
         )
         .goal(20.0, "20 ms".into()),
     );
-    figs.push(Figure::value("unchanged_rss", "apply, a new generation of the same content, max RSS", unchanged_generation.rss_mib, "MiB"));
+    figs.push(Figure::value(
+        "unchanged_rss",
+        "apply, a new generation of the same content, max RSS",
+        unchanged_generation.rss_mib,
+        "MiB",
+    ));
     figs.push(fig("no_pods", "apply to no pod: read, check and store the document", &no_pods));
     figs.push(fig("demand", &format!("demand, {PODS} pods"), &demand).before(6400.0).goal(100.0, "100 ms".into()));
     figs.push(fig("counters", &format!("counters, {PODS} pods"), &counters).before(250.0).goal(50.0, "50 ms".into()));
@@ -571,10 +590,14 @@ fn main() {
     let (cps_small, cps_large) = (median(small), median(large));
     let cps_loss = (1.0 - cps_large / cps_small) * 100.0;
     println!("  new TCP connections/s through the layer, 10 Services             {cps_small:>9.0}");
-    println!("  new TCP connections/s through the layer, {n} Services          {cps_large:>9.0}  ({cps_loss:+.1}% slower)");
+    println!(
+        "  new TCP connections/s through the layer, {n} Services          {cps_large:>9.0}  ({cps_loss:+.1}% slower)"
+    );
     figs.push(Figure::value("cps_10", "new TCP connections/s, 10 Services", cps_small, "conn/s"));
     figs.push(Figure::value("cps_10k", &format!("new TCP connections/s, {n} Services"), cps_large, "conn/s"));
-    figs.push(Figure::value("cps_loss", "connections/s lost at 10,000 vs 10 Services", cps_loss, "%").goal(5.0, "5%".into()));
+    figs.push(
+        Figure::value("cps_loss", "connections/s lost at 10,000 vs 10 Services", cps_loss, "%").goal(5.0, "5%".into()),
+    );
 
     // Kernel memory per pod (MemFree moves with everything else a shared machine runs: only
     // the kernel's own unreclaimable slab and vmalloc are counted).
@@ -602,10 +625,7 @@ fn main() {
             f.value / limit
         );
     }
-    println!(
-        "  ADD / floor in CPU time (independent of the machine's load): {:.2}x",
-        add.cpu_ms / floor.cpu_ms
-    );
+    println!("  ADD / floor in CPU time (independent of the machine's load): {:.2}x", add.cpu_ms / floor.cpu_ms);
     let load_after = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     write_results(&started, &figs, &format!("{} -> {}", load_before.trim(), load_after.trim()));
 }

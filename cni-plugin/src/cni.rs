@@ -461,8 +461,10 @@ fn status(conf: &NetConf) -> Result<Output, CniError> {
 /// only honest way to know nf_tables, tproxy, NAT and policy routing all work here.
 pub fn kernel_probe() -> Result<(), String> {
     let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
-    cfg.dns =
-        Some(aether_rules::DnsDivert { host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(), port: capture::DNS_PROXY_PORT });
+    cfg.dns = Some(aether_rules::DnsDivert {
+        host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(),
+        port: capture::DNS_PROXY_PORT,
+    });
     crate::doctor::probe(&cfg)
 }
 

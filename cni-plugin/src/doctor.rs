@@ -74,7 +74,8 @@ pub fn run() -> ExitCode {
         }
     }
     if ok {
-        let families = if ipv6 { "IPv4 and IPv6 pods" } else { "IPv4 pods only: IPv6 and dual-stack pods would fail ADD" };
+        let families =
+            if ipv6 { "IPv4 and IPv6 pods" } else { "IPv4 pods only: IPv6 and dual-stack pods would fail ADD" };
         println!(
             "this kernel can hold the capture ruleset, for {families} (programmed, read back and compared in a private netns)"
         );

@@ -195,7 +195,11 @@ fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
         .filter_map(|f| cfg.dns_for(*f))
         .map(|d| format!("{}", std::net::SocketAddr::new(d.host_ip, d.port)))
         .collect();
-    println!("capture: mode {}, DNS {}", cfg.mode, if dns.is_empty() { "off".into() } else { format!("to {}", dns.join(" and ")) });
+    println!(
+        "capture: mode {}, DNS {}",
+        cfg.mode,
+        if dns.is_empty() { "off".into() } else { format!("to {}", dns.join(" and ")) }
+    );
     for half in &ruleset.halves {
         let (pr, ip) = match half.table.family {
             aether_rules::Family::Ipv4 => (&half.policy_route, "ip"),

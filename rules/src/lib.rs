@@ -5,8 +5,8 @@
 //! callers enter the pod netns (see `aether-netns`) and call these functions there.
 
 pub mod capture;
-pub mod family;
 mod error;
+pub mod family;
 pub mod model;
 mod netlink;
 pub mod nft;

@@ -51,7 +51,12 @@ fn split(mut buf: &[u8]) -> io::Result<Vec<Received<'_>>> {
     while !buf.is_empty() {
         let hdr = NetlinkBuffer::new_checked(buf).map_err(invalid)?;
         let len = hdr.length() as usize;
-        out.push(Received { kind: hdr.message_type(), flags: hdr.flags(), seq: hdr.sequence_number(), bytes: &buf[..len] });
+        out.push(Received {
+            kind: hdr.message_type(),
+            flags: hdr.flags(),
+            seq: hdr.sequence_number(),
+            bytes: &buf[..len],
+        });
         buf = buf.get(len.div_ceil(4) * 4..).unwrap_or(&[]);
     }
     Ok(out)

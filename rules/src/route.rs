@@ -73,7 +73,9 @@ impl PolicyRoute {
         // A missing route is ESRCH for IPv4 (a table that never existed too); IPv6 says
         // ENOENT for a missing route and ESRCH for a table that never existed.
         match (self.family, absent_ok(transact(msg, 0), libc::ESRCH, "delete route")) {
-            (Family::Ipv6, Err(Error::Route { source, .. })) if source.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            (Family::Ipv6, Err(Error::Route { source, .. })) if source.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(false)
+            }
             (_, other) => other,
         }
     }

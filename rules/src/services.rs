@@ -19,8 +19,8 @@ use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 
-use crate::family::Family;
 use crate::error::{Error, Result};
+use crate::family::Family;
 use crate::model::*;
 use crate::nft;
 
@@ -277,7 +277,13 @@ pub fn services_table(layer: &ServiceLayer) -> Result<Option<Table>> {
             rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
         ],
     });
-    Ok(Some(Table { family: Family::Ipv4, name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }))
+    Ok(Some(Table {
+        family: Family::Ipv4,
+        name: TABLE.into(),
+        sets,
+        counters: COUNTERS.iter().map(|c| c.to_string()).collect(),
+        chains,
+    }))
 }
 
 /// What `apply` did in the current netns.

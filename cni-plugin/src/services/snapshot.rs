@@ -707,7 +707,10 @@ mod tests {
         v["mode"] = json!("y".repeat(1 << 20));
         for e in parse(v.to_string().as_bytes()).unwrap_err() {
             assert!(e.len() < 200, "{} bytes echoed", e.len());
-            assert!(e.ends_with("(1048578 bytes) is not an IPv4 address") || e.contains("(1048578 bytes) is not one of"), "{e}");
+            assert!(
+                e.ends_with("(1048578 bytes) is not an IPv4 address") || e.contains("(1048578 bytes) is not one of"),
+                "{e}"
+            );
         }
         let huge = vec![b' '; MAX_SNAPSHOT_BYTES + 1];
         assert_eq!(parse(&huge).unwrap_err(), [too_large()]);

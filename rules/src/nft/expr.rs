@@ -129,7 +129,8 @@ pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
     let daddr = || daddr(family, REG_1);
     let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), sreg: REG_1, invert };
     let ct = |key: i32| Expr::Ct { key: key as u32, dreg: REG_1 };
-    let bits = |mask: u32| Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: mask.to_ne_bytes().to_vec(), xor: vec![0; 4] };
+    let bits =
+        |mask: u32| Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: mask.to_ne_bytes().to_vec(), xor: vec![0; 4] };
     match m {
         Match::CtDirectionReply => vec![ct(libc::NFT_CT_DIRECTION), eq(vec![IP_CT_DIR_REPLY])],
         Match::Mark(mark) => vec![meta(libc::NFT_META_MARK), eq(mark.to_ne_bytes().to_vec())],
@@ -298,13 +299,10 @@ impl Expr {
                 // The kernel always reports the flags word.
                 Lookup::Flags(if *invert { NFT_LOOKUP_F_INV } else { 0 }),
             ]),
-            Expr::Ct { key, dreg } => {
-                other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_DREG, *dreg)])
+            Expr::Ct { key, dreg } => other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_DREG, *dreg)]),
+            Expr::Objref { kind, name } => {
+                other("objref", vec![u32_attr(attr::OBJREF_IMM_TYPE, *kind), str_attr(attr::OBJREF_IMM_NAME, name)])
             }
-            Expr::Objref { kind, name } => other(
-                "objref",
-                vec![u32_attr(attr::OBJREF_IMM_TYPE, *kind), str_attr(attr::OBJREF_IMM_NAME, name)],
-            ),
             Expr::Dynset { set, op, sreg_key, timeout_ms, flags } => other(
                 "dynset",
                 vec![
@@ -362,7 +360,8 @@ impl Expr {
             Some(Expressions::Immediate(a)) => decode_immediate(a).unwrap_or_else(|| unparsed(&name, data)),
             Some(Expressions::Lookup(a)) => decode_lookup(a).unwrap_or_else(|| unparsed(&name, data)),
             Some(Expressions::Other { attributes, .. }) | Some(Expressions::Unknown(attributes)) => {
-                let raw: Vec<(u16, Vec<u8>)> = attributes.iter().map(|n| (n.kind() & NLA_TYPE_MASK, nla_value(n))).collect();
+                let raw: Vec<(u16, Vec<u8>)> =
+                    attributes.iter().map(|n| (n.kind() & NLA_TYPE_MASK, nla_value(n))).collect();
                 decode_ours(&name, &raw).unwrap_or(Expr::Other { name, attributes: raw })
             }
             _ => unparsed(&name, data),
@@ -503,9 +502,7 @@ fn decode_lookup(attrs: &[Lookup]) -> Option<Expr> {
 fn decode_ours(name: &str, raw: &[(u16, Vec<u8>)]) -> Option<Expr> {
     let get = |k: u16| raw.iter().find(|(t, _)| *t == k).map(|(_, v)| v.as_slice());
     let u32_of = |k: u16| get(k).and_then(|v| Some(u32::from_be_bytes(v.try_into().ok()?)));
-    let str_of = |k: u16| {
-        get(k).map(|v| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned())
-    };
+    let str_of = |k: u16| get(k).map(|v| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(v)).into_owned());
     let only = |known: &[u16]| raw.iter().all(|(k, _)| known.contains(k));
     match name {
         "ct" if only(&[attr::CT_KEY, attr::CT_DREG]) => {
@@ -545,13 +542,11 @@ fn decode_ours(name: &str, raw: &[(u16, Vec<u8>)]) -> Option<Expr> {
                 None => 0,
             },
         }),
-        "tproxy" if only(&[attr::TPROXY_FAMILY, attr::TPROXY_REG_ADDR, attr::TPROXY_REG_PORT]) => {
-            Some(Expr::Tproxy {
-                family: u32_of(attr::TPROXY_FAMILY)?,
-                reg_addr: u32_of(attr::TPROXY_REG_ADDR),
-                reg_port: u32_of(attr::TPROXY_REG_PORT),
-            })
-        }
+        "tproxy" if only(&[attr::TPROXY_FAMILY, attr::TPROXY_REG_ADDR, attr::TPROXY_REG_PORT]) => Some(Expr::Tproxy {
+            family: u32_of(attr::TPROXY_FAMILY)?,
+            reg_addr: u32_of(attr::TPROXY_REG_ADDR),
+            reg_port: u32_of(attr::TPROXY_REG_PORT),
+        }),
         "nat"
             if only(&[
                 attr::NAT_TYPE,

@@ -168,7 +168,8 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
     }
     match commit(sock, &render::table_batch_keeping(table, counters, Existing::Refuse)) {
         Err(Error::Transaction { object, source })
-            if source.raw_os_error() == Some(libc::EEXIST) && object == render::table_label(table.family, &table.name) =>
+            if source.raw_os_error() == Some(libc::EEXIST)
+                && object == render::table_label(table.family, &table.name) =>
         {
             commit(sock, &render::table_batch_keeping(table, counters, Existing::Replace))
         }
@@ -277,7 +278,9 @@ fn table_flags(sock: &mut Socket, family: Family, name: &str) -> Result<Option<u
     let request = NfTablesMessage::GetTable(TableMessage { attributes: vec![] });
     let tables = dump(sock, family, request, name, "dump tables")?;
     Ok(tables.iter().find_map(|m| match m {
-        NfTablesMessage::NewTable(t) if t.attributes.iter().any(|a| matches!(a, TableAttribute::Name(n) if n == name)) => {
+        NfTablesMessage::NewTable(t)
+            if t.attributes.iter().any(|a| matches!(a, TableAttribute::Name(n) if n == name)) =>
+        {
             Some(
                 t.attributes
                     .iter()
@@ -407,7 +410,11 @@ mod tests {
             assert_eq!(parsed.len(), batch.messages.len(), "{}: begin and end delimit the messages", t.name);
             let back = TableView::from_messages(&t.name, &parsed);
             assert_eq!(back, expected_view(&t), "{}", t.name);
-            assert!(back.chains.iter().flat_map(|c| &c.rules).all(|r| !r.exprs.0.iter().any(|e| matches!(e, Expr::Other { .. }))));
+            assert!(back.chains.iter().flat_map(|c| &c.rules).all(|r| !r
+                .exprs
+                .0
+                .iter()
+                .any(|e| matches!(e, Expr::Other { .. }))));
         }
     }
 

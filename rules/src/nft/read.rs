@@ -163,14 +163,8 @@ fn parse_rule(attrs: &[RuleAttribute], table: &str) -> Option<(String, RuleView)
 
 fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
     let mut t = None;
-    let mut v = SetView {
-        name: String::new(),
-        flags: 0,
-        key_type: 0,
-        key_len: 0,
-        timeout_ms: 0,
-        elements: BTreeSet::new(),
-    };
+    let mut v =
+        SetView { name: String::new(), flags: 0, key_type: 0, key_len: 0, timeout_ms: 0, elements: BTreeSet::new() };
     for a in attrs {
         match a {
             SetAttribute::Table(x) => t = Some(x.as_str()),

@@ -54,12 +54,10 @@ impl Batch {
     /// (the begin marker); message `i` gets `first_seq + 1 + i`. No message asks for an
     /// ACK: the kernel reports errors anyway, and a request after the batch fences it.
     pub fn encode(&self, first_seq: u32) -> Vec<u8> {
-        let delimiter = |m| NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES), m);
-        let mut out = crate::netlink::encode(
-            delimiter(netlink_packet_netfilter::none::ControlMessage::BatchBegin),
-            0,
-            first_seq,
-        );
+        let delimiter =
+            |m| NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES), m);
+        let mut out =
+            crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchBegin), 0, first_seq);
         for (i, ((msg, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
             out.extend(crate::netlink::encode(message(*family, msg.clone()), *flags, first_seq + 1 + i as u32));
         }
@@ -159,7 +157,12 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
         }
     }
     for c in &table.chains {
-        b.add(family, NfTablesMessage::NewChain(chain(&table.name, c)), NLM_F_CREATE, named(format!("chain {}", c.name)));
+        b.add(
+            family,
+            NfTablesMessage::NewChain(chain(&table.name, c)),
+            NLM_F_CREATE,
+            named(format!("chain {}", c.name)),
+        );
     }
     for c in &table.chains {
         for (i, r) in c.rules.iter().enumerate() {
@@ -215,7 +218,12 @@ pub struct ElementChange {
 /// The transaction that deletes `name` (with everything in it).
 pub(crate) fn delete_table(family: Family, name: &str) -> Batch {
     let mut b = Batch::default();
-    b.add(family, NfTablesMessage::DeleteTable(table_message(name)), 0, format!("delete of {}", table_label(family, name)));
+    b.add(
+        family,
+        NfTablesMessage::DeleteTable(table_message(name)),
+        0,
+        format!("delete of {}", table_label(family, name)),
+    );
     b
 }
 
@@ -224,10 +232,7 @@ fn counter(table: &str, name: &str, (packets, bytes): (u64, u64)) -> NfTablesMes
         expr::str_attr(OBJ_TABLE, table),
         expr::str_attr(OBJ_NAME, name),
         expr::u32_attr(OBJ_TYPE, NFT_OBJECT_COUNTER),
-        expr::nested(
-            OBJ_DATA,
-            &[expr::u64_attr(COUNTER_BYTES, bytes), expr::u64_attr(COUNTER_PACKETS, packets)],
-        ),
+        expr::nested(OBJ_DATA, &[expr::u64_attr(COUNTER_BYTES, bytes), expr::u64_attr(COUNTER_PACKETS, packets)]),
     ])
 }
 
