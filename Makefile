@@ -63,10 +63,16 @@ demo: build
 ## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process;
 ## fresh-process ADD/CHECK/DEL of the static release binary vs Debian's `tuning` plugin vs
 ## shelling out to nft/ip (AETHER_BENCH_OLD_BIN adds an older binary); 2. the Service layer at
-## 1,000 and 10,000 ports: full build vs one Service more vs verify. Medians and ratios.
+## 1,000 and 10,000 ports: full build vs one Service more vs verify; 3. the Service layer at
+## cluster scale (10,000 Services, 100 pods, vs the kernel floor; bench/results/services-scale.*);
+## 4. the installer's repair latency. Medians and ratios.
 bench: deps build clients-deps
+	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q 'install ok installed' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
 	AETHER_BENCH_BIN=$(CURDIR)/target/$(TARGET)/release/aether-cni $(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
+	$(CARGO) bench -p aether-cni --bench services_scale
+	$(CARGO) bench -p aether-installer --bench repair
 	@# cargo bench rebuilt target/release/aether-cni (dynamic, for CARGO_BIN_EXE): put the static one back
 	install -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
 
