@@ -553,7 +553,14 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
     };
     // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
     // it): the mark ends before a new layer starts counting from zero.
-    let folding = dir.accumulator().map(|a| a.folding).unwrap_or_default();
+    let folding = match dir.accumulator() {
+        Ok(acc) => acc.folding,
+        Err(e) => {
+            warnings
+                .push(format!("the node's Service totals cannot be read, stale fold marks are left as they are: {e}"));
+            Default::default()
+        }
+    };
     let ended: Vec<String> = records
         .iter()
         .filter(|r| folding.contains_key(&r.key()))
