@@ -43,7 +43,7 @@ pub fn shown(text: &str) -> String {
 
 /// Keys the CNI spec defines for plugin configurations (the conflist-level `cniVersions`,
 /// `disableCheck` and `disableGC` are for the runtime; tolerated and ignored if passed on).
-const SPEC_FIELDS: [&str; 13] = [
+pub(crate) const SPEC_FIELDS: [&str; 13] = [
     "cniVersion",
     "cniVersions",
     "name",
@@ -59,7 +59,7 @@ const SPEC_FIELDS: [&str; 13] = [
     "disableGC",
 ];
 /// This plugin's own keys.
-const OWN_FIELDS: [&str; 19] = [
+pub(crate) const OWN_FIELDS: [&str; 19] = [
     "captureMode",
     "hostIP",
     "hostIPv6",
