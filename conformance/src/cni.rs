@@ -80,6 +80,11 @@ pub fn run_cli(run_in: &str, args: &[&str], stdin: &[u8]) -> Outcome {
     spawn_in(Some(run_in), args, &[], stdin)
 }
 
+/// Like `run_cli`, in the caller's own network namespace.
+pub fn run_cli_here(args: &[&str], stdin: &[u8]) -> Outcome {
+    spawn_in(None, args, &[], stdin)
+}
+
 fn spawn_in(run_in: Option<&str>, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
     let ns = run_in.map(|p| std::fs::File::open(p).unwrap_or_else(|e| panic!("open {p}: {e}")));
     let mut cmd = Command::new(cni_bin());

@@ -46,20 +46,7 @@ impl Drop for ReusedPath {
 }
 
 fn cli(args: &[&str], stdin: &[u8]) -> Outcome {
-    let mut child = Command::new(bin())
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin).unwrap();
-    let out = child.wait_with_output().unwrap();
-    Outcome {
-        ok: out.status.success(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    aether_conformance::cni::run_cli_here(args, stdin)
 }
 
 fn snapshot(generation: u64) -> Vec<u8> {

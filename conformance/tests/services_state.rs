@@ -3,24 +3,14 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-
 use aether_testkit::{root_or_skip, TestNetns};
-use common::{bin, conf, run_plugin};
+use common::{conf, run_plugin};
 use serde_json::json;
 
 fn services(state: &str, args: &[&str], stdin: &[u8]) -> (bool, String) {
-    let mut child = Command::new(bin())
-        .args(["services", "--state-dir", state])
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin).unwrap();
-    let out = child.wait_with_output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let args: Vec<&str> = ["services", "--state-dir", state].iter().chain(args).copied().collect();
+    let out = aether_conformance::cni::run_cli_here(&args, stdin);
+    (out.ok, format!("{}{}", out.stdout, out.stderr))
 }
 
 fn snapshot(generation: u64) -> Vec<u8> {
