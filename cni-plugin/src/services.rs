@@ -860,7 +860,8 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 
-/// The union of what the node's pods dialled, as `VIP:port/proto`.
+/// The union of what the node's pods dialled, as `VIP:port/proto` (`[VIP]:port/proto` for
+/// an IPv6 VIP).
 pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     let _lock = dir.read_lock()?;
     let mut all = std::collections::BTreeSet::new();
@@ -874,7 +875,8 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
             all.extend(d);
         }
     }
-    Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
+    // `[fd00::1]:80/tcp` for an IPv6 VIP, as a socket address is written.
+    Ok(all.into_iter().map(|(a, p, port)| format!("{}/{}", std::net::SocketAddr::new(a, port), p.name())).collect())
 }
 
 /// One pod's outcome in `services verify`.
@@ -1038,7 +1040,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
             let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
             out.push(format!("counters: {}", text.join(" ")));
         }
-        Ok(Ok(None)) => out.push(format!("table ip {} is absent", layer::TABLE)),
+        Ok(Ok(None)) => out.push(format!("no {} table (ip or ip6) is present", layer::TABLE)),
         Ok(Err(e)) => out.push(format!("counters: {e}")),
         Err(e) => out.push(format!("counters: {e}")),
     }

@@ -319,7 +319,7 @@ fn a_hundred_thousand_service_ports_apply_and_verify() {
         l.ranges = vec!["10.64.0.0/10".parse().unwrap()];
         l.ports = (0..n)
             .map(|i| ServicePort {
-                vip: Ipv4Addr::from(0x0a40_0002 + i),
+                vip: Ipv4Addr::from(0x0a40_0002 + i).into(),
                 proto: Proto::Tcp,
                 port: 80,
                 has_endpoints: i % 10 != 0,
