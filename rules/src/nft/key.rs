@@ -20,8 +20,10 @@ pub fn service_key_registers(family: Family) -> [Reg; 3] {
     match family {
         // r1 = r32.0; protocol in r32.1 (9), port in r32.2 (10).
         Family::Ipv4 => [1, 9, 10],
-        // The address takes r32.0..r32.3; protocol in r32.4 (12), port in r32.5 (13).
-        Family::Ipv6 => [1, 12, 13],
+        // The address takes r32.0..r32.3; protocol in r32.4, port in r32.5 (13). r32.4 is
+        // where the second 16-byte register `r2` starts, and the kernel reports it as `r2`
+        // when it dumps the rule: named so, what we send reads back the same.
+        Family::Ipv6 => [1, 2, 13],
     }
 }
 
