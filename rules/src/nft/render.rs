@@ -115,7 +115,7 @@ pub(crate) fn table_batch(table: &model::Table, existing: Existing) -> Batch {
 /// Several tables in one transaction (a dual-stack pod's two halves), each with the values
 /// its named counters start from and what becomes of a table of its family and name the
 /// kernel may already hold.
-pub(crate) fn tables_batch(tables: &[(&model::Table, &BTreeMap<String, (u64, u64)>, Existing)]) -> Batch {
+pub(crate) fn tables_batch(tables: &[(&model::Table, &super::Counts, Existing)]) -> Batch {
     let mut b = Batch::default();
     for (table, counters, existing) in tables {
         add_table(&mut b, table, counters, *existing);
