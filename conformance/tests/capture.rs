@@ -130,7 +130,7 @@ fn golden_dual_stack_exclusions() {
     let c = conf_dual(
         "1.1.0",
         json!({
-            "excludeOutboundCIDRs": ["10.96.0.1/32", "fd00:10:96::1", "2001:db8::/32", "fd00:10:96::/108"],
+            "excludeOutboundCIDRs": ["10.96.0.1/32", "fd00:10:96::1", "2001:db8::/32", "fd00:10:96::/112"],
             "excludeOutboundPorts": [22, "9000-9100"],
             "runtimeConfig": {"io.kubernetes.cri.pod-annotations": {
                 "aether.io/exclude-outbound-cidrs": "10.50.0.0/16, fd00:50::/48"
