@@ -17,12 +17,12 @@
 //! outside every range (also local there). Nothing leaves the namespaces made here. Root
 //! only: without root each test skips loudly; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip fails.
 
-use std::collections::BTreeMap;
 use std::net::{Ipv6Addr, SocketAddr};
 
-use aether_conformance::{sa, Pod, Probe, Proxy, SimNode, Stack, MESH_L4_PORT, VIP, VIP6};
+use aether_conformance::layer::{apply, as_counts, counters, delta, only, pod_counts};
+use aether_conformance::{control, sa, Pod, Probe, Proxy, SimNode, Stack, MESH_L4_PORT, VIP, VIP6};
 use aether_testkit::root_or_skip;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The IPv6 ServiceCIDR (a /108, as clusters commonly use).
 const RANGE6: &str = "fd00:10:96::/108";
@@ -38,11 +38,6 @@ const EMPTY6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 1, 2);
 const NO_SERVICE6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0xe, 7);
 /// Outside every Service range.
 const EXTERNAL6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x97, 0, 0, 0, 0, 5);
-
-type Counts = BTreeMap<String, u64>;
-
-const CLASSES: [&str; 6] =
-    ["mesh", "service", "external", "refused_no_endpoints", "refused_port_not_declared", "refused_no_service"];
 
 fn node(test: &str, tag: &str) -> Option<SimNode> {
     root_or_skip(test).then(|| SimNode::new(tag))
@@ -77,49 +72,6 @@ fn snapshot(generation: u64, mode: &str, ipv4: bool, ipv6: bool) -> Vec<u8> {
     json!({"generation": generation, "mode": mode, "serviceRanges": ranges, "meshVIPs": mesh, "services": services})
         .to_string()
         .into_bytes()
-}
-
-fn apply(node: &SimNode, doc: &[u8]) -> Value {
-    let out = node.services(&["apply"], doc);
-    assert!(out.ok, "services apply failed:\n{}\n{}", out.stdout, out.stderr);
-    out.json()
-}
-
-fn counters(node: &SimNode) -> Value {
-    let out = node.services(&["counters", "--format", "json"], b"");
-    assert!(out.ok, "services counters failed:\n{}\n{}", out.stdout, out.stderr);
-    out.json()
-}
-
-fn as_counts(v: &Value) -> Counts {
-    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("not a counter map ({e}): {v}"))
-}
-
-fn pod_counts(c: &Value, pod: &Pod) -> Option<Counts> {
-    let rows = c["pods"].as_array().unwrap_or_else(|| panic!("no pods array: {c}"));
-    rows.iter().find(|r| r["containerID"] == pod.container_id.as_str()).map(|r| as_counts(&r["counters"]))
-}
-
-fn only(class: Option<&str>, n: u64) -> Counts {
-    CLASSES.iter().map(|c| (c.to_string(), if Some(*c) == class { n } else { 0 })).collect()
-}
-
-fn delta(before: &Counts, after: &Counts) -> Counts {
-    CLASSES
-        .iter()
-        .map(|c| {
-            let (b, a) = (before.get(*c).copied().unwrap_or(0), after.get(*c).copied().unwrap_or(0));
-            assert!(a >= b, "counter {c} went backwards: {before:?} -> {after:?}");
-            (c.to_string(), a - b)
-        })
-        .collect()
-}
-
-#[track_caller]
-fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) {
-    if !failed_as_it_must {
-        panic!("RIG BROKEN: the negative control `{what}` did not fail, so this test cannot tell; the positive case proves nothing.\n{detail}");
-    }
 }
 
 fn capture(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
@@ -225,15 +177,7 @@ fn ipv6_classes_are_counted_once_per_connection_beside_ipv4() {
 
     // Control: with the ip6 table's jump to `classify` deleted, an IPv6 connection is not
     // counted (the IPv6 counts come from the ip6 table's rules).
-    let listing = a.nft(&["-a", "list", "chain", "ip6", "aether_services", "egress_classify"]);
-    let handle = listing
-        .lines()
-        .find(|l| l.contains("jump classify"))
-        .and_then(|l| l.rsplit("# handle ").next())
-        .unwrap_or_else(|| panic!("no jump in egress_classify:\n{listing}"))
-        .trim()
-        .to_string();
-    a.nft(&["delete", "rule", "ip6", "aether_services", "egress_classify", "handle", &handle]);
+    a.delete_rule_of("ip6", "aether_services", "egress_classify", "jump classify");
     assert_eq!(a.tcp(sa(VIP6, 80)), capture(&a, "tcp", sa(VIP6, 80)));
     let after = pod_counts(&counters(&node), &a).unwrap();
     control(after == now, "the ip6 classify jump deleted", format!("{now:?} -> {after:?}\n{}", a.ruleset()));

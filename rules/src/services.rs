@@ -149,31 +149,19 @@ fn service_element((vip, proto, port): (IpAddr, Proto, u16)) -> Element {
 
 /// The ranges of `family`, merged where they touch, as interval set elements.
 fn range_elements(ranges: &[IpNet], family: Family) -> Vec<Element> {
-    let of = |f| ranges.iter().map(IpNet::trunc).filter(move |n| Family::of(n.addr()) == f);
-    match family {
+    let nets = ranges.iter().map(IpNet::trunc);
+    let mut elements: Vec<Element> = match family {
         Family::Ipv4 => {
-            let nets: Vec<Ipv4Net> = of(family)
-                .filter_map(|n| match n {
-                    IpNet::V4(n) => Some(n),
-                    IpNet::V6(_) => None,
-                })
-                .collect();
-            let mut nets = Ipv4Net::aggregate(&nets);
-            nets.sort();
-            nets.into_iter().map(Element::Net).collect()
+            let v4: Vec<Ipv4Net> = nets.filter_map(|n| if let IpNet::V4(n) = n { Some(n) } else { None }).collect();
+            Ipv4Net::aggregate(&v4).into_iter().map(Element::Net).collect()
         }
         Family::Ipv6 => {
-            let nets: Vec<Ipv6Net> = of(family)
-                .filter_map(|n| match n {
-                    IpNet::V6(n) => Some(n),
-                    IpNet::V4(_) => None,
-                })
-                .collect();
-            let mut nets = Ipv6Net::aggregate(&nets);
-            nets.sort();
-            nets.into_iter().map(Element::Net6).collect()
+            let v6: Vec<Ipv6Net> = nets.filter_map(|n| if let IpNet::V6(n) = n { Some(n) } else { None }).collect();
+            Ipv6Net::aggregate(&v6).into_iter().map(Element::Net6).collect()
         }
-    }
+    };
+    elements.sort();
+    elements
 }
 
 /// The layer's tables, one per family it has Service ranges in (IPv4 first); none in mode
