@@ -169,11 +169,13 @@ pub fn run(args: ServicesArgs) -> ExitCode {
 pub struct ServicesDir {
     state: PathBuf,
     root: PathBuf,
+    /// `pods/`, opened (created) on first need and kept: an apply writes a file in it per pod.
+    pods: std::sync::OnceLock<state::Dir>,
 }
 
 impl ServicesDir {
     pub fn new(state_dir: &Path) -> Self {
-        ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services") }
+        ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services"), pods: Default::default() }
     }
 
     /// The directory, created (0700) if `create`; `None` when absent and not created.
@@ -263,11 +265,17 @@ impl ServicesDir {
     /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
     fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), String> {
         let path = self.pod_path(ns.path());
-        let dir = self.open(true)?.expect("created");
-        let pods = dir.subdir("pods", true).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+        let pods = match self.pods.get() {
+            Some(pods) => pods,
+            None => {
+                let dir = self.open(true)?.expect("created");
+                let pods =
+                    dir.subdir("pods", true).map_err(|e| format!("cannot create {}: {e}", self.root.display()))?;
+                self.pods.get_or_init(|| pods.expect("created"))
+            }
+        };
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        pods.expect("created")
-            .write_atomic(&name, held.to_string().as_bytes())
+        pods.write_atomic(&name, held.to_string().as_bytes())
             .map_err(|e| format!("cannot write {}: {e}", path.display()))
     }
 
@@ -534,6 +542,21 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
         dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
     }
+    // Every pod netns is visited from one thread (`tour`): a thread per pod cost more than
+    // the change it sends.
+    aether_netns::tour(|| apply_to_pods(dir, &new, previous.as_ref(), warnings))
+        .map_err(|e| vec![format!("cannot visit the pods' network namespaces: {e}")])?
+}
+
+/// `apply_document` once `new` is stored: the layer to every recorded pod, each given the
+/// change from `previous` if its file says it holds that, nothing if it holds `new`, a
+/// rebuild otherwise.
+fn apply_to_pods(
+    dir: &ServicesDir,
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+    mut warnings: Vec<String>,
+) -> Result<ApplyReport, Vec<String>> {
     let node_mark = dir.divert_mark();
     // One change and one encoded layer per divert mark in use (in practice one), made on
     // first need.
@@ -598,8 +621,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
             }
             Ok(ns) => {
                 let held = dir.pod_holds(&ns);
-                let change = match (&held, &previous) {
-                    (Some(h), _) if h.is(&new, mark) => None,
+                let change = match (&held, previous) {
+                    (Some(h), _) if h.is(new, mark) => None,
                     (Some(h), Some(prev)) if h.is(prev, mark) => Some(
                         changes
                             .entry(mark)
@@ -620,8 +643,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
                         }
                     }
                 };
-                if outcome.is_ok() && held.is_none_or(|h| !h.is(&new, mark)) {
-                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(&new, &ns, mark)) {
+                if outcome.is_ok() && held.is_none_or(|h| !h.is(new, mark)) {
+                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(new, &ns, mark)) {
                         warnings.push(e);
                     }
                 }
@@ -843,16 +866,22 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     let folded = acc.totals.clone();
     let mut totals: BTreeMap<String, u64> =
         COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
-    let mut pods = Vec::new();
     let scan = StateDir::new(&dir.state).scan();
-    for r in scan.records {
-        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
-        if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
-            // A pod a killed DEL already folded counts only its growth since.
-            for (k, v) in acc.live_part(&r.key(), &c) {
-                *totals.entry(k).or_default() += v;
+    let live = |records: Vec<Record>| {
+        let mut pods = Vec::new();
+        for r in records {
+            let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+            if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
+                pods.push((r, c));
             }
-            pods.push((r, c));
+        }
+        pods
+    };
+    let pods = aether_netns::tour(|| live(scan.records)).map_err(|e| e.to_string())?;
+    for (r, c) in &pods {
+        // A pod a killed DEL already folded counts only its growth since.
+        for (k, v) in acc.live_part(&r.key(), c) {
+            *totals.entry(k).or_default() += v;
         }
     }
     let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
@@ -869,12 +898,15 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     for u in &scan.unreadable {
         crate::warn!(file = %u.file, why = %u.why, "an attachment record cannot be read; its pod is not included");
     }
-    for r in scan.records {
-        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
-        if let Ok(Ok(d)) = ns.run(layer::demand) {
-            all.extend(d);
+    aether_netns::tour(|| {
+        for r in scan.records {
+            let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+            if let Ok(Ok(d)) = ns.run(layer::demand) {
+                all.extend(d);
+            }
         }
-    }
+    })
+    .map_err(|e| e.to_string())?;
     // `[fd00::1]:80/tcp` for an IPv6 VIP, as a socket address is written.
     Ok(all.into_iter().map(|(a, p, port)| format!("{}/{}", std::net::SocketAddr::new(a, port), p.name())).collect())
 }
@@ -929,16 +961,30 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
     let stored = dir.stored_layer()?;
     let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
-    for r in StateDir::new(&dir.state).records() {
+    let records = StateDir::new(&dir.state).records();
+    aether_netns::tour(|| verify_each(dir, records, stored.as_ref(), node_mark, &mut pods))
+        .map_err(|e| e.to_string())?;
+    Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
+}
+
+/// `verify_pods`' visit of each pod.
+fn verify_each(
+    dir: &ServicesDir,
+    records: Vec<Record>,
+    stored: Option<&StoredLayer>,
+    node_mark: u32,
+    pods: &mut Vec<PodVerified>,
+) {
+    for r in records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-        let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+        let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
         let result = flat(ns.run(|| {
             let diffs = layer::verify(&l)?;
             let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
             Ok((diffs, repaired))
         }));
-        match (&result, &stored) {
+        match (&result, stored) {
             (Ok(_), Some(s)) if l.mode != layer::LayerMode::Off => {
                 let _ = dir.set_pod_holds(&ns, &PodHolds::new(s, &ns, mark));
             }
@@ -946,7 +992,6 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, String> {
         }
         pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result });
     }
-    Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
 /// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).

@@ -4,7 +4,10 @@
 //! paths (`/proc/1/ns/net`, a bind mount under `/run/netns`) may name the same namespace.
 //! Work inside a namespace runs on a thread spawned for it, so the switch (`setns`) is
 //! never visible to any other thread of the process, and the thread ends with the work.
+//! Visiting many namespaces in turn ([`tour`]) uses one such thread for all of them: it
+//! enters each namespace and returns to its own before anything else runs on it.
 
+use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
@@ -143,11 +146,20 @@ impl Netns {
     ///
     /// The calling thread never changes namespace. Sockets the closure opens belong to this
     /// namespace for their whole life, so netlink work is done entirely inside the closure.
+    /// Called on a [`tour`]'s thread, the work runs on that thread instead (entering the
+    /// namespace and returning home around it), which costs two `setns` instead of a thread.
     pub fn run<T, F>(&self, work: F) -> Result<T, Error>
     where
         F: FnOnce() -> T + Send,
         T: Send,
     {
+        if let Some(home) = TOUR_HOME.with(|h| h.take()) {
+            // Back in place when done, so that a `run` inside `work` spawns its own thread
+            // (the tour's thread is then not at home) and the next `run` is in place again.
+            let result = self.run_in_place(&home, work);
+            TOUR_HOME.with(|h| h.set(Some(home)));
+            return result;
+        }
         std::thread::scope(|scope| {
             let handle = scope.spawn(|| -> Result<T, Error> {
                 setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET)
@@ -157,6 +169,51 @@ impl Netns {
             handle.join().map_err(|_| Error::WorkerPanicked { path: self.path.clone() })?
         })
     }
+}
+
+impl Netns {
+    /// `run` on a tour's thread, whose own namespace is `home`: enter, work, return home. A
+    /// panic in `work` is caught (as a worker thread's would be) after the thread is home.
+    fn run_in_place<T, F: FnOnce() -> T>(&self, home: &File, work: F) -> Result<T, Error> {
+        setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET)
+            .map_err(|source| Error::Enter { path: self.path.clone(), source })?;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+        if setns(home.as_fd(), CloneFlags::CLONE_NEWNET).is_err() {
+            // Never possible with a namespace file we hold open; were it to happen, anything
+            // the process did next could land in the pod's namespace, or take the pod's for
+            // its own (the host check compares with the thread's namespace): stop here.
+            eprintln!("aether-cni: cannot return to the own network namespace after {}", self.path.display());
+            std::process::abort();
+        }
+        result.map_err(|_| Error::WorkerPanicked { path: self.path.clone() })
+    }
+}
+
+thread_local! {
+    /// On a tour's thread, while it is at home: the file of its own namespace.
+    static TOUR_HOME: Cell<Option<File>> = const { Cell::new(None) };
+}
+
+/// Runs `work` on a new thread on which every [`Netns::run`] enters its namespace in place
+/// and comes back, instead of spawning a thread per namespace: for visiting many namespaces
+/// in turn (a Service apply reaching every pod). Between runs the thread is in the
+/// namespace it started in (the caller's), so all else `work` does (files, the host
+/// check of `Netns::open_foreign`) is as on any other thread.
+pub fn tour<T, F>(work: F) -> Result<T, Error>
+where
+    F: FnOnce() -> T + Send,
+    T: Send,
+{
+    std::thread::scope(|scope| {
+        let handle = scope.spawn(|| -> Result<T, Error> {
+            let home = Netns::current()?.file;
+            TOUR_HOME.with(|h| h.set(Some(home)));
+            let out = work();
+            TOUR_HOME.with(|h| h.take());
+            Ok(out)
+        });
+        handle.join().map_err(|_| Error::WorkerPanicked { path: "(tour)".into() })?
+    })
 }
 
 /// Runs `work` on a new thread inside a fresh, empty network namespace that disappears
@@ -248,6 +305,72 @@ mod tests {
         let cookies: std::collections::BTreeSet<u64> = seen.iter().map(|(_, c)| *c).collect();
         assert_eq!(cookies.len(), seen.len(), "cookies repeat: {seen:?}");
         assert!(!cookies.contains(&own.cookie().unwrap()));
+    }
+
+    /// Root tests skip loudly without root, and fail when root is required.
+    fn root(name: &str) -> bool {
+        if unsafe { libc_geteuid() } == 0 {
+            return true;
+        }
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "SKIPPED (needs root): {name}");
+        assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "root required");
+        false
+    }
+
+    /// A namespace of its own, kept alive by its open file.
+    fn private() -> Netns {
+        run_in_private(|| Netns::current().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_tour_enters_each_namespace_and_is_home_between_visits() {
+        if !root("a_tour_enters_each_namespace_and_is_home_between_visits") {
+            return;
+        }
+        let (a, b) = (private(), private());
+        let caller = Netns::current().unwrap().id();
+        let seen = tour(|| {
+            let tour_thread = std::thread::current().id();
+            let mut seen = Vec::new();
+            for ns in [&a, &b, &a] {
+                // In place: the tour's own thread, inside the namespace.
+                let (id, thread) = ns.run(|| (Netns::current().unwrap().id(), std::thread::current().id())).unwrap();
+                assert_eq!(thread, tour_thread, "a run on a tour's thread runs in place");
+                seen.push(id);
+                assert_eq!(Netns::current().unwrap().id(), caller, "home between visits");
+                // The host check still knows the caller's namespace for its own.
+                assert!(matches!(Netns::open_foreign("/proc/self/ns/net"), Err(Error::HostNamespace { .. })));
+            }
+            seen
+        })
+        .unwrap();
+        assert_eq!(seen, vec![a.id(), b.id(), a.id()]);
+        assert_eq!(Netns::current().unwrap().id(), caller);
+    }
+
+    #[test]
+    fn a_run_inside_a_tours_visit_and_a_panic_in_one_leave_the_tour_home() {
+        if !root("a_run_inside_a_tours_visit_and_a_panic_in_one_leave_the_tour_home") {
+            return;
+        }
+        let (a, b) = (private(), private());
+        let caller = Netns::current().unwrap().id();
+        tour(|| {
+            // Nested: the inner run gets a thread of its own; the visit stays in `a`.
+            let (inner, after) =
+                a.run(|| (b.run(|| Netns::current().unwrap().id()).unwrap(), Netns::current().unwrap().id())).unwrap();
+            assert_eq!((inner, after), (b.id(), a.id()));
+            assert_eq!(Netns::current().unwrap().id(), caller);
+            // A panic in a visit is that visit's error, as on a worker thread; the tour goes on at home.
+            assert!(matches!(a.run(|| panic!("planned panic")), Err(Error::WorkerPanicked { .. })));
+            assert_eq!(Netns::current().unwrap().id(), caller);
+            assert_eq!(b.run(|| Netns::current().unwrap().id()).unwrap(), b.id(), "in place again");
+        })
+        .unwrap();
+        // Control: outside a tour a run never moves the caller either.
+        assert_eq!(a.run(|| Netns::current().unwrap().id()).unwrap(), a.id());
+        assert_eq!(Netns::current().unwrap().id(), caller);
     }
 
     #[test]
