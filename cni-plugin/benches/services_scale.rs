@@ -76,7 +76,7 @@ fn layer(n: u32) -> ServiceLayer {
     l.ports = (0..n)
         .flat_map(|i| {
             service_ports(i).map(|port| ServicePort {
-                vip: service_vip(i),
+                vip: service_vip(i).into(),
                 proto: Proto::Tcp,
                 port,
                 has_endpoints: i % 10 != 0,
@@ -280,8 +280,8 @@ fn thread_cpu() -> Duration {
 /// The floor: one pod's layer created by sending its transaction, encoded once (the kernel
 /// does the work in the sending thread: its CPU time is the kernel's).
 fn floor(n: u32) -> Sample {
-    let table = services::services_table(&ServiceLayer { divert_mark: 0xae71, ..layer(n) }).unwrap().unwrap();
-    let encoded = aether_rules::nft::encode(&table);
+    let tables = services::services_tables(&ServiceLayer { divert_mark: 0xae71, ..layer(n) }).unwrap();
+    let encoded = aether_rules::nft::encode_tables(&tables.iter().collect::<Vec<_>>());
     let samples = (0..rounds())
         .map(|_| {
             let ns = TestNetns::new("bscale-floor");

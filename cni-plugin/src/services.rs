@@ -927,7 +927,8 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, String> {
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 
-/// The union of what the node's pods dialled, as `VIP:port/proto`.
+/// The union of what the node's pods dialled, as `VIP:port/proto` (`[VIP]:port/proto` for
+/// an IPv6 VIP).
 pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
     let _lock = dir.read_lock()?;
     let mut all = std::collections::BTreeSet::new();
@@ -944,7 +945,8 @@ pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, String> {
         }
     })
     .map_err(|e| e.to_string())?;
-    Ok(all.into_iter().map(|(a, p, port)| format!("{a}:{port}/{}", p.name())).collect())
+    // `[fd00::1]:80/tcp` for an IPv6 VIP, as a socket address is written.
+    Ok(all.into_iter().map(|(a, p, port)| format!("{}/{}", std::net::SocketAddr::new(a, port), p.name())).collect())
 }
 
 /// One pod's outcome in `services verify`.
@@ -1084,13 +1086,16 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
         Some(stored) => {
             let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
+            let tables: Vec<String> =
+                l.families().iter().map(|f| format!("table {} {}", f.nft_name(), layer::TABLE)).collect();
             out.push(format!(
-                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports",
+                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports{}",
                 stored.generation,
                 l.mode,
                 l.ranges.len(),
                 l.mesh_vips.len(),
-                l.ports.len()
+                l.ports.len(),
+                if tables.is_empty() { String::new() } else { format!(" ({})", tables.join(" and ")) }
             ));
             match dir.pod_holds(netns) {
                 Some(h) if h.is(stored, l.divert_mark) => {
@@ -1121,7 +1126,7 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
             let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
             out.push(format!("counters: {}", text.join(" ")));
         }
-        Ok(Ok(None)) => out.push(format!("table ip {} is absent", layer::TABLE)),
+        Ok(Ok(None)) => out.push(format!("no {} table (ip or ip6) is present", layer::TABLE)),
         Ok(Err(e)) => out.push(format!("counters: {e}")),
         Err(e) => out.push(format!("counters: {e}")),
     }

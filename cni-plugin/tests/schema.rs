@@ -99,6 +99,21 @@ fn valid_samples() -> Vec<(&'static str, Value)> {
         ("mode off with no ranges", json!({"generation": 1, "mode": "off", "serviceRanges": [], "services": []})),
         ("a ClusterSetIP /32 only", tweaked(|v| v["serviceRanges"] = json!(["10.96.0.0/16", "10.255.255.255/32"]))),
         ("the longest timeout", tweaked(|v| v["dialledTimeoutSeconds"] = json!(604800))),
+        (
+            "dual-stack: IPv6 ranges, a ClusterSetIP /128, IPv6 VIPs and mesh VIPs",
+            tweaked(|v| {
+                v["serviceRanges"] = json!(["10.96.0.0/16", "fd00:10:96::/108", "fd00:200::7/128"]);
+                v["meshVIPs"] = json!(["10.96.5.5", "fd00:10:96::5:5"]);
+                v["services"][1]["vip"] = json!("fd00:10:96::1:1");
+                v["services"][2]["vip"] = json!("FD00:10:96:0:0:0:1:2");
+            }),
+        ),
+        (
+            "IPv6 only",
+            json!({"generation": 1, "mode": "refuse", "serviceRanges": ["fd00:10:96::/108"], "meshVIPs": ["fd00:10:96::5"],
+                   "services": [{"namespace": "default", "name": "kubernetes", "vip": "fd00:10:96::1",
+                                 "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": true}]}),
+        ),
         ("the largest generation", tweaked(|v| v["generation"] = json!(u64::MAX))),
         (
             "port 1 and port 65535, TCP and UDP on one port",
@@ -126,7 +141,11 @@ fn valid_samples() -> Vec<(&'static str, Value)> {
 fn schema_malformed() -> Vec<(&'static str, Value)> {
     vec![
         ("prefix length 33", tweaked(|v| v["serviceRanges"][0] = json!("10.96.0.0/33"))),
-        ("IPv6 range", tweaked(|v| v["serviceRanges"][1] = json!("fd00::/108"))),
+        ("IPv6 prefix length 129", tweaked(|v| v["serviceRanges"][1] = json!("fd00::/129"))),
+        ("an IPv6 range with a dotted IPv4 part", tweaked(|v| v["serviceRanges"][1] = json!("::ffff:10.0.0.0/104"))),
+        ("an IPv6 range with a leading-zero prefix", tweaked(|v| v["serviceRanges"][1] = json!("fd00::/064"))),
+        ("an IPv6 VIP with a group of five digits", tweaked(|v| v["services"][2]["vip"] = json!("fd00::10000"))),
+        ("an IPv6 VIP with a zone", tweaked(|v| v["services"][2]["vip"] = json!("fe80::1%eth0"))),
         ("a range without a prefix length", tweaked(|v| v["serviceRanges"][1] = json!("10.200.0.7"))),
         ("a range with a leading-zero prefix", tweaked(|v| v["serviceRanges"][1] = json!("10.200.0.7/032"))),
         ("a range that is not a string", tweaked(|v| v["serviceRanges"][1] = json!(167772160))),
@@ -220,6 +239,16 @@ fn beyond_schema() -> Vec<(&'static str, &'static str, Value)> {
             tweaked(|v| v["services"][2]["vip"] = json!("10.96.5.5")),
         ),
         ("generation 3.0", "1.0 or 1e0 for 1", tweaked(|v| v["generation"] = json!(3.0))),
+        ("IPv6 link-local range", "fe80::/10", tweaked(|v| v["serviceRanges"][1] = json!("fe80::/64"))),
+        ("IPv6 host bits", "host bits in a range", tweaked(|v| v["serviceRanges"][1] = json!("fd00::5/108"))),
+        (
+            "one IPv6 mesh VIP written two ways",
+            "compared as addresses",
+            tweaked(|v| {
+                v["serviceRanges"][1] = json!("fd00::/108");
+                v["meshVIPs"] = json!(["fd00::5", "fd00:0::5"]);
+            }),
+        ),
     ]
 }
 

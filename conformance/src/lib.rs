@@ -28,6 +28,7 @@ pub mod cni;
 pub mod containerd;
 pub mod demo;
 pub mod dns;
+pub mod layer;
 pub mod node;
 pub mod probe;
 pub mod server;
@@ -73,4 +74,13 @@ pub const UPSTREAM_UDP_PORTS: [u16; 3] = [53, 18082, 18083];
 /// Shorthand for a socket address, of either family.
 pub fn sa(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
     SocketAddr::new(ip.into(), port)
+}
+
+/// Fails the test as a broken rig: a negative control that did not fail, so the positive
+/// case it stands beside proves nothing.
+#[track_caller]
+pub fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) {
+    if !failed_as_it_must {
+        panic!("RIG BROKEN: the negative control `{what}` did not fail, so this test cannot tell; the positive case proves nothing.\n{detail}");
+    }
 }

@@ -346,11 +346,20 @@ impl Pod {
 
     /// [`Pod::delete_rule`] in the capture table of family `family` (`ip` or `ip6`).
     pub fn delete_rule_in(&self, family: &str, chain: &str, needle: &str) -> String {
-        let listing = self.nft(&["-a", "list", "chain", family, "aether_capture", chain]);
+        self.delete_rule_of(family, "aether_capture", chain, needle)
+    }
+
+    /// [`Pod::delete_rule`] in table `table` of family `family` (the Service layer's, say).
+    pub fn delete_rule_of(&self, family: &str, table: &str, chain: &str, needle: &str) -> String {
+        let listing = self.nft(&["-a", "list", "chain", family, table, chain]);
         let hits: Vec<&str> = listing.lines().filter(|l| l.contains(needle) && l.contains("# handle ")).collect();
-        assert_eq!(hits.len(), 1, "want exactly one rule matching {needle:?} in chain {family} {chain}:\n{listing}");
+        assert_eq!(
+            hits.len(),
+            1,
+            "want exactly one rule matching {needle:?} in chain {family} {table} {chain}:\n{listing}"
+        );
         let handle = hits[0].rsplit("# handle ").next().unwrap().trim();
-        self.nft(&["delete", "rule", family, "aether_capture", chain, "handle", handle]);
+        self.nft(&["delete", "rule", family, table, chain, "handle", handle]);
         hits[0].split(" # handle").next().unwrap().trim().to_string()
     }
 

@@ -32,8 +32,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use aether_conformance::{
-    sa, Pod, Probe, Proxy, Seen, SimNode, Stack, APP_PORT, DNS_PROXY_PORT, DNS_VIP, DNS_VIP6, HOST_IP, HOST_IP6,
-    MESH_L4_PORT, PASSTHROUGH_MARK, SCOPED_PORT, VIP, VIP6,
+    control, sa, Pod, Probe, Proxy, Seen, SimNode, Stack, APP_PORT, DNS_PROXY_PORT, DNS_VIP, DNS_VIP6, HOST_IP,
+    HOST_IP6, MESH_L4_PORT, PASSTHROUGH_MARK, SCOPED_PORT, VIP, VIP6,
 };
 use aether_testkit::root_or_skip;
 use serde_json::json;
@@ -178,14 +178,6 @@ fn upstream(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
 /// What the capture listener says when it accepts `pod`'s probe to `dst`.
 fn capture(pod: &Pod, proto: &str, dst: SocketAddr) -> Probe {
     Probe::Answer(format!("capture[{}] {proto} dst={dst} from={} got=probe", pod.name, pod.ip_for(dst)))
-}
-
-/// Fails the test as a broken rig: a negative control that did not fail.
-#[track_caller]
-fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) {
-    if !failed_as_it_must {
-        panic!("RIG BROKEN: the negative control `{what}` did not fail, so this test cannot tell; the positive case proves nothing.\n{detail}");
-    }
 }
 
 /// `ip <-4|-6> route show table 44657` in `pod`; "" when the table does not exist (IPv6

@@ -19,10 +19,12 @@
 //! to the host netns). Nothing leaves the namespaces made here. Root only: without root each
 //! test skips with a loud line; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a failure.
 
-use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
 
-use aether_conformance::{probe, sa, sock, Pod, Probe, Proxy, SimNode, DNS_PROXY_PORT, HOST_IP, MESH_L4_PORT, VIP};
+use aether_conformance::layer::{apply, as_counts, counters, delta, node_totals, only, pod_counts, sum};
+use aether_conformance::{
+    control, probe, sa, sock, Pod, Probe, Proxy, SimNode, DNS_PROXY_PORT, HOST_IP, MESH_L4_PORT, VIP,
+};
 use aether_testkit::root_or_skip;
 use serde_json::{json, Value};
 
@@ -47,11 +49,6 @@ const EXCLUDED: Ipv4Addr = Ipv4Addr::new(10, 96, 77, 5);
 const NEXT_TO_EXCLUDED: Ipv4Addr = Ipv4Addr::new(10, 96, 78, 5);
 /// A configured excluded TCP port (not declared by the Service at VIP).
 const EXCLUDED_PORT: u16 = 8080;
-
-type Counts = BTreeMap<String, u64>;
-
-const CLASSES: [&str; 6] =
-    ["mesh", "service", "external", "refused_no_endpoints", "refused_port_not_declared", "refused_no_service"];
 
 fn node(test: &str, tag: &str) -> Option<SimNode> {
     root_or_skip(test).then(|| SimNode::new(tag))
@@ -83,65 +80,6 @@ fn snapshot(generation: u64, mode: &str) -> Vec<u8> {
     })
     .to_string()
     .into_bytes()
-}
-
-/// `services apply` with `doc`; panics unless it succeeds. Returns its report.
-fn apply(node: &SimNode, doc: &[u8]) -> Value {
-    let out = node.services(&["apply"], doc);
-    assert!(out.ok, "services apply failed:\n{}\n{}", out.stdout, out.stderr);
-    out.json()
-}
-
-/// `services counters --format json`.
-fn counters(node: &SimNode) -> Value {
-    let out = node.services(&["counters", "--format", "json"], b"");
-    assert!(out.ok, "services counters failed:\n{}\n{}", out.stdout, out.stderr);
-    out.json()
-}
-
-fn as_counts(v: &Value) -> Counts {
-    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("not a counter map ({e}): {v}"))
-}
-
-/// The pod's row of `counters`, or None when it has no row (no layer in its netns).
-fn pod_counts(c: &Value, pod: &Pod) -> Option<Counts> {
-    let rows = c["pods"].as_array().unwrap_or_else(|| panic!("no pods array: {c}"));
-    let mut mine = rows.iter().filter(|r| r["containerID"] == pod.container_id.as_str());
-    let row = mine.next()?;
-    assert!(mine.next().is_none(), "two rows for {}: {c}", pod.container_id);
-    Some(as_counts(&row["counters"]))
-}
-
-fn node_totals(c: &Value) -> Counts {
-    as_counts(&c["node"])
-}
-
-/// Counts with `class` at `n` and every other class at 0.
-fn only(class: Option<&str>, n: u64) -> Counts {
-    CLASSES.iter().map(|c| (c.to_string(), if Some(*c) == class { n } else { 0 })).collect()
-}
-
-fn delta(before: &Counts, after: &Counts) -> Counts {
-    CLASSES
-        .iter()
-        .map(|c| {
-            let (b, a) = (before.get(*c).copied().unwrap_or(0), after.get(*c).copied().unwrap_or(0));
-            assert!(a >= b, "counter {c} went backwards: {before:?} -> {after:?}");
-            (c.to_string(), a - b)
-        })
-        .collect()
-}
-
-fn sum(a: &Counts, b: &Counts) -> Counts {
-    CLASSES.iter().map(|c| (c.to_string(), a.get(*c).copied().unwrap_or(0) + b.get(*c).copied().unwrap_or(0))).collect()
-}
-
-/// Fails the test as a broken rig: a negative control that did not fail.
-#[track_caller]
-fn control(failed_as_it_must: bool, what: &str, detail: impl std::fmt::Display) {
-    if !failed_as_it_must {
-        panic!("RIG BROKEN: the negative control `{what}` did not fail, so this test cannot tell; the positive case proves nothing.\n{detail}");
-    }
 }
 
 /// What the capture listener says when it accepts `pod`'s probe to `dst`: `dst` is
@@ -322,15 +260,7 @@ fn count_mode_counts_each_new_captured_connection_once_by_class_and_changes_no_p
 
     // Control: with the layer's jump to `classify` deleted, the same connection is not counted
     // (the counts above come from the layer's rules).
-    let listing = a.nft(&["-a", "list", "chain", "ip", "aether_services", "egress_classify"]);
-    let handle = listing
-        .lines()
-        .find(|l| l.contains("jump classify"))
-        .and_then(|l| l.rsplit("# handle ").next())
-        .unwrap_or_else(|| panic!("no jump in egress_classify:\n{listing}"))
-        .trim()
-        .to_string();
-    a.nft(&["delete", "rule", "ip", "aether_services", "egress_classify", "handle", &handle]);
+    a.delete_rule_of("ip", "aether_services", "egress_classify", "jump classify");
     assert_eq!(a.tcp(sa(VIP, 80)), capture(&a, "tcp", sa(VIP, 80)));
     let after = pod_counts(&counters(&node), &a).unwrap();
     control(after == now, "the classify jump deleted", format!("{now:?} -> {after:?}\n{}", a.ruleset()));

@@ -28,7 +28,7 @@ fn layer(n: u32, mode: LayerMode) -> ServiceLayer {
     l.mesh_vips = vec!["10.96.5.5".parse().unwrap()];
     l.ports = (0..n)
         .map(|i| ServicePort {
-            vip: Ipv4Addr::from(0x0a60_0000 + 2 + i),
+            vip: Ipv4Addr::from(0x0a60_0000 + 2 + i).into(),
             proto: Proto::Tcp,
             port: 80,
             has_endpoints: i % 10 != 0,

@@ -5,7 +5,7 @@
 //! prints it for people. Nothing here talks to the kernel.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{Ipv4Net, Ipv6Net};
 
@@ -74,6 +74,8 @@ pub enum KeyType {
     InetService,
     /// `ipv4_addr . inet_proto . inet_service`: a Service port, kube-proxy's key.
     ServiceKey,
+    /// `ipv6_addr . inet_proto . inet_service`: an IPv6 Service port.
+    ServiceKey6,
     /// `inet_proto`: a transport protocol.
     InetProto,
 }
@@ -99,6 +101,8 @@ impl KeyType {
             KeyType::InetService => 13,
             // TYPE_IPADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
             KeyType::ServiceKey => concat_type(&[7, 12, 13]),
+            // TYPE_IP6ADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
+            KeyType::ServiceKey6 => concat_type(&[8, 12, 13]),
             KeyType::InetProto => 12,
         }
     }
@@ -110,7 +114,25 @@ impl KeyType {
             KeyType::InetService => 2,
             // Each component padded to a 32-bit register.
             KeyType::ServiceKey => 12,
+            // The address fills four registers, then protocol and port one each.
+            KeyType::ServiceKey6 => 24,
             KeyType::InetProto => 1,
+        }
+    }
+
+    /// An address of `family`.
+    pub fn addr(family: Family) -> KeyType {
+        match family {
+            Family::Ipv4 => KeyType::Ipv4Addr,
+            Family::Ipv6 => KeyType::Ipv6Addr,
+        }
+    }
+
+    /// A Service port (`address . proto . port`) of `family`.
+    pub fn service(family: Family) -> KeyType {
+        match family {
+            Family::Ipv4 => KeyType::ServiceKey,
+            Family::Ipv6 => KeyType::ServiceKey6,
         }
     }
 
@@ -120,6 +142,7 @@ impl KeyType {
             KeyType::Ipv6Addr => "ipv6_addr",
             KeyType::InetService => "inet_service",
             KeyType::ServiceKey => "ipv4_addr . inet_proto . inet_service",
+            KeyType::ServiceKey6 => "ipv6_addr . inet_proto . inet_service",
             KeyType::InetProto => "inet_proto",
         }
     }
@@ -132,8 +155,12 @@ pub enum Element {
     Ports(PortRange),
     /// One address, in a set without intervals.
     Addr(Ipv4Addr),
+    /// One IPv6 address, in a set without intervals.
+    Addr6(Ipv6Addr),
     /// `VIP . proto . port`
     Service(Ipv4Addr, Proto, u16),
+    /// `VIP . proto . port`, an IPv6 VIP.
+    Service6(Ipv6Addr, Proto, u16),
     /// A transport protocol.
     Proto(Proto),
 }
@@ -369,6 +396,9 @@ impl fmt::Display for InFamily<'_, Action> {
             Action::CountJump(c, chain) => write!(f, "counter name {c:?} jump {chain}"),
             Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ {ip} daddr . meta l4proto . th dport }}"),
             Action::RejectTcpReset => write!(f, "reject with tcp reset"),
+            Action::RejectIcmpPortUnreachable if self.1 == Family::Ipv6 => {
+                write!(f, "reject with icmpv6 port-unreachable")
+            }
             Action::RejectIcmpPortUnreachable => write!(f, "reject with icmp port-unreachable"),
         }
     }
@@ -396,7 +426,9 @@ impl fmt::Display for Element {
             Element::Net6(n) => write!(f, "{n}"),
             Element::Ports(p) => write!(f, "{p}"),
             Element::Addr(a) => write!(f, "{a}"),
+            Element::Addr6(a) => write!(f, "{a}"),
             Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
+            Element::Service6(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
             Element::Proto(p) => write!(f, "{}", p.name()),
         }
     }

@@ -319,7 +319,7 @@ fn a_hundred_thousand_service_ports_apply_and_verify() {
         l.ranges = vec!["10.64.0.0/10".parse().unwrap()];
         l.ports = (0..n)
             .map(|i| ServicePort {
-                vip: Ipv4Addr::from(0x0a40_0002 + i),
+                vip: Ipv4Addr::from(0x0a40_0002 + i).into(),
                 proto: Proto::Tcp,
                 port: 80,
                 has_endpoints: i % 10 != 0,
@@ -360,4 +360,85 @@ fn a_new_dialled_timeout_reaches_existing_pods() {
     assert_eq!(in_ns(&ns, || services::apply(&shorter)).unwrap(), Applied::Rebuilt);
     assert!(ns.exec("nft", &["list", "set", "ip", "aether_services", "dialled"]).contains("timeout 1m"));
     assert!(in_ns(&ns, || services::verify(&shorter)).unwrap().is_empty());
+}
+
+/// `layer()` plus an IPv6 ServiceCIDR, its API server, a Service with a port of each
+/// protocol, one without endpoints, and a mesh VIP.
+fn dual(mode: LayerMode) -> ServiceLayer {
+    let mut l = layer(mode);
+    l.ranges.push("fd00:10:96::/108".parse().unwrap());
+    l.mesh_vips.push("fd00:10:96::5:5".parse().unwrap());
+    l.ports.extend([
+        port("fd00:10:96::1", Proto::Tcp, 443, true),
+        port("fd00:10:96::1:1", Proto::Tcp, 80, true),
+        port("fd00:10:96::1:1", Proto::Udp, 18082, true),
+        port("fd00:10:96::1:2", Proto::Tcp, 80, false),
+    ]);
+    l
+}
+
+/// A dual-stack layer: the ip table exactly as for IPv4 alone (the same golden file), the
+/// ip6 table the kernel's own listing reviewed in `services-refuse-ip6.txt`; an IPv6 change
+/// is an element change of the ip6 table alone; a tampered IPv6 element is found and
+/// restored.
+#[test]
+fn dual_stack_layer_round_trip_and_ipv6_element_updates() {
+    if !root_or_skip("dual_stack_layer_round_trip_and_ipv6_element_updates") {
+        return;
+    }
+    let ns = TestNetns::new("svc-rt6");
+    let l = dual(LayerMode::Refuse);
+    assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Rebuilt);
+    let v4 = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    aether_testkit::assert_golden("services-refuse.txt", &sorted_elements(&v4));
+    let v6 = ns.exec("nft", &["list", "table", "ip6", services::TABLE]);
+    aether_testkit::assert_golden("services-refuse-ip6.txt", &sorted_elements(&v6));
+    for want in [
+        "ip6 daddr . meta l4proto . th dport @service_ports counter name \"service\" accept",
+        "ip6 daddr != @service_ranges counter name \"external\" accept",
+        "update @dialled { ip6 daddr . meta l4proto . th dport }",
+        "type ipv6_addr . inet_proto . inet_service",
+        "fd00:10:96::1:1 . tcp . 80",
+        // nft prints the family's default, ICMPv6 port unreachable (code 4), as a bare reject.
+        "reject comment \"refused: the client sees port unreachable\"",
+    ] {
+        assert!(v6.contains(want), "missing {want:?} in\n{v6}");
+    }
+    assert!(!v6.contains("10.96."), "no IPv4 element in the ip6 table:\n{v6}");
+    assert!(!v4.contains("fd00:"), "no IPv6 element in the ip table:\n{v4}");
+    assert_eq!(in_ns(&ns, || services::verify(&l)).unwrap(), Vec::<String>::new());
+    assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Unchanged);
+
+    // One IPv6 Service more: two elements of the ip6 table; no rule of either table touched.
+    let handles = |family: &str| ns.exec("nft", &["-a", "list", "chain", family, services::TABLE, "classify"]);
+    let (h4, h6) = (handles("ip"), handles("ip6"));
+    let mut l2 = l.clone();
+    l2.ports.push(port("fd00:10:96::1:3", Proto::Tcp, 8443, true));
+    let change = services::LayerChange::between(&l, &l2).unwrap().expect("an element change");
+    assert_eq!(in_ns(&ns, || change.send()).unwrap(), Applied::Elements { added: 2, removed: 0 });
+    assert_eq!((handles("ip"), handles("ip6")), (h4, h6), "rules untouched");
+    assert!(ns
+        .exec("nft", &["list", "set", "ip6", services::TABLE, "service_ports"])
+        .contains("fd00:10:96::1:3 . tcp . 8443"));
+    assert_eq!(in_ns(&ns, || services::verify(&l2)).unwrap(), Vec::<String>::new());
+
+    // Tamper: an IPv6 element deleted by hand is a named difference, and apply restores it.
+    ns.exec("nft", &["delete", "element", "ip6", services::TABLE, "service_ports", "{ fd00:10:96::1:1 . tcp . 80 }"]);
+    let diffs = in_ns(&ns, || services::verify(&l2)).unwrap();
+    assert!(
+        diffs.iter().any(|d| d.starts_with("table ip6 aether_services: ") && d.contains("fd00:10:96::1:1 . tcp . 80")),
+        "{diffs:#?}"
+    );
+    assert_eq!(in_ns(&ns, || services::apply(&l2)).unwrap(), Applied::Elements { added: 1, removed: 0 });
+    assert_eq!(in_ns(&ns, || services::verify(&l2)).unwrap(), Vec::<String>::new());
+
+    // Control: the IPv4-only layer finds the ip6 table it no longer wants, and a rebuild
+    // removes it in the same transaction.
+    let v4_only = layer(LayerMode::Refuse);
+    let diffs = in_ns(&ns, || services::verify(&v4_only)).unwrap();
+    assert_eq!(diffs, ["table ip6 aether_services is present, but the snapshot has no IPv6 Service range"]);
+    assert_eq!(in_ns(&ns, || services::rebuild(&v4_only)).unwrap(), Applied::Rebuilt);
+    assert!(!ns.exec("nft", &["list", "tables"]).contains("ip6"), "{}", ns.exec("nft", &["list", "ruleset"]));
+    assert!(in_ns(&ns, services::remove).unwrap(), "removed");
+    assert!(!in_ns(&ns, services::remove).unwrap(), "nothing left to remove");
 }

@@ -3,7 +3,7 @@
 //! apply` next to `snapshot.json`, after it; read by ADD, by the next apply (the generation it
 //! changes from) and by `counters`/`inspect` (the header only).
 //!
-//! Layout (version 1), integers big-endian:
+//! Layout (version 2), integers big-endian:
 //!
 //! | bytes | field |
 //! | --- | --- |
@@ -13,38 +13,48 @@
 //! | 8 | FNV-1a 64 of the JSON document it was made from |
 //! | 1 + 3 | mode (0 off, 1 count, 2 refuse), 3 zero bytes |
 //! | 4 | dialled timeout, seconds |
-//! | 4 + 4 + 4 | number of ranges, mesh VIPs, Service ports |
-//! | 5 each | ranges: address, prefix length |
-//! | 4 each | mesh VIPs |
-//! | 8 each | Service ports: VIP, protocol number, port, has endpoints (0/1) |
+//! | 6 x 4 | number of IPv4 ranges, IPv6 ranges, IPv4 mesh VIPs, IPv6 mesh VIPs, IPv4 Service ports, IPv6 Service ports |
+//! | 5 / 17 each | ranges: address, prefix length (IPv4 ones, then IPv6 ones) |
+//! | 4 / 16 each | mesh VIPs (IPv4, then IPv6) |
+//! | 8 / 20 each | Service ports: VIP, protocol number, port, has endpoints (0/1) (IPv4, then IPv6) |
 //! | 8 | FNV-1a 64 of every byte before it |
+//!
+//! Version 1 (an earlier release's, IPv4 only) had three counts (ranges, mesh VIPs, ports)
+//! and the IPv4 sections alone; it is still read, so pods start with the layer across an
+//! upgrade, and the next apply writes version 2.
 //!
 //! Ranges, mesh VIPs and ports are sorted, so equal content gives equal bytes after the
 //! generation: that part's digest tells whether a pod already holds a layer.
 
 use std::io::Read;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use aether_rules::model::Proto;
 use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 
 use super::snapshot::{MAX_MESH_VIPS, MAX_SERVICE_PORTS, MAX_SERVICE_RANGES};
 
 const MAGIC: &[u8; 8] = b"AETHSVL\n";
-pub const VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 8 + 8 + 4 + 4 + 12;
+pub const VERSION: u32 = 2;
+/// The IPv4-only format of the first release with `layer.bin`: read, never written.
+const VERSION_1: u32 = 1;
+/// Everything up to the counts: magic, version, generation, source digest, mode, timeout.
+const FIXED: usize = 8 + 4 + 8 + 8 + 4 + 4;
+const HEADER: usize = FIXED + 6 * 4;
 /// Where the content (everything the digest covers) starts: after the generation and the
 /// source digest.
 const CONTENT: usize = 28;
-const RANGE: usize = 5;
-const VIP: usize = 4;
-const PORT: usize = 8;
 const TRAILER: usize = 8;
-/// The largest file a snapshot within the limits encodes to.
+/// Bytes per item, by family: (IPv4, IPv6).
+const RANGE: (usize, usize) = (5, 17);
+const VIP: (usize, usize) = (4, 16);
+const PORT: (usize, usize) = (8, 20);
+/// The largest file a snapshot within the limits encodes to (every item of the larger,
+/// IPv6, size).
 pub const MAX_BYTES: usize =
-    HEADER + MAX_SERVICE_RANGES * RANGE + MAX_MESH_VIPS * VIP + MAX_SERVICE_PORTS * PORT + TRAILER;
+    HEADER + MAX_SERVICE_RANGES * RANGE.1 + MAX_MESH_VIPS * VIP.1 + MAX_SERVICE_PORTS * PORT.1 + TRAILER;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LayerFileError {
@@ -54,7 +64,7 @@ pub enum LayerFileError {
     TooLarge { path: PathBuf, max: usize },
     #[error("{path} is not a Service layer file")]
     NotALayerFile { path: PathBuf },
-    #[error("{path} has format version {found}; this plugin reads version {VERSION}")]
+    #[error("{path} has format version {found}; this plugin reads versions {VERSION_1} and {VERSION}")]
     Version { path: PathBuf, found: u32 },
     #[error("{path} is damaged: {what}")]
     Damaged { path: PathBuf, what: &'static str },
@@ -78,7 +88,8 @@ pub fn source_digest(text: &[u8]) -> u64 {
 }
 
 impl StoredLayer {
-    /// The stored form of `layer` at `generation` (lists sorted, the mark dropped).
+    /// The stored form of `layer` at `generation` (lists sorted, IPv4 before IPv6, the mark
+    /// dropped).
     pub fn new(generation: u64, layer: &ServiceLayer, source: u64) -> StoredLayer {
         let mut layer = layer.clone();
         layer.ranges.sort();
@@ -99,31 +110,59 @@ impl StoredLayer {
     }
 }
 
+fn octets(a: IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    }
+}
+
+/// `l`'s lists are sorted, so each family's items are together, IPv4 first.
 fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
-    let mut b =
-        Vec::with_capacity(HEADER + l.ranges.len() * RANGE + l.mesh_vips.len() * VIP + l.ports.len() * PORT + TRAILER);
+    let v4_ranges = l.ranges.iter().filter(|r| matches!(r, IpNet::V4(_))).count();
+    let v4_mesh = l.mesh_vips.iter().filter(|a| a.is_ipv4()).count();
+    let v4_ports = l.ports.iter().filter(|p| p.vip.is_ipv4()).count();
+    let (v6_ranges, v6_mesh, v6_ports) =
+        (l.ranges.len() - v4_ranges, l.mesh_vips.len() - v4_mesh, l.ports.len() - v4_ports);
+    let size = HEADER
+        + v4_ranges * RANGE.0
+        + v6_ranges * RANGE.1
+        + v4_mesh * VIP.0
+        + v6_mesh * VIP.1
+        + v4_ports * PORT.0
+        + v6_ports * PORT.1
+        + TRAILER;
+    let mut b = Vec::with_capacity(size);
     b.extend_from_slice(MAGIC);
     b.extend_from_slice(&VERSION.to_be_bytes());
     b.extend_from_slice(&generation.to_be_bytes());
     b.extend_from_slice(&source.to_be_bytes());
     b.extend_from_slice(&[mode_byte(l.mode), 0, 0, 0]);
     b.extend_from_slice(&l.dialled_timeout_secs.to_be_bytes());
-    for n in [l.ranges.len(), l.mesh_vips.len(), l.ports.len()] {
+    for n in [v4_ranges, v6_ranges, v4_mesh, v6_mesh, v4_ports, v6_ports] {
         b.extend_from_slice(&(n as u32).to_be_bytes());
     }
-    for r in &l.ranges {
-        b.extend_from_slice(&r.addr().octets());
+    let v4_first = |a: &IpAddr| a.is_ipv6();
+    let mut ranges = l.ranges.clone();
+    ranges.sort_by_key(|r| v4_first(&r.addr()));
+    for r in &ranges {
+        b.extend_from_slice(&octets(r.addr()));
         b.push(r.prefix_len());
     }
-    for v in &l.mesh_vips {
-        b.extend_from_slice(&v.octets());
+    let mut mesh = l.mesh_vips.clone();
+    mesh.sort_by_key(v4_first);
+    for v in &mesh {
+        b.extend_from_slice(&octets(*v));
     }
-    for p in &l.ports {
-        b.extend_from_slice(&p.vip.octets());
+    let mut ports = l.ports.clone();
+    ports.sort_by_key(|p| v4_first(&p.vip));
+    for p in &ports {
+        b.extend_from_slice(&octets(p.vip));
         b.push(p.proto.number());
         b.extend_from_slice(&p.port.to_be_bytes());
         b.push(p.has_endpoints as u8);
     }
+    debug_assert_eq!(b.len() + TRAILER, size);
     let sum = fnv1a(&b);
     b.extend_from_slice(&sum.to_be_bytes());
     b
@@ -152,23 +191,39 @@ fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
 }
 
+/// An address of `len` (4 or 16) bytes at `at`.
+fn addr(b: &[u8], at: usize, len: usize) -> IpAddr {
+    match len {
+        4 => IpAddr::V4(Ipv4Addr::new(b[at], b[at + 1], b[at + 2], b[at + 3])),
+        _ => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&b[at..at + 16]).expect("16 bytes"))),
+    }
+}
+
 /// Decodes and checks a whole file: magic, version, sizes, checksum, every field's range.
 pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     let damaged = |what| LayerFileError::Damaged { path: path.to_path_buf(), what };
     if b.len() < 12 || &b[..8] != MAGIC {
         return Err(LayerFileError::NotALayerFile { path: path.to_path_buf() });
     }
-    if be32(b, 8) != VERSION {
-        return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(b, 8) });
-    }
-    if b.len() < HEADER + TRAILER {
+    let version = be32(b, 8);
+    // (IPv4, IPv6) counts of ranges, mesh VIPs and ports; version 1 has IPv4 ones only.
+    let header = match version {
+        VERSION => HEADER,
+        VERSION_1 => FIXED + 3 * 4,
+        found => return Err(LayerFileError::Version { path: path.to_path_buf(), found }),
+    };
+    if b.len() < header + TRAILER {
         return Err(damaged("shorter than its header"));
     }
-    let (nr, nm, np) = (be32(b, 36) as usize, be32(b, 40) as usize, be32(b, 44) as usize);
-    if nr > MAX_SERVICE_RANGES || nm > MAX_MESH_VIPS || np > MAX_SERVICE_PORTS {
+    let count = |i: usize| be32(b, FIXED + 4 * i) as usize;
+    let [(r4, r6), (m4, m6), (p4, p6)] = match version {
+        VERSION => [(count(0), count(1)), (count(2), count(3)), (count(4), count(5))],
+        _ => [(count(0), 0), (count(1), 0), (count(2), 0)],
+    };
+    if r4 + r6 > MAX_SERVICE_RANGES || m4 + m6 > MAX_MESH_VIPS || p4 + p6 > MAX_SERVICE_PORTS {
         return Err(damaged("counts beyond the snapshot limits"));
     }
-    let end = HEADER + nr * RANGE + nm * VIP + np * PORT;
+    let end = header + r4 * RANGE.0 + r6 * RANGE.1 + m4 * VIP.0 + m6 * VIP.1 + p4 * PORT.0 + p6 * PORT.1;
     if b.len() != end + TRAILER {
         return Err(damaged("its length does not match its counts"));
     }
@@ -186,30 +241,41 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     let mut l = ServiceLayer::new(mode);
     l.divert_mark = 0;
     l.dialled_timeout_secs = be32(b, 32);
-    let addr = |at: usize| Ipv4Addr::new(b[at], b[at + 1], b[at + 2], b[at + 3]);
-    let mut at = HEADER;
-    for _ in 0..nr {
-        l.ranges.push(Ipv4Net::new(addr(at), b[at + 4]).map_err(|_| damaged("a range's prefix is over 32"))?);
-        at += RANGE;
+    let mut at = header;
+    for (n, len) in [(r4, 4), (r6, 16)] {
+        for _ in 0..n {
+            let net = IpNet::new(addr(b, at, len), b[at + len]).map_err(|_| damaged("a range's prefix is too long"))?;
+            l.ranges.push(net);
+            at += len + 1;
+        }
     }
-    for _ in 0..nm {
-        l.mesh_vips.push(addr(at));
-        at += VIP;
+    for (n, len) in [(m4, 4), (m6, 16)] {
+        for _ in 0..n {
+            l.mesh_vips.push(addr(b, at, len));
+            at += len;
+        }
     }
-    l.ports.reserve_exact(np);
-    for _ in 0..np {
-        let proto = match b[at + 4] {
-            6 => Proto::Tcp,
-            17 => Proto::Udp,
-            _ => return Err(damaged("a port's protocol is not TCP or UDP")),
-        };
-        l.ports.push(ServicePort {
-            vip: addr(at),
-            proto,
-            port: u16::from_be_bytes([b[at + 5], b[at + 6]]),
-            has_endpoints: b[at + 7] != 0,
-        });
-        at += PORT;
+    l.ports.reserve_exact(p4 + p6);
+    for (n, len) in [(p4, 4), (p6, 16)] {
+        for _ in 0..n {
+            let proto = match b[at + len] {
+                6 => Proto::Tcp,
+                17 => Proto::Udp,
+                _ => return Err(damaged("a port's protocol is not TCP or UDP")),
+            };
+            l.ports.push(ServicePort {
+                vip: addr(b, at, len),
+                proto,
+                port: u16::from_be_bytes([b[at + len + 1], b[at + len + 2]]),
+                has_endpoints: b[at + len + 3] != 0,
+            });
+            at += len + 4;
+        }
+    }
+    if version == VERSION_1 {
+        // The digest is always of the current encoding, so a pod's record compares the same
+        // before and after the next apply rewrites the file.
+        return Ok(StoredLayer::new(generation, &l, source));
     }
     Ok(StoredLayer { generation, digest: fnv1a(&b[CONTENT..end]), source, layer: l })
 }
@@ -244,7 +310,7 @@ pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
     if &head[..8] != MAGIC {
         return Err(LayerFileError::NotALayerFile { path: path.to_path_buf() });
     }
-    if be32(&head, 8) != VERSION {
+    if ![VERSION, VERSION_1].contains(&be32(&head, 8)) {
         return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(&head, 8) });
     }
     let word = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().unwrap());
@@ -296,11 +362,67 @@ mod tests {
         assert_eq!(msg(&flipped), "layer.bin is damaged: checksum mismatch");
         assert_eq!(msg(&good[..good.len() - 1]), "layer.bin is damaged: its length does not match its counts");
         assert_eq!(msg(b"{\"generation\": 1}"), "layer.bin is not a Service layer file");
-        let mut v2 = good.clone();
-        v2[11] = 2;
-        assert_eq!(msg(&v2), "layer.bin has format version 2; this plugin reads version 1");
+        let mut v3 = good.clone();
+        v3[11] = 3;
+        assert_eq!(msg(&v3), "layer.bin has format version 3; this plugin reads versions 1 and 2");
         let mut huge = good.clone();
         huge[44..48].copy_from_slice(&u32::MAX.to_be_bytes());
         assert_eq!(msg(&huge), "layer.bin is damaged: counts beyond the snapshot limits");
+    }
+
+    fn dual() -> ServiceLayer {
+        let mut l = layer();
+        l.ranges.extend(["fd00:10:96::/108".parse::<IpNet>().unwrap(), "fd00:200::7/128".parse().unwrap()]);
+        l.mesh_vips.insert(0, "fd00:10:96::5:5".parse().unwrap());
+        l.ports.insert(
+            0,
+            ServicePort { vip: "fd00:10:96::1:1".parse().unwrap(), proto: Proto::Udp, port: 53, has_endpoints: false },
+        );
+        l
+    }
+
+    /// IPv6 ranges, mesh VIPs and ports survive the file, each family in its own section.
+    #[test]
+    fn both_families_round_trip() {
+        let p = Path::new("layer.bin");
+        let a = StoredLayer::new(9, &dual(), 3);
+        let bytes = a.encode();
+        assert_eq!(decode(p, &bytes).unwrap(), a);
+        let counts: Vec<u32> = (0..6).map(|i| be32(&bytes, FIXED + 4 * i)).collect();
+        assert_eq!(counts, [2, 2, 1, 1, 2, 1]);
+        assert_eq!(bytes.len(), HEADER + 2 * 5 + 2 * 17 + 4 + 16 + 2 * 8 + 20 + TRAILER);
+        assert_ne!(a.digest, StoredLayer::new(9, &layer(), 3).digest);
+    }
+
+    /// A version 1 file (the IPv4-only format of the release before) still loads, with the
+    /// digest of the current encoding of the same layer.
+    #[test]
+    fn a_version_1_file_still_loads() {
+        let l = StoredLayer::new(7, &layer(), 1).layer;
+        let mut b = Vec::new();
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&1u32.to_be_bytes());
+        b.extend_from_slice(&7u64.to_be_bytes());
+        b.extend_from_slice(&1u64.to_be_bytes());
+        b.extend_from_slice(&[2, 0, 0, 0]);
+        b.extend_from_slice(&600u32.to_be_bytes());
+        for n in [l.ranges.len(), l.mesh_vips.len(), l.ports.len()] {
+            b.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+        for r in &l.ranges {
+            b.extend_from_slice(&octets(r.addr()));
+            b.push(r.prefix_len());
+        }
+        for v in &l.mesh_vips {
+            b.extend_from_slice(&octets(*v));
+        }
+        for p in &l.ports {
+            b.extend_from_slice(&octets(p.vip));
+            b.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8]);
+        }
+        let sum = fnv1a(&b);
+        b.extend_from_slice(&sum.to_be_bytes());
+        let back = decode(Path::new("layer.bin"), &b).unwrap();
+        assert_eq!(back, StoredLayer::new(7, &layer(), 1));
     }
 }

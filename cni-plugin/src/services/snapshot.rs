@@ -4,11 +4,11 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 
 use aether_rules::model::Proto;
 use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use serde_json::Value;
 
 /// The longest demand timeout accepted: a week.
@@ -55,8 +55,9 @@ fn over_limit(key: &str, what: &str, len: usize, max: usize) -> Option<String> {
 pub struct Snapshot {
     pub generation: u64,
     pub mode: LayerMode,
-    pub service_ranges: Vec<Ipv4Net>,
-    pub mesh_vips: Vec<Ipv4Addr>,
+    /// IPv4 and IPv6 ranges (a dual-stack cluster has a ServiceCIDR of each family).
+    pub service_ranges: Vec<IpNet>,
+    pub mesh_vips: Vec<IpAddr>,
     pub services: Vec<Service>,
     pub dialled_timeout_secs: u32,
 }
@@ -65,7 +66,7 @@ pub struct Snapshot {
 pub struct Service {
     pub namespace: String,
     pub name: String,
-    pub vip: Ipv4Addr,
+    pub vip: IpAddr,
     pub ports: Vec<(Proto, u16)>,
     pub usable_endpoints: bool,
 }
@@ -172,7 +173,7 @@ fn well_formed(text: &[u8]) -> Option<Snapshot> {
         return None;
     }
     let service_ranges = doc.service_ranges.iter().map(|r| range(r).ok()).collect::<Option<Vec<_>>>()?;
-    let mesh_vips = doc.mesh_vips.iter().map(|a| a.parse().ok()).collect::<Option<Vec<_>>>()?;
+    let mesh_vips = doc.mesh_vips.iter().map(|a| parse_addr(a)).collect::<Option<Vec<_>>>()?;
     let mut services = Vec::with_capacity(doc.services.len());
     for s in doc.services {
         if s.namespace.is_empty() || s.name.is_empty() || s.ports.is_empty() || s.ports.len() > MAX_PORTS_PER_SERVICE {
@@ -194,7 +195,7 @@ fn well_formed(text: &[u8]) -> Option<Snapshot> {
         services.push(Service {
             namespace: s.namespace.into_owned(),
             name: s.name.into_owned(),
-            vip: s.vip.parse().ok()?,
+            vip: parse_addr(&s.vip)?,
             ports,
             usable_endpoints: s.usable_endpoints,
         });
@@ -263,7 +264,7 @@ fn parse_reporting(text: &[u8]) -> Result<Snapshot, Vec<String>> {
         },
     };
 
-    let mut service_ranges: Vec<Ipv4Net> = Vec::new();
+    let mut service_ranges: Vec<IpNet> = Vec::new();
     match array(obj, "serviceRanges", true, &mut errs) {
         Some(items) if items.is_empty() && mode != LayerMode::Off => {
             errs.push("serviceRanges: empty, but mode is not off (the layer needs at least one range)".into())
@@ -324,28 +325,65 @@ fn parse_reporting(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     }
 }
 
-/// One Service range, checked alone; the message says what is wrong with it.
-fn range(s: &str) -> Result<Ipv4Net, String> {
-    if s.len() > MAX_SHOWN {
-        return Err(format!("{} is not an IPv4 CIDR", brief(&Value::String(s.into()))));
+/// Networks that are never Service ranges, of either family: a range may neither overlap
+/// them nor contain them.
+const NEVER_RANGES: [&str; 9] = [
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "224.0.0.0/4",
+    "0.0.0.0/8",
+    "::/128",
+    "::1/128",
+    "::ffff:0:0/96",
+    "fe80::/10",
+    "ff00::/8",
+];
+
+/// An address as the snapshot writes it: IPv4 in dotted decimal without leading zeros, IPv6
+/// in hexadecimal groups (RFC 4291 text without an embedded dotted IPv4 part).
+fn parse_addr(s: &str) -> Option<IpAddr> {
+    if s.contains(':') && s.contains('.') {
+        return None;
     }
-    let net = match crate::config::parse_ipv4_net(s, false) {
+    s.parse().ok()
+}
+
+/// The family a text was meant to be in, for messages: IPv6 if it has a colon.
+fn meant_family(s: &str) -> &'static str {
+    if s.contains(':') {
+        "IPv6"
+    } else {
+        "IPv4"
+    }
+}
+
+/// One Service range, checked alone; the message says what is wrong with it.
+fn range(s: &str) -> Result<IpNet, String> {
+    if s.len() > MAX_SHOWN {
+        return Err(format!("{} is not an {} CIDR", brief(&Value::String(s.into())), meant_family(s)));
+    }
+    let net = match crate::config::parse_ip_net(s, false).filter(|_| !(s.contains(':') && s.contains('.'))) {
         Some(n) => n,
-        None if s.parse::<Ipv4Addr>().is_ok() => {
-            return Err(format!("{s:?} has no prefix length (write {s}/32 for a ClusterSetIP)"))
+        None => {
+            return Err(match parse_addr(s) {
+                Some(IpAddr::V4(_)) => format!("{s:?} has no prefix length (write {s}/32 for a ClusterSetIP)"),
+                Some(IpAddr::V6(_)) => format!("{s:?} has no prefix length (write {s}/128 for a ClusterSetIP)"),
+                None if s.contains(':') => format!("{s:?} is not an IPv6 CIDR (e.g. fd00:10:96::/108)"),
+                None => format!("{s:?} is not an IPv4 CIDR (e.g. 10.96.0.0/12)"),
+            })
         }
-        None if s.contains(':') => return Err(format!("{s:?} is IPv6; only IPv4 ranges are supported")),
-        None => return Err(format!("{s:?} is not an IPv4 CIDR (e.g. 10.96.0.0/12)")),
     };
     if net.trunc() != net {
         return Err(format!("{s:?} has host bits set (the network is {})", net.trunc()));
     }
-    if ["127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "0.0.0.0/8"].iter().any(|x| {
-        x.parse::<Ipv4Net>().unwrap().contains(&net.network()) || net.contains(&x.parse::<Ipv4Net>().unwrap().network())
-    }) {
-        return Err(format!(
-            "{s:?} overlaps loopback, link-local, multicast or 0.0.0.0/8, which are never Service ranges"
-        ));
+    let never = NEVER_RANGES.iter().map(|x| x.parse::<IpNet>().expect("a CIDR"));
+    if let Some(x) = never.into_iter().find(|x| x.contains(&net.network()) || net.contains(&x.network())) {
+        return Err(match x {
+            IpNet::V4(_) => {
+                format!("{s:?} overlaps loopback, link-local, multicast or 0.0.0.0/8, which are never Service ranges")
+            }
+            IpNet::V6(_) => format!("{s:?} overlaps {x}, which is never a Service range"),
+        });
     }
     Ok(net)
 }
@@ -361,10 +399,11 @@ fn relations(snap: &Snapshot) -> Vec<String> {
             errs.push(format!("serviceRanges[{i}]: {:?} overlaps serviceRanges[{j}] ({})", net.to_string(), ranges[j]));
         }
     }
-    let in_ranges = |a: &Ipv4Addr| ranges.iter().any(|n| n.contains(a));
-    let mut mesh: HashMap<Ipv4Addr, usize> = HashMap::with_capacity(snap.mesh_vips.len());
+    let in_ranges = |a: &IpAddr| ranges.iter().any(|n| n.contains(a));
+    let mut mesh: HashMap<IpAddr, usize> = HashMap::with_capacity(snap.mesh_vips.len());
     for (i, &a) in snap.mesh_vips.iter().enumerate() {
         if let Some(&j) = mesh.get(&a) {
+            // IPv6 addresses are compared as addresses: fd00::1 and fd00:0::1 are one.
             errs.push(format!("meshVIPs[{i}]: {a} duplicates meshVIPs[{j}]"));
             continue;
         }
@@ -374,7 +413,7 @@ fn relations(snap: &Snapshot) -> Vec<String> {
         }
     }
     let mut names: HashMap<(&str, &str), usize> = HashMap::with_capacity(snap.services.len());
-    let mut vips: HashMap<Ipv4Addr, usize> = HashMap::with_capacity(snap.services.len());
+    let mut vips: HashMap<IpAddr, usize> = HashMap::with_capacity(snap.services.len());
     for (i, s) in snap.services.iter().enumerate() {
         if let Some(j) = names.insert((&s.namespace, &s.name), i) {
             errs.push(format!("services[{i}]: Service {}/{} duplicates services[{j}]", s.namespace, s.name));
@@ -427,11 +466,11 @@ fn array<'a>(
     }
 }
 
-fn addr(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<Ipv4Addr> {
-    match v.as_str().map(|s| (s, s.parse::<Ipv4Addr>())) {
-        Some((_, Ok(a))) => Some(a),
-        Some((_, Err(_))) => {
-            errs.push(format!("{place}: {} is not an IPv4 address", brief(v)));
+fn addr(v: &Value, place: &str, errs: &mut Vec<String>) -> Option<IpAddr> {
+    match v.as_str().map(|s| (s, parse_addr(s))) {
+        Some((_, Some(a))) => Some(a),
+        Some((s, None)) => {
+            errs.push(format!("{place}: {} is not an {} address", brief(v), meant_family(s)));
             None
         }
         None => {
@@ -566,7 +605,7 @@ mod tests {
         let l = s.layer(0xae71);
         assert_eq!(l.ports.len(), 4);
         assert_eq!(l.dialled_timeout_secs, 600);
-        assert!(aether_rules::services::services_table(&l).unwrap().is_some());
+        assert_eq!(aether_rules::services::services_tables(&l).unwrap().len(), 1);
     }
 
     #[test]
@@ -592,7 +631,31 @@ mod tests {
                 Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")),
                 "serviceRanges[0]: \"10.96.0.5/16\" has host bits set",
             ),
-            (Box::new(|v| v["serviceRanges"][1] = json!("fd00::/108")), "serviceRanges[1]: \"fd00::/108\" is IPv6"),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("fd00::/129")),
+                "serviceRanges[1]: \"fd00::/129\" is not an IPv6 CIDR",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("fd00::5/108")),
+                "serviceRanges[1]: \"fd00::5/108\" has host bits set (the network is fd00::/108)",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("fd00::7")),
+                "serviceRanges[1]: \"fd00::7\" has no prefix length (write fd00::7/128",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("fe80::/64")),
+                "serviceRanges[1]: \"fe80::/64\" overlaps fe80::/10, which is never a Service range",
+            ),
+            (Box::new(|v| v["serviceRanges"][1] = json!("::/0")), "serviceRanges[1]: \"::/0\" overlaps ::/128"),
+            (
+                Box::new(|v| v["serviceRanges"][1] = json!("::ffff:10.96.0.0/112")),
+                "serviceRanges[1]: \"::ffff:10.96.0.0/112\" is not an IPv6 CIDR",
+            ),
+            (
+                Box::new(|v| v["services"][2]["vip"] = json!("fd00::g")),
+                "services[2].vip: \"fd00::g\" is not an IPv6 address",
+            ),
             (
                 Box::new(|v| v["serviceRanges"][1] = json!("10.96.3.0/24")),
                 "serviceRanges[1]: \"10.96.3.0/24\" overlaps serviceRanges[0]",
@@ -722,5 +785,79 @@ mod tests {
         v["services"][1]["ports"][0]["port"] = json!(0);
         v["mode"] = json!("x");
         assert_eq!(parse(v.to_string().as_bytes()).unwrap_err().len(), 2);
+    }
+
+    /// A dual-stack snapshot: IPv6 ranges, VIPs and mesh VIPs, checked by the same rules
+    /// (inside a range, no duplicates, compared as addresses), read the same by both readings.
+    fn dual() -> Value {
+        let mut v = good();
+        v["serviceRanges"] = json!(["10.96.0.0/16", "10.200.0.7/32", "fd00:10:96::/108", "fd00:200::7/128"]);
+        v["meshVIPs"] = json!(["10.96.5.5", "fd00:10:96::5:5"]);
+        v["services"].as_array_mut().unwrap().extend([
+            json!({"namespace": "default", "name": "kubernetes-v6", "vip": "fd00:10:96::1", "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": true}),
+            json!({"namespace": "shop", "name": "cart-v6", "vip": "fd00:10:96::1:1", "ports": [{"protocol": "UDP", "port": 18082}], "usableEndpoints": false}),
+        ]);
+        v
+    }
+
+    #[test]
+    fn ipv6_ranges_vips_and_mesh_vips_are_accepted_and_checked_the_same_way() {
+        let text = dual().to_string();
+        let s = parse(text.as_bytes()).unwrap();
+        assert_eq!(s.service_ranges.len(), 4);
+        let l = s.layer(0xae71);
+        assert_eq!(l.families(), [aether_rules::Family::Ipv4, aether_rules::Family::Ipv6]);
+        assert_eq!(l.ports.iter().filter(|p| p.vip.is_ipv6()).count(), 2);
+        assert_eq!(
+            Ok(well_formed(text.as_bytes()).expect("the typed reading takes it")),
+            parse_reporting(text.as_bytes())
+        );
+        type Tweak = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Tweak, &str)> = vec![
+            (
+                Box::new(|v| v["services"][4]["vip"] = json!("fd00:11::1")),
+                "services[4].vip: fd00:11::1 is outside every Service range",
+            ),
+            (
+                Box::new(|v| v["meshVIPs"] = json!(["fd00:10:96::5:5", "fd00:10:96:0::5:5"])),
+                "meshVIPs[1]: fd00:10:96::5:5 duplicates meshVIPs[0]",
+            ),
+            (
+                Box::new(|v| v["services"][4]["vip"] = json!("fd00:10:96:0:0::1")),
+                "services[4].vip: fd00:10:96::1 is also the VIP of services[3]",
+            ),
+            (
+                Box::new(|v| v["services"][4]["vip"] = json!("fd00:10:96::5:5")),
+                "services[4].vip: fd00:10:96::5:5 is also a mesh VIP",
+            ),
+            (
+                Box::new(|v| v["serviceRanges"][3] = json!("fd00:10:96::100/120")),
+                "serviceRanges[3]: \"fd00:10:96::100/120\" overlaps serviceRanges[2] (fd00:10:96::/108)",
+            ),
+            (
+                Box::new(|v| v["meshVIPs"][1] = json!("::ffff:10.96.5.5")),
+                "meshVIPs[1]: \"::ffff:10.96.5.5\" is not an IPv6 address",
+            ),
+        ];
+        for (tweak, want) in cases {
+            let mut v = dual();
+            tweak(&mut v);
+            let errs = parse(v.to_string().as_bytes()).expect_err(want);
+            assert!(errs.iter().any(|e| e.starts_with(want)), "want {want:?}, got {errs:#?}");
+        }
+        // An IPv6-only cluster: IPv6 ranges alone are enough for a layer.
+        let mut v6 = dual();
+        v6["serviceRanges"] = json!(["fd00:10:96::/108"]);
+        v6["meshVIPs"] = json!(["fd00:10:96::5:5"]);
+        let keep: Vec<Value> = v6["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["vip"].as_str().unwrap().contains(':'))
+            .cloned()
+            .collect();
+        v6["services"] = json!(keep);
+        let l = parse(v6.to_string().as_bytes()).unwrap().layer(0xae71);
+        assert_eq!(l.families(), [aether_rules::Family::Ipv6]);
     }
 }

@@ -38,6 +38,8 @@ const NFT_DYNSET_OP_UPDATE: u32 = 1;
 const NFT_REJECT_ICMP_UNREACH: u32 = 0;
 const NFT_REJECT_TCP_RST: u32 = 1;
 const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMPv6 destination unreachable, code 4: port unreachable (what `reject` sends in `ip6`).
+const ICMPV6_PORT_UNREACH: u8 = 4;
 /// nf_nat range flags: the kernel sets both when address and port registers are given and
 /// reports them in dumps, so sending them keeps what we send equal to what we read back.
 const NAT_RANGE_MAP_IPS: u32 = 1;
@@ -147,7 +149,7 @@ pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
             Expr::Cmp { sreg: REG_1, op: libc::NFT_CMP_NEQ as u32, data: vec![0; 4] },
         ],
         Match::ServiceKeyInSet(set) => {
-            let mut e = service_key();
+            let mut e = service_key(family);
             e.push(lookup(set, false));
             e
         }
@@ -165,11 +167,12 @@ pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
     }
 }
 
-/// `ip daddr . meta l4proto . th dport` into the registers of `key::SERVICE_KEY`.
-fn service_key() -> Vec<Expr> {
-    let [addr, proto, port] = key::SERVICE_KEY_REGISTERS;
+/// `ip daddr . meta l4proto . th dport` (`ip6 daddr` in an IPv6 table) into the registers
+/// of `key::service_key_registers`.
+fn service_key(family: Family) -> Vec<Expr> {
+    let [addr, proto, port] = key::service_key_registers(family);
     vec![
-        Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset: 16, len: 4, dreg: addr },
+        daddr(family, addr),
         Expr::Meta { key: libc::NFT_META_L4PROTO as u32, dreg: proto },
         Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 2, len: 2, dreg: port },
     ]
@@ -215,20 +218,24 @@ pub(crate) fn lower_action(a: &Action, family: Family) -> Vec<Expr> {
         Action::CountAccept(c) => vec![counter(c), accept()],
         Action::CountJump(c, chain) => vec![counter(c), jump(chain)],
         Action::UpdateServiceKeySet(set) => {
-            let mut e = service_key();
+            let mut e = service_key(family);
             e.push(Expr::Dynset {
                 set: set.clone(),
                 op: NFT_DYNSET_OP_UPDATE,
-                sreg_key: key::SERVICE_KEY_REGISTERS[0],
+                sreg_key: key::service_key_registers(family)[0],
                 timeout_ms: 0,
                 flags: 0,
             });
             e
         }
         Action::RejectTcpReset => vec![Expr::Reject { kind: NFT_REJECT_TCP_RST, code: 0 }],
-        Action::RejectIcmpPortUnreachable => {
-            vec![Expr::Reject { kind: NFT_REJECT_ICMP_UNREACH, code: ICMP_PORT_UNREACH }]
-        }
+        Action::RejectIcmpPortUnreachable => vec![Expr::Reject {
+            kind: NFT_REJECT_ICMP_UNREACH,
+            code: match family {
+                Family::Ipv4 => ICMP_PORT_UNREACH,
+                Family::Ipv6 => ICMPV6_PORT_UNREACH,
+            },
+        }],
     }
 }
 

@@ -1,30 +1,58 @@
 //! The one place for set key byte layouts and set flags: how a model element becomes key
 //! bytes, how key bytes read back, and what a set's flags mean.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::expr::Reg;
+use crate::family::Family;
 use crate::model::{Element, KeyType, Proto};
 
-/// A Service key is `ipv4_addr . inet_proto . inet_service`; each part of a concatenation
-/// fills a 32-bit register, zero-padded: address at 0..4, protocol at 4, port (big-endian)
-/// at 8..10. The datapath loads the parts into these registers (`r1`, `r32.1`, `r32.2`).
+/// A Service key is `address . inet_proto . inet_service`; each part of a concatenation
+/// fills whole 32-bit registers, zero-padded. IPv4: address at 0..4, protocol at 4, port
+/// (big-endian) at 8..10, 12 bytes. IPv6: the address fills four registers (0..16), protocol
+/// at 16, port at 20..22, 24 bytes. The datapath loads the parts into these registers.
 pub const SERVICE_KEY_LEN: usize = 12;
-pub const SERVICE_KEY_REGISTERS: [Reg; 3] = [1, 9, 10];
+pub const SERVICE_KEY6_LEN: usize = 24;
 
-/// The 12 key bytes of one Service port.
-pub fn service_key(addr: Ipv4Addr, proto: u8, port: u16) -> [u8; SERVICE_KEY_LEN] {
-    let mut k = [0; SERVICE_KEY_LEN];
-    k[0..4].copy_from_slice(&addr.octets());
-    k[4] = proto;
-    k[8..10].copy_from_slice(&port.to_be_bytes());
+/// The registers the datapath loads a Service key's parts into (address, protocol, port):
+/// `r1` (the first 16-byte register) for the address, then the next free 32-bit registers.
+pub fn service_key_registers(family: Family) -> [Reg; 3] {
+    match family {
+        // r1 = r32.0; protocol in r32.1 (9), port in r32.2 (10).
+        Family::Ipv4 => [1, 9, 10],
+        // The address takes r32.0..r32.3; protocol in r32.4, port in r32.5 (13). r32.4 is
+        // where the second 16-byte register `r2` starts, and the kernel reports it as `r2`
+        // when it dumps the rule: named so, what we send reads back the same.
+        Family::Ipv6 => [1, 2, 13],
+    }
+}
+
+/// The key bytes of one Service port, in its address's family.
+pub fn service_key(addr: IpAddr, proto: u8, port: u16) -> Vec<u8> {
+    let octets = match addr {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    };
+    let at = octets.len();
+    let mut k = vec![0; at + 8];
+    k[..at].copy_from_slice(&octets);
+    k[at] = proto;
+    k[at + 4..at + 6].copy_from_slice(&port.to_be_bytes());
     k
 }
 
 /// A Service key read back: (address, protocol number, port); `None` if it is not one.
-pub fn parse_service_key(key: &[u8]) -> Option<(Ipv4Addr, u8, u16)> {
-    let k: &[u8; SERVICE_KEY_LEN] = key.try_into().ok()?;
-    Some((Ipv4Addr::new(k[0], k[1], k[2], k[3]), k[4], u16::from_be_bytes([k[8], k[9]])))
+pub fn parse_service_key(key: &[u8]) -> Option<(IpAddr, u8, u16)> {
+    let at = match key.len() {
+        SERVICE_KEY_LEN => 4,
+        SERVICE_KEY6_LEN => 16,
+        _ => return None,
+    };
+    let addr = match at {
+        4 => IpAddr::V4(Ipv4Addr::new(key[0], key[1], key[2], key[3])),
+        _ => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&key[..16]).ok()?)),
+    };
+    Some((addr, key[at], u16::from_be_bytes([key[at + 4], key[at + 5]])))
 }
 
 fn proto_name(p: u8) -> String {
@@ -39,10 +67,12 @@ fn proto_name(p: u8) -> String {
 pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
     match (key, e) {
         (KeyType::Ipv4Addr, Element::Addr(a)) => a.octets().to_vec(),
+        (KeyType::Ipv6Addr, Element::Addr6(a)) => a.octets().to_vec(),
         (KeyType::Ipv4Addr, Element::Net(n)) if n.prefix_len() == 32 => n.addr().octets().to_vec(),
         (KeyType::Ipv6Addr, Element::Net6(n)) if n.prefix_len() == 128 => n.addr().octets().to_vec(),
         (KeyType::InetService, Element::Ports(r)) if r.first == r.last => r.first.to_be_bytes().to_vec(),
-        (KeyType::ServiceKey, Element::Service(a, proto, port)) => service_key(*a, proto.number(), *port).to_vec(),
+        (KeyType::ServiceKey, Element::Service(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
+        (KeyType::ServiceKey6, Element::Service6(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
         (KeyType::InetProto, Element::Proto(p)) => vec![p.number()],
         (k, e) => panic!("element {e} does not fit a set of type {} without intervals", k.name()),
     }
@@ -93,8 +123,8 @@ pub fn show_key(key: &[u8], end: bool) -> String {
         16 => Ipv6Addr::from(<[u8; 16]>::try_from(key).expect("16 bytes")).to_string(),
         2 => u16::from_be_bytes([key[0], key[1]]).to_string(),
         1 => proto_name(key[0]),
-        SERVICE_KEY_LEN => {
-            let (a, p, port) = parse_service_key(key).expect("12 bytes");
+        SERVICE_KEY_LEN | SERVICE_KEY6_LEN => {
+            let (a, p, port) = parse_service_key(key).expect("a Service key's length");
             format!("{a} . {} . {port}", proto_name(p))
         }
         _ => format!("{key:02x?}"),

@@ -112,6 +112,7 @@ fn names_table(bytes: &[u8], table: &str) -> bool {
 
 /// Makes the current netns hold exactly `table` (creating it, or replacing one already
 /// there), in one transaction.
+#[cfg(test)]
 pub(crate) fn program(table: &Table) -> Result<()> {
     program_keeping(table, &BTreeMap::new())
 }
@@ -128,7 +129,7 @@ pub(crate) fn program(table: &Table) -> Result<()> {
 /// create is exclusive (`NLM_F_EXCL`), so then the kernel refuses the whole transaction and
 /// changes nothing, and the table is replaced instead: never two rulesets merged into one.
 /// A table deleted in that window is harmless: the replace creates it first.
-pub(crate) fn program_keeping(table: &Table, counters: &BTreeMap<String, (u64, u64)>) -> Result<()> {
+pub(crate) fn program_keeping(table: &Table, counters: &Counts) -> Result<()> {
     let mut sock = open()?;
     let exists = table_flags(&mut sock, table.family, &table.name)?.is_some();
     program_on(&mut sock, table, counters, exists)
@@ -138,27 +139,49 @@ pub(crate) fn program_keeping(table: &Table, counters: &BTreeMap<String, (u64, u
 /// one transaction: the kernel applies both or neither. Each is created, or replaced if
 /// there, as `program` does for one.
 pub(crate) fn program_tables(tables: &[&Table]) -> Result<()> {
-    if let [table] = tables {
-        return program(table);
+    program_tables_keeping(tables, &BTreeMap::new(), &[])
+}
+
+/// `program_tables`, with the named counters of each family's table starting from the given
+/// values, and the `retired` tables (family, name) deleted in the same transaction (a Service layer rebuilt when the snapshot's families change: what the
+/// retired table counted is carried into `counters` by the caller, never counted twice).
+pub(crate) fn program_tables_keeping(
+    tables: &[&Table],
+    counters: &BTreeMap<Family, Counts>,
+    retired: &[(Family, &str)],
+) -> Result<()> {
+    let none = Counts::new();
+    let counts = |t: &Table| counters.get(&t.family).unwrap_or(&none);
+    if let ([table], []) = (tables, retired) {
+        return program_keeping(table, counts(table));
     }
     let mut sock = open()?;
     let mut plan = Vec::with_capacity(tables.len());
     for t in tables {
         let exists = table_flags(&mut sock, t.family, &t.name)?.is_some();
-        plan.push((*t, if exists { Existing::Replace } else { Existing::Refuse }));
+        plan.push((*t, counts(t), if exists { Existing::Replace } else { Existing::Refuse }));
     }
-    match commit(&mut sock, &render::tables_batch(&plan)) {
+    let with_retired = |mut batch: render::Batch| {
+        for (family, name) in retired {
+            batch.append(render::delete_table(*family, name));
+        }
+        batch
+    };
+    match commit(&mut sock, &with_retired(render::tables_batch(&plan))) {
         // One appeared since the lookup: replace them all instead.
         Err(Error::Transaction { object, source })
             if source.raw_os_error() == Some(libc::EEXIST)
                 && tables.iter().any(|t| object == render::table_label(t.family, &t.name)) =>
         {
-            let replace: Vec<_> = tables.iter().map(|t| (*t, Existing::Replace)).collect();
-            commit(&mut sock, &render::tables_batch(&replace))
+            let replace: Vec<_> = tables.iter().map(|t| (*t, counts(t), Existing::Replace)).collect();
+            commit(&mut sock, &with_retired(render::tables_batch(&replace)))
         }
         other => other,
     }
 }
+
+/// Named counters' (packets, bytes), by name.
+pub type Counts = BTreeMap<String, (u64, u64)>;
 
 /// `program_keeping` once the lookup said whether the table `exists` (which may no longer
 /// be true when the transaction commits).
@@ -182,7 +205,13 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
 pub struct Encoded(Batch);
 
 pub fn encode(table: &Table) -> Encoded {
-    Encoded(render::table_batch(table, Existing::Refuse))
+    encode_tables(&[table])
+}
+
+/// The transaction that creates all of `tables` (none may exist yet), encoded once.
+pub fn encode_tables(tables: &[&Table]) -> Encoded {
+    let none = Counts::new();
+    Encoded(render::tables_batch(&tables.iter().map(|t| (*t, &none, Existing::Refuse)).collect::<Vec<_>>()))
 }
 
 impl Encoded {
@@ -192,12 +221,17 @@ impl Encoded {
     }
 }
 
-/// Deletes and adds set elements of `table` in one transaction; nothing else changes.
-pub(crate) fn change_elements(table: &str, changes: &[ElementChange]) -> Result<()> {
-    if changes.is_empty() {
+/// Deletes and adds set elements of the tables named `table` in the given families, all in
+/// one transaction; nothing else changes.
+pub(crate) fn change_elements(table: &str, changes: &[(Family, Vec<ElementChange>)]) -> Result<()> {
+    if changes.iter().all(|(_, c)| c.is_empty()) {
         return Ok(());
     }
-    commit(&mut open()?, &render::element_changes(Family::Ipv4, table, changes))
+    let mut batch = render::Batch::default();
+    for (family, c) in changes {
+        batch.append(render::element_changes(*family, table, c));
+    }
+    commit(&mut open()?, &batch)
 }
 
 fn obj_request(table: &str) -> NfTablesMessage {
@@ -207,17 +241,18 @@ fn obj_request(table: &str) -> NfTablesMessage {
     ])
 }
 
-/// The named counters of `table` in the current netns (empty when there is no such table).
-pub fn counters(table: &str) -> Result<BTreeMap<String, (u64, u64)>> {
-    let objs = dump(&mut open()?, Family::Ipv4, obj_request(table), table, "dump counters")?;
+/// The named counters of `family`'s table `table` in the current netns (empty when there is
+/// no such table).
+pub fn counters(family: Family, table: &str) -> Result<Counts> {
+    let objs = dump(&mut open()?, family, obj_request(table), table, "dump counters")?;
     Ok(TableView::from_messages(table, &objs).counters)
 }
 
 /// The raw elements of one set of `table`: (key, interval end). Dumps that set's elements
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
-pub fn set_elements(table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
-    let messages = dump(&mut open()?, Family::Ipv4, elements_request(table, set), table, "dump set elements")?;
+pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
+    let messages = dump(&mut open()?, family, elements_request(table, set), table, "dump set elements")?;
     let mut out = Vec::new();
     for m in &messages {
         if let NfTablesMessage::NewSetElement(e) = m {
@@ -356,7 +391,7 @@ mod tests {
     /// The tables of every capture mode and exclusion mix, and the Service layer in count
     /// and refuse mode.
     fn all_tables() -> Vec<Table> {
-        use crate::services::{services_table, LayerMode, ServiceLayer, ServicePort};
+        use crate::services::{services_tables, LayerMode, ServiceLayer, ServicePort};
         let mut out = Vec::new();
         for mode in [crate::CaptureMode::RedirectAll, crate::CaptureMode::Scoped] {
             for (dns, exclusions) in [(false, false), (true, false), (true, true)] {
@@ -377,18 +412,29 @@ mod tests {
         }
         for mode in [LayerMode::Count, LayerMode::Refuse] {
             let mut l = ServiceLayer::new(mode);
-            l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
-            l.mesh_vips = vec!["10.96.5.5".parse().unwrap()];
+            l.ranges = vec!["10.96.0.0/16".parse().unwrap(), "fd00:10:96::/108".parse().unwrap()];
+            l.mesh_vips = vec!["10.96.5.5".parse().unwrap(), "fd00:10:96::5:5".parse().unwrap()];
             // More ports than one element message holds: the elements go in chunks.
             l.ports = (0..600u32)
-                .map(|i| ServicePort {
-                    vip: std::net::Ipv4Addr::from(0x0a60_0100 + i),
+                .flat_map(|i| {
+                    [
+                        std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a60_0100 + i)),
+                        std::net::IpAddr::from(std::net::Ipv6Addr::from(
+                            0xfd00_0010_0096_0000_0000_0000_0001_0000 + i as u128,
+                        )),
+                    ]
+                })
+                .enumerate()
+                .map(|(i, vip)| ServicePort {
+                    vip,
                     proto: crate::model::Proto::Tcp,
                     port: 80,
                     has_endpoints: i % 3 != 0,
                 })
                 .collect();
-            out.push(services_table(&l).unwrap().unwrap());
+            let tables = services_tables(&l).unwrap();
+            assert_eq!(tables.len(), 2, "one table per family");
+            out.extend(tables);
         }
         out
     }

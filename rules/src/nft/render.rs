@@ -122,6 +122,13 @@ impl Batch {
         out
     }
 
+    /// Adds the messages of `other` after this batch's own (one transaction of both).
+    pub fn append(&mut self, other: Batch) {
+        self.messages.extend(other.messages);
+        self.labels.extend(other.labels);
+        self.families.extend(other.families);
+    }
+
     /// Sequence numbers the batch uses (begin, messages, end).
     pub fn seq_count(&self) -> u32 {
         self.messages.len() as u32 + 2
@@ -161,12 +168,13 @@ pub(crate) fn table_batch(table: &model::Table, existing: Existing) -> Batch {
     table_batch_keeping(table, &BTreeMap::new(), existing)
 }
 
-/// Several tables in one transaction (a dual-stack pod's two halves), each with what becomes
-/// of a table of its family and name the kernel may already hold.
-pub(crate) fn tables_batch(tables: &[(&model::Table, Existing)]) -> Batch {
+/// Several tables in one transaction (a dual-stack pod's two halves), each with the values
+/// its named counters start from and what becomes of a table of its family and name the
+/// kernel may already hold.
+pub(crate) fn tables_batch(tables: &[(&model::Table, &super::Counts, Existing)]) -> Batch {
     let mut b = Batch::default();
-    for (table, existing) in tables {
-        add_table(&mut b, table, &BTreeMap::new(), *existing);
+    for (table, counters, existing) in tables {
+        add_table(&mut b, table, counters, *existing);
     }
     b
 }
