@@ -1048,13 +1048,16 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
         None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
         Some(stored) => {
             let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
+            let tables: Vec<String> =
+                l.families().iter().map(|f| format!("table {} {}", f.nft_name(), layer::TABLE)).collect();
             out.push(format!(
-                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports",
+                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports{}",
                 stored.generation,
                 l.mode,
                 l.ranges.len(),
                 l.mesh_vips.len(),
-                l.ports.len()
+                l.ports.len(),
+                if tables.is_empty() { String::new() } else { format!(" ({})", tables.join(" and ")) }
             ));
             match dir.pod_holds(netns) {
                 Some(h) if h.is(stored, l.divert_mark) => {

@@ -322,3 +322,42 @@ fn dropping_the_ipv6_ranges_removes_the_ip6_table_and_keeps_its_counts() {
     let back = pod_counts(&counters(&node), &a).unwrap();
     assert_eq!(delta(&last, &back), only(Some("service"), 1), "{last:?} -> {back:?}");
 }
+
+/// `inspect` of a dual-stack pod with a dual-stack snapshot: both capture halves, both
+/// policy routes and the Service layer of both families, each said intact; a tampered IPv6
+/// Service set is named, and the exit status says so.
+#[test]
+fn inspect_shows_both_families_of_a_dual_stack_pod_and_names_an_ipv6_tamper() {
+    let Some(mut node) = node("inspect_shows_both_families_of_a_dual_stack_pod_and_names_an_ipv6_tamper", "svc6insp")
+    else {
+        return;
+    };
+    let a = node.add_pod_with("a", Stack::Dual);
+    a.add(json!({}));
+    apply(&node, &snapshot(1, "refuse", true, true));
+    let state = node.state_dir().display().to_string();
+    let inspect = || {
+        aether_conformance::cni::run_cli(&node.host.path(), &["inspect", &a.container_id, "--state-dir", &state], b"")
+    };
+    let out = inspect();
+    assert!(out.ok, "{}\n{}", out.stdout, out.stderr);
+    for want in [
+        "table ip aether_capture",
+        "table ip6 aether_capture",
+        "ip -6 rule",
+        "snapshot generation 1, mode refuse: 2 ranges, 1 mesh VIPs, 5 Service ports \
+         (table ip aether_services and table ip6 aether_services)",
+        "kernel: intact (matches the snapshot)",
+    ] {
+        assert!(out.stdout.contains(want), "inspect should show {want:?}:\n{}", out.stdout);
+    }
+    // Control: an IPv6 Service element deleted by hand is named, with its table.
+    a.nft(&["delete", "element", "ip6", "aether_services", "service_ports", "{", &format!("{VIP6} . tcp . 80"), "}"]);
+    let out = inspect();
+    assert!(!out.ok, "a tampered layer must fail inspect:\n{}", out.stdout);
+    assert!(
+        out.stdout.contains("table ip6 aether_services: ") && out.stdout.contains(&format!("{VIP6} . tcp . 80")),
+        "{}",
+        out.stdout
+    );
+}
