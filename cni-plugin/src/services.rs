@@ -542,15 +542,14 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Vec
         dir.write_atomic("snapshot.json", text).map_err(|e| vec![e])?;
         dir.write_atomic("layer.bin", &new.encode()).map_err(|e| vec![e])?;
     }
-    // Every pod netns is visited from one thread (`tour`): a thread per pod cost more than
-    // the change it sends.
     aether_netns::tour(|| apply_to_pods(dir, &new, previous.as_ref(), warnings))
         .map_err(|e| vec![format!("cannot visit the pods' network namespaces: {e}")])?
 }
 
 /// `apply_document` once `new` is stored: the layer to every recorded pod, each given the
 /// change from `previous` if its file says it holds that, nothing if it holds `new`, a
-/// rebuild otherwise.
+/// rebuild otherwise. Runs on a tour (`aether_netns::tour`: one thread entering each pod's
+/// netns in turn), as a thread per pod cost more than the change it sends.
 fn apply_to_pods(
     dir: &ServicesDir,
     new: &StoredLayer,
@@ -558,22 +557,11 @@ fn apply_to_pods(
     mut warnings: Vec<String>,
 ) -> Result<ApplyReport, Vec<String>> {
     let node_mark = dir.divert_mark();
-    // One change and one encoded layer per divert mark in use (in practice one), made on
-    // first need.
-    let mut changes: BTreeMap<u32, Option<LayerChange>> = BTreeMap::new();
-    let mut prepared: BTreeMap<u32, Option<layer::Prepared>> = BTreeMap::new();
     let scan = StateDir::new(&dir.state).scan();
     for u in &scan.unreadable {
         warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
     }
     let records = scan.records;
-    // Each record's netns, if it is still the pod's (a path reused by another namespace, a
-    // file or a directory is not: the pod is skipped as gone).
-    let open = |r: &Record| match r.open_netns() {
-        Ok(PodNetns::Live(ns)) => Ok(ns),
-        Ok(PodNetns::Gone(why)) => Err((why, true)),
-        Err(e) => Err((e.to_string(), false)),
-    };
     // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
     // it): the mark ends before a new layer starts counting from zero.
     let folding = match dir.accumulator() {
@@ -587,7 +575,7 @@ fn apply_to_pods(
     let ended: Vec<String> = records
         .iter()
         .filter(|r| folding.contains_key(&r.key()))
-        .filter(|r| open(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
+        .filter(|r| open_pod(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
         .map(Record::key)
         .collect();
     if !ended.is_empty() {
@@ -595,57 +583,113 @@ fn apply_to_pods(
     }
     // Mode `off` removes each pod's table: its counts join the node totals first (as at
     // DEL), idempotently, so they never go backwards, also when this apply is killed.
-    let off = new.for_pod(node_mark).mode == layer::LayerMode::Off;
+    let off = new.layer.mode == layer::LayerMode::Off;
     let mut folded_keys = Vec::new();
     if off {
-        let counts: Vec<(String, BTreeMap<String, u64>)> =
-            records.iter().filter_map(|r| Some((r.key(), flat(open(r).ok()?.run(layer::counters)).ok()??))).collect();
+        let counts: Vec<(String, BTreeMap<String, u64>)> = records
+            .iter()
+            .filter_map(|r| Some((r.key(), flat(open_pod(r).ok()?.run(layer::counters)).ok()??)))
+            .collect();
         dir.fold_pods(&counts).map_err(|e| vec![e])?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let mut removed_keys = Vec::new();
-    let mut pods = Vec::with_capacity(records.len());
+    // Each pod's layer matches the divert mark its own capture sets.
+    let mark_of = |r: &Record| r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+    let mut marks: BTreeMap<u32, ForMark> = BTreeMap::new();
     for r in &records {
-        // Each pod's layer matches the divert mark its own capture sets.
-        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-        let l = new.for_pod(mark);
-        let (result, vanished) = match open(r) {
+        marks.entry(mark_of(r)).or_insert_with(|| ForMark::new(new, mark_of(r)));
+    }
+    let pass = Pass { dir, new, previous, marks: &marks };
+    let mut out = Visited::default();
+    let pods = records.iter().map(|r| pass.visit(r, mark_of(r), &mut out)).collect();
+    let Visited { warnings: more, mut removed_keys } = out;
+    warnings.extend(more);
+    dir.prune_pods(&records);
+    if off {
+        removed_keys.retain(|k| folded_keys.contains(k));
+        dir.end_folding(&removed_keys).map_err(|e| vec![e])?;
+    }
+    Ok(ApplyReport { generation: new.generation, pods, warnings })
+}
+
+/// A record's netns, if it is still the pod's (a path reused by another namespace, a file
+/// or a directory is not: the pod is skipped as gone, `true`).
+fn open_pod(r: &Record) -> Result<Netns, (String, bool)> {
+    match r.open_netns() {
+        Ok(PodNetns::Live(ns)) => Ok(ns),
+        Ok(PodNetns::Gone(why)) => Err((why, true)),
+        Err(e) => Err((e.to_string(), false)),
+    }
+}
+
+/// What an apply makes once per divert mark in use (in practice one): the layer, and, on
+/// first need, the change from the previous generation and the encoded layer.
+struct ForMark {
+    layer: layer::ServiceLayer,
+    change: std::sync::OnceLock<Option<LayerChange>>,
+    prepared: std::sync::OnceLock<Option<layer::Prepared>>,
+}
+
+impl ForMark {
+    fn new(stored: &StoredLayer, mark: u32) -> Self {
+        ForMark { layer: stored.for_pod(mark), change: Default::default(), prepared: Default::default() }
+    }
+}
+
+/// One apply's walk over the pods.
+struct Pass<'a> {
+    dir: &'a ServicesDir,
+    new: &'a StoredLayer,
+    previous: Option<&'a StoredLayer>,
+    marks: &'a BTreeMap<u32, ForMark>,
+}
+
+/// What the pods' visits gathered besides their outcomes: warnings, and the attachments
+/// whose layer mode `off` removed.
+#[derive(Default)]
+struct Visited {
+    warnings: Vec<String>,
+    removed_keys: Vec<String>,
+}
+
+impl Pass<'_> {
+    /// Brings one pod to the new layer: nothing if its file says it holds it, the change if
+    /// it holds the previous one, a rebuild otherwise.
+    fn visit(&self, r: &Record, mark: u32, out: &mut Visited) -> PodOutcome {
+        let (dir, new) = (self.dir, self.new);
+        let m = &self.marks[&mark];
+        let l = &m.layer;
+        let (result, vanished) = match open_pod(r) {
             Err((why, vanished)) => (Err(why), vanished),
             Ok(ns) if l.mode == layer::LayerMode::Off => {
                 dir.forget_pod(ns.path());
-                let outcome = flat(ns.run(|| layer::apply(&l)));
+                let outcome = flat(ns.run(|| layer::apply(l)));
                 if matches!(outcome, Ok(Applied::Removed(_))) {
-                    removed_keys.push(r.key());
+                    out.removed_keys.push(r.key());
                 }
                 (outcome, false)
             }
             Ok(ns) => {
                 let held = dir.pod_holds(&ns);
-                let change = match (&held, previous) {
+                let change = match (&held, self.previous) {
                     (Some(h), _) if h.is(new, mark) => None,
                     (Some(h), Some(prev)) if h.is(prev, mark) => Some(
-                        changes
-                            .entry(mark)
-                            .or_insert_with(|| LayerChange::between(&prev.for_pod(mark), &l).ok().flatten())
-                            .as_ref(),
+                        m.change.get_or_init(|| LayerChange::between(&prev.for_pod(mark), l).ok().flatten()).as_ref(),
                     ),
                     _ => Some(None),
                 };
                 let outcome = match change {
                     None => Ok(Applied::Unchanged),
                     // Refused (the pod's layer is not what its file says): rebuilt.
-                    Some(Some(c)) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(&l)))),
-                    Some(None) => {
-                        let ready = prepared.entry(mark).or_insert_with(|| layer::Prepared::new(&l).ok().flatten());
-                        match ready {
-                            Some(p) => flat(ns.run(|| p.rebuild())),
-                            None => flat(ns.run(|| layer::rebuild(&l))),
-                        }
-                    }
+                    Some(Some(c)) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(l)))),
+                    Some(None) => match m.prepared.get_or_init(|| layer::Prepared::new(l).ok().flatten()) {
+                        Some(p) => flat(ns.run(|| p.rebuild())),
+                        None => flat(ns.run(|| layer::rebuild(l))),
+                    },
                 };
                 if outcome.is_ok() && held.is_none_or(|h| !h.is(new, mark)) {
                     if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(new, &ns, mark)) {
-                        warnings.push(e);
+                        out.warnings.push(e);
                     }
                 }
                 if outcome.is_err() {
@@ -654,20 +698,14 @@ fn apply_to_pods(
                 (outcome, false)
             }
         };
-        pods.push(PodOutcome {
+        PodOutcome {
             container_id: r.container_id.clone(),
             ifname: r.ifname.clone(),
             netns: r.netns.clone(),
             result,
             vanished,
-        });
+        }
     }
-    dir.prune_pods(&records);
-    if off {
-        removed_keys.retain(|k| folded_keys.contains(k));
-        dir.end_folding(&removed_keys).map_err(|e| vec![e])?;
-    }
-    Ok(ApplyReport { generation: new.generation, pods, warnings })
 }
 
 /// For ADD, in the host netns, after the attachment record is written: applies the stored

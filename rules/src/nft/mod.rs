@@ -305,7 +305,7 @@ pub(crate) fn remove(family: Family, name: &str) -> Result<bool> {
 /// What the kernel will hold after `program(table)`, read from the very messages ADD sends.
 pub fn expected_view(table: &Table) -> TableView {
     let b = render::table_batch(table, Existing::Refuse);
-    TableView::from_messages(&table.name, b.messages.iter().map(|(m, _)| m))
+    TableView::from_messages(&table.name, &b.built())
 }
 
 /// The flags of table `name` (e.g. dormant), or `None` when there is no such table.

@@ -35,7 +35,7 @@ const COUNTER_PACKETS: u16 = 2;
 /// The messages of one transaction, each with its netlink flags and what it is.
 #[derive(Default)]
 pub(crate) struct Batch {
-    pub messages: Vec<(NfTablesMessage, u16)>,
+    pub messages: Vec<(Part, u16)>,
     pub labels: Vec<String>,
     /// The family of each message's table.
     pub families: Vec<Family>,
@@ -43,11 +43,66 @@ pub(crate) struct Batch {
     next_set_id: u32,
 }
 
+/// One message of a batch. A set's elements are kept as their raw keys, packed, and made
+/// into a message only while the batch is encoded: as built messages (a list of attributes
+/// per element, each key in an allocation of its own) they cost several times the keys, the
+/// largest part of what a pod start at 10,000 Services held in memory.
+pub(crate) enum Part {
+    Message(NfTablesMessage),
+    Elements { table: String, set: String, set_id: Option<u32>, keys: PackedKeys },
+}
+
+impl Part {
+    /// The message, built.
+    pub fn message(&self) -> NfTablesMessage {
+        match self {
+            Part::Message(m) => m.clone(),
+            Part::Elements { table, set, set_id, keys } => {
+                NfTablesMessage::NewSetElement(elements(table, set, *set_id, &keys.unpack()))
+            }
+        }
+    }
+}
+
+/// Raw set elements (key, interval end), the keys back to back (a set's keys are all as
+/// long: its key type's length).
+pub(crate) struct PackedKeys {
+    key_len: usize,
+    bytes: Vec<u8>,
+    ends: Vec<bool>,
+}
+
+impl PackedKeys {
+    fn pack(keys: &[(Vec<u8>, bool)]) -> PackedKeys {
+        let key_len = keys.first().map_or(0, |(k, _)| k.len());
+        let mut bytes = Vec::with_capacity(key_len * keys.len());
+        for (k, _) in keys {
+            assert_eq!(k.len(), key_len, "the keys of one set have one length");
+            bytes.extend_from_slice(k);
+        }
+        PackedKeys { key_len, bytes, ends: keys.iter().map(|(_, end)| *end).collect() }
+    }
+
+    fn unpack(&self) -> Vec<(Vec<u8>, bool)> {
+        let keys = self.bytes.chunks(self.key_len.max(1)).map(<[u8]>::to_vec);
+        keys.zip(self.ends.iter().copied()).collect()
+    }
+}
+
 impl Batch {
     fn add(&mut self, family: Family, msg: NfTablesMessage, flags: u16, label: String) {
-        self.messages.push((msg, flags));
+        self.add_part(family, Part::Message(msg), flags, label);
+    }
+
+    fn add_part(&mut self, family: Family, part: Part, flags: u16, label: String) {
+        self.messages.push((part, flags));
         self.labels.push(label);
         self.families.push(family);
+    }
+
+    /// Every message, built (for reading the batch as the kernel will hold it).
+    pub fn built(&self) -> Vec<NfTablesMessage> {
+        self.messages.iter().map(|(p, _)| p.message()).collect()
     }
 
     /// The wire form: batch begin, the messages, batch end, numbered from `first_seq`
@@ -58,8 +113,9 @@ impl Batch {
             |m| NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES), m);
         let mut out =
             crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchBegin), 0, first_seq);
-        for (i, ((msg, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
-            out.extend(crate::netlink::encode(message(*family, msg.clone()), *flags, first_seq + 1 + i as u32));
+        for (i, ((part, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
+            // One message built at a time, and dropped once it is bytes.
+            out.extend(crate::netlink::encode(message(*family, part.message()), *flags, first_seq + 1 + i as u32));
         }
         let end = first_seq + 1 + self.messages.len() as u32;
         out.extend(crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchEnd), 0, end));
@@ -159,9 +215,9 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
         b.add(family, set_message(&table.name, set, id), NLM_F_CREATE, named(format!("set {}", set.name)));
         // A netlink message holds at most 64 KiB: elements go in chunks.
         for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
-            let elems = elements(&table.name, &set.name, Some(id), &key::element_keys(set, chunk));
-            let what = named(format!("elements of set {}", set.name));
-            b.add(family, NfTablesMessage::NewSetElement(elems), NLM_F_CREATE, what);
+            let keys = PackedKeys::pack(&key::element_keys(set, chunk));
+            let part = Part::Elements { table: table.name.clone(), set: set.name.clone(), set_id: Some(id), keys };
+            b.add_part(family, part, NLM_F_CREATE, named(format!("elements of set {}", set.name)));
         }
     }
     for c in &table.chains {
