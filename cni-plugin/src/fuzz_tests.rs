@@ -1,7 +1,7 @@
 //! Fuzzing, on the stable toolchain, of every parser a stranger controls: the network
 //! configuration (stdin, from the runtime and whoever wrote the conflist), `prevResult` (the
 //! previous plugin's output), pod annotations (anyone who can create a pod), the Service
-//! snapshot (the agent), and stored records (the state directory). Property-based: random
+//! snapshot (the agent), and stored records and `layer.bin` (the state directory). Property-based: random
 //! documents built from the fields each parser knows, with hostile values, plus raw bytes.
 //!
 //! Properties: never a panic; every refusal carries a code the CNI spec gives for it; no
@@ -27,6 +27,11 @@ fn hostile_string() -> impl Strategy<Value = String> {
         Just("010.0.0.1".into()),
         Just("::1/128".into()),
         Just("fd00::/129".into()),
+        Just("fd00:10:96::/108".into()),
+        Just("fd00:10:96::1".into()),
+        Just("::ffff:10.96.0.1".into()),
+        Just("fe80::1%eth0".into()),
+        Just("fd00::5/108".into()),
         Just("1-65535".into()),
         Just("9000-80".into()),
         Just("80,http, ,".into()),
@@ -277,6 +282,39 @@ proptest! {
         if let Err(errs) = crate::services::snapshot::parse(text.as_bytes()) {
             prop_assert!(!errs.is_empty());
         }
+    }
+
+    /// `layer.bin` holds what it was given, whatever the mix of families, and a damaged copy
+    /// (any byte changed, any length cut) is refused as such, never a panic nor a wrong layer.
+    #[test]
+    fn a_layer_file_round_trips_and_damage_is_refused(
+        ranges in proptest::collection::vec((any::<bool>(), any::<u128>(), 0u8..=128), 0..6),
+        vips in proptest::collection::vec((any::<u128>(), any::<bool>(), 1u16.., any::<bool>(), any::<bool>()), 0..40),
+        flip in (any::<usize>(), 1u8..),
+        cut in any::<usize>(),
+    ) {
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
+        use crate::services::layer_file::{decode, StoredLayer};
+        let addr = |v6: bool, bits: u128| if v6 { IpAddr::V6(Ipv6Addr::from(bits)) } else { IpAddr::V4(Ipv4Addr::from(bits as u32)) };
+        let mut l = ServiceLayer::new(LayerMode::Refuse);
+        l.ranges = ranges.iter().map(|&(v6, bits, p)| ipnet::IpNet::new(addr(v6, bits), if v6 { p } else { p % 33 }).unwrap().trunc()).collect();
+        l.mesh_vips = vips.iter().filter(|v| v.4).map(|v| addr(v.1, v.0)).collect();
+        l.ports = vips.iter().map(|&(bits, v6, port, udp, ends)| ServicePort {
+            vip: addr(v6, bits),
+            proto: if udp { aether_rules::model::Proto::Udp } else { aether_rules::model::Proto::Tcp },
+            port,
+            has_endpoints: ends,
+        }).collect();
+        let stored = StoredLayer::new(7, &l, 9);
+        let bytes = stored.encode();
+        let path = std::path::Path::new("layer.bin");
+        prop_assert_eq!(decode(path, &bytes).unwrap(), stored.clone());
+        let mut damaged = bytes.clone();
+        let at = flip.0 % damaged.len();
+        damaged[at] ^= flip.1;
+        prop_assert!(decode(path, &damaged).is_err(), "byte {} changed, still read", at);
+        prop_assert!(decode(path, &bytes[..cut % bytes.len()]).is_err());
     }
 
     #[test]

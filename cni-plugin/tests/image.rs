@@ -44,7 +44,14 @@ struct Podman {
 impl Podman {
     fn flags(&self) -> Vec<String> {
         let d = self.dir.display();
-        vec![format!("--root={d}/root"), format!("--runroot={d}/run"), "--storage-driver=vfs".into()]
+        // `--tmpdir` too: without it podman keeps its runtime state in the machine-wide
+        // /run/libpod, which `system reset` below would clear under any other podman running.
+        vec![
+            format!("--root={d}/root"),
+            format!("--runroot={d}/run"),
+            format!("--tmpdir={d}/tmp"),
+            "--storage-driver=vfs".into(),
+        ]
     }
 
     fn cmd(&self, args: &[&str]) -> Command {

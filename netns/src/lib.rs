@@ -211,15 +211,27 @@ where
     T: Send,
 {
     std::thread::scope(|scope| {
-        let handle = scope.spawn(|| -> Result<T, Error> {
-            let home = Netns::current()?;
-            TOUR_HOME.with(|h| h.set(Some(home)));
-            let out = work();
-            TOUR_HOME.with(|h| h.take());
-            Ok(out)
-        });
+        let handle = scope.spawn(|| tour_here(work));
         handle.join().map_err(|_| Error::WorkerPanicked { path: "(tour)".into() })?
     })
+}
+
+/// [`tour`] on the calling thread itself: every [`Netns::run`] inside `work` enters its
+/// namespace in place and comes back, and no thread is spawned at all. For a process that
+/// runs one command and ends (a CNI plugin): starting a worker thread and waking the caller
+/// again is a good share of a fresh ADD, more so on a busy node. Between runs the thread is
+/// in its own namespace, as a tour's thread is; `setns` only ever moves the calling thread.
+pub fn tour_here<T>(work: impl FnOnce() -> T) -> Result<T, Error> {
+    /// Ends the tour also when `work` unwinds, restoring an enclosing tour's home.
+    struct Restore(Option<Netns>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TOUR_HOME.with(|h| h.set(self.0.take()));
+        }
+    }
+    let home = Netns::current()?;
+    let _restore = Restore(TOUR_HOME.with(|h| h.replace(Some(home))));
+    Ok(work())
 }
 
 /// Runs `work` on a new thread inside a fresh, empty network namespace that disappears
@@ -377,6 +389,29 @@ mod tests {
         // Control: outside a tour a run never moves the caller either.
         assert_eq!(a.run(|| Netns::current().unwrap().id()).unwrap(), a.id());
         assert_eq!(Netns::current().unwrap().id(), caller);
+    }
+
+    #[test]
+    fn a_tour_here_runs_in_place_on_the_callers_thread_and_ends_with_its_work() {
+        if !root("a_tour_here_runs_in_place_on_the_callers_thread_and_ends_with_its_work") {
+            return;
+        }
+        let a = private();
+        let caller = Netns::current().unwrap().id();
+        let me = std::thread::current().id();
+        let seen = tour_here(|| {
+            let (thread, inside) = a.run(|| (std::thread::current().id(), Netns::current().unwrap().id())).unwrap();
+            assert_eq!(Netns::current().unwrap().id(), caller, "home between visits");
+            (thread, inside)
+        })
+        .unwrap();
+        assert_eq!(seen, (me, a.id()), "in place: the caller's own thread, inside the namespace");
+        // A panic inside the work still ends the tour: runs after it spawn a thread again.
+        let unwound = std::panic::catch_unwind(|| tour_here(|| panic!("planned panic")));
+        assert!(unwound.is_err());
+        let (thread, inside) = a.run(|| (std::thread::current().id(), Netns::current().unwrap().id())).unwrap();
+        assert_ne!(thread, me, "after the tour, a run has a thread of its own");
+        assert_eq!((inside, Netns::current().unwrap().id()), (a.id(), caller));
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use std::io;
 
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_route::link::{LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -324,6 +325,17 @@ fn route_dump_message(family: Family) -> RouteMessage {
     let mut msg = RouteMessage::default();
     msg.header.address_family = address_family(family);
     msg
+}
+
+/// Sets `lo` up in the current netns, as every runtime does in a pod's before the network
+/// plugins run (IPv6 refuses a route through a device that is down: `ENETDOWN`). For a
+/// netns of our own making (doctor's private probe), never for a pod's.
+pub fn loopback_up() -> Result<()> {
+    let mut link = LinkMessage::default();
+    link.header.index = LOOPBACK_IFINDEX;
+    link.header.flags = LinkFlags::Up;
+    link.header.change_mask = LinkFlags::Up;
+    transact(RouteNetlinkMessage::SetLink(link), 0).map_err(|e| route_err("set lo up", e))
 }
 
 fn route_err(op: &'static str, source: io::Error) -> Error {
