@@ -193,26 +193,34 @@ fn run(ns: &TestNetns) {
     .to_string();
     let shell_steps = ShellSteps::new(ns_name);
     let path = ns.path();
-    let plugin_steps = |bin: &str, conf: &str| -> Steps {
-        let (bin, conf, path) = (bin.to_string(), conf.to_string(), path.clone());
-        ["ADD", "CHECK", "DEL"].map(|cmd| {
-            let (bin, conf, path) = (bin.clone(), conf.clone(), path.clone());
-            Box::new(move || plugin(&bin, &path, cmd, &conf)) as Box<dyn Fn()>
-        })
+    let commands = |bin: &str, conf: &str, cmds: &[&'static str]| -> Steps {
+        cmds.iter()
+            .map(|&cmd| {
+                let (bin, conf, path) = (bin.to_string(), conf.to_string(), path.clone());
+                (cmd, Box::new(move || plugin(&bin, &path, cmd, &conf)) as Box<dyn Fn()>)
+            })
+            .collect()
     };
+    let plugin_steps = |bin: &str, conf: &str| commands(bin, conf, &["ADD", "CHECK", "DEL"]);
     let mut contenders = vec![
         ("aether-cni".to_string(), plugin_steps(&new_bin, &disk_conf)),
         ("aether-cni, stateDir on tmpfs".to_string(), plugin_steps(&new_bin, &tmpfs_conf)),
         ("Debian tuning 1.1.1 (chained, does nothing here)".to_string(), plugin_steps(TUNING, &tuning_conf)),
         ("exec: nft -f + ip rule + ip route".to_string(), shell_steps.steps()),
+        // What every command of this binary pays before and after its own work: exec, the
+        // static start-up, reading the configuration, the log set-up, the result, exit.
+        (
+            "aether-cni VERSION (the floor: start, parse, answer, exit)".to_string(),
+            commands(&new_bin, &tmpfs_conf, &["VERSION"]),
+        ),
     ];
     if let Some(old_bin) = &old_bin {
         contenders.push(("aether-cni before (AETHER_BENCH_OLD_BIN)".to_string(), plugin_steps(old_bin, &disk_conf)));
         contenders.push(("aether-cni before, stateDir on tmpfs".to_string(), plugin_steps(old_bin, &tmpfs_conf)));
     }
     let stats = fresh_rounds(&contenders);
-    let (new, new_tmpfs, tuning, shell) = (stats[0], stats[1], stats[2], stats[3]);
-    let old = (stats.len() > 4).then(|| (stats[4], stats[5]));
+    let (new, new_tmpfs, tuning, shell, floor) = (&stats[0], &stats[1], &stats[2], &stats[3], stats[4][0]);
+    let old = (stats.len() > 5).then(|| (&stats[5], &stats[6]));
     sh(&["ip", "-n", ns_name, "link", "del", "eth0"]);
     let _ = std::fs::remove_dir_all(&tuning_dir);
     for parent in &state_dirs {
@@ -232,6 +240,7 @@ fn run(ns: &TestNetns) {
         fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / tuning"), new_tmpfs[i], tuning[i]);
         fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni, stateDir on tmpfs"), shell[i], new_tmpfs[i]);
         fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni (goal for ADD: >= 5)"), shell[i], new[i]);
+        fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / VERSION (the floor)"), new_tmpfs[i], floor);
         if let Some((old, old_tmpfs)) = &old {
             fresh_ratio(&format!("{what}: before / aether-cni"), old[i], new[i]);
             fresh_ratio(&format!("{what}: before / aether-cni, stateDir on tmpfs"), old_tmpfs[i], new_tmpfs[i]);
@@ -267,17 +276,18 @@ fn children_cpu() -> Duration {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-/// A contender's ADD, CHECK and DEL.
-type Steps = [Box<dyn Fn()>; 3];
+/// A contender's steps (ADD, CHECK, DEL; or one command), named.
+type Steps = Vec<(&'static str, Box<dyn Fn()>)>;
 
-/// Every contender's ADD, CHECK and DEL, `rounds` times, interleaved: round `i` starts with
-/// contender `i mod n`. Returns [ADD, CHECK, DEL] per contender, in their order.
-fn fresh_rounds(contenders: &[(String, Steps)]) -> Vec<[Fresh; 3]> {
+/// Every contender's steps, `rounds` times, interleaved: round `i` starts with contender
+/// `i mod n`. Returns each contender's steps' figures, in their order.
+fn fresh_rounds(contenders: &[(String, Steps)]) -> Vec<Vec<Fresh>> {
     let n = contenders.len();
-    let mut samples: Vec<[Vec<(Duration, Duration)>; 3]> = (0..n).map(|_| Default::default()).collect();
+    let mut samples: Vec<Vec<Vec<(Duration, Duration)>>> =
+        contenders.iter().map(|(_, steps)| steps.iter().map(|_| Vec::new()).collect()).collect();
     for i in 0..WARM_UP + rounds() {
         for c in (0..n).map(|k| (i + k) % n) {
-            for (k, step) in contenders[c].1.iter().enumerate() {
+            for (k, (_, step)) in contenders[c].1.iter().enumerate() {
                 let (t, cpu) = (Instant::now(), children_cpu());
                 step();
                 let (wall, cpu) = (t.elapsed(), children_cpu() - cpu);
@@ -290,24 +300,26 @@ fn fresh_rounds(contenders: &[(String, Steps)]) -> Vec<[Fresh; 3]> {
     contenders
         .iter()
         .zip(samples)
-        .map(|((name, _), per_step)| {
-            let mut k = 0;
-            per_step.map(|s| {
-                let what = ["ADD", "CHECK", "DEL"][k];
-                k += 1;
-                let mut cpus: Vec<Duration> = s.iter().map(|x| x.1).collect();
-                cpus.sort();
-                let cpu = cpus[cpus.len() / 2];
-                let wall = stat_quiet(s.into_iter().map(|x| x.0).collect());
-                println!(
-                    "  {:<58} median {:>8.3} ms   p90 {:>8.3} ms   cpu {:>7.3} ms",
-                    format!("{name}: {what}"),
-                    ms(wall.median),
-                    ms(wall.p90),
-                    ms(cpu)
-                );
-                Fresh { wall, cpu }
-            })
+        .map(|((name, steps), per_step)| {
+            let whats = steps.iter().map(|(what, _)| *what);
+            per_step
+                .into_iter()
+                .zip(whats)
+                .map(|(s, what)| {
+                    let mut cpus: Vec<Duration> = s.iter().map(|x| x.1).collect();
+                    cpus.sort();
+                    let cpu = cpus[cpus.len() / 2];
+                    let wall = stat_quiet(s.into_iter().map(|x| x.0).collect());
+                    println!(
+                        "  {:<58} median {:>8.3} ms   p90 {:>8.3} ms   cpu {:>7.3} ms",
+                        format!("{name}: {what}"),
+                        ms(wall.median),
+                        ms(wall.p90),
+                        ms(cpu)
+                    );
+                    Fresh { wall, cpu }
+                })
+                .collect()
         })
         .collect()
 }
@@ -372,19 +384,29 @@ impl ShellSteps {
     fn steps(&self) -> Steps {
         let (n, f) = (self.ns.clone(), self.nft_file.to_str().unwrap().to_string());
         let (n2, n3) = (n.clone(), n.clone());
-        [
-            Box::new(move || {
-                sh(&["ip", "netns", "exec", &n, "nft", "-f", &f]);
-                sh(&["ip", "-n", &n, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-                sh(&["ip", "-n", &n, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-            }),
-            Box::new(move || sh(&["ip", "netns", "exec", &n2, "nft", "list", "table", "ip", "aether_capture"])),
-            Box::new(move || {
-                sh(&["ip", "netns", "exec", &n3, "nft", "delete", "table", "ip", "aether_capture"]);
-                sh(&["ip", "-n", &n3, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-                sh(&["ip", "-n", &n3, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-            }),
-        ]
+        let steps: [(&'static str, Box<dyn Fn()>); 3] = [
+            (
+                "ADD",
+                Box::new(move || {
+                    sh(&["ip", "netns", "exec", &n, "nft", "-f", &f]);
+                    sh(&["ip", "-n", &n, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                    sh(&["ip", "-n", &n, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+                }),
+            ),
+            (
+                "CHECK (nft list)",
+                Box::new(move || sh(&["ip", "netns", "exec", &n2, "nft", "list", "table", "ip", "aether_capture"])),
+            ),
+            (
+                "DEL",
+                Box::new(move || {
+                    sh(&["ip", "netns", "exec", &n3, "nft", "delete", "table", "ip", "aether_capture"]);
+                    sh(&["ip", "-n", &n3, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                    sh(&["ip", "-n", &n3, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+                }),
+            ),
+        ];
+        steps.into_iter().collect()
     }
 }
 

@@ -119,9 +119,9 @@ fn run_cni() -> ExitCode {
     .entered();
     // The one thread does the netns work in place (setns there and back): a worker thread
     // per netns visit cost a fresh ADD more than its nftables transaction.
-    let outcome = read
-        .and(env)
-        .and_then(|env| aether_netns::tour_here(|| cni::run(&env, &stdin)).map_err(error::CniError::from).and_then(|r| r));
+    let outcome = read.and(env).and_then(|env| {
+        aether_netns::tour_here(|| cni::run(&env, &stdin)).map_err(error::CniError::from).and_then(|r| r)
+    });
     let mut out = std::io::stdout().lock();
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
