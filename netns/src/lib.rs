@@ -130,6 +130,12 @@ impl Netns {
 
     /// Whether this is the namespace the calling thread runs in (for the plugin: the host's).
     pub fn is_current(&self) -> Result<bool, Error> {
+        // A tour's thread at home knows its namespace without reading /proc.
+        if let Some(home) = TOUR_HOME.with(|h| h.take()) {
+            let same = home.id == self.id;
+            TOUR_HOME.with(|h| h.set(Some(home)));
+            return Ok(same);
+        }
         Ok(Self::current()?.id == self.id)
     }
 
@@ -174,11 +180,11 @@ impl Netns {
 impl Netns {
     /// `run` on a tour's thread, whose own namespace is `home`: enter, work, return home. A
     /// panic in `work` is caught (as a worker thread's would be) after the thread is home.
-    fn run_in_place<T, F: FnOnce() -> T>(&self, home: &File, work: F) -> Result<T, Error> {
+    fn run_in_place<T, F: FnOnce() -> T>(&self, home: &Netns, work: F) -> Result<T, Error> {
         setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET)
             .map_err(|source| Error::Enter { path: self.path.clone(), source })?;
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
-        if setns(home.as_fd(), CloneFlags::CLONE_NEWNET).is_err() {
+        if setns(home.file.as_fd(), CloneFlags::CLONE_NEWNET).is_err() {
             // Never possible with a namespace file we hold open; were it to happen, anything
             // the process did next could land in the pod's namespace, or take the pod's for
             // its own (the host check compares with the thread's namespace): stop here.
@@ -190,8 +196,8 @@ impl Netns {
 }
 
 thread_local! {
-    /// On a tour's thread, while it is at home: the file of its own namespace.
-    static TOUR_HOME: Cell<Option<File>> = const { Cell::new(None) };
+    /// On a tour's thread, while it is at home: its own namespace.
+    static TOUR_HOME: Cell<Option<Netns>> = const { Cell::new(None) };
 }
 
 /// Runs `work` on a new thread on which every [`Netns::run`] enters its namespace in place
@@ -217,13 +223,13 @@ where
 /// in its own namespace, as a tour's thread is; `setns` only ever moves the calling thread.
 pub fn tour_here<T>(work: impl FnOnce() -> T) -> Result<T, Error> {
     /// Ends the tour also when `work` unwinds, restoring an enclosing tour's home.
-    struct Restore(Option<File>);
+    struct Restore(Option<Netns>);
     impl Drop for Restore {
         fn drop(&mut self) {
             TOUR_HOME.with(|h| h.set(self.0.take()));
         }
     }
-    let home = Netns::current()?.file;
+    let home = Netns::current()?;
     let _restore = Restore(TOUR_HOME.with(|h| h.replace(Some(home))));
     Ok(work())
 }

@@ -12,6 +12,7 @@
 use std::io;
 
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_route::link::{LinkFlags, LinkMessage};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
@@ -52,7 +53,17 @@ impl PolicyRoute {
     /// Adds the route. Ok(true) if created, Ok(false) if exactly this route already existed.
     pub fn add_route(&self) -> Result<bool> {
         let msg = RouteNetlinkMessage::NewRoute(route_message(self, false));
-        let created = absent_ok(transact(msg, NLM_F_CREATE | NLM_F_EXCL), libc::EEXIST, "add route")?;
+        let created = match transact(msg, NLM_F_CREATE | NLM_F_EXCL) {
+            // IPv6 refuses a route through a device that is down; runtimes bring a pod's `lo`
+            // up before the network plugins run, so say which device and why.
+            Err(e) if e.raw_os_error() == Some(libc::ENETDOWN) => {
+                return Err(route_err(
+                    "add route (lo is down in this netns; the runtime brings it up before the network plugins run)",
+                    e,
+                ))
+            }
+            res => absent_ok(res, libc::EEXIST, "add route")?,
+        };
         // The kernel's EEXIST only means "some route for 0.0.0.0/0 at metric 0 is in the
         // table", whatever its type or device: make sure it is ours before calling it done.
         if !created && !self.read_state()?.route_present {
@@ -326,6 +337,17 @@ fn route_dump_message(family: Family) -> RouteMessage {
     msg
 }
 
+/// Sets `lo` up in the current netns, as every runtime does in a pod's before the network
+/// plugins run (IPv6 refuses a route through a device that is down: `ENETDOWN`). For a
+/// netns of our own making (doctor's private probe), never for a pod's.
+pub fn loopback_up() -> Result<()> {
+    let mut link = LinkMessage::default();
+    link.header.index = LOOPBACK_IFINDEX;
+    link.header.flags = LinkFlags::Up;
+    link.header.change_mask = LinkFlags::Up;
+    transact(RouteNetlinkMessage::SetLink(link), 0).map_err(|e| route_err("set lo up", e))
+}
+
 fn route_err(op: &'static str, source: io::Error) -> Error {
     Error::Route { op, source }
 }
@@ -537,5 +559,30 @@ mod tests {
             state.notes.iter().any(|n| n.contains("table 44657 holds route") && n.contains("instead of")),
             "{state:?}"
         );
+    }
+
+    /// With `lo` down (a netns nobody prepared), IPv6 refuses the divert route and the error
+    /// says why; `loopback_up` is what makes it work (IPv4 does not mind).
+    #[test]
+    fn an_ipv6_route_through_a_down_lo_is_refused_by_name_and_loopback_up_mends_it() {
+        if unsafe { libc::geteuid() } != 0 {
+            assert_ne!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref(), Ok("1"), "not root");
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "SKIPPED (needs root): an_ipv6_route_through_a_down_lo_...");
+            return;
+        }
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let name = format!("aether-lo-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+        ip(&["netns", "add", &name]);
+        let _guard = NetnsGuard(name.clone());
+        let (refused, v4, added) = in_netns(&name, || {
+            let refused = PR6.add_route().unwrap_err().to_string();
+            let v4 = PR.add_route().unwrap();
+            loopback_up().unwrap();
+            (refused, v4, PR6.add_route().unwrap())
+        });
+        assert!(refused.contains("lo is down in this netns") && refused.contains("Network is down"), "{refused}");
+        assert!(v4, "IPv4 takes the route through a down lo");
+        assert!(added, "with lo up, the IPv6 route is created");
     }
 }

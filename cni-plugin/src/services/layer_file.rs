@@ -82,9 +82,27 @@ pub struct StoredLayer {
     pub source: u64,
 }
 
-/// The digest `StoredLayer::source` holds for a document.
+/// The digest `StoredLayer::source` holds for a document: FNV-1a 64 in four interleaved
+/// lanes (byte `i` goes to lane `i % 4`), the lanes and the length then folded by FNV-1a.
+/// Every byte is mixed as FNV-1a mixes it, at about four times the speed of one lane (whose
+/// multiplications each wait for the last): every apply hashes the whole document, 1.5 MB
+/// at 10,000 Services.
 pub fn source_digest(text: &[u8]) -> u64 {
-    fnv1a(text)
+    let mut lanes = [FNV_OFFSET; 4];
+    let mut quads = text.chunks_exact(4);
+    for q in &mut quads {
+        for (lane, &b) in lanes.iter_mut().zip(q) {
+            *lane = (*lane ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+        }
+    }
+    for (lane, &b) in lanes.iter_mut().zip(quads.remainder()) {
+        *lane = (*lane ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+    }
+    let mut folded = Vec::with_capacity(5 * 8);
+    for v in lanes.iter().chain([&(text.len() as u64)]) {
+        folded.extend_from_slice(&v.to_be_bytes());
+    }
+    fnv1a(&folded)
 }
 
 impl StoredLayer {
@@ -179,13 +197,16 @@ fn mode_byte(m: LayerMode) -> u8 {
 /// FNV-1a, 64 bits: a checksum against torn or damaged files, not against tampering (the
 /// state directory is root's alone).
 fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = FNV_OFFSET;
     for &b in bytes {
         h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
+        h = h.wrapping_mul(FNV_PRIME);
     }
     h
 }
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0100_0000_01b3;
 
 fn be32(b: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
@@ -331,6 +352,31 @@ mod tests {
             ServicePort { vip: "10.96.1.1".parse().unwrap(), proto: Proto::Udp, port: 18082, has_endpoints: true },
         ];
         l
+    }
+
+    #[test]
+    fn the_source_digest_tells_documents_apart_by_any_byte_and_their_length() {
+        let doc = br#"{"generation": 7, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []}"#.to_vec();
+        let d = source_digest(&doc);
+        assert_eq!(d, source_digest(&doc.clone()), "a digest is stable");
+        let mut seen = std::collections::BTreeSet::from([d]);
+        for i in 0..doc.len() {
+            for bit in [0x01u8, 0x80] {
+                let mut other = doc.clone();
+                other[i] ^= bit;
+                assert!(seen.insert(source_digest(&other)), "byte {i} bit {bit:#x}");
+            }
+        }
+        // Lanes hold bytes by position: moving bytes between positions is a change too.
+        let mut swapped = doc.clone();
+        swapped.swap(1, 5);
+        assert_ne!(source_digest(&swapped), d);
+        for cut in 0..doc.len() {
+            assert!(seen.insert(source_digest(&doc[..cut])), "cut at {cut}");
+        }
+        let mut longer = doc.clone();
+        longer.push(0);
+        assert_ne!(source_digest(&longer), d);
     }
 
     #[test]
