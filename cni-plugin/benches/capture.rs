@@ -5,13 +5,20 @@
 //!   and `aether_rules::remove` (DEL); then fresh install + remove together, as one pod's life
 //! - fresh processes, as a runtime runs plugins: ADD, CHECK and DEL of the static release
 //!   binary (`AETHER_BENCH_BIN`, else this build's), of an older binary if
-//!   `AETHER_BENCH_OLD_BIN` names one (the libnftnl build, for the record), of Debian's
+//!   `AETHER_BENCH_OLD_BIN` names one (before and after a change, in one run), of Debian's
 //!   `tuning` plugin (a chained Go plugin that does next to nothing: the cost of being a
 //!   plugin at all), and of the same ruleset by exec of `nft -f` + `ip rule` + `ip route`
 //!   (CHECK: `nft list table`; DEL: `nft delete table` + `ip rule del` + `ip route del`)
 //! - CHECK in-process (`verify`) against `nft list table` by exec
 //! - a dual-stack pod: both families' tables in one transaction, plus a rule and a route
 //!   each, against the IPv4-only pod above
+//!
+//! The fresh-process contenders run interleaved: each round runs every contender's ADD,
+//! CHECK and DEL in turn (the order rotating from round to round), so a teammate's build
+//! that starts or stops mid-run weighs on all of them alike. Beside the wall time each
+//! process's CPU time (user + system, from `getrusage(RUSAGE_CHILDREN)`, its children
+//! included) is reported: on a busy machine wall time is mostly waiting for a CPU, and CPU
+//! time is what the plugin itself costs.
 //!
 //! Needs root (it makes its own netns, deleted again even on a panic). Prints medians, p90s
 //! and ratios; asserts only that each step succeeds. `AETHER_BENCH_ROUNDS` overrides the
@@ -43,11 +50,15 @@ struct Stat {
     p90: Duration,
 }
 
-fn stat(name: &str, mut samples: Vec<Duration>) -> Stat {
-    samples.sort();
-    let s = Stat { median: samples[samples.len() / 2], p90: samples[samples.len() * 9 / 10] };
+fn stat(name: &str, samples: Vec<Duration>) -> Stat {
+    let s = stat_quiet(samples);
     println!("  {name:<52} median {:>8.3} ms   p90 {:>8.3} ms", ms(s.median), ms(s.p90));
     s
+}
+
+fn stat_quiet(mut samples: Vec<Duration>) -> Stat {
+    samples.sort();
+    Stat { median: samples[samples.len() / 2], p90: samples[samples.len() * 9 / 10] }
 }
 
 /// Times `f` `rounds` times after a warm-up (module loads, page cache).
@@ -162,18 +173,15 @@ fn run(ns: &TestNetns) {
     });
     netns.run(|| aether_rules::remove(aether_rules::capture::TABLE, &dual.policy_routes()).unwrap()).unwrap();
 
-    println!("\nfresh processes, as a runtime runs a plugin (ADD, CHECK, DEL of one pod, each round):");
+    println!("\nfresh processes, as a runtime runs a plugin (ADD, CHECK, DEL of one pod; contenders interleaved):");
     let new_bin = std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string());
+    let old_bin = std::env::var("AETHER_BENCH_OLD_BIN").ok();
     // The attachment record is written with fsync (durable across a node crash): on this
     // VM's disk that alone costs milliseconds, so the plugin is also measured with its state
-    // directory on tmpfs, where the fsync is free: the plugin's own cost.
-    let disk = std::env::temp_dir();
-    let tmpfs = std::path::PathBuf::from("/dev/shm");
-    let new = plugin_rounds(ns, "aether-cni", &new_bin, &aether_conf(&disk), true);
-    let new_tmpfs = plugin_rounds(ns, "aether-cni, stateDir on tmpfs", &new_bin, &aether_conf(&tmpfs), true);
-    let old = std::env::var("AETHER_BENCH_OLD_BIN")
-        .ok()
-        .map(|b| plugin_rounds(ns, "aether-cni (old, libnftnl)", &b, &aether_conf(&disk), true));
+    // directory on tmpfs (where the default, /var/run, is on most nodes), where the fsync is
+    // free: the plugin's own cost.
+    let state_dirs = [std::env::temp_dir(), std::path::PathBuf::from("/dev/shm")];
+    let (disk_conf, tmpfs_conf) = (aether_conf(&state_dirs[0]), aether_conf(&state_dirs[1]));
     // tuning needs the interface it is chained for: a veth pair inside the pod netns only.
     sh(&["ip", "-n", ns_name, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer"]);
     let tuning_dir = std::env::temp_dir().join(format!("aether-bench-tuning-{}", std::process::id()));
@@ -183,10 +191,41 @@ fn run(ns: &TestNetns) {
                        "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
     })
     .to_string();
-    let tuning = plugin_rounds(ns, "Debian tuning 1.1.1 (chained, does nothing here)", TUNING, &tuning_conf, false);
+    let shell_steps = ShellSteps::new(ns_name);
+    let path = ns.path();
+    let commands = |bin: &str, conf: &str, cmds: &[&'static str]| -> Steps {
+        cmds.iter()
+            .map(|&cmd| {
+                let (bin, conf, path) = (bin.to_string(), conf.to_string(), path.clone());
+                (cmd, Box::new(move || plugin(&bin, &path, cmd, &conf)) as Box<dyn Fn()>)
+            })
+            .collect()
+    };
+    let plugin_steps = |bin: &str, conf: &str| commands(bin, conf, &["ADD", "CHECK", "DEL"]);
+    let mut contenders = vec![
+        ("aether-cni".to_string(), plugin_steps(&new_bin, &disk_conf)),
+        ("aether-cni, stateDir on tmpfs".to_string(), plugin_steps(&new_bin, &tmpfs_conf)),
+        ("Debian tuning 1.1.1 (chained, does nothing here)".to_string(), plugin_steps(TUNING, &tuning_conf)),
+        ("exec: nft -f + ip rule + ip route".to_string(), shell_steps.steps()),
+        // What every command of this binary pays before and after its own work: exec, the
+        // static start-up, reading the configuration, the log set-up, the result, exit.
+        (
+            "aether-cni VERSION (the floor: start, parse, answer, exit)".to_string(),
+            commands(&new_bin, &tmpfs_conf, &["VERSION"]),
+        ),
+    ];
+    if let Some(old_bin) = &old_bin {
+        contenders.push(("aether-cni before (AETHER_BENCH_OLD_BIN)".to_string(), plugin_steps(old_bin, &disk_conf)));
+        contenders.push(("aether-cni before, stateDir on tmpfs".to_string(), plugin_steps(old_bin, &tmpfs_conf)));
+    }
+    let stats = fresh_rounds(&contenders);
+    let (new, new_tmpfs, tuning, shell, floor) = (&stats[0], &stats[1], &stats[2], &stats[3], stats[4][0]);
+    let old = (stats.len() > 5).then(|| (&stats[5], &stats[6]));
     sh(&["ip", "-n", ns_name, "link", "del", "eth0"]);
     let _ = std::fs::remove_dir_all(&tuning_dir);
-    let shell = shell_rounds(ns);
+    for parent in &state_dirs {
+        let _ = std::fs::remove_dir_all(parent.join(format!("aether-bench-state-{}", std::process::id())));
+    }
 
     println!("\nratios (of medians):");
     ratio("remove / fresh install", remove, fresh);
@@ -195,20 +234,94 @@ fn run(ns: &TestNetns) {
     ratio("nft list exec / in-process CHECK", list, check);
     ratio("dual-stack ADD / IPv4 ADD", dual_fresh, fresh);
     ratio("dual-stack CHECK / IPv4 CHECK", dual_check, check);
+    println!("\nratios of fresh processes (of medians: wall time, and CPU time):");
     for (i, what) in ["ADD", "CHECK", "DEL"].iter().enumerate() {
-        ratio(&format!("{what}: aether-cni / tuning (goal for ADD: <= 0.6)"), new[i], tuning[i]);
-        ratio(&format!("{what}: aether-cni, stateDir on tmpfs / tuning"), new_tmpfs[i], tuning[i]);
-        ratio(&format!("{what}: exec of nft + ip / aether-cni, stateDir on tmpfs"), shell[i], new_tmpfs[i]);
-        ratio(&format!("{what}: exec of nft + ip / aether-cni (goal for ADD: >= 5)"), shell[i], new[i]);
-        if let Some(old) = &old {
-            ratio(&format!("{what}: old (libnftnl) / aether-cni"), old[i], new[i]);
+        fresh_ratio(&format!("{what}: aether-cni / tuning (goal for ADD: <= 0.6)"), new[i], tuning[i]);
+        fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / tuning"), new_tmpfs[i], tuning[i]);
+        fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni, stateDir on tmpfs"), shell[i], new_tmpfs[i]);
+        fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni (goal for ADD: >= 5)"), shell[i], new[i]);
+        fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / VERSION (the floor)"), new_tmpfs[i], floor);
+        if let Some((old, old_tmpfs)) = &old {
+            fresh_ratio(&format!("{what}: before / aether-cni"), old[i], new[i]);
+            fresh_ratio(&format!("{what}: before / aether-cni, stateDir on tmpfs"), old_tmpfs[i], new_tmpfs[i]);
         }
     }
     ratio(
-        "in-process pod life / fresh-process ADD + DEL",
+        "in-process pod life / fresh-process ADD + DEL (wall)",
         inproc,
-        Stat { median: new[0].median + new[2].median, p90: new[0].p90 },
+        Stat { median: new[0].wall.median + new[2].wall.median, p90: new[0].wall.p90 },
     );
+}
+
+/// A fresh-process step's wall time and its process's CPU time (medians), and the wall p90.
+#[derive(Clone, Copy)]
+struct Fresh {
+    wall: Stat,
+    cpu: Duration,
+}
+
+fn fresh_ratio(name: &str, num: Fresh, den: Fresh) {
+    println!(
+        "  {name:<58} wall {:>6.2}x   cpu {:>6.2}x",
+        ms(num.wall.median) / ms(den.wall.median),
+        ms(num.cpu) / ms(den.cpu)
+    );
+}
+
+/// The CPU time (user + system) of every child process waited for so far.
+fn children_cpu() -> Duration {
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) }, 0);
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// A contender's steps (ADD, CHECK, DEL; or one command), named.
+type Steps = Vec<(&'static str, Box<dyn Fn()>)>;
+
+/// Every contender's steps, `rounds` times, interleaved: round `i` starts with contender
+/// `i mod n`. Returns each contender's steps' figures, in their order.
+fn fresh_rounds(contenders: &[(String, Steps)]) -> Vec<Vec<Fresh>> {
+    let n = contenders.len();
+    let mut samples: Vec<Vec<Vec<(Duration, Duration)>>> =
+        contenders.iter().map(|(_, steps)| steps.iter().map(|_| Vec::new()).collect()).collect();
+    for i in 0..WARM_UP + rounds() {
+        for c in (0..n).map(|k| (i + k) % n) {
+            for (k, (_, step)) in contenders[c].1.iter().enumerate() {
+                let (t, cpu) = (Instant::now(), children_cpu());
+                step();
+                let (wall, cpu) = (t.elapsed(), children_cpu() - cpu);
+                if i >= WARM_UP {
+                    samples[c][k].push((wall, cpu));
+                }
+            }
+        }
+    }
+    contenders
+        .iter()
+        .zip(samples)
+        .map(|((name, steps), per_step)| {
+            let whats = steps.iter().map(|(what, _)| *what);
+            per_step
+                .into_iter()
+                .zip(whats)
+                .map(|(s, what)| {
+                    let mut cpus: Vec<Duration> = s.iter().map(|x| x.1).collect();
+                    cpus.sort();
+                    let cpu = cpus[cpus.len() / 2];
+                    let wall = stat_quiet(s.into_iter().map(|x| x.0).collect());
+                    println!(
+                        "  {:<58} median {:>8.3} ms   p90 {:>8.3} ms   cpu {:>7.3} ms",
+                        format!("{name}: {what}"),
+                        ms(wall.median),
+                        ms(wall.p90),
+                        ms(cpu)
+                    );
+                    Fresh { wall, cpu }
+                })
+                .collect()
+        })
+        .collect()
 }
 
 const TUNING: &str = "/usr/lib/cni/tuning";
@@ -248,64 +361,57 @@ fn plugin(bin: &str, netns: &str, cmd: &str, conf: &str) {
     );
 }
 
-/// ADD, CHECK and DEL by fresh processes, each timed, `rounds` times; [ADD, CHECK, DEL].
-fn plugin_rounds(ns: &TestNetns, name: &str, bin: &str, conf: &str, is_aether: bool) -> [Stat; 3] {
-    let path = ns.path();
-    let mut samples: [Vec<Duration>; 3] = Default::default();
-    for i in 0..WARM_UP + rounds() {
-        for (k, cmd) in ["ADD", "CHECK", "DEL"].iter().enumerate() {
-            let t = Instant::now();
-            plugin(bin, &path, cmd, conf);
-            if i >= WARM_UP {
-                samples[k].push(t.elapsed());
-            }
-        }
-    }
-    if is_aether {
-        for parent in [std::env::temp_dir(), "/dev/shm".into()] {
-            let _ = std::fs::remove_dir_all(parent.join(format!("aether-bench-state-{}", std::process::id())));
-        }
-    }
-    let [a, c, d] = samples;
-    [stat(&format!("{name}: ADD"), a), stat(&format!("{name}: CHECK"), c), stat(&format!("{name}: DEL"), d)]
+/// The same ruleset by exec of the tools, as a plugin that shells out would (CHECK: `nft
+/// list table`; DEL: the deletes).
+struct ShellSteps {
+    ns: String,
+    nft_file: std::path::PathBuf,
 }
 
-/// The same ruleset by exec of the tools, as a plugin that shells out would: [ADD, CHECK, DEL].
-fn shell_rounds(ns: &TestNetns) -> [Stat; 3] {
-    // The golden listing is valid nft input: the same ruleset, as text.
-    let golden =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden/redirect-all.txt")).unwrap();
-    let nft_text: String =
-        golden.lines().skip(1).take_while(|l| !l.starts_with("# ip")).map(|l| format!("{l}\n")).collect();
-    let nft_file = std::env::temp_dir().join(format!("aether-bench-{}.nft", std::process::id()));
-    std::fs::write(&nft_file, &nft_text).unwrap();
-    let nft_file = nft_file.to_str().unwrap().to_string();
-    let n = ns.name.as_str();
-    let mut samples: [Vec<Duration>; 3] = Default::default();
-    for i in 0..WARM_UP + rounds() {
-        let steps: [&dyn Fn(); 3] = [
-            &|| {
-                sh(&["ip", "netns", "exec", n, "nft", "-f", &nft_file]);
-                sh(&["ip", "-n", n, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-                sh(&["ip", "-n", n, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-            },
-            &|| sh(&["ip", "netns", "exec", n, "nft", "list", "table", "ip", "aether_capture"]),
-            &|| {
-                sh(&["ip", "netns", "exec", n, "nft", "delete", "table", "ip", "aether_capture"]);
-                sh(&["ip", "-n", n, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
-                sh(&["ip", "-n", n, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
-            },
-        ];
-        for (k, step) in steps.iter().enumerate() {
-            let t = Instant::now();
-            step();
-            if i >= WARM_UP {
-                samples[k].push(t.elapsed());
-            }
-        }
+impl ShellSteps {
+    fn new(ns: &str) -> Self {
+        // The golden listing is valid nft input: the same ruleset, as text.
+        let golden =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/golden/redirect-all.txt"))
+                .unwrap();
+        let nft_text: String =
+            golden.lines().skip(1).take_while(|l| !l.starts_with("# ip")).map(|l| format!("{l}\n")).collect();
+        let nft_file = std::env::temp_dir().join(format!("aether-bench-{}.nft", std::process::id()));
+        std::fs::write(&nft_file, &nft_text).unwrap();
+        ShellSteps { ns: ns.to_string(), nft_file }
     }
-    let _ = std::fs::remove_file(&nft_file);
-    let [a, c, d] = samples;
-    let name = "exec: nft -f + ip rule + ip route";
-    [stat(&format!("{name}: ADD"), a), stat(&format!("{name}: CHECK (nft list)"), c), stat(&format!("{name}: DEL"), d)]
+
+    fn steps(&self) -> Steps {
+        let (n, f) = (self.ns.clone(), self.nft_file.to_str().unwrap().to_string());
+        let (n2, n3) = (n.clone(), n.clone());
+        let steps: [(&'static str, Box<dyn Fn()>); 3] = [
+            (
+                "ADD",
+                Box::new(move || {
+                    sh(&["ip", "netns", "exec", &n, "nft", "-f", &f]);
+                    sh(&["ip", "-n", &n, "rule", "add", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                    sh(&["ip", "-n", &n, "route", "add", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+                }),
+            ),
+            (
+                "CHECK (nft list)",
+                Box::new(move || sh(&["ip", "netns", "exec", &n2, "nft", "list", "table", "ip", "aether_capture"])),
+            ),
+            (
+                "DEL",
+                Box::new(move || {
+                    sh(&["ip", "netns", "exec", &n3, "nft", "delete", "table", "ip", "aether_capture"]);
+                    sh(&["ip", "-n", &n3, "rule", "del", "fwmark", "0xae71", "lookup", "44657", "priority", "32000"]);
+                    sh(&["ip", "-n", &n3, "route", "del", "local", "0.0.0.0/0", "dev", "lo", "table", "44657"]);
+                }),
+            ),
+        ];
+        steps.into_iter().collect()
+    }
+}
+
+impl Drop for ShellSteps {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.nft_file);
+    }
 }

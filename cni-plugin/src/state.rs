@@ -273,11 +273,18 @@ impl Dir {
     /// Opens `path` (symlinks in the path itself are the operator's choice and followed),
     /// creating it and its parents (0700) if `create`. `None` when it does not exist.
     pub fn open(path: &Path, create: bool) -> std::io::Result<Option<Dir>> {
-        if create {
-            std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path)?;
-        }
         let c = cstr(path.as_os_str())?;
-        match check(unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) }) {
+        let open = || check(unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) });
+        // Opened first, created only when missing: it exists for every command but the
+        // node's first, and a mkdir that fails with EEXIST costs a fresh ADD more than the open.
+        let opened = match open() {
+            Err(e) if create && e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::DirBuilder::new().recursive(true).mode(0o700).create(path)?;
+                open()
+            }
+            opened => opened,
+        };
+        match opened {
             Ok(fd) => {
                 let dir = Dir { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path: path.to_path_buf() };
                 if create {
@@ -293,14 +300,20 @@ impl Dir {
     /// The subdirectory `name` (never through a symlink), created 0700 if `create`.
     pub fn subdir(&self, name: &str, create: bool) -> std::io::Result<Option<Dir>> {
         let c = cstr(OsStr::new(name))?;
-        if create {
-            match check(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), 0o700) }) {
-                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
-                _ => {}
-            }
-        }
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-        match check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) }) {
+        let open = || check(unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) });
+        // As in `open`: created only when the open finds nothing there.
+        let opened = match open() {
+            Err(e) if create && e.kind() == std::io::ErrorKind::NotFound => {
+                match check(unsafe { libc::mkdirat(self.fd.as_raw_fd(), c.as_ptr(), 0o700) }) {
+                    Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+                    _ => {}
+                }
+                open()
+            }
+            opened => opened,
+        };
+        match opened {
             Ok(fd) => {
                 let dir = Dir { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path: self.path.join(name) };
                 if create {
@@ -323,8 +336,8 @@ impl Dir {
     }
 
     fn file_metadata(&self) -> std::io::Result<std::fs::Metadata> {
-        let dup = check(unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) })?;
-        unsafe { File::from_raw_fd(dup) }.metadata()
+        // The directory's own fd, borrowed (never closed here): no dup just to stat it.
+        std::mem::ManuallyDrop::new(unsafe { File::from_raw_fd(self.fd.as_raw_fd()) }).metadata()
     }
 
     pub fn path(&self) -> &Path {

@@ -72,8 +72,10 @@ pub(crate) fn encode<T: NetlinkSerializable>(payload: T, flags: u16, seq: u32) -
     header.flags = NLM_F_REQUEST | flags;
     header.sequence_number = seq;
     let mut msg = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
+    // finalize() has measured the message into the header already: a second buffer_len()
+    // walks every nested attribute again (a tenth of a capture ADD's user-space instructions).
     msg.finalize();
-    let mut out = vec![0; msg.buffer_len()];
+    let mut out = vec![0; msg.header.length as usize];
     msg.serialize(&mut out);
     out
 }
