@@ -69,6 +69,18 @@ fn snapshot(generation: u64, n: u32) -> Vec<u8> {
     .unwrap()
 }
 
+/// `snapshot(generation, n)` with `extra` more Services (one port each, in another /16 of the
+/// ranges).
+fn with_more(generation: u64, n: u32, extra: u32) -> Vec<u8> {
+    let mut doc: Value = serde_json::from_slice(&snapshot(generation, n)).unwrap();
+    for k in 0..extra {
+        doc["services"].as_array_mut().unwrap().push(json!({"namespace": "more", "name": format!("more-{k}"),
+            "vip": Ipv4Addr::from(0x0a61_0000 + k).to_string(), "ports": [{"protocol": "TCP", "port": 443}],
+            "usableEndpoints": true}));
+    }
+    serde_json::to_vec(&doc).unwrap()
+}
+
 /// The same Services as `snapshot`, as the layer's model.
 fn layer(n: u32) -> ServiceLayer {
     let mut l = ServiceLayer::new(LayerMode::Refuse);
@@ -482,13 +494,7 @@ fn main() {
             let doc = json!({"generation": generation, "mode": "off", "serviceRanges": [], "services": []});
             return services_cmd(node, &["apply"], &serde_json::to_vec(&doc).unwrap());
         }
-        let mut doc: Value = serde_json::from_slice(&snapshot(generation, doc_services)).unwrap();
-        for k in 0..extra {
-            doc["services"].as_array_mut().unwrap().push(json!({"namespace": "more", "name": format!("more-{k}"),
-                "vip": Ipv4Addr::from(0x0a61_0000 + k).to_string(), "ports": [{"protocol": "TCP", "port": 443}],
-                "usableEndpoints": true}));
-        }
-        services_cmd(node, &["apply"], &serde_json::to_vec(&doc).unwrap())
+        services_cmd(node, &["apply"], &with_more(generation, doc_services, extra))
     };
     let expect = |r: Ran, result: &str| {
         assert_eq!(r.stdout.matches(&format!("\"{result}\"")).count(), PODS, "{}", r.stdout);
@@ -518,13 +524,15 @@ fn main() {
     let stored = std::fs::read(node.join("services/snapshot.json")).unwrap();
     let unchanged =
         medians((0..rounds()).map(|_| expect(services_cmd(node, &["apply"], &stored), "unchanged")).collect());
-    // The same documents to a node without pods: reading, checking and storing them alone.
+    // Documents of new content each time (one Service more) to a node without pods: reading,
+    // checking and storing them alone (a new generation of the same content would be
+    // recognised by its bytes, not read).
     let mut g = 0;
     let no_pods = medians(
         (0..rounds())
             .map(|_| {
                 g += 1;
-                services_cmd(nopods, &["apply"], &snapshot(g, n)).sample()
+                services_cmd(nopods, &["apply"], &with_more(g, n, g as u32)).sample()
             })
             .collect(),
     );
