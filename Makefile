@@ -62,7 +62,8 @@ demo: build
 
 ## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process;
 ## fresh-process ADD/CHECK/DEL of the static release binary vs Debian's `tuning` plugin vs
-## shelling out to nft/ip (AETHER_BENCH_OLD_BIN adds an older binary); 2. the Service layer at
+## shelling out to nft/ip, interleaved, wall and CPU time, over two floors (the binary's VERSION,
+## a static C no-op; AETHER_BENCH_OLD_BIN adds an older binary); 2. the Service layer at
 ## 1,000 and 10,000 ports: full build vs one Service more vs verify; 3. the Service layer at
 ## cluster scale (10,000 Services, 100 pods, vs the kernel floor; bench/results/services-scale.*);
 ## 4. the installer's repair latency. Medians and ratios.

@@ -214,13 +214,27 @@ fn run(ns: &TestNetns) {
             commands(&new_bin, &tmpfs_conf, &["VERSION"]),
         ),
     ];
+    // Below that, what any static glibc program pays here: exec, glibc's start-up, exit.
+    let c_floor = static_c_noop();
+    if let Some(exe) = &c_floor {
+        let exe = exe.to_str().unwrap();
+        contenders.push((
+            "static C no-op (any static glibc process: exec, start-up, exit)".to_string(),
+            commands(exe, "{}", &["run"]),
+        ));
+    }
     if let Some(old_bin) = &old_bin {
         contenders.push(("aether-cni before (AETHER_BENCH_OLD_BIN)".to_string(), plugin_steps(old_bin, &disk_conf)));
         contenders.push(("aether-cni before, stateDir on tmpfs".to_string(), plugin_steps(old_bin, &tmpfs_conf)));
     }
     let stats = fresh_rounds(&contenders);
     let (new, new_tmpfs, tuning, shell, floor) = (&stats[0], &stats[1], &stats[2], &stats[3], stats[4][0]);
-    let old = (stats.len() > 5).then(|| (&stats[5], &stats[6]));
+    let c_floor = c_floor.map(|exe| {
+        let _ = std::fs::remove_dir_all(exe.parent().unwrap());
+        stats[5][0]
+    });
+    let first_old = if c_floor.is_some() { 6 } else { 5 };
+    let old = (stats.len() > first_old).then(|| (&stats[first_old], &stats[first_old + 1]));
     sh(&["ip", "-n", ns_name, "link", "del", "eth0"]);
     let _ = std::fs::remove_dir_all(&tuning_dir);
     for parent in &state_dirs {
@@ -241,6 +255,9 @@ fn run(ns: &TestNetns) {
         fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni, stateDir on tmpfs"), shell[i], new_tmpfs[i]);
         fresh_ratio(&format!("{what}: exec of nft + ip / aether-cni (goal for ADD: >= 5)"), shell[i], new[i]);
         fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / VERSION (the floor)"), new_tmpfs[i], floor);
+        if let Some(c_floor) = c_floor {
+            fresh_ratio(&format!("{what}: aether-cni, stateDir on tmpfs / static C no-op"), new_tmpfs[i], c_floor);
+        }
         if let Some((old, old_tmpfs)) = &old {
             fresh_ratio(&format!("{what}: before / aether-cni"), old[i], new[i]);
             fresh_ratio(&format!("{what}: before / aether-cni, stateDir on tmpfs"), old_tmpfs[i], new_tmpfs[i]);
@@ -274,6 +291,24 @@ fn children_cpu() -> Duration {
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) }, 0);
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// A static-pie C program that reads its stdin and answers `{}`, built with the system's
+/// `cc` (the same toolchain links the plugin); `None`, and no row, without one.
+fn static_c_noop() -> Option<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("aether-bench-noop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let (src, exe) = (dir.join("noop.c"), dir.join("noop"));
+    let text = "#include <unistd.h>\nint main(void) { char b[4096]; while (read(0, b, sizeof b) > 0); \
+                return write(1, \"{}\\n\", 3) != 3; }\n";
+    std::fs::write(&src, text).ok()?;
+    let built = Command::new("cc").args(["-O2", "-static-pie", "-o"]).arg(&exe).arg(&src).status();
+    if !built.is_ok_and(|s| s.success()) {
+        eprintln!("no static C no-op (cc -static-pie failed): its row is left out");
+        let _ = std::fs::remove_dir_all(&dir);
+        return None;
+    }
+    Some(exe)
 }
 
 /// A contender's steps (ADD, CHECK, DEL; or one command), named.
