@@ -110,53 +110,66 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
                 Err(errs)
             }
         }
-        None => parse_reporting(text),
+        // The thorough reading reports what is wrong. It reads a JSON tree, which keeps the
+        // last of two members of the same name; should it find nothing wrong where the typed
+        // reading refused, the typed reading's reason stands (a duplicate member, say):
+        // never accept what one reading refuses.
+        None => match parse_reporting(text) {
+            Ok(_) => Err(vec![match serde_json::from_slice::<TypedDocument>(text) {
+                Err(e) => format!("the snapshot is not well formed: {e}"),
+                Ok(_) => "the snapshot is not well formed (refused by the typed reading)".into(),
+            }]),
+            refused => refused,
+        },
     }
 }
 
-/// The document as the schema says it is, read straight into typed fields (no JSON tree:
-/// about a tenth of the memory and time at 10,000 Services); `None` at the first thing out of
-/// place, for `parse_reporting` to say what and where.
+/// The document's shape as the schema says it is, in typed fields borrowing the text (a
+/// member twice, or one unknown, is refused by serde).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TypedDocument<'a> {
+    generation: u64,
+    #[serde(borrow)]
+    mode: Cow<'a, str>,
+    #[serde(borrow)]
+    service_ranges: Vec<Cow<'a, str>>,
+    #[serde(default, rename = "meshVIPs", borrow)]
+    mesh_vips: Vec<Cow<'a, str>>,
+    #[serde(borrow)]
+    services: Vec<Svc<'a>>,
+    #[serde(default = "default_timeout")]
+    dialled_timeout_seconds: u64,
+}
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Svc<'a> {
+    #[serde(borrow)]
+    namespace: Cow<'a, str>,
+    #[serde(borrow)]
+    name: Cow<'a, str>,
+    #[serde(borrow)]
+    vip: Cow<'a, str>,
+    #[serde(borrow)]
+    ports: Vec<Port<'a>>,
+    usable_endpoints: bool,
+}
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Port<'a> {
+    #[serde(borrow)]
+    protocol: Cow<'a, str>,
+    port: u64,
+}
+fn default_timeout() -> u64 {
+    aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS.into()
+}
+
+/// The document read straight into typed fields (no JSON tree: about a tenth of the memory
+/// and time at 10,000 Services); `None` at the first thing out of place, for
+/// `parse_reporting` to say what and where.
 fn well_formed(text: &[u8]) -> Option<Snapshot> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields, rename_all = "camelCase")]
-    struct Doc<'a> {
-        generation: u64,
-        #[serde(borrow)]
-        mode: Cow<'a, str>,
-        #[serde(borrow)]
-        service_ranges: Vec<Cow<'a, str>>,
-        #[serde(default, rename = "meshVIPs", borrow)]
-        mesh_vips: Vec<Cow<'a, str>>,
-        #[serde(borrow)]
-        services: Vec<Svc<'a>>,
-        #[serde(default = "default_timeout")]
-        dialled_timeout_seconds: u64,
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields, rename_all = "camelCase")]
-    struct Svc<'a> {
-        #[serde(borrow)]
-        namespace: Cow<'a, str>,
-        #[serde(borrow)]
-        name: Cow<'a, str>,
-        #[serde(borrow)]
-        vip: Cow<'a, str>,
-        #[serde(borrow)]
-        ports: Vec<Port<'a>>,
-        usable_endpoints: bool,
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Port<'a> {
-        #[serde(borrow)]
-        protocol: Cow<'a, str>,
-        port: u64,
-    }
-    fn default_timeout() -> u64 {
-        aether_rules::services::DEFAULT_DIALLED_TIMEOUT_SECS.into()
-    }
-    let doc: Doc = serde_json::from_slice(text).ok()?;
+    let doc: TypedDocument = serde_json::from_slice(text).ok()?;
     let mode = match doc.mode.as_ref() {
         "off" => LayerMode::Off,
         "count" => LayerMode::Count,
@@ -859,5 +872,23 @@ mod tests {
         v6["services"] = json!(keep);
         let l = parse(v6.to_string().as_bytes()).unwrap().layer(0xae71);
         assert_eq!(l.families(), [aether_rules::Family::Ipv6]);
+    }
+
+    /// A member given twice (at the top or in a Service) is refused with the typed reading's
+    /// reason, never read as its last value by the JSON tree of the thorough reading.
+    #[test]
+    fn a_member_given_twice_is_refused_not_read_as_the_last() {
+        let text = good().to_string();
+        let twice = text.replacen("\"generation\":3", "\"generation\":4,\"generation\":5", 1);
+        assert_ne!(twice, text);
+        let errs = parse(twice.as_bytes()).unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(errs[0].starts_with("the snapshot is not well formed: duplicate field `generation`"), "{errs:?}");
+        let vip_twice = text.replacen("\"vip\":\"10.96.1.2\"", "\"vip\":\"10.96.1.2\",\"vip\":\"10.96.1.3\"", 1);
+        assert_ne!(vip_twice, text);
+        let errs = parse(vip_twice.as_bytes()).unwrap_err();
+        assert!(errs[0].contains("duplicate field `vip`"), "{errs:?}");
+        // Control: the document itself is accepted.
+        assert!(parse(text.as_bytes()).is_ok());
     }
 }
