@@ -109,7 +109,10 @@ fn help_says_how_the_binary_behaves_as_a_plugin_and_where_the_docs_are() {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     for (page, headings) in [
         ("docs/configuration.md", &["# Configuration", "## Pod annotations"][..]),
-        ("docs/operating.md", &["## Operating it", "**CNI error codes**", "**Reading `inspect`.**", "**Finding a pod's netns.**"][..]),
+        (
+            "docs/operating.md",
+            &["## Operating it", "**CNI error codes**", "**Reading `inspect`.**", "**Finding a pod's netns.**"][..],
+        ),
         ("docs/agent.md", &["## Commands", "## The snapshot"][..]),
         ("testdata/services/snapshot.schema.json", &[][..]),
     ] {
