@@ -354,7 +354,7 @@ mod tests {
             let mut c = Client::connect(&path, Duration::from_secs(3)).await?;
             c.sandboxes().await
         });
-        let e = outcome.err().expect("garbage is not a sandbox list");
+        let e = outcome.expect_err("garbage is not a sandbox list");
         assert!(e.to_string().contains(&path.display().to_string()), "{e}");
         server.join().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
