@@ -79,6 +79,8 @@ pub struct Metrics {
     pub last_error: IntGaugeVec,
     pub last_error_time: IntGauge,
     pub repair_seconds: Histogram,
+    /// The reconciler's (registered here, observed by its thread).
+    pub reconcile: crate::reconcile::metrics::ReconcileMetrics,
 }
 
 impl Metrics {
@@ -155,7 +157,20 @@ impl Metrics {
         for r in Reason::ALL {
             not_ready.with_label_values(&[r.name()]);
         }
-        Metrics { registry, installs, repairs, errors, ready, not_ready, last_error, last_error_time, repair_seconds }
+        let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
+        reconcile.register(&registry).unwrap();
+        Metrics {
+            registry,
+            installs,
+            repairs,
+            errors,
+            ready,
+            not_ready,
+            last_error,
+            last_error_time,
+            repair_seconds,
+            reconcile,
+        }
     }
 
     /// Mirrors `status` into the gauges.

@@ -14,6 +14,8 @@
 //! missed pods cannot be seen.
 
 pub mod cri;
+pub mod looper;
+pub mod metrics;
 pub mod plan;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
