@@ -1,0 +1,460 @@
+//! The installer's reconciler on a real containerd 1.6 node (see
+//! `aether_conformance::containerd`): pods that started before aether-cni was chained are
+//! restarted through the CRI (and come back captured by a real ADD) or only reported, by
+//! policy; kube-system, `aether.io/capture: disabled` and malformed pods are left alone;
+//! drift in a running pod is repaired to exactly its record, and stays broken with the
+//! reconciler off (the negative control); a record whose pod's DEL never came is collected;
+//! without a CRI socket, or with one that answers garbage, the installer keeps running, says
+//! why, and still repairs drift.
+//!
+//! The installer is the built binary (`aether-cni install`) run by the test, with the node's
+//! directories and containerd's socket; its last pass is read from the state directory
+//! (`reconciler-last-pass.json`), its metrics from `/metrics`, its log from its stderr.
+//!
+//! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI),
+//! as they also do there when `make clients-deps` has not been run.
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_conformance::clients::{assert_captured, capture_state, client, exec, must, records, terminate};
+use aether_conformance::cni_bin;
+use aether_conformance::containerd::{requirements, Containerd, NodeNet};
+use aether_testkit::root_or_skip;
+use serde_json::{json, Value};
+
+const NET: NodeNet = NodeNet { bridge: "aerec0", subnet: "10.250.13.0/24", gateway: "10.250.13.1" };
+
+fn ready(test: &str) -> bool {
+    root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
+}
+
+/// `aether-cni install` on the test's node, run by the test.
+struct Installer {
+    child: Child,
+    log: PathBuf,
+    addr: SocketAddr,
+    state_dir: PathBuf,
+}
+
+impl Installer {
+    fn start(ctrd: &Containerd, tag: &str, extra: &[String]) -> Installer {
+        let addr = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let log = ctrd.dir.join(&format!("installer-{tag}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(cni_bin())
+            .arg("install")
+            .arg(format!("--cni-bin-dir={}", ctrd.bin_dir.display()))
+            .arg(format!("--cni-conf-dir={}", ctrd.net_dir.display()))
+            .arg(format!("--state-dir={}", ctrd.state_dir.display()))
+            .arg(format!("--listen={addr}"))
+            .arg(format!("--host-ip={}", NET.gateway))
+            .arg(format!("--log-file={}", ctrd.log_file.display()))
+            // Stopping keeps the binary and the entry: the next phase's installer takes over.
+            .arg("--upgrade")
+            .arg("--reconcile-period-seconds=1")
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn aether-cni install");
+        let inst = Installer { child, log, addr, state_dir: ctrd.state_dir.clone() };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while inst.get("/healthz").is_none() {
+            assert!(Instant::now() < deadline, "the installer never served /healthz:\n{}", inst.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        inst
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET `path`: (status code, body).
+    fn get(&self, path: &str) -> Option<(u16, String)> {
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        let (_, body) = self.get("/metrics").expect("/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
+    }
+
+    fn last_pass(&self) -> Option<Value> {
+        let text = std::fs::read_to_string(self.state_dir.join("reconciler-last-pass.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// Waits (up to 30 s) for a pass that ended after now and satisfies `cond`.
+    fn wait_pass(&self, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(p) = self.last_pass() {
+                if p["finished"].as_u64().unwrap_or(0) >= since && cond(&p) {
+                    return p;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no reconciler pass with {what} in 30 s; the last:\n{:#}\n--- installer\n{}",
+                self.last_pass().unwrap_or(Value::Null),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(mut self) -> String {
+        let status = terminate(&mut self.child, Duration::from_secs(10));
+        assert!(status.success(), "the installer exited with {status}:\n{}", self.log());
+        self.log()
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        terminate(&mut self.child, Duration::from_secs(10));
+    }
+}
+
+fn pod_in<'a>(pass: &'a Value, pod: &str) -> Option<&'a Value> {
+    pass["pods"].as_array()?.iter().find(|p| p["pod"] == pod)
+}
+
+fn state_of(pass: &Value, pod: &str) -> String {
+    pod_in(pass, pod).map(|p| p["state"].as_str().unwrap().to_string()).unwrap_or_default()
+}
+
+fn actions_on(pass: &Value, pod: &str) -> Vec<Value> {
+    pass["actions"].as_array().into_iter().flatten().filter(|a| a["pod"] == pod).cloned().collect()
+}
+
+fn sandbox_state(ctrd: &Containerd, id: &str) -> String {
+    let r = ctrd.cri("PodSandboxStatus", &json!({"pod_sandbox_id": id})).unwrap();
+    r["status"]["state"].as_str().unwrap().to_string()
+}
+
+fn uncaptured(netns: &str) -> bool {
+    let (ruleset, rules, _, _) = capture_state(netns);
+    !ruleset.contains("aether") && !rules.contains("0xae71")
+}
+
+/// A node whose pods started before aether-cni was chained: one to be captured, one in
+/// kube-system, one with capture disabled, one with a malformed annotation.
+struct EarlyPods {
+    cart: String,
+    system: String,
+    legacy: String,
+    weird: String,
+}
+
+fn early_pods(ctrd: &Containerd) -> EarlyPods {
+    let p = EarlyPods {
+        cart: ctrd.run_pod("shop", "cart-0", None).unwrap(),
+        system: ctrd.run_pod("kube-system", "dns-0", None).unwrap(),
+        legacy: ctrd.run_pod("shop", "legacy-0", Some(json!({"aether.io/capture": "disabled"}))).unwrap(),
+        weird: ctrd.run_pod("shop", "weird-0", Some(json!({"aether.io/capture": "sideways"}))).unwrap(),
+    };
+    for id in [&p.cart, &p.system, &p.legacy, &p.weird] {
+        assert!(uncaptured(&ctrd.sandbox(id).unwrap().netns), "{id} captured before aether-cni was chained");
+    }
+    p
+}
+
+fn untouched(ctrd: &Containerd, pods: &EarlyPods, pass: &Value) {
+    for (id, name, state) in [
+        (&pods.system, "kube-system/dns-0", "excluded"),
+        (&pods.legacy, "shop/legacy-0", "disabled"),
+        (&pods.weird, "shop/weird-0", "invalid"),
+    ] {
+        assert_eq!(sandbox_state(ctrd, id), "SANDBOX_READY", "{name} was stopped");
+        assert!(uncaptured(&ctrd.sandbox(id).unwrap().netns), "{name} was programmed");
+        assert_eq!(state_of(pass, name), state, "{name} in {pass:#}");
+        assert!(actions_on(pass, name).is_empty(), "{name}: {pass:#}");
+    }
+}
+
+#[test]
+fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_others_alone() {
+    let test = "reconciler_restarts_a_missed_pod";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcrst", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let inst = Installer::start(&ctrd, "restart", &[socket, "--missed-pods=restart".into()]);
+    let pass = inst.wait_pass("shop/cart-0 restarted", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "restart" && a["outcome"] == "done")
+    });
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_NOTREADY", "StopPodSandbox through the CRI");
+    untouched(&ctrd, &pods, &pass);
+    let log = inst.log();
+    assert!(
+        log.lines().any(|l| l.contains("shop/cart-0") && l.contains("sandbox stopped through the CRI")),
+        "no log line for the restart:\n{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("shop/weird-0") && l.contains("aether.io/capture")),
+        "the malformed pod is not reported naming its annotation:\n{log}"
+    );
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0);
+
+    // The kubelet recreates the pod (same pod, next attempt): a real ADD captures it.
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let again = ctrd.run_pod_attempt("shop", "cart-0", None, 1).unwrap();
+    assert_captured(&ctrd.sandbox(&again).unwrap().netns, &["dnat to 10.250.13.1:18054"]);
+    let pass = inst.wait_pass("shop/cart-0 captured", |p| {
+        pod_in(p, "shop/cart-0").is_some_and(|x| x["state"] == "captured" && x["sandbox"] == again.as_str())
+    });
+    assert!(actions_on(&pass, "shop/cart-0").is_empty(), "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="captured"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="excluded"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0, "once");
+    assert_eq!(inst.get("/readyz").unwrap().0, 200, "the node stays ready:\n{}", inst.log());
+    inst.stop();
+    for id in [&pods.cart, &again, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
+fn reconciler_report_policy_changes_nothing_and_says_so() {
+    let test = "reconciler_report_policy";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcrep", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let inst = Installer::start(&ctrd, "report", &[socket, "--missed-pods=report".into()]);
+    let pass = inst.wait_pass("shop/cart-0 missed", |p| state_of(p, "shop/cart-0") == "missed");
+    // Three more passes: still nothing done (the negative control of the restart test).
+    for _ in 0..3 {
+        inst.wait_pass("another pass", |_| true);
+    }
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_READY");
+    assert!(uncaptured(&ctrd.sandbox(&pods.cart).unwrap().netns));
+    assert!(pod_in(&pass, "shop/cart-0").unwrap()["held"].as_str().unwrap().contains("policy report"), "{pass:#}");
+    untouched(&ctrd, &pods, &pass);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="missed"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 0.0);
+    let log = inst.stop();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("shop/cart-0") && l.contains("policy report")).collect();
+    assert_eq!(lines.len(), 1, "one log line for the missed pod, not one per pass:\n{log}");
+    for id in [&pods.cart, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+/// `nsenter --net=NETNS CMD...`, which must succeed.
+fn in_netns(netns: &str, args: &[&str]) -> String {
+    must(&format!("{args:?} in {netns}"), exec(Command::new("nsenter").arg(format!("--net={netns}")).args(args)))
+}
+
+/// The handle of the first rule of `chain` in the pod's capture table.
+fn first_rule_handle(netns: &str, chain: &str) -> String {
+    let out = in_netns(netns, &["nft", "-a", "list", "chain", "ip", "aether_capture", chain]);
+    out.lines()
+        .find(|l| l.contains("accept") && l.contains("# handle "))
+        .and_then(|l| l.split("# handle ").nth(1))
+        .unwrap_or_else(|| panic!("no rule in {chain}:\n{out}"))
+        .trim()
+        .to_string()
+}
+
+/// The tampers, each applied to a captured pod's netns.
+fn tampers() -> Vec<(&'static str, Box<dyn Fn(&str)>)> {
+    vec![
+        (
+            "a deleted rule",
+            Box::new(|ns: &str| {
+                let h = first_rule_handle(ns, "egress_divert");
+                in_netns(ns, &["nft", "delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
+            }),
+        ),
+        ("a deleted table", Box::new(|ns: &str| drop(in_netns(ns, &["nft", "delete", "table", "ip", "aether_capture"])))),
+        (
+            "a flushed policy route",
+            Box::new(|ns: &str| drop(in_netns(ns, &["ip", "-4", "route", "flush", "table", "44657"]))),
+        ),
+        (
+            "a deleted policy rule",
+            Box::new(|ns: &str| drop(in_netns(ns, &["ip", "-4", "rule", "del", "fwmark", "0xae71", "lookup", "44657"]))),
+        ),
+    ]
+}
+
+#[test]
+fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
+    let test = "reconciler_repairs_drift";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcdrift", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let inst = Installer::start(&ctrd, "drift", &[socket.clone()]);
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let pod = ctrd.run_pod("shop", "web-0", None).unwrap();
+    let netns = ctrd.sandbox(&pod).unwrap().netns;
+    assert_captured(&netns, &[]);
+    let intact = capture_state(&netns);
+    inst.wait_pass("shop/web-0 captured", |p| state_of(p, "shop/web-0") == "captured");
+
+    for (what, tamper) in tampers() {
+        tamper(&netns);
+        assert_ne!(capture_state(&netns), intact, "{what}: the tamper changed nothing");
+        let pass = inst.wait_pass(&format!("{what} repaired"), |p| {
+            actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+        });
+        assert_eq!(capture_state(&netns), intact, "{what}: not repaired to the record\n{pass:#}");
+    }
+    let repairs = inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair",outcome="done"}"#);
+    assert_eq!(repairs, tampers().len() as f64);
+    let log = inst.stop();
+    assert!(log.lines().filter(|l| l.contains("shop/web-0") && l.contains("drift repaired")).count() >= 4, "{log}");
+
+    // Negative control: the reconciler off, the same tamper stays.
+    let off = Installer::start(&ctrd, "off", &[socket, "--reconcile=false".into()]);
+    (tampers()[0].1)(&netns);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_ne!(capture_state(&netns), intact, "drift went away with the reconciler off: the test cannot fail");
+    off.stop();
+
+    // Without a runtime (no socket; a socket that answers garbage) the installer keeps
+    // running, says why, and still repairs the drift left by the control.
+    let garbage_dir = ctrd.dir.join("garbage");
+    std::fs::create_dir_all(&garbage_dir).unwrap();
+    let garbage = Garbage::serve(&garbage_dir.join("cri.sock"));
+    for (tag, flag) in [
+        ("absent", format!("--cri-socket={}", ctrd.dir.join("no-such.sock").display())),
+        ("garbage", format!("--cri-socket={}", garbage.path.display())),
+    ] {
+        let inst = Installer::start(&ctrd, tag, &[flag]);
+        let pass = inst.wait_pass(&format!("{tag}: the drift repaired"), |p| {
+            actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+        });
+        assert_eq!(capture_state(&netns), intact, "{tag}");
+        assert!(pass["runtimeUnseen"].as_str().is_some_and(|w| w.contains("CRI socket")), "{tag}: {pass:#}");
+        assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0, "{tag}");
+        assert_eq!(inst.get("/readyz").unwrap().0, 200, "{tag}: the node stays ready:\n{}", inst.log());
+        (tampers()[1].1)(&netns);
+        inst.wait_pass(&format!("{tag}: again"), |p| !actions_on(p, "shop/web-0").is_empty());
+        let log = inst.stop();
+        let said = log.lines().filter(|l| l.contains("missed pods cannot be seen")).count();
+        assert_eq!(said, 1, "{tag}: said once why missed pods cannot be seen:\n{log}");
+    }
+    drop(garbage);
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+}
+
+#[test]
+fn reconciler_collects_a_record_whose_del_never_came() {
+    let test = "reconciler_collects_a_leftover";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcleft", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let inst = Installer::start(&ctrd, "chain", &[socket.clone(), "--reconcile=false".into()]);
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let pod = ctrd.run_pod("shop", "gone-0", None).unwrap();
+    assert_captured(&ctrd.sandbox(&pod).unwrap().netns, &[]);
+    assert_eq!(records(&ctrd.state_dir).len(), 1);
+    // The entry is withdrawn (an installer that uninstalled), then the pod goes: its DEL never
+    // reaches aether-cni, and its record stays behind.
+    inst.stop();
+    let chained: Vec<PathBuf> = std::fs::read_dir(&ctrd.net_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().contains("aether"))
+        .collect();
+    for p in &chained {
+        std::fs::remove_file(p).unwrap();
+    }
+    ctrd.wait_cni_config("the node's own conflist again", |c| !c.contains("aether-cni"));
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+    assert_eq!(records(&ctrd.state_dir).len(), 1, "the record is left behind");
+
+    let inst = Installer::start(&ctrd, "collect", &[socket, "--leftover-grace-seconds=0".into()]);
+    let pass = inst.wait_pass("the leftover collected", |p| {
+        actions_on(p, "shop/gone-0").iter().any(|a| a["kind"] == "collect" && a["outcome"] == "done")
+    });
+    assert!(records(&ctrd.state_dir).is_empty(), "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="netns-gone"}"#) + inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="sandbox-gone"}"#), 1.0);
+    inst.wait_pass("a pass after", |p| actions_on(p, "shop/gone-0").is_empty());
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_actions_total{kind="collect",outcome="done"}"#),
+        1.0,
+        "collected once"
+    );
+    inst.stop();
+}
+
+/// A unix socket that answers every connection with bytes that are not HTTP/2.
+struct Garbage {
+    path: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Garbage {
+    fn serve(path: &Path) -> Garbage {
+        let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.write_all(b"HTTP/1.1 418 I'm a teapot\r\n\r\nnot gRPC at all\r\n");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        Garbage { path: path.into(), stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Garbage {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
