@@ -5,15 +5,19 @@ use std::process::ExitCode;
 
 use aether_installer::{InstallArgs, Plugin};
 
-use crate::{cni, config, services, state};
+use aether_node::{config, probe, services, state};
 
 pub fn run(args: InstallArgs) -> ExitCode {
     let counters_dir = services::ServicesDir::new(&args.state_dir);
     let plugin = Plugin {
         not_ready_marker: state::NOT_READY_MARKER,
-        validate_entry: Box::new(|conf| config::parse(conf).map(drop).map_err(|e| e.to_string())),
-        kernel_checks: Box::new(cni::kernel_probe),
-        node_counters: Box::new(move || services::node_counters(&counters_dir).map(|c| c.to_prometheus())),
+        validate_entry: Box::new(|conf| {
+            config::parse(conf).map(drop).map_err(|e| crate::error::CniError::from(e).to_string())
+        }),
+        kernel_checks: Box::new(|| probe::kernel_probe().map_err(|e| e.to_string())),
+        node_counters: Box::new(move || {
+            services::node_counters(&counters_dir).map(|c| c.to_prometheus()).map_err(|e| e.to_string())
+        }),
     };
     match aether_installer::run(args, plugin) {
         Ok(()) => ExitCode::SUCCESS,
