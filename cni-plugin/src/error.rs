@@ -84,20 +84,17 @@ impl From<aether_rules::Error> for CniError {
 
 impl From<ConfigError> for CniError {
     fn from(e: ConfigError) -> Self {
-        let msg = e.to_string();
-        match e {
-            ConfigError::UnsupportedVersion { .. } => CniError::new(code::INCOMPATIBLE_VERSION, msg),
-            ConfigError::NotJson { why } => CniError::new(code::DECODE_FAILURE, msg).with_details(why),
-            ConfigError::NotAnObject => CniError::new(code::DECODE_FAILURE, msg),
-            ConfigError::UnknownField { .. } => {
-                CniError::new(code::UNSUPPORTED_FIELD, msg).with_details(aether_node::config::supported_fields())
-            }
+        let code = match e {
+            ConfigError::UnsupportedVersion { .. } => code::INCOMPATIBLE_VERSION,
+            ConfigError::NotJson { .. } | ConfigError::NotAnObject => code::DECODE_FAILURE,
+            ConfigError::UnknownField { .. } => code::UNSUPPORTED_FIELD,
             ConfigError::Missing { .. }
             | ConfigError::BadValue { .. }
             | ConfigError::BadAnnotation { .. }
             | ConfigError::Node(_)
-            | ConfigError::Pod(_) => CniError::invalid_config(msg),
-        }
+            | ConfigError::Pod(_) => code::INVALID_CONFIG,
+        };
+        CniError::new(code, e.to_string()).with_details(e.details().unwrap_or_default())
     }
 }
 

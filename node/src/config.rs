@@ -47,6 +47,18 @@ pub enum ConfigError {
     Pod(aether_rules::Error),
 }
 
+impl ConfigError {
+    /// What lies under the message, for the CNI error's details: the JSON parser's reason,
+    /// or the supported fields.
+    pub fn details(&self) -> Option<String> {
+        match self {
+            ConfigError::NotJson { why } => Some(why.clone()),
+            ConfigError::UnknownField { .. } => Some(supported_fields()),
+            _ => None,
+        }
+    }
+}
+
 /// The supported fields, for an unknown field's message.
 pub fn supported_fields() -> String {
     format!("supported fields: {}", OWN_FIELDS.join(", "))
