@@ -1,4 +1,10 @@
 //! aether-cni: a chained CNI plugin when `CNI_COMMAND` is set, an operator CLI otherwise.
+//!
+//! This crate is the CNI protocol (the environment, stdin, the result and error JSON, exit
+//! codes, logging set-up; `error` gives the node library's errors their CNI codes, in one
+//! place) and the CLI (clap definitions and output formats of `services`, `inspect`,
+//! `doctor`, `install`). What a node does is the node library's (`aether-node`); what the
+//! installer daemon does is `aether-installer`'s. Nothing here is imported by another crate.
 
 mod cni;
 #[cfg(test)]
