@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use aether_netns::Netns;
 use aether_rules::capture;
 
-use crate::services;
-use crate::state::{PodNetns, Record, StateDir};
+use aether_node::services;
+use aether_node::state::{self, PodNetns, Record, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -17,12 +17,12 @@ pub struct InspectArgs {
     /// recorded attachment, one line each, with whether its layers are intact.
     target: Option<String>,
     /// The node state directory (the `stateDir` of the network configuration).
-    #[arg(long, default_value = crate::config::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = aether_node::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
 }
 
 pub fn run(args: InspectArgs) -> ExitCode {
-    if let Some(why) = crate::state::unusable_reason(&args.state_dir) {
+    if let Some(why) = state::unusable_reason(&args.state_dir) {
         eprintln!("aether-cni inspect: state directory {} {why}", args.state_dir.display());
         return ExitCode::FAILURE;
     }
@@ -132,11 +132,11 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
                 r.ifname,
                 r.network
             );
-            if r.version < crate::state::RECORD_VERSION || !r.defaulted.is_empty() {
+            if r.version < state::RECORD_VERSION || !r.defaulted.is_empty() {
                 println!(
                     "record version {} (this plugin writes {}); fields read as their defaults: {}",
                     r.version,
-                    crate::state::RECORD_VERSION,
+                    state::RECORD_VERSION,
                     if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
                 );
             }

@@ -11,7 +11,7 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::{Error, Plugin};
+use crate::{Error, NodeChecks};
 
 /// Why the node is not ready, one per part of the installation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -227,7 +227,7 @@ impl Default for Shared {
 
 /// Binds `addr` now (so a bad address fails before anything is installed) and serves on a
 /// thread of its own until `stop` is called on the returned handle.
-pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<Plugin>) -> Result<Server, Error> {
+pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>) -> Result<Server, Error> {
     let server = tiny_http::Server::http(addr).map_err(|e| Error::Listen { addr, why: e.to_string() })?;
     let server = Arc::new(server);
     let bound = server.server_addr().to_ip().unwrap_or(addr);
@@ -239,7 +239,7 @@ pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<Plugin>) -> Resul
                 let answer = {
                     let (shared, hooks) = (shared.clone(), hooks.clone());
                     move |request: tiny_http::Request| {
-                        let (code, ctype, body) = respond(request.url(), &shared, &hooks);
+                        let (code, ctype, body) = respond(request.url(), &shared, hooks.as_ref());
                         let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("a valid header");
                         let response =
                             tiny_http::Response::from_string(body).with_status_code(code).with_header(header);
@@ -259,7 +259,7 @@ pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<Plugin>) -> Resul
     Ok(Server { server, thread: Some(thread), addr: bound })
 }
 
-fn respond(url: &str, shared: &Shared, hooks: &Plugin) -> (u16, &'static str, String) {
+fn respond(url: &str, shared: &Shared, hooks: &dyn NodeChecks) -> (u16, &'static str, String) {
     const TEXT: &str = "text/plain; charset=utf-8";
     match url.split('?').next().unwrap_or("") {
         "/healthz" => (200, TEXT, "ok\n".into()),
@@ -273,7 +273,7 @@ fn respond(url: &str, shared: &Shared, hooks: &Plugin) -> (u16, &'static str, St
         }
         "/metrics" => {
             let mut body = shared.metrics.encode();
-            let up = match (hooks.node_counters)() {
+            let up = match hooks.node_counters() {
                 Ok(text) => {
                     body.push_str(text.trim_end());
                     body.push('\n');
@@ -282,7 +282,7 @@ fn respond(url: &str, shared: &Shared, hooks: &Plugin) -> (u16, &'static str, St
                 Err(e) => {
                     body.push_str(&format!(
                         "# the Service layer's node counters are unavailable: {}\n",
-                        e.replace('\n', " ")
+                        e.to_string().replace('\n', " ")
                     ));
                     0
                 }
