@@ -46,6 +46,8 @@ impl Installer {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap()
         };
+        // The last installer's last pass is not this one's.
+        let _ = std::fs::remove_file(ctrd.state_dir.join("reconciler-last-pass.json"));
         let log = ctrd.dir.join(&format!("installer-{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(cni_bin())
@@ -101,19 +103,25 @@ impl Installer {
         serde_json::from_str(&text).ok()
     }
 
-    /// Waits (up to 30 s) for a pass that ended after now and satisfies `cond`.
-    fn wait_pass(&self, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-        let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    /// The number of the last pass written (0: none yet). Pass `mark() + 1` may have started
+    /// before now; `mark() + 2` starts after.
+    fn mark(&self) -> u64 {
+        self.last_pass().map_or(0, |p| p["pass"].as_u64().unwrap())
+    }
+
+    /// Waits (up to 30 s) for a pass numbered `from` or later that satisfies `cond`.
+    fn wait_pass(&mut self, from: u64, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(p) = self.last_pass() {
-                if p["finished"].as_u64().unwrap_or(0) >= since && cond(&p) {
+                if p["pass"].as_u64().unwrap() >= from && cond(&p) {
                     return p;
                 }
             }
+            let exited = self.child.try_wait().unwrap();
             assert!(
-                Instant::now() < deadline,
-                "no reconciler pass with {what} in 30 s; the last:\n{:#}\n--- installer\n{}",
+                Instant::now() < deadline && exited.is_none(),
+                "no reconciler pass with {what} in 30 s (installer exited: {exited:?}); the last:\n{:#}\n--- installer\n{}",
                 self.last_pass().unwrap_or(Value::Null),
                 self.log()
             );
@@ -203,8 +211,8 @@ fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_oth
     let pods = early_pods(&ctrd);
 
     let socket = format!("--cri-socket={}", ctrd.socket().display());
-    let inst = Installer::start(&ctrd, "restart", &[socket, "--missed-pods=restart".into()]);
-    let pass = inst.wait_pass("shop/cart-0 restarted", |p| {
+    let mut inst = Installer::start(&ctrd, "restart", &[socket, "--missed-pods=restart".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 restarted", |p| {
         actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "restart" && a["outcome"] == "done")
     });
     assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_NOTREADY", "StopPodSandbox through the CRI");
@@ -224,7 +232,8 @@ fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_oth
     ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
     let again = ctrd.run_pod_attempt("shop", "cart-0", None, 1).unwrap();
     assert_captured(&ctrd.sandbox(&again).unwrap().netns, &["dnat to 10.250.13.1:18054"]);
-    let pass = inst.wait_pass("shop/cart-0 captured", |p| {
+    let from = inst.mark() + 2;
+    let pass = inst.wait_pass(from, "shop/cart-0 captured", |p| {
         pod_in(p, "shop/cart-0").is_some_and(|x| x["state"] == "captured" && x["sandbox"] == again.as_str())
     });
     assert!(actions_on(&pass, "shop/cart-0").is_empty(), "{pass:#}");
@@ -250,12 +259,13 @@ fn reconciler_report_policy_changes_nothing_and_says_so() {
     ctrd.import_sandbox_image();
     let pods = early_pods(&ctrd);
     let socket = format!("--cri-socket={}", ctrd.socket().display());
-    let inst = Installer::start(&ctrd, "report", &[socket, "--missed-pods=report".into()]);
-    let pass = inst.wait_pass("shop/cart-0 missed", |p| state_of(p, "shop/cart-0") == "missed");
+    let mut inst = Installer::start(&ctrd, "report", &[socket, "--missed-pods=report".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 missed and reported", |p| {
+        pod_in(p, "shop/cart-0").is_some_and(|x| x["held"].as_str().is_some_and(|h| h.contains("policy report")))
+    });
     // Three more passes: still nothing done (the negative control of the restart test).
-    for _ in 0..3 {
-        inst.wait_pass("another pass", |_| true);
-    }
+    let from = inst.mark() + 3;
+    inst.wait_pass(from, "three more passes", |_| true);
     assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_READY");
     assert!(uncaptured(&ctrd.sandbox(&pods.cart).unwrap().netns));
     assert!(pod_in(&pass, "shop/cart-0").unwrap()["held"].as_str().unwrap().contains("policy report"), "{pass:#}");
@@ -297,14 +307,19 @@ fn tampers() -> Vec<(&'static str, Box<dyn Fn(&str)>)> {
                 in_netns(ns, &["nft", "delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
             }),
         ),
-        ("a deleted table", Box::new(|ns: &str| drop(in_netns(ns, &["nft", "delete", "table", "ip", "aether_capture"])))),
+        (
+            "a deleted table",
+            Box::new(|ns: &str| drop(in_netns(ns, &["nft", "delete", "table", "ip", "aether_capture"]))),
+        ),
         (
             "a flushed policy route",
             Box::new(|ns: &str| drop(in_netns(ns, &["ip", "-4", "route", "flush", "table", "44657"]))),
         ),
         (
             "a deleted policy rule",
-            Box::new(|ns: &str| drop(in_netns(ns, &["ip", "-4", "rule", "del", "fwmark", "0xae71", "lookup", "44657"]))),
+            Box::new(|ns: &str| {
+                drop(in_netns(ns, &["ip", "-4", "rule", "del", "fwmark", "0xae71", "lookup", "44657"]))
+            }),
         ),
     ]
 }
@@ -319,18 +334,20 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
     ctrd.start();
     ctrd.import_sandbox_image();
     let socket = format!("--cri-socket={}", ctrd.socket().display());
-    let inst = Installer::start(&ctrd, "drift", &[socket.clone()]);
+    let mut inst = Installer::start(&ctrd, "drift", &[socket.clone()]);
     ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
     let pod = ctrd.run_pod("shop", "web-0", None).unwrap();
     let netns = ctrd.sandbox(&pod).unwrap().netns;
     assert_captured(&netns, &[]);
     let intact = capture_state(&netns);
-    inst.wait_pass("shop/web-0 captured", |p| state_of(p, "shop/web-0") == "captured");
+    let from = inst.mark() + 2;
+    inst.wait_pass(from, "shop/web-0 captured", |p| state_of(p, "shop/web-0") == "captured");
 
     for (what, tamper) in tampers() {
+        let from = inst.mark() + 1;
         tamper(&netns);
         assert_ne!(capture_state(&netns), intact, "{what}: the tamper changed nothing");
-        let pass = inst.wait_pass(&format!("{what} repaired"), |p| {
+        let pass = inst.wait_pass(from, &format!("{what} repaired"), |p| {
             actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
         });
         assert_eq!(capture_state(&netns), intact, "{what}: not repaired to the record\n{pass:#}");
@@ -356,16 +373,19 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
         ("absent", format!("--cri-socket={}", ctrd.dir.join("no-such.sock").display())),
         ("garbage", format!("--cri-socket={}", garbage.path.display())),
     ] {
-        let inst = Installer::start(&ctrd, tag, &[flag]);
-        let pass = inst.wait_pass(&format!("{tag}: the drift repaired"), |p| {
+        if capture_state(&netns) == intact {
+            (tampers()[1].1)(&netns);
+        }
+        let mut inst = Installer::start(&ctrd, tag, &[flag]);
+        let pass = inst.wait_pass(1, &format!("{tag}: the drift repaired"), |p| {
             actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
         });
         assert_eq!(capture_state(&netns), intact, "{tag}");
         assert!(pass["runtimeUnseen"].as_str().is_some_and(|w| w.contains("CRI socket")), "{tag}: {pass:#}");
         assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0, "{tag}");
         assert_eq!(inst.get("/readyz").unwrap().0, 200, "{tag}: the node stays ready:\n{}", inst.log());
-        (tampers()[1].1)(&netns);
-        inst.wait_pass(&format!("{tag}: again"), |p| !actions_on(p, "shop/web-0").is_empty());
+        let from = inst.mark() + 1;
+        inst.wait_pass(from, &format!("{tag}: another pass"), |_| true);
         let log = inst.stop();
         let said = log.lines().filter(|l| l.contains("missed pods cannot be seen")).count();
         assert_eq!(said, 1, "{tag}: said once why missed pods cannot be seen:\n{log}");
@@ -396,24 +416,29 @@ fn reconciler_collects_a_record_whose_del_never_came() {
     let chained: Vec<PathBuf> = std::fs::read_dir(&ctrd.net_dir)
         .unwrap()
         .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("aether"))
         .map(|e| e.path())
-        .filter(|p| p.to_string_lossy().contains("aether"))
         .collect();
     for p in &chained {
         std::fs::remove_file(p).unwrap();
     }
-    ctrd.wait_cni_config("the node's own conflist again", |c| !c.contains("aether-cni"));
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
     ctrd.stop_pod(&pod);
     ctrd.remove_pod(&pod);
     assert_eq!(records(&ctrd.state_dir).len(), 1, "the record is left behind");
 
-    let inst = Installer::start(&ctrd, "collect", &[socket, "--leftover-grace-seconds=0".into()]);
-    let pass = inst.wait_pass("the leftover collected", |p| {
+    let mut inst = Installer::start(&ctrd, "collect", &[socket, "--leftover-grace-seconds=0".into()]);
+    let pass = inst.wait_pass(1, "the leftover collected", |p| {
         actions_on(p, "shop/gone-0").iter().any(|a| a["kind"] == "collect" && a["outcome"] == "done")
     });
     assert!(records(&ctrd.state_dir).is_empty(), "{pass:#}");
-    assert_eq!(inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="netns-gone"}"#) + inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="sandbox-gone"}"#), 1.0);
-    inst.wait_pass("a pass after", |p| actions_on(p, "shop/gone-0").is_empty());
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="netns-gone"}"#)
+            + inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="sandbox-gone"}"#),
+        1.0
+    );
+    let from = inst.mark() + 1;
+    inst.wait_pass(from, "a pass after", |p| actions_on(p, "shop/gone-0").is_empty());
     assert_eq!(
         inst.metric(r#"aether_cni_reconciler_actions_total{kind="collect",outcome="done"}"#),
         1.0,

@@ -121,6 +121,8 @@ pub enum Error {
     Signals(std::io::Error),
     #[error("kernel checks failed: {0}")]
     Kernel(String),
+    #[error("cannot start the reconciler: {0}")]
+    Reconciler(std::io::Error),
 }
 
 impl Error {
@@ -496,6 +498,8 @@ pub struct Running {
     thread: std::thread::JoinHandle<Result<(), Error>>,
     server: serve::Server,
     pub shared: Arc<Shared>,
+    /// The reconciler's thread, when `run` started one.
+    reconciler: Option<reconcile::looper::Looper>,
 }
 
 impl Running {
@@ -505,6 +509,10 @@ impl Running {
 
     /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
     pub fn stop(self) -> Result<(), Error> {
+        // The reconciler first: no pass may act while the node is uninstalled.
+        if let Some(r) = self.reconciler {
+            r.stop();
+        }
         let _ = self.tx.send(Msg::Stop);
         let out = self.thread.join().expect("the installer loop does not panic");
         drop(self.server);
@@ -526,7 +534,7 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared })
+    Ok(Running { tx, thread, server, shared, reconciler: None })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
@@ -547,6 +555,10 @@ pub fn entry_for_display(args: &InstallArgs, node: &dyn NodeChecks) -> Result<St
 /// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
 /// for an upgrade). The binary installed is this process's own executable.
 pub fn run(args: InstallArgs) -> Result<(), Error> {
+    // A long-running service: a peer that hangs up (the CRI socket, an HTTP client of
+    // /metrics) is an error on that connection, never the end of the process. (The binary's
+    // CLI restores SIGPIPE's default for the commands that print.)
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let node = LiveNode::new(&args.state_dir);
     if args.print_entry {
         println!("{}", entry_for_display(&args, &node)?);
@@ -556,8 +568,10 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
-    let running = start(args, node, binary)?;
+    let mut running = start(args.clone(), node, binary)?;
     tracing::info!("serving /healthz, /readyz, /metrics on {}", running.addr());
+    let ops = reconcile::node_lib::NodeLib::new(&args);
+    running.reconciler = reconcile::start(&args, running.shared.clone(), ops).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

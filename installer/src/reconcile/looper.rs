@@ -86,7 +86,7 @@ where
             let report = reconciler.pass(node_ready);
             shared.metrics.reconcile.observe(&report, trigger);
             write_last_pass(&state_dir, &report);
-            match next(&rx, period) {
+            match next(&rx, period, &shared) {
                 Some(t) => trigger = t,
                 None => return,
             }
@@ -95,12 +95,32 @@ where
     Ok(Looper { trigger: Trigger(tx), thread: Some(thread) })
 }
 
-/// The next pass's trigger, or `None` to stop.
-fn next(rx: &Receiver<Msg>, period: Duration) -> Option<&'static str> {
-    let first = match rx.recv_timeout(period) {
-        Ok(m) => m,
-        Err(RecvTimeoutError::Timeout) => return Some("period"),
-        Err(RecvTimeoutError::Disconnected) => return None,
+/// How often the thread looks whether the node turned ready (a mutex read).
+const READY_POLL: Duration = Duration::from_millis(200);
+
+fn is_ready(shared: &Shared) -> bool {
+    shared.status.lock().unwrap().not_ready.is_empty()
+}
+
+/// The next pass's trigger, or `None` to stop: the period, a poke, or the node turning ready
+/// (missed pods were held while it was not).
+fn next(rx: &Receiver<Msg>, period: Duration, shared: &Shared) -> Option<&'static str> {
+    let deadline = std::time::Instant::now() + period;
+    let was_ready = is_ready(shared);
+    let first = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Some("period");
+        }
+        match rx.recv_timeout(left.min(READY_POLL)) {
+            Ok(m) => break m,
+            Err(RecvTimeoutError::Timeout) => {
+                if !was_ready && is_ready(shared) {
+                    return Some("ready");
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return None,
+        }
     };
     let mut why = None;
     for m in std::iter::once(first).chain(rx.try_iter()) {
@@ -144,6 +164,7 @@ pub fn last_pass_json(report: &PassReport) -> serde_json::Value {
         })
         .collect();
     json!({
+        "pass": report.number,
         "finished": at,
         "tookMicros": report.took.as_micros() as u64,
         "runtimeUnseen": report.runtime_unseen,

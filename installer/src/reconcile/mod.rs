@@ -16,6 +16,7 @@
 pub mod cri;
 pub mod looper;
 pub mod metrics;
+pub mod node_lib;
 pub mod plan;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -65,6 +66,8 @@ pub enum Outcome {
 /// One pass, as `/metrics`, the log and `inspect` show it.
 #[derive(Debug, Clone)]
 pub struct PassReport {
+    /// Passes since the installer started, this one included.
+    pub number: u64,
     pub finished: SystemTime,
     pub took: Duration,
     /// Why the runtime's sandboxes could not be seen, if so: missed pods are then unseen.
@@ -102,6 +105,7 @@ pub struct Reconciler<R, N> {
     /// Why each held pod got nothing, as last logged (one line per change, not per pass).
     held_logged: HashMap<String, String>,
     runtime_was_unseen: bool,
+    passes: u64,
 }
 
 impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
@@ -114,6 +118,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             network_cache: HashMap::new(),
             held_logged: HashMap::new(),
             runtime_was_unseen: false,
+            passes: 0,
         }
     }
 
@@ -173,7 +178,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let mut actions = Vec::new();
         for action in plan.actions {
             let outcome = self.execute(&action, &sandboxes, &records);
-            if action.counts_as_attempt() {
+            // A restart or capture counts whatever its outcome (the pod may come back
+            // uncaptured); a repair only when it failed (drift again later is repaired again).
+            let failed = matches!(outcome, Outcome::Failed(_));
+            if action.counts_as_attempt() && (failed || !matches!(action, Action::Repair { .. })) {
                 self.memory.acted(action.pod(), Instant::now(), &self.limits);
             }
             log_action(&action, &outcome);
@@ -208,7 +216,9 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
             self.network_cache.retain(|id, _| live.contains(id.as_str()));
         }
+        self.passes += 1;
         PassReport {
+            number: self.passes,
             finished: SystemTime::now(),
             took: started.elapsed(),
             runtime_unseen: views.err(),

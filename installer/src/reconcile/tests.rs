@@ -195,6 +195,10 @@ fn drift_is_repaired_once_and_intact_pods_are_not_touched() {
     assert_eq!(r.runtime.as_ref().unwrap().calls, ["list"], "no status for recorded pods");
     r.pass(Ok(()));
     assert_eq!(r.node.calls, ["repair net/a/eth0"], "repaired: nothing more to do");
+    // Drift again right away: repaired again (a successful repair starts no backoff).
+    r.node.records.get_mut("net/a/eth0").unwrap().1 = Observation::Drifted(vec!["table deleted".into()]);
+    r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0", "repair net/a/eth0"]);
 }
 
 #[test]
