@@ -42,6 +42,10 @@ struct Installer {
 
 impl Installer {
     fn start(ctrd: &Containerd, tag: &str, extra: &[String]) -> Installer {
+        Installer::start_with(ctrd, tag, extra, &[])
+    }
+
+    fn start_with(ctrd: &Containerd, tag: &str, extra: &[String], env: &[(&str, &str)]) -> Installer {
         let addr = {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap()
@@ -62,6 +66,7 @@ impl Installer {
             .arg("--upgrade")
             .arg("--reconcile-period-seconds=1")
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
@@ -249,6 +254,103 @@ fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_oth
 }
 
 #[test]
+fn reconciler_captures_a_missed_pod_in_place_exactly_as_add_would() {
+    let test = "reconciler_captures_in_place";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rccap", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+    let cart_netns = ctrd.sandbox(&pods.cart).unwrap().netns;
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "capture", &[socket, "--missed-pods=capture".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 captured in place", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "capture" && a["outcome"] == "done")
+    });
+    untouched(&ctrd, &pods, &pass);
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_READY", "nothing restarted");
+    // What ADD makes for the same pod on this node, for comparison: a pod started now.
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let added = ctrd.run_pod("shop", "cart-1", None).unwrap();
+    let added_netns = ctrd.sandbox(&added).unwrap().netns;
+    let (in_place, by_add) = (capture_state(&cart_netns), capture_state(&added_netns));
+    assert_eq!(
+        (&in_place.0, &in_place.1, &in_place.2),
+        (&by_add.0, &by_add.1, &by_add.2),
+        "the in-place capture differs from ADD's"
+    );
+    // Its record is ADD's: `inspect` finds the pod by its sandbox and the kernel intact.
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg(&pods.cart).arg("--state-dir").arg(&ctrd.state_dir));
+    assert!(out.ok && out.stdout.contains("kernel: intact"), "{}{}", out.stdout, out.stderr);
+    let from = inst.mark() + 2;
+    let pass = inst.wait_pass(from, "both captured", |p| {
+        state_of(p, "shop/cart-0") == "captured" && state_of(p, "shop/cart-1") == "captured"
+    });
+    assert!(pass["actions"].as_array().unwrap().is_empty(), "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="capture",outcome="done"}"#), 1.0);
+    let log = inst.stop();
+    assert!(
+        log.lines().any(|l| l.contains("shop/cart-0") && l.contains("captured in place")),
+        "no log line for the capture:\n{log}"
+    );
+    for id in [&pods.cart, &added, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
+fn reconciler_killed_mid_pass_loses_nothing_and_does_nothing_twice() {
+    let test = "reconciler_killed_mid_pass";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rckill", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let first = ctrd.run_pod("shop", "a-0", None).unwrap();
+    let second = ctrd.run_pod("shop", "b-0", None).unwrap();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    // SIGKILLed right after its first StopPodSandbox, before anything else of that pass.
+    let mut inst = Installer::start_with(
+        &ctrd,
+        "killed",
+        &[socket.clone()],
+        &[("AETHER_CNI_CRASH_AT", "reconciler-after-restart")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = inst.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the installer was not killed at its first restart:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}:\n{}", inst.log());
+    let states = (sandbox_state(&ctrd, &first), sandbox_state(&ctrd, &second));
+    assert_eq!(states, ("SANDBOX_NOTREADY".to_string(), "SANDBOX_READY".to_string()), "oldest first, one stopped");
+    drop(inst);
+    // Restarted: the stopped sandbox is not stopped again, the other one is.
+    let mut inst = Installer::start(&ctrd, "after", &[socket]);
+    let pass = inst.wait_pass(1, "shop/b-0 restarted", |p| {
+        actions_on(p, "shop/b-0").iter().any(|a| a["kind"] == "restart" && a["outcome"] == "done")
+    });
+    assert!(actions_on(&pass, "shop/a-0").is_empty(), "{pass:#}");
+    let from = inst.mark() + 2;
+    inst.wait_pass(from, "a quiet pass", |p| p["actions"].as_array().unwrap().is_empty());
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0, "once");
+    assert_eq!(sandbox_state(&ctrd, &second), "SANDBOX_NOTREADY");
+    inst.stop();
+    for id in [&first, &second] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
 fn reconciler_report_policy_changes_nothing_and_says_so() {
     let test = "reconciler_report_policy";
     if !ready(test) {
@@ -272,6 +374,19 @@ fn reconciler_report_policy_changes_nothing_and_says_so() {
     untouched(&ctrd, &pods, &pass);
     assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="missed"}"#), 1.0);
     assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 0.0);
+    // `aether-cni inspect` with no argument shows what the reconciler last saw.
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg("--state-dir").arg(&ctrd.state_dir));
+    for want in [
+        "reconciler: last pass",
+        "1 missed",
+        "1 excluded",
+        "1 disabled",
+        "1 invalid",
+        "shop/cart-0  missed: reported only (policy report)",
+        "shop/weird-0  invalid: ADD would refuse it",
+    ] {
+        assert!(out.stdout.contains(want), "inspect should show {want:?}:\n{}{}", out.stdout, out.stderr);
+    }
     let log = inst.stop();
     let lines: Vec<&str> = log.lines().filter(|l| l.contains("shop/cart-0") && l.contains("policy report")).collect();
     assert_eq!(lines.len(), 1, "one log line for the missed pod, not one per pass:\n{log}");

@@ -56,6 +56,10 @@ impl super::Runtime for CriRuntime {
 
     fn stop(&mut self, sandbox_id: &str) -> Result<(), Error> {
         let id = sandbox_id.to_string();
-        self.with(move |c| Box::pin(async move { c.stop(&id).await }))
+        self.with(move |c| Box::pin(async move { c.stop(&id).await }))?;
+        // Tests kill the installer here, mid-pass, to prove a restart is neither lost nor
+        // done twice (fault-injection builds only).
+        aether_node::state::crash_point("reconciler-after-restart");
+        Ok(())
     }
 }
