@@ -21,8 +21,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_conformance::clients::{assert_captured, capture_state, client, exec, must, records, terminate};
-use aether_conformance::cni_bin;
 use aether_conformance::containerd::{requirements, Containerd, NodeNet};
+use aether_conformance::{cni_bin, sock};
 use aether_testkit::root_or_skip;
 use serde_json::{json, Value};
 
@@ -412,6 +412,24 @@ fn first_rule_handle(netns: &str, chain: &str) -> String {
         .to_string()
 }
 
+/// What a packet shows: a new TCP connection from inside the pod to an address on the node
+/// (the gateway, where nothing listens) reaches a transparent listener on the capture port
+/// in the pod, with its original destination (`Ok`), or it is not captured (`Err`: refused
+/// by the node, as it would be without the mesh).
+fn packet_captured(netns: &str) -> Result<SocketAddr, String> {
+    let dst: SocketAddr = format!("{}:4242", NET.gateway).parse().unwrap();
+    sock::in_netns(netns, move || {
+        let listener =
+            sock::tcp_listener(SocketAddr::from(([127, 0, 0, 1], 18001)), true).map_err(|e| e.to_string())?;
+        listener.set_nonblocking(true).unwrap();
+        let conn = sock::tcp_connect(dst, None, Duration::from_secs(2)).map_err(|e| format!("not captured: {e}"))?;
+        let (accepted, _) =
+            listener.accept().map_err(|e| format!("connected, but not to the capture listener: {e}"))?;
+        drop(conn);
+        accepted.local_addr().map_err(|e| e.to_string())
+    })
+}
+
 /// The tampers, each applied to a captured pod's netns.
 fn tampers() -> Vec<(&'static str, Box<dyn Fn(&str)>)> {
     vec![
@@ -466,17 +484,24 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
             actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
         });
         assert_eq!(capture_state(&netns), intact, "{what}: not repaired to the record\n{pass:#}");
+        assert_eq!(
+            packet_captured(&netns),
+            Ok(format!("{}:4242", NET.gateway).parse().unwrap()),
+            "{what}: repaired, by packet"
+        );
     }
     let repairs = inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair",outcome="done"}"#);
     assert_eq!(repairs, tampers().len() as f64);
     let log = inst.stop();
     assert!(log.lines().filter(|l| l.contains("shop/web-0") && l.contains("drift repaired")).count() >= 4, "{log}");
 
-    // Negative control: the reconciler off, the same tamper stays.
+    // Negative control: the reconciler off, a tamper stays, and packets leak.
     let off = Installer::start(&ctrd, "off", &[socket, "--reconcile=false".into()]);
-    (tampers()[0].1)(&netns);
+    (tampers()[1].1)(&netns);
     std::thread::sleep(Duration::from_secs(3));
     assert_ne!(capture_state(&netns), intact, "drift went away with the reconciler off: the test cannot fail");
+    let leak = packet_captured(&netns);
+    assert!(leak.as_ref().is_err_and(|e| e.contains("not captured")), "with the capture table gone: {leak:?}");
     off.stop();
 
     // Without a runtime (no socket; a socket that answers garbage) the installer keeps
@@ -496,6 +521,7 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
             actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
         });
         assert_eq!(capture_state(&netns), intact, "{tag}");
+        assert!(packet_captured(&netns).is_ok(), "{tag}: repaired, by packet");
         assert!(pass["runtimeUnseen"].as_str().is_some_and(|w| w.contains("CRI socket")), "{tag}: {pass:#}");
         assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0, "{tag}");
         assert_eq!(inst.get("/readyz").unwrap().0, 200, "{tag}: the node stays ready:\n{}", inst.log());
