@@ -317,7 +317,7 @@ fn reconciler_killed_mid_pass_loses_nothing_and_does_nothing_twice() {
     let mut inst = Installer::start_with(
         &ctrd,
         "killed",
-        &[socket.clone()],
+        std::slice::from_ref(&socket),
         &[("AETHER_CNI_CRASH_AT", "reconciler-after-restart")],
     );
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -430,8 +430,11 @@ fn packet_captured(netns: &str) -> Result<SocketAddr, String> {
     })
 }
 
+/// A way to break a pod's capture, applied to its netns.
+type Tamper = Box<dyn Fn(&str)>;
+
 /// The tampers, each applied to a captured pod's netns.
-fn tampers() -> Vec<(&'static str, Box<dyn Fn(&str)>)> {
+fn tampers() -> Vec<(&'static str, Tamper)> {
     vec![
         (
             "a deleted rule",
@@ -467,7 +470,7 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
     ctrd.start();
     ctrd.import_sandbox_image();
     let socket = format!("--cri-socket={}", ctrd.socket().display());
-    let mut inst = Installer::start(&ctrd, "drift", &[socket.clone()]);
+    let mut inst = Installer::start(&ctrd, "drift", std::slice::from_ref(&socket));
     ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
     let pod = ctrd.run_pod("shop", "web-0", None).unwrap();
     let netns = ctrd.sandbox(&pod).unwrap().netns;

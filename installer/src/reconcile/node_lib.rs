@@ -134,7 +134,7 @@ impl NodeOps for NodeLib {
         let Some(conf) = self.any_conf() else {
             return Wants::Invalid("the plugin refuses the node's network configuration".into());
         };
-        if conf.exclude_namespaces.iter().any(|n| *n == sandbox.namespace) {
+        if conf.exclude_namespaces.contains(&sandbox.namespace) {
             return Wants::Excluded;
         }
         match config::effective(&Self::pod_conf(conf, sandbox, &[]), Some(&sandbox.namespace)) {
