@@ -570,9 +570,10 @@ pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
     let running = start(args, plugin, binary)?;
+    // The address ends the line: tests and operators read it from there.
     tracing::info!(
-        connection_limit = running.server.connection_limit,
-        "serving /healthz, /readyz, /metrics on {}",
+        "serving /healthz, /readyz, /metrics (at most {} connections per listener) on {}",
+        running.server.connection_limit,
         running.addr()
     );
     if let Some(addr) = running.metrics_addr() {
