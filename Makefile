@@ -2,8 +2,10 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-# Only what the tests use to observe and set up (nft, ip): the build needs no C library.
-APT_PACKAGES := nftables iproute2
+# What the tests use to observe and set up (nft, ip), and protoc, which the build runs on the
+# CRI proto (cri/build.rs: prost and tonic generate the installer's CRI client from it). The
+# build needs no C library.
+APT_PACKAGES := nftables iproute2 protobuf-compiler
 BIN := target/release/aether-cni
 # The release binary is a static PIE (glibc's static-pie start-up, no loader, no shared
 # library): it runs on any x86-64 node whatever its libraries. An explicit --target keeps
