@@ -256,13 +256,17 @@ def test_every_plugin_value_reaches_the_entry_through_the_binary():
 
 
 def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
-    c = container(daemonset({"plugin": {"captureMode": "everything"}}))
+    # A value the chart's schema cannot tell is wrong (it has the shape of a CIDR), so it
+    # reaches the node, where the plugin's own parser refuses it by name. Values the schema
+    # does refuse are in test_schema.py.
+    c = container(daemonset({"plugin": {"excludeOutboundCIDRs": ["10.0.0.0/33"]}}))
     out = subprocess.run(
         [os.environ["AETHER_CNI_BIN"], "install", *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
+        env={"HOST_IP": "10.0.0.21", "PATH": os.environ.get("PATH", "")},
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 1 and 'field "captureMode" has "everything"' in out.stderr, out.stderr
+    assert out.returncode == 1 and 'field "excludeOutboundCIDRs" has "10.0.0.0/33"' in out.stderr, out.stderr
 
 
 def test_node_addresses_of_both_families_reach_the_entry():
