@@ -29,9 +29,9 @@ K3S = {
         "uninstallOnStop": True,
         "conflistName": "000-aether.conflist",
         "resyncSeconds": 3,
-        "metrics": {"enabled": False},
         "maxConnections": 64,
     },
+    "metrics": {"enabled": False},
     "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
 # Every plugin setting given.

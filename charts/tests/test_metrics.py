@@ -176,3 +176,14 @@ def test_the_dashboard_is_a_grafana_dashboard():
         if p["type"] != "row":
             assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
             assert p["targets"] and p["description"], p["title"]
+
+
+def test_the_pod_monitor_needs_metrics_on_the_node_address():
+    # metrics.enabled false leaves /metrics on the node's loopback: a PodMonitor could not
+    # reach it, so the chart refuses the pair rather than render a monitor that scrapes nothing.
+    with pytest.raises(Exception, match="metrics.podMonitor.enabled needs metrics.enabled"):
+        render({"metrics": {"enabled": False, "podMonitor": {"enabled": True}}})
+    o = objects({"metrics": {"podMonitor": {"enabled": True}}})
+    (endpoint,) = o["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in container(o["DaemonSet"])["ports"]}
+    assert endpoint["port"] == "metrics" and ports["metrics"] == 18096, (endpoint, ports)
