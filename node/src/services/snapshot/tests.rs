@@ -86,10 +86,7 @@ fn malformed_snapshots_are_refused_naming_the_place() {
             Box::new(|v| v["serviceRanges"][1] = json!("127.0.0.0/8")),
             "serviceRanges[1]: \"127.0.0.0/8\" overlaps loopback",
         ),
-        (
-            Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)),
-            "services[1].ports[0].port: 0 is not a port",
-        ),
+        (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)), "services[1].ports[0].port: 0 is not a port"),
         (
             Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(70000)),
             "services[1].ports[0].port: 70000 is not a port",
@@ -118,10 +115,7 @@ fn malformed_snapshots_are_refused_naming_the_place() {
             Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.300")),
             "services[2].vip: \"10.96.1.300\" is not an IPv4 address",
         ),
-        (
-            Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")),
-            "services[2].vip: 10.96.5.5 is also a mesh VIP",
-        ),
+        (Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")), "services[2].vip: 10.96.5.5 is also a mesh VIP"),
         (Box::new(|v| v["services"][0]["ports"] = json!([])), "services[0].ports: empty"),
         (
             Box::new(|v| v["services"][0]["usableEndpoints"] = json!("yes")),
@@ -141,10 +135,7 @@ fn malformed_snapshots_are_refused_naming_the_place() {
             }),
             "generation: missing",
         ),
-        (
-            Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)),
-            "dialledTimeoutSeconds: 0 is not a number of seconds",
-        ),
+        (Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)), "dialledTimeoutSeconds: 0 is not a number of seconds"),
         (Box::new(|v| v["serviceRange"] = json!([])), "serviceRange: unknown field"),
         (Box::new(|v| v["serviceRanges"] = json!([])), "serviceRanges: empty, but mode is not off"),
         (Box::new(|v| *v = json!([1, 2])), "the snapshot must be a JSON object"),
@@ -226,10 +217,7 @@ fn ipv6_ranges_vips_and_mesh_vips_are_accepted_and_checked_the_same_way() {
     let l = s.layer(0xae71);
     assert_eq!(l.families(), [aether_rules::Family::Ipv4, aether_rules::Family::Ipv6]);
     assert_eq!(l.ports.iter().filter(|p| p.vip.is_ipv6()).count(), 2);
-    assert_eq!(
-        Ok(well_formed(text.as_bytes()).expect("the typed reading takes it")),
-        parse_reporting(text.as_bytes())
-    );
+    assert_eq!(Ok(well_formed(text.as_bytes()).expect("the typed reading takes it")), parse_reporting(text.as_bytes()));
     type Tweak = Box<dyn Fn(&mut Value)>;
     let cases: Vec<(Tweak, &str)> = vec![
         (
