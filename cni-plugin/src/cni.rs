@@ -465,7 +465,7 @@ pub fn kernel_probe() -> Result<(), String> {
         host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(),
         port: capture::DNS_PROXY_PORT,
     });
-    crate::doctor::probe(&cfg)
+    crate::doctor::probe(&cfg).map_err(|e| e.to_string())
 }
 
 /// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing

@@ -11,7 +11,7 @@ use aether_rules::{capture, CaptureConfig, CaptureMode, DnsDivert};
 struct Check {
     what: &'static str,
     hint: &'static str,
-    probe: fn() -> Result<(), String>,
+    probe: fn() -> Result<(), Failure>,
     /// Who cannot do without it.
     needed_by: Need,
 }
@@ -94,12 +94,51 @@ const CHECKS: [Check; 5] = [
     },
 ];
 
+/// Why a probe failed: the kernel's refusal (typed, so a missing feature is collected), or
+/// a ruleset held differently, or the private netns.
+pub enum Failure {
+    Kernel(aether_rules::Error),
+    Other(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Kernel(e) => write!(f, "{e}"),
+            Failure::Other(s) => f.write_str(s),
+        }
+    }
+}
+
+impl From<aether_rules::Error> for Failure {
+    fn from(e: aether_rules::Error) -> Self {
+        Failure::Kernel(e)
+    }
+}
+
 pub fn run() -> ExitCode {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     println!("kernel {}", release.trim());
     let mut missing = Vec::new();
+    let mut lacks: Vec<&'static aether_rules::features::Feature> = Vec::new();
+    let code = checks(&mut missing, &mut lacks);
+    if !lacks.is_empty() {
+        println!("this kernel lacks: {}", aether_rules::features::List(&lacks));
+    }
+    code
+}
+
+fn checks(missing: &mut Vec<Need>, lacks: &mut Vec<&'static aether_rules::features::Feature>) -> ExitCode {
     for check in &CHECKS {
-        match (check.probe)() {
+        let result = (check.probe)();
+        if let Err(Failure::Kernel(aether_rules::Error::MissingFeature { missing: features, .. })) = &result {
+            for f in features {
+                if !lacks.contains(f) {
+                    lacks.push(f);
+                }
+            }
+        }
+        match result {
             Ok(()) => println!("ok    {}", check.what),
             Err(e) if check.needed_by == Need::EveryPod => {
                 missing.push(check.needed_by);
@@ -132,34 +171,34 @@ pub fn run() -> ExitCode {
 }
 
 /// Programs `cfg`'s ruleset in a private netns and checks the kernel holds it exactly.
-pub fn probe(cfg: &CaptureConfig) -> Result<(), String> {
-    let ruleset = capture::capture_ruleset(cfg).map_err(|e| e.to_string())?;
+pub fn probe(cfg: &CaptureConfig) -> Result<(), Failure> {
+    let ruleset = capture::capture_ruleset(cfg)?;
     in_private_pod_like_netns(|| {
-        aether_rules::install(&ruleset, None).map_err(|e| e.to_string())?;
-        match aether_rules::verify(&ruleset).map_err(|e| e.to_string())? {
+        aether_rules::install(&ruleset, None)?;
+        match aether_rules::verify(&ruleset)? {
             d if d.is_empty() => Ok(()),
-            d => Err(format!("programmed, but read back differently: {}", d.join("; "))),
+            d => Err(Failure::Other(format!("programmed, but read back differently: {}", d.join("; ")))),
         }
     })
 }
 
 /// Programs the Service layer `l` in a private netns and checks the kernel holds it exactly.
-fn probe_layer(l: &ServiceLayer) -> Result<(), String> {
+fn probe_layer(l: &ServiceLayer) -> Result<(), Failure> {
     in_private_pod_like_netns(|| {
-        aether_rules::services::rebuild(l).map_err(|e| e.to_string())?;
-        match aether_rules::services::verify(l).map_err(|e| e.to_string())? {
+        aether_rules::services::rebuild(l)?;
+        match aether_rules::services::verify(l)? {
             d if d.is_empty() => Ok(()),
-            d => Err(format!("programmed, but read back differently: {}", d.join("; "))),
+            d => Err(Failure::Other(format!("programmed, but read back differently: {}", d.join("; ")))),
         }
     })
 }
 
 /// Runs `work` in a throwaway netns with `lo` up, as a runtime leaves a pod's before the
 /// network plugins run (IPv6 routes through a down `lo` are refused).
-fn in_private_pod_like_netns(work: impl FnOnce() -> Result<(), String> + Send) -> Result<(), String> {
+fn in_private_pod_like_netns(work: impl FnOnce() -> Result<(), Failure> + Send) -> Result<(), Failure> {
     aether_netns::run_in_private(|| {
-        aether_rules::route::loopback_up().map_err(|e| e.to_string())?;
+        aether_rules::route::loopback_up()?;
         work()
     })
-    .map_err(|e| e.to_string())?
+    .map_err(|e| Failure::Other(e.to_string()))?
 }

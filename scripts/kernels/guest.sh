@@ -1,0 +1,26 @@
+#!/bin/bash
+# Runs inside a kernel matrix VM (virtme-ng, the host's root filesystem read-only): each
+# suite's prebuilt test executable, its output into OUT/SUITE.log and its exit code into
+# OUT/SUITE.rc. The VM never compiles; the host reads the results after the VM powers off.
+#   guest.sh OUT SUITE=EXECUTABLE[@FILTER]...
+set -u
+out=$1; shift
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export AETHER_REQUIRE_ROOT_TESTS=1 RUST_BACKTRACE=1
+uname -r > "$out/uname"
+# Modules the matrix withholds (module_blacklist= on the kernel command line) stay out
+# however a test asks for them; say which were withheld beside the results.
+tr ' ' '\n' < /proc/cmdline | sed -n 's/^module_blacklist=//p' > "$out/withheld"
+for spec in "$@"; do
+    suite=${spec%%=*}; rest=${spec#*=}
+    exe=${rest%%@*}; filter=""
+    [ "$rest" != "$exe" ] && filter=${rest#*@}
+    start=$(date +%s.%N)
+    # Each suite runs from its crate's directory, as cargo test runs it.
+    ( cd "$(dirname "$exe")/../../.." && if [ -n "$filter" ]; then "$exe" "$filter"; else "$exe"; fi ) \
+        > "$out/$suite.log" 2>&1
+    echo $? > "$out/$suite.rc"
+    end=$(date +%s.%N)
+    echo "$start $end" | awk '{ printf "%.1f\n", $2 - $1 }' > "$out/$suite.secs"
+done
+echo done > "$out/finished"
