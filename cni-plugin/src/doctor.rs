@@ -122,6 +122,13 @@ pub fn run() -> ExitCode {
     let mut missing = Vec::new();
     let mut lacks: Vec<&'static aether_rules::features::Feature> = Vec::new();
     let code = checks(&mut missing, &mut lacks);
+    // The main CNI beside us: a warning, not a failure (pods still start and are captured,
+    // but Service traffic reaches the capture already load-balanced).
+    match aether_rules::socket_lb::detect() {
+        Ok(f @ aether_rules::socket_lb::Finding::Attached(_)) => println!("warn  {f}"),
+        Ok(f) => println!("ok    {f}"),
+        Err(e) => println!("?     cannot ask the kernel for BPF programs at the root cgroup: {e}"),
+    }
     if !lacks.is_empty() {
         println!("this kernel lacks: {}", aether_rules::features::List(&lacks));
     }

@@ -13,6 +13,7 @@ mod netlink;
 pub mod nft;
 pub mod route;
 pub mod services;
+pub mod socket_lb;
 
 pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 pub use error::{Error, Result};

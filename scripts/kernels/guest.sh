@@ -7,6 +7,9 @@ set -u
 out=$1; shift
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export AETHER_REQUIRE_ROOT_TESTS=1 RUST_BACKTRACE=1
+# The tests that must never run on the host itself (attaching BPF at the root cgroup) look
+# for this, and for virtme's kernel command line.
+export AETHER_KERNEL_MATRIX_VM=1
 uname -r > "$out/uname"
 # Modules the matrix withholds (module_blacklist= on the kernel command line) stay out
 # however a test asks for them; say which were withheld beside the results.

@@ -31,9 +31,10 @@ declare -A SUITE_TARGET=(
     [services-datapath]=conformance/tests/services_datapath.rs
     [services-ipv6]=conformance/tests/services_ipv6.rs
     [kernel-features]=conformance/tests/kernel_features.rs
+    [socket-lb]=conformance/tests/socket_lb.rs
     [doctor]=conformance/tests/cli.rs@doctor
 )
-ALL_SUITES="rules-kernel services-kernel capture datapath services-datapath services-ipv6 doctor kernel-features"
+ALL_SUITES="rules-kernel services-kernel capture datapath services-datapath services-ipv6 doctor socket-lb kernel-features"
 read -r -a suites <<< "${KERNEL_SUITES:-$ALL_SUITES}"
 for s in "${suites[@]}"; do
     [ -n "${SUITE_TARGET[$s]:-}" ] || { echo "kernels: unknown suite $s (known: $ALL_SUITES)" >&2; exit 2; }
@@ -80,6 +81,11 @@ for line in open(sys.argv[1]):
         found[os.path.relpath(m["target"]["src_path"], sys.argv[2])] = m["executable"]
 print(json.dumps(found))
 PY
+# The socket-LB detection test's program, built here with Debian's clang (test-only).
+bpf_obj=$work/connect4.bpf.o
+if ! clang -O2 -target bpf -c "$root/conformance/tests/bpf/connect4.c" -o "$bpf_obj" 2> "$work/bpf-build.log"; then
+    cat "$work/bpf-build.log"; echo "kernels: FAILED to build the test BPF program"; echo "kernels: 0 passed, 1 failed"; exit 1
+fi
 cni_bin=$root/target/debug/aether-cni
 [ -x "$cni_bin" ] || { echo "kernels: FAILED: $cni_bin was not built"; echo "kernels: 0 passed, 1 failed"; exit 1; }
 
@@ -158,7 +164,7 @@ boot() {
     timeout --kill-after=10 "${KERNEL_TIMEOUT:-3600}" \
         vng --run "$kimg" $kvm_flag --memory "${KERNEL_MEMORY:-2G}" --cpus 2 --rwdir "$out" \
         --overlay-rwdir "$root/target/tmp" ${append:+--append "$append"} \
-        --exec "AETHER_CNI_BIN=$cni_bin $root/scripts/kernels/guest.sh $out ${specs[*]}" \
+        --exec "AETHER_CNI_BIN=$cni_bin AETHER_TEST_CONNECT4_OBJ=$bpf_obj $root/scripts/kernels/guest.sh $out ${specs[*]}" \
         > "$out/console.log" 2>&1 </dev/null
     vm_rc=$?
     echo "kernel $label: booted and ran in $((SECONDS - start)) s ($([ -z "$kvm_flag" ] && echo KVM || echo TCG)${append:+, $append}$([ $vm_rc -ne 0 ] && echo ", VM exit $vm_rc"))"
