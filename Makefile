@@ -2,8 +2,10 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-# Only what the tests use to observe and set up (nft, ip): the build needs no C library.
-APT_PACKAGES := nftables iproute2
+# What the tests use to observe and set up (nft, ip), and protoc, which the build runs on the
+# CRI proto (cri/build.rs: prost and tonic generate the installer's CRI client from it). The
+# build needs no C library.
+APT_PACKAGES := nftables iproute2 protobuf-compiler
 BIN := target/release/aether-cni
 # The release binary is a static PIE (glibc's static-pie start-up, no loader, no shared
 # library): it runs on any x86-64 node whatever its libraries. An explicit --target keeps
@@ -15,7 +17,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 IMAGE ?= localhost/aether-cni:$(VERSION)
 IMAGE_ARCHIVE ?= target/image/aether-cni-$(VERSION).oci.tar
 
-.PHONY: deps build test test-kernels demo bench soak clean clients-deps image chart-test
+.PHONY: deps build test test-kernels demo bench soak clean clients-deps image chart-test docs-picture
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -91,6 +93,12 @@ bench: deps build clients-deps
 ## Service apply each round), then checks nothing is left behind (root; bounded)
 soak: build
 	AETHER_CNI_BIN=$(CURDIR)/$(BIN) $(CARGO) bench -p aether-conformance --bench churn
+
+## docs-picture: the README's picture of the capture path, docs/capture-path.svg, rendered
+## from its source docs/capture-path.dot with Debian's Graphviz (installed when missing)
+docs-picture:
+	@command -v dot >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends graphviz >/dev/null)
+	dot -Tsvg docs/capture-path.dot -o docs/capture-path.svg
 
 clean:
 	$(CARGO) clean

@@ -30,12 +30,13 @@ As a CNI plugin:
   and to the configuration's logFile, never to stdout. The container runtime runs it that
   way, chained after the cluster's main CNI plugin in /etc/cni/net.d.
 
-Documentation (the aether-cni README):
-  \"Configuration\"    every network configuration field, its default and its checks
-  \"Pod annotations\"  aether.io/capture, aether.io/exclude-outbound-ports,
-                     aether.io/exclude-outbound-cidrs, aether.io/capture-dns
-  \"Operating it\"     logs, CNI error codes, reading `inspect`, finding a pod's netns
-  The Service snapshot's JSON Schema: testdata/services/snapshot.schema.json
+Documentation (in the aether-cni repository):
+  docs/configuration.md  every network configuration field, its default and its checks;
+                         the pod annotations aether.io/capture, aether.io/exclude-outbound-ports,
+                         aether.io/exclude-outbound-cidrs, aether.io/capture-dns
+  docs/operating.md      logs, CNI error codes, reading `inspect`, finding a pod's netns
+  docs/agent.md          the `services` commands and the Service snapshot; its JSON Schema:
+                         testdata/services/snapshot.schema.json
 
 Every command that reads node state takes --state-dir (default /var/run/aether-cni, the
 configuration's stateDir).";

@@ -8,7 +8,8 @@
 #     Go in GOPATH mode against libcni 1.1.2 from golang-github-appc-cni-dev, cached at
 #     $OUT/cnitool;
 #   - for containerd: $OUT/pause (static), $OUT/pause-oci.tar (it, as an OCI image archive for
-#     `ctr images import`), $OUT/cri/runtime_v1_pb2.py (protoc's code for cri/runtime_v1.proto).
+#     `ctr images import`), $OUT/cri/runtime_v1_pb2.py (protoc's code for cri/proto/runtime_v1.proto,
+#     the proto the installer's CRI client is built from too).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CLIENTS=conformance/clients
@@ -102,9 +103,9 @@ fi
 if [ ! "$OUT/pause-oci.tar" -nt "$OUT/pause" ] || [ "$CLIENTS/pause-image.sh" -nt "$OUT/pause-oci.tar" ]; then
     bash "$CLIENTS/pause-image.sh" "$OUT/pause" localhost/aether-pause:test "$OUT/pause-oci.tar"
 fi
-if [ ! "$OUT/cri/runtime_v1_pb2.py" -nt "$CLIENTS/cri/runtime_v1.proto" ]; then
+if [ ! "$OUT/cri/runtime_v1_pb2.py" -nt cri/proto/runtime_v1.proto ]; then
     mkdir -p "$OUT/cri"
-    protoc --python_out="$OUT/cri" -I "$CLIENTS/cri" "$CLIENTS/cri/runtime_v1.proto"
+    protoc --python_out="$OUT/cri" -I cri/proto cri/proto/runtime_v1.proto
 fi
 echo "clients-deps: containerd $(dpkg-query -W -f='${Version}' containerd), $OUT/pause-oci.tar, $OUT/cri/runtime_v1_pb2.py"
 

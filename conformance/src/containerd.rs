@@ -12,7 +12,7 @@
 //! - The sandbox (pause) image is `make clients-deps`'s static pause binary packed as an OCI
 //!   archive and imported with `ctr images import`: there is no registry.
 //! - CRI calls go through `conformance/clients/cri/cri.py` (Debian's python3-grpcio, with code
-//!   protoc generated from `cri/runtime_v1.proto`): crictl cannot be built here.
+//!   protoc generated from the `aether-cri` crate's `cri/proto/runtime_v1.proto`): crictl cannot be built here.
 //!
 //! Drop stops and removes what is left (sandboxes through the CRI, then containerd by PID,
 //! then runc containers and shims of this instance only), removes libcni's cache entries of
@@ -201,6 +201,11 @@ impl Containerd {
         if let Some(mut child) = self.child.take() {
             terminate(&mut child, Duration::from_secs(10));
         }
+    }
+
+    /// containerd's socket: its CRI (gRPC) and its own API.
+    pub fn socket(&self) -> &Path {
+        &self.socket
     }
 
     pub fn containerd_log(&self) -> String {

@@ -1,4 +1,4 @@
-//! One test per line of ../shared/reference/cni-checklist.md, driving the built binary
+//! One test per line of docs/cni-checklist.md, driving the built binary
 //! exactly as a runtime does, for each CNI version the line applies to.
 
 mod common;

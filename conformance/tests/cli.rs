@@ -100,14 +100,29 @@ fn help_says_how_the_binary_behaves_as_a_plugin_and_where_the_docs_are() {
         "reads the network configuration (JSON) on stdin",
         "on stdout",
         "logFile",
-        "\"Configuration\"",
-        "\"Pod annotations\"",
         "aether.io/capture",
-        "\"Operating it\"",
         "snapshot.schema.json",
         "--state-dir (default /var/run/aether-cni",
     ] {
         assert!(text.contains(want), "--help should say {want:?}:\n{text}");
+    }
+    // Every page --help sends the reader to is in the repository and has what --help says
+    // is there.
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for (page, headings) in [
+        ("docs/configuration.md", &["# Configuration", "## Pod annotations"][..]),
+        (
+            "docs/operating.md",
+            &["## Operating it", "**CNI error codes**", "**Reading `inspect`.**", "**Finding a pod's netns.**"][..],
+        ),
+        ("docs/agent.md", &["## Commands", "## The snapshot"][..]),
+        ("testdata/services/snapshot.schema.json", &[][..]),
+    ] {
+        assert!(text.contains(page), "--help should name {page}:\n{text}");
+        let body = std::fs::read_to_string(repo.join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
+        for h in headings {
+            assert!(body.lines().any(|l| l.starts_with(h)), "{page} has no line starting {h:?}");
+        }
     }
     let (_, text) = cli(&["services", "apply", "--help"]);
     assert!(text.contains("-f, --file <FILE>") && text.contains("`-` is stdin"), "{text}");

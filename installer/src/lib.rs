@@ -13,6 +13,8 @@
 pub mod args;
 pub mod chain;
 pub mod files;
+pub mod reconcile;
+pub mod runtime;
 pub mod serve;
 
 use std::fs;

@@ -6,8 +6,9 @@
                                              in, {"response": {...}} or {"error": "..."} out
 
 CALL is a method of runtime.v1.RuntimeService (Version, RunPodSandbox, StopPodSandbox,
-RemovePodSandbox, PodSandboxStatus, Status) or ImageService (ImageStatus). DIR holds runtime_v1_pb2.py,
-generated from runtime_v1.proto by conformance/clients/deps.sh. JSON uses the proto field names
+RemovePodSandbox, PodSandboxStatus, ListPodSandbox, Status) or ImageService (ImageStatus).
+DIR holds runtime_v1_pb2.py, generated from cri/proto/runtime_v1.proto (the aether-cri
+crate's, shared with the installer) by conformance/clients/deps.sh. JSON uses the proto field names
 (pod_sandbox_id), with default values included (state SANDBOX_READY). A failed call gives the
 gRPC status code and message: the message is what the runtime says, e.g. the CNI plugin's
 error for a sandbox that failed. --serve pays Python's and grpc's start-up once (about a second
@@ -29,6 +30,7 @@ SERVICES = {
     "StopPodSandbox": "RuntimeService",
     "RemovePodSandbox": "RuntimeService",
     "PodSandboxStatus": "RuntimeService",
+    "ListPodSandbox": "RuntimeService",
     "Status": "RuntimeService",
     "ImageStatus": "ImageService",
 }

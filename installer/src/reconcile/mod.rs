@@ -1,0 +1,292 @@
+//! The reconciler: every pass, the runtime's own pod list against the node's attachment
+//! records, pod by pod.
+//!
+//! - missed pods (ready, wanting capture, no record) are restarted through the CRI, captured
+//!   in place, or reported, by policy, within the pass's limit and each pod's backoff;
+//! - drifted pods (their netns no longer holds what their record says) are repaired to exactly
+//!   the record's ruleset;
+//! - leftovers (a record whose sandbox or netns is gone) are collected as GC collects them.
+//!
+//! The decisions are `plan`'s pure code. This module gathers their inputs through two small
+//! traits, [`Runtime`] (the CRI) and [`NodeOps`] (the node's records and a pod's attachment),
+//! carries the actions out one by one, and reports the pass. Without the runtime (no socket,
+//! errors) the pass still handles drift and leftovers from the records alone, and says that
+//! missed pods cannot be seen.
+
+pub mod cri;
+pub mod plan;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime};
+
+use aether_cri::{Sandbox, SandboxNetns};
+pub use plan::{
+    Action, Finding, Held, Leftover, Limits, Memory, MissedPolicy, Observation, PodRef, PodState, RecordView, Wants,
+};
+use plan::{Input, SandboxView};
+
+/// The runtime's side: its sandboxes, a sandbox's netns, StopPodSandbox.
+pub trait Runtime {
+    type Error: fmt::Display;
+    fn sandboxes(&mut self) -> Result<Vec<Sandbox>, Self::Error>;
+    fn netns(&mut self, sandbox_id: &str) -> Result<SandboxNetns, Self::Error>;
+    fn stop(&mut self, sandbox_id: &str) -> Result<(), Self::Error>;
+}
+
+/// What the node library does for the reconciler. Each operation that changes something takes
+/// the state lock itself and re-reads the record under it, so that it never races an ADD or
+/// DEL of the same pod.
+pub trait NodeOps {
+    type Error: fmt::Display;
+    /// What ADD would make of this sandbox's pod (namespace exclusions, annotations).
+    fn wants(&self, sandbox: &Sandbox) -> Wants;
+    fn records(&mut self) -> Result<Vec<RecordView>, Self::Error>;
+    /// The record's netns compared with the record (CHECK's comparison).
+    fn observe(&mut self, record: &RecordView) -> Observation;
+    /// Re-applies exactly the record's ruleset (ADD's code).
+    fn repair(&mut self, record: &RecordView) -> Result<(), Self::Error>;
+    /// Collects the record as GC does (its Service counts folded once).
+    fn collect(&mut self, record: &RecordView, why: &Leftover) -> Result<(), Self::Error>;
+    /// Captures a missed pod in place, in its netns (ADD's code, from the pod's addresses).
+    fn capture(&mut self, sandbox: &Sandbox, netns: &str) -> Result<(), Self::Error>;
+}
+
+/// How an action went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    Failed(String),
+}
+
+/// One pass, as `/metrics`, the log and `inspect` show it.
+#[derive(Debug, Clone)]
+pub struct PassReport {
+    pub finished: SystemTime,
+    pub took: Duration,
+    /// Why the runtime's sandboxes could not be seen, if so: missed pods are then unseen.
+    pub runtime_unseen: Option<String>,
+    /// Why the records could not be read, if so.
+    pub records_unread: Option<String>,
+    pub findings: Vec<Finding>,
+    pub actions: Vec<(Action, Outcome)>,
+}
+
+impl PassReport {
+    pub fn count(&self, state: PodState) -> usize {
+        self.findings.iter().filter(|f| f.state == state).count()
+    }
+}
+
+/// The kind of an action, for its metric and its log line.
+pub fn action_kind(a: &Action) -> &'static str {
+    match a {
+        Action::Restart { .. } => "restart",
+        Action::Capture { .. } => "capture",
+        Action::Repair { .. } => "repair",
+        Action::Collect { .. } => "collect",
+    }
+}
+
+/// The reconciler's state between passes.
+pub struct Reconciler<R, N> {
+    pub runtime: Option<R>,
+    pub node: N,
+    pub limits: Limits,
+    memory: Memory,
+    /// Verbose statuses are asked once per sandbox: a sandbox's netns does not change.
+    netns_cache: HashMap<String, SandboxNetns>,
+    /// Invalid sandboxes already logged (one line per sandbox, not per pass).
+    invalid_logged: HashSet<String>,
+    runtime_was_unseen: bool,
+}
+
+impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
+    pub fn new(runtime: Option<R>, node: N, limits: Limits) -> Self {
+        Reconciler {
+            runtime,
+            node,
+            limits,
+            memory: Memory::default(),
+            netns_cache: HashMap::new(),
+            invalid_logged: HashSet::new(),
+            runtime_was_unseen: false,
+        }
+    }
+
+    pub fn memory(&self) -> &Memory {
+        &self.memory
+    }
+
+    /// One pass. `node_ready`: `Err(why)` while the plugin is not chained (missed pods wait).
+    pub fn pass(&mut self, node_ready: Result<(), String>) -> PassReport {
+        let started = Instant::now();
+        let (records, records_unread) = match self.node.records() {
+            Ok(r) => (r, None),
+            Err(e) => (Vec::new(), Some(format!("cannot read the attachment records: {e}"))),
+        };
+        let observed: Vec<(RecordView, Observation)> = records
+            .into_iter()
+            .map(|r| {
+                let o = self.node.observe(&r);
+                (r, o)
+            })
+            .collect();
+        let listed = match self.runtime.as_mut() {
+            None => Err("no CRI socket configured".to_string()),
+            Some(rt) => rt.sandboxes().map_err(|e| e.to_string()),
+        };
+        let views = match listed {
+            Ok(sandboxes) => Ok(self.views(sandboxes, &observed)),
+            Err(e) => Err(e),
+        };
+        match (&views, self.runtime_was_unseen) {
+            (Err(why), false) => {
+                tracing::warn!("missed pods cannot be seen (drift and leftovers are still handled): {why}");
+                self.runtime_was_unseen = true;
+            }
+            (Ok(_), true) => {
+                tracing::info!("the runtime's pod list is readable again");
+                self.runtime_was_unseen = false;
+            }
+            _ => {}
+        }
+        let input = Input {
+            runtime: views.as_ref().map(Vec::as_slice).map_err(String::as_str),
+            records: &observed,
+            node_ready: node_ready.as_ref().map(|_| ()).map_err(String::as_str),
+            now: Instant::now(),
+            wall: SystemTime::now(),
+        };
+        let plan = plan::plan(&input, &self.limits, &self.memory);
+        for pod in &plan.settled {
+            self.memory.forget(pod);
+        }
+        let sandboxes: BTreeMap<&str, &Sandbox> = match &views {
+            Ok(v) => v.iter().map(|v| (v.sandbox.id.as_str(), &v.sandbox)).collect(),
+            Err(_) => BTreeMap::new(),
+        };
+        let records: BTreeMap<&str, &RecordView> = observed.iter().map(|(r, _)| (r.key.as_str(), r)).collect();
+        let mut actions = Vec::new();
+        for action in plan.actions {
+            let outcome = self.execute(&action, &sandboxes, &records);
+            if action.counts_as_attempt() {
+                self.memory.acted(action.pod(), Instant::now(), &self.limits);
+            }
+            log_action(&action, &outcome);
+            actions.push((action, outcome));
+        }
+        for f in &plan.findings {
+            if let (PodState::Invalid, Some(held)) = (f.state, &f.held) {
+                if self.invalid_logged.insert(f.sandbox_id.clone()) {
+                    tracing::warn!(pod = %f.pod, sandbox = %f.sandbox_id, "{held}");
+                }
+            }
+        }
+        if let Ok(v) = &views {
+            let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
+            self.netns_cache.retain(|id, _| live.contains(id.as_str()));
+            self.invalid_logged.retain(|id| live.contains(id.as_str()));
+        }
+        PassReport {
+            finished: SystemTime::now(),
+            took: started.elapsed(),
+            runtime_unseen: views.err(),
+            records_unread,
+            findings: plan.findings,
+            actions,
+        }
+    }
+
+    fn views(&mut self, sandboxes: Vec<Sandbox>, observed: &[(RecordView, Observation)]) -> Vec<SandboxView> {
+        let recorded: HashSet<&str> = observed.iter().map(|(r, _)| r.sandbox_id.as_str()).collect();
+        let mut views = Vec::with_capacity(sandboxes.len());
+        for sandbox in sandboxes {
+            let wants = self.node.wants(&sandbox);
+            let netns = if SandboxView::needs_netns(&sandbox, &wants, &recorded) {
+                Some(match self.netns_cache.get(&sandbox.id) {
+                    Some(n) => Ok(n.clone()),
+                    None => match self.runtime.as_mut().map(|rt| rt.netns(&sandbox.id)) {
+                        Some(Ok(n)) => {
+                            self.netns_cache.insert(sandbox.id.clone(), n.clone());
+                            Ok(n)
+                        }
+                        Some(Err(e)) => Err(e.to_string()),
+                        None => Err("no runtime".to_string()),
+                    },
+                })
+            } else {
+                None
+            };
+            views.push(SandboxView { sandbox, wants, netns });
+        }
+        views
+    }
+
+    fn execute(
+        &mut self,
+        action: &Action,
+        sandboxes: &BTreeMap<&str, &Sandbox>,
+        records: &BTreeMap<&str, &RecordView>,
+    ) -> Outcome {
+        let done = |r: Result<(), String>| match r {
+            Ok(()) => Outcome::Done,
+            Err(e) => Outcome::Failed(e),
+        };
+        match action {
+            Action::Restart { sandbox_id, .. } => match self.runtime.as_mut() {
+                Some(rt) => done(rt.stop(sandbox_id).map_err(|e| e.to_string())),
+                None => Outcome::Failed("no runtime".into()),
+            },
+            Action::Capture { sandbox_id, netns, .. } => match sandboxes.get(sandbox_id.as_str()) {
+                Some(sb) => done(self.node.capture(sb, netns).map_err(|e| e.to_string())),
+                None => Outcome::Failed(format!("sandbox {sandbox_id} is not in this pass's list")),
+            },
+            Action::Repair { record, .. } => match records.get(record.as_str()) {
+                Some(r) => done(self.node.repair(r).map_err(|e| e.to_string())),
+                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
+            },
+            Action::Collect { record, why, .. } => match records.get(record.as_str()) {
+                Some(r) => done(self.node.collect(r, why).map_err(|e| e.to_string())),
+                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
+            },
+        }
+    }
+}
+
+/// One line per action: the pod and what was done.
+fn log_action(action: &Action, outcome: &Outcome) {
+    let pod = action.pod();
+    let failed = match outcome {
+        Outcome::Done => None,
+        Outcome::Failed(e) => Some(e),
+    };
+    match (action, failed) {
+        (Action::Restart { sandbox_id, .. }, None) => tracing::info!(
+            pod = %pod, sandbox = %sandbox_id,
+            "missed pod (no capture): sandbox stopped through the CRI, the kubelet recreates it through ADD"
+        ),
+        (Action::Capture { sandbox_id, netns, .. }, None) => tracing::info!(
+            pod = %pod, sandbox = %sandbox_id,
+            "missed pod (no capture): captured in place in {netns}; connections opened before stay uncaptured"
+        ),
+        (Action::Repair { record, differences, .. }, None) => tracing::info!(
+            pod = %pod, record = %record,
+            "drift repaired to the record's ruleset: {}", differences.join("; ")
+        ),
+        (Action::Collect { record, why, .. }, None) => tracing::info!(
+            pod = %pod, record = %record, "leftover collected: {}", leftover_text(why)
+        ),
+        (a, Some(e)) => tracing::warn!(pod = %pod, "{} failed: {e}", action_kind(a)),
+    }
+}
+
+pub fn leftover_text(why: &Leftover) -> String {
+    match why {
+        Leftover::SandboxGone => "the runtime no longer has its sandbox".into(),
+        Leftover::NetnsGone(w) => format!("its network namespace is gone ({w})"),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,786 @@
+//! The reconciler's decisions, as pure code: what the runtime reports (its sandboxes, each
+//! with what ADD would make of it), what the node holds (its attachment records, each with
+//! what its netns shows), the node's readiness and the pods' history in, actions and each
+//! pod's state out. Nothing here touches a socket, a file or the kernel: `super` gathers the
+//! inputs and carries the actions out, and the unit tests drive every rule with plain values.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime};
+
+use aether_cri::{Sandbox, SandboxNetns, SandboxState};
+
+/// What to do with a missed pod: a ready sandbox that should be captured and has no
+/// attachment record (it started before the plugin was chained, or ADD never ran).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissedPolicy {
+    /// Stop the sandbox through the CRI: the kubelet makes a new one, through a real ADD.
+    Restart,
+    /// Program the capture in place, with ADD's code, from the pod's netns.
+    Capture,
+    /// Change nothing; log and count it.
+    Report,
+}
+
+impl MissedPolicy {
+    pub const NAMES: [&'static str; 3] = ["restart", "capture", "report"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MissedPolicy::Restart => "restart",
+            MissedPolicy::Capture => "capture",
+            MissedPolicy::Report => "report",
+        }
+    }
+}
+
+impl std::str::FromStr for MissedPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "restart" => Ok(MissedPolicy::Restart),
+            "capture" => Ok(MissedPolicy::Capture),
+            "report" => Ok(MissedPolicy::Report),
+            _ => Err(format!("{s:?} is not a missed-pod policy: expected restart, capture or report")),
+        }
+    }
+}
+
+/// How much one pass may do, and how often one pod may be acted on.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub missed: MissedPolicy,
+    /// Restarts plus in-place captures per pass (a node reboot with a hundred missed pods is
+    /// then no restart storm).
+    pub actions_per_pass: usize,
+    /// The wait after a pod's first action; doubled after each further one, up to
+    /// `backoff_max`.
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+    /// Actions on one pod (restarts, captures, failed repairs) before it is only reported.
+    pub attempts: u32,
+    /// A record whose sandbox the runtime does not list is collected only once it is this
+    /// old: a sandbox being created is listed only after its ADD wrote the record.
+    pub leftover_grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            missed: MissedPolicy::Restart,
+            actions_per_pass: 5,
+            backoff: Duration::from_secs(30),
+            backoff_max: Duration::from_secs(600),
+            attempts: 3,
+            leftover_grace: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A pod as people name it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl PodRef {
+    pub fn of(s: &Sandbox) -> PodRef {
+        PodRef { namespace: s.namespace.clone(), name: s.name.clone(), uid: s.uid.clone() }
+    }
+
+    /// The key of the pod's history: its uid (a restarted pod keeps it, its sandbox ID does
+    /// not), or its name where the uid is unknown.
+    fn history_key(&self) -> String {
+        if self.uid.is_empty() {
+            format!("{}/{}", self.namespace, self.name)
+        } else {
+            self.uid.clone()
+        }
+    }
+}
+
+impl fmt::Display for PodRef {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match (self.namespace.is_empty(), self.name.is_empty()) {
+            (true, true) => f.write_str("(unnamed pod)"),
+            _ => write!(f, "{}/{}", self.namespace, self.name),
+        }
+    }
+}
+
+/// What ADD would make of a sandbox's pod, judged by the node's configuration and the pod's
+/// annotations exactly as ADD judges them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wants {
+    Capture,
+    /// The pod's namespace is in `excludeNamespaces`.
+    Excluded,
+    /// `captureMode: disabled` on the node or `aether.io/capture: disabled` on the pod.
+    Disabled,
+    /// ADD would refuse it (a malformed annotation): reported, never programmed.
+    Invalid(String),
+}
+
+/// One attachment record, as the reconciler needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordView {
+    /// network/container/ifname.
+    pub key: String,
+    /// `CNI_CONTAINERID`: the runtime's sandbox ID.
+    pub sandbox_id: String,
+    pub pod: PodRef,
+    pub netns: String,
+    /// When the record was written (its file's time).
+    pub written: SystemTime,
+}
+
+/// What a record's netns holds, compared with the record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    Intact,
+    /// Each difference as CHECK prints it.
+    Drifted(Vec<String>),
+    /// The netns is gone, or is another namespace than the one ADD programmed.
+    NetnsGone(String),
+    /// It could not be compared (e.g. the netns could not be opened): nothing is done.
+    Unverifiable(String),
+}
+
+/// A sandbox of the runtime's list, with what ADD would make of it and, for a pod that may
+/// be missed, its network namespace (looked up only for those: it takes a verbose status).
+#[derive(Debug, Clone)]
+pub struct SandboxView {
+    pub sandbox: Sandbox,
+    pub wants: Wants,
+    pub netns: Option<Result<SandboxNetns, String>>,
+}
+
+impl SandboxView {
+    /// Whether the plan needs this sandbox's netns: ready, wanting capture, not recorded.
+    pub fn needs_netns(sandbox: &Sandbox, wants: &Wants, recorded: &HashSet<&str>) -> bool {
+        sandbox.state == SandboxState::Ready && *wants == Wants::Capture && !recorded.contains(sandbox.id.as_str())
+    }
+}
+
+/// Everything one pass decides from.
+pub struct Input<'a> {
+    /// The runtime's sandboxes, or why they cannot be seen (no socket, errors): then missed
+    /// pods cannot be seen, and records are judged by their netns alone.
+    pub runtime: Result<&'a [SandboxView], &'a str>,
+    pub records: &'a [(RecordView, Observation)],
+    /// `Err(why)` while the node is not ready (the plugin not chained yet): a restarted pod
+    /// would come back uncaptured, so missed pods wait.
+    pub node_ready: Result<(), &'a str>,
+    pub now: Instant,
+    pub wall: SystemTime,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leftover {
+    /// The runtime no longer has the record's sandbox.
+    SandboxGone,
+    /// The record's netns is gone (or another namespace now).
+    NetnsGone(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// StopPodSandbox: the kubelet recreates the pod through a real ADD.
+    Restart { sandbox_id: String, pod: PodRef },
+    /// ADD's capture in place, in `netns`.
+    Capture { sandbox_id: String, pod: PodRef, netns: String },
+    /// Re-apply exactly the record's ruleset.
+    Repair { record: String, pod: PodRef, differences: Vec<String> },
+    /// Collect the record as GC does.
+    Collect { record: String, pod: PodRef, why: Leftover },
+}
+
+impl Action {
+    pub fn pod(&self) -> &PodRef {
+        match self {
+            Action::Restart { pod, .. }
+            | Action::Capture { pod, .. }
+            | Action::Repair { pod, .. }
+            | Action::Collect { pod, .. } => pod,
+        }
+    }
+
+    /// Restarts, captures and repairs count toward a pod's attempts (collecting a leftover
+    /// is final).
+    pub fn counts_as_attempt(&self) -> bool {
+        !matches!(self, Action::Collect { .. })
+    }
+}
+
+/// A pod's state in this pass (the `/metrics` "pods by state").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PodState {
+    Captured,
+    Missed,
+    Drifted,
+    Excluded,
+    Disabled,
+    /// ADD would refuse its annotations.
+    Invalid,
+    /// No netns of its own (hostNetwork): never captured.
+    HostNetwork,
+    /// The runtime reports the sandbox not ready: left alone.
+    NotReady,
+    /// Its record could not be compared with its netns.
+    Unverifiable,
+    /// A record without a sandbox or netns.
+    Leftover,
+}
+
+impl PodState {
+    pub const ALL: [PodState; 10] = [
+        PodState::Captured,
+        PodState::Missed,
+        PodState::Drifted,
+        PodState::Excluded,
+        PodState::Disabled,
+        PodState::Invalid,
+        PodState::HostNetwork,
+        PodState::NotReady,
+        PodState::Unverifiable,
+        PodState::Leftover,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PodState::Captured => "captured",
+            PodState::Missed => "missed",
+            PodState::Drifted => "drifted",
+            PodState::Excluded => "excluded",
+            PodState::Disabled => "disabled",
+            PodState::Invalid => "invalid",
+            PodState::HostNetwork => "host-network",
+            PodState::NotReady => "not-ready",
+            PodState::Unverifiable => "unverifiable",
+            PodState::Leftover => "leftover",
+        }
+    }
+}
+
+/// Why a pod that needs something got nothing this pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    /// The `report` policy.
+    Reported,
+    /// This pass's restarts and captures are used up.
+    RateLimited,
+    /// Acted on lately: not before this long.
+    BackingOff(Duration),
+    /// Acted on this many times and still not right: only reported from now on.
+    GaveUp(u32),
+    NodeNotReady(String),
+    /// Its netns could not be learnt from the runtime.
+    NetnsUnknown(String),
+    /// ADD would refuse it: why.
+    Invalid(String),
+    /// Its record could not be compared: why.
+    Unverifiable(String),
+}
+
+impl fmt::Display for Held {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Held::Reported => f.write_str("reported only (policy report)"),
+            Held::RateLimited => f.write_str("held: this pass's limit of restarts and captures is reached"),
+            Held::BackingOff(d) => write!(f, "held: acted on recently, next attempt in {} s", d.as_secs()),
+            Held::GaveUp(n) => write!(f, "given up after {n} attempts: reported only"),
+            Held::NodeNotReady(why) => write!(f, "held while the node is not ready ({why})"),
+            Held::NetnsUnknown(why) => write!(f, "its network namespace is unknown: {why}"),
+            Held::Invalid(why) => write!(f, "ADD would refuse it, nothing programmed: {why}"),
+            Held::Unverifiable(why) => write!(f, "cannot be compared with its record: {why}"),
+        }
+    }
+}
+
+/// One pod (a sandbox, a record, or both) as the pass saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    pub pod: PodRef,
+    pub sandbox_id: String,
+    pub state: PodState,
+    pub held: Option<Held>,
+}
+
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub findings: Vec<Finding>,
+    /// Pods seen right (captured and intact): their history is forgotten.
+    pub settled: Vec<PodRef>,
+}
+
+/// A pod's actions so far, across passes.
+#[derive(Debug, Clone)]
+struct History {
+    attempts: u32,
+    next: Instant,
+}
+
+/// What the reconciler remembers between passes: each pod's attempts.
+#[derive(Debug, Default)]
+pub struct Memory {
+    pods: HashMap<String, History>,
+}
+
+impl Memory {
+    /// After an action on `pod` (whatever its outcome): one attempt more, and the next not
+    /// before the backoff, doubled per attempt.
+    pub fn acted(&mut self, pod: &PodRef, now: Instant, limits: &Limits) {
+        let h = self.pods.entry(pod.history_key()).or_insert(History { attempts: 0, next: now });
+        h.attempts += 1;
+        let factor = 1u32.checked_shl(h.attempts - 1).unwrap_or(u32::MAX);
+        h.next = now + limits.backoff.saturating_mul(factor).min(limits.backoff_max);
+    }
+
+    pub fn forget(&mut self, pod: &PodRef) {
+        self.pods.remove(&pod.history_key());
+    }
+
+    pub fn attempts(&self, pod: &PodRef) -> u32 {
+        self.pods.get(&pod.history_key()).map_or(0, |h| h.attempts)
+    }
+
+    fn held(&self, pod: &PodRef, now: Instant, limits: &Limits) -> Option<Held> {
+        let h = self.pods.get(&pod.history_key())?;
+        if h.attempts >= limits.attempts {
+            Some(Held::GaveUp(h.attempts))
+        } else if now < h.next {
+            Some(Held::BackingOff(h.next - now))
+        } else {
+            None
+        }
+    }
+}
+
+/// The pass's decisions. Records first (drift and leftovers need no runtime), then the
+/// runtime's sandboxes without a record, oldest first.
+pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
+    let mut out = Plan::default();
+    let sandboxes: Option<HashMap<&str, &SandboxView>> =
+        input.runtime.ok().map(|list| list.iter().map(|v| (v.sandbox.id.as_str(), v)).collect());
+
+    for (record, observation) in input.records {
+        let listed = sandboxes.as_ref().map(|m| m.get(record.sandbox_id.as_str()).copied());
+        let pod = match listed {
+            Some(Some(v)) => PodRef::of(&v.sandbox),
+            _ => record.pod.clone(),
+        };
+        let finding = |state, held| Finding { pod: pod.clone(), sandbox_id: record.sandbox_id.clone(), state, held };
+        let age = input.wall.duration_since(record.written).unwrap_or(Duration::ZERO);
+        match (observation, listed) {
+            (Observation::NetnsGone(why), _) => {
+                out.actions.push(Action::Collect {
+                    record: record.key.clone(),
+                    pod: pod.clone(),
+                    why: Leftover::NetnsGone(why.clone()),
+                });
+                out.findings.push(finding(PodState::Leftover, None));
+            }
+            (_, Some(None)) if age >= limits.leftover_grace => {
+                out.actions.push(Action::Collect {
+                    record: record.key.clone(),
+                    pod: pod.clone(),
+                    why: Leftover::SandboxGone,
+                });
+                out.findings.push(finding(PodState::Leftover, None));
+            }
+            // The runtime is tearing it down (or will retry its DEL): its DEL owns it.
+            (_, Some(Some(v))) if v.sandbox.state == SandboxState::NotReady => {
+                out.findings.push(finding(PodState::NotReady, None));
+            }
+            (Observation::Intact, _) => {
+                out.findings.push(finding(PodState::Captured, None));
+                out.settled.push(pod.clone());
+            }
+            (Observation::Drifted(differences), _) => {
+                let held = memory.held(&pod, input.now, limits);
+                if held.is_none() {
+                    out.actions.push(Action::Repair {
+                        record: record.key.clone(),
+                        pod: pod.clone(),
+                        differences: differences.clone(),
+                    });
+                }
+                out.findings.push(finding(PodState::Drifted, held));
+            }
+            (Observation::Unverifiable(why), _) => {
+                out.findings.push(finding(PodState::Unverifiable, Some(Held::Unverifiable(why.clone()))));
+            }
+        }
+    }
+
+    let Ok(list) = input.runtime else { return out };
+    let recorded: HashSet<&str> = input.records.iter().map(|(r, _)| r.sandbox_id.as_str()).collect();
+    let mut unrecorded: Vec<&SandboxView> = list.iter().filter(|v| !recorded.contains(v.sandbox.id.as_str())).collect();
+    unrecorded.sort_by(|a, b| (a.sandbox.created_at, &a.sandbox.id).cmp(&(b.sandbox.created_at, &b.sandbox.id)));
+    let mut budget = limits.actions_per_pass;
+    for v in unrecorded {
+        let pod = PodRef::of(&v.sandbox);
+        let mut finding = |state, held| {
+            out.findings.push(Finding { pod: pod.clone(), sandbox_id: v.sandbox.id.clone(), state, held })
+        };
+        if v.sandbox.state != SandboxState::Ready {
+            finding(PodState::NotReady, None);
+            continue;
+        }
+        match &v.wants {
+            Wants::Excluded => finding(PodState::Excluded, None),
+            Wants::Disabled => finding(PodState::Disabled, None),
+            Wants::Invalid(why) => finding(PodState::Invalid, Some(Held::Invalid(why.clone()))),
+            Wants::Capture => match &v.netns {
+                Some(Ok(SandboxNetns::Node)) => finding(PodState::HostNetwork, None),
+                None => finding(PodState::Missed, Some(Held::NetnsUnknown("not looked up".into()))),
+                Some(Err(why)) => finding(PodState::Missed, Some(Held::NetnsUnknown(why.clone()))),
+                Some(Ok(SandboxNetns::Pod(netns))) => {
+                    let held = if let Err(why) = input.node_ready {
+                        Some(Held::NodeNotReady(why.to_string()))
+                    } else if limits.missed == MissedPolicy::Report {
+                        Some(Held::Reported)
+                    } else if let Some(h) = memory.held(&pod, input.now, limits) {
+                        Some(h)
+                    } else if budget == 0 {
+                        Some(Held::RateLimited)
+                    } else {
+                        None
+                    };
+                    if held.is_none() {
+                        budget -= 1;
+                        let (sandbox_id, pod) = (v.sandbox.id.clone(), pod.clone());
+                        out.actions.push(match limits.missed {
+                            MissedPolicy::Restart => Action::Restart { sandbox_id, pod },
+                            _ => Action::Capture { sandbox_id, pod, netns: netns.clone() },
+                        });
+                    }
+                    finding(PodState::Missed, held);
+                }
+            },
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn sandbox(id: &str, ns: &str, name: &str, created_at: i64) -> Sandbox {
+        Sandbox {
+            id: id.into(),
+            namespace: ns.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            attempt: 0,
+            state: SandboxState::Ready,
+            created_at,
+            annotations: BTreeMap::new(),
+        }
+    }
+
+    fn view(s: Sandbox, wants: Wants) -> SandboxView {
+        let netns = Some(Ok(SandboxNetns::Pod(format!("/run/netns/{}", s.id))));
+        SandboxView { sandbox: s, wants, netns }
+    }
+
+    fn record(id: &str, name: &str, age: Duration, wall: SystemTime) -> RecordView {
+        RecordView {
+            key: format!("net/{id}/eth0"),
+            sandbox_id: id.into(),
+            pod: PodRef { namespace: "shop".into(), name: name.into(), uid: format!("uid-{name}") },
+            netns: format!("/run/netns/{id}"),
+            written: wall - age,
+        }
+    }
+
+    struct World {
+        sandboxes: Vec<SandboxView>,
+        records: Vec<(RecordView, Observation)>,
+        runtime_error: Option<String>,
+        node_not_ready: Option<String>,
+        now: Instant,
+        wall: SystemTime,
+    }
+
+    impl World {
+        fn new() -> World {
+            World {
+                sandboxes: vec![],
+                records: vec![],
+                runtime_error: None,
+                node_not_ready: None,
+                now: Instant::now(),
+                wall: SystemTime::now(),
+            }
+        }
+        fn plan(&self, limits: &Limits, memory: &Memory) -> Plan {
+            let input = Input {
+                runtime: match &self.runtime_error {
+                    Some(e) => Err(e.as_str()),
+                    None => Ok(&self.sandboxes),
+                },
+                records: &self.records,
+                node_ready: match &self.node_not_ready {
+                    Some(e) => Err(e.as_str()),
+                    None => Ok(()),
+                },
+                now: self.now,
+                wall: self.wall,
+            };
+            plan(&input, limits, memory)
+        }
+        fn state_of(plan: &Plan, id: &str) -> (PodState, Option<Held>) {
+            let f = plan.findings.iter().find(|f| f.sandbox_id == id).unwrap_or_else(|| panic!("no finding for {id}"));
+            (f.state, f.held.clone())
+        }
+    }
+
+    fn limits(missed: MissedPolicy) -> Limits {
+        Limits { missed, ..Limits::default() }
+    }
+
+    #[test]
+    fn a_missed_pod_is_handled_by_policy() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "cart", 1), Wants::Capture));
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert_eq!(
+            p.actions,
+            vec![Action::Restart { sandbox_id: "a".into(), pod: PodRef::of(&w.sandboxes[0].sandbox) }]
+        );
+        assert_eq!(World::state_of(&p, "a"), (PodState::Missed, None));
+
+        let p = w.plan(&limits(MissedPolicy::Capture), &Memory::default());
+        assert_eq!(
+            p.actions,
+            vec![Action::Capture {
+                sandbox_id: "a".into(),
+                pod: PodRef::of(&w.sandboxes[0].sandbox),
+                netns: "/run/netns/a".into()
+            }]
+        );
+
+        let p = w.plan(&limits(MissedPolicy::Report), &Memory::default());
+        assert!(p.actions.is_empty());
+        assert_eq!(World::state_of(&p, "a"), (PodState::Missed, Some(Held::Reported)));
+    }
+
+    #[test]
+    fn excluded_disabled_invalid_host_network_and_not_ready_sandboxes_are_never_acted_on() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("k", "kube-system", "dns", 1), Wants::Excluded));
+        w.sandboxes.push(view(sandbox("d", "shop", "off", 2), Wants::Disabled));
+        w.sandboxes.push(view(sandbox("i", "shop", "bad", 3), Wants::Invalid("pod annotation x is invalid".into())));
+        let mut host = view(sandbox("h", "shop", "host", 4), Wants::Capture);
+        host.netns = Some(Ok(SandboxNetns::Node));
+        w.sandboxes.push(host);
+        let mut creating = sandbox("n", "shop", "creating", 5);
+        creating.state = SandboxState::NotReady;
+        w.sandboxes.push(view(creating, Wants::Capture));
+        let mut unknown = view(sandbox("u", "shop", "unknown", 6), Wants::Capture);
+        unknown.netns = Some(Err("PodSandboxStatus failed".into()));
+        w.sandboxes.push(unknown);
+        for policy in [MissedPolicy::Restart, MissedPolicy::Capture] {
+            let p = w.plan(&limits(policy), &Memory::default());
+            assert!(p.actions.is_empty(), "{policy:?}: {:?}", p.actions);
+            assert_eq!(World::state_of(&p, "k").0, PodState::Excluded);
+            assert_eq!(World::state_of(&p, "d").0, PodState::Disabled);
+            assert_eq!(
+                World::state_of(&p, "i"),
+                (PodState::Invalid, Some(Held::Invalid("pod annotation x is invalid".into())))
+            );
+            assert_eq!(World::state_of(&p, "h").0, PodState::HostNetwork);
+            assert_eq!(World::state_of(&p, "n").0, PodState::NotReady);
+            assert_eq!(World::state_of(&p, "u").1, Some(Held::NetnsUnknown("PodSandboxStatus failed".into())));
+        }
+        // Negative control: the same sandboxes wanting capture are acted on.
+        for v in &mut w.sandboxes {
+            v.wants = Wants::Capture;
+            v.netns = Some(Ok(SandboxNetns::Pod("/run/netns/x".into())));
+        }
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert_eq!(p.actions.len(), 5, "all ready ones but the not-ready one: {:?}", p.actions);
+    }
+
+    #[test]
+    fn missed_pods_wait_while_the_node_is_not_ready() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "cart", 1), Wants::Capture));
+        w.node_not_ready = Some("primary: no CNI configuration yet".into());
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert!(p.actions.is_empty());
+        assert_eq!(World::state_of(&p, "a").1, Some(Held::NodeNotReady("primary: no CNI configuration yet".into())));
+    }
+
+    #[test]
+    fn restarts_are_limited_per_pass_oldest_first() {
+        let mut w = World::new();
+        for i in (0..100).rev() {
+            w.sandboxes.push(view(sandbox(&format!("s{i:03}"), "shop", &format!("p{i}"), i), Wants::Capture));
+        }
+        let l = Limits { actions_per_pass: 5, ..limits(MissedPolicy::Restart) };
+        let p = w.plan(&l, &Memory::default());
+        let ids: Vec<&str> = p
+            .actions
+            .iter()
+            .map(|a| match a {
+                Action::Restart { sandbox_id, .. } => sandbox_id.as_str(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(ids, ["s000", "s001", "s002", "s003", "s004"]);
+        assert_eq!(p.findings.iter().filter(|f| f.held == Some(Held::RateLimited)).count(), 95);
+    }
+
+    #[test]
+    fn a_pod_acted_on_backs_off_and_is_given_up_after_its_attempts() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "cart", 1), Wants::Capture));
+        let l = Limits {
+            backoff: Duration::from_secs(10),
+            backoff_max: Duration::from_secs(25),
+            attempts: 3,
+            ..limits(MissedPolicy::Restart)
+        };
+        let pod = PodRef::of(&w.sandboxes[0].sandbox);
+        let mut m = Memory::default();
+        let t0 = w.now;
+        m.acted(&pod, t0, &l);
+        // The restarted pod comes back under a new sandbox ID, still uncaptured.
+        w.sandboxes[0].sandbox.id = "a2".into();
+        w.now = t0 + Duration::from_secs(5);
+        let p = w.plan(&l, &m);
+        assert!(p.actions.is_empty());
+        assert_eq!(World::state_of(&p, "a2").1, Some(Held::BackingOff(Duration::from_secs(5))));
+        w.now = t0 + Duration::from_secs(10);
+        assert_eq!(w.plan(&l, &m).actions.len(), 1, "backoff over");
+        m.acted(&pod, w.now, &l);
+        // Doubled: 20 s.
+        w.now = t0 + Duration::from_secs(29);
+        assert!(w.plan(&l, &m).actions.is_empty());
+        w.now = t0 + Duration::from_secs(30);
+        assert_eq!(w.plan(&l, &m).actions.len(), 1);
+        m.acted(&pod, w.now, &l);
+        w.now = t0 + Duration::from_secs(3600);
+        let p = w.plan(&l, &m);
+        assert!(p.actions.is_empty(), "never restarted in a loop");
+        assert_eq!(World::state_of(&p, "a2").1, Some(Held::GaveUp(3)));
+        // Seen captured at last: forgotten.
+        m.forget(&pod);
+        assert_eq!(w.plan(&l, &m).actions.len(), 1);
+    }
+
+    #[test]
+    fn drift_is_repaired_intact_pods_are_left_alone() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
+        w.sandboxes.push(view(sandbox("b", "shop", "b", 2), Wants::Capture));
+        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Intact));
+        w.records.push((
+            record("b", "b", Duration::from_secs(600), w.wall),
+            Observation::Drifted(vec!["rule removed: ...".into()]),
+        ));
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert_eq!(
+            p.actions,
+            vec![Action::Repair {
+                record: "net/b/eth0".into(),
+                pod: PodRef::of(&w.sandboxes[1].sandbox),
+                differences: vec!["rule removed: ...".into()]
+            }]
+        );
+        assert_eq!(World::state_of(&p, "a").0, PodState::Captured);
+        assert_eq!(World::state_of(&p, "b").0, PodState::Drifted);
+        assert_eq!(p.settled, vec![PodRef::of(&w.sandboxes[0].sandbox)]);
+        // Without the runtime the same holds: drift needs only the record and its netns.
+        w.runtime_error = Some("no socket".into());
+        let q = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert_eq!(q.actions.len(), 1);
+        assert!(matches!(q.actions[0], Action::Repair { .. }));
+    }
+
+    #[test]
+    fn leftovers_are_collected_but_not_a_sandbox_being_created() {
+        let mut w = World::new();
+        let l = limits(MissedPolicy::Restart);
+        w.records.push((record("gone", "gone", Duration::from_secs(600), w.wall), Observation::Intact));
+        w.records.push((record("fresh", "fresh", Duration::from_secs(1), w.wall), Observation::Intact));
+        w.records.push((
+            record("nons", "nons", Duration::from_secs(1), w.wall),
+            Observation::NetnsGone("no such file".into()),
+        ));
+        let p = w.plan(&l, &Memory::default());
+        let collected: Vec<(&str, &Leftover)> = p
+            .actions
+            .iter()
+            .map(|a| match a {
+                Action::Collect { record, why, .. } => (record.as_str(), why),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            collected,
+            vec![
+                ("net/gone/eth0", &Leftover::SandboxGone),
+                ("net/nons/eth0", &Leftover::NetnsGone("no such file".into()))
+            ]
+        );
+        assert_eq!(World::state_of(&p, "fresh").0, PodState::Captured, "its sandbox is being created");
+        // Without the runtime, a record without sandbox cannot be told: only a gone netns is
+        // a leftover.
+        w.runtime_error = Some("connection refused".into());
+        let q = w.plan(&l, &Memory::default());
+        assert_eq!(q.actions.len(), 1);
+        assert!(matches!(&q.actions[0], Action::Collect { why: Leftover::NetnsGone(_), .. }));
+    }
+
+    #[test]
+    fn a_not_ready_sandbox_with_a_record_is_left_to_the_runtime() {
+        let mut w = World::new();
+        let mut s = sandbox("a", "shop", "a", 1);
+        s.state = SandboxState::NotReady;
+        w.sandboxes.push(view(s, Wants::Capture));
+        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Drifted(vec!["x".into()])));
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert!(p.actions.is_empty(), "{:?}", p.actions);
+        assert_eq!(World::state_of(&p, "a").0, PodState::NotReady);
+    }
+
+    #[test]
+    fn recorded_sandboxes_are_not_missed_and_unverifiable_records_are_kept() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
+        w.records
+            .push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Unverifiable("EACCES".into())));
+        let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
+        assert!(p.actions.is_empty());
+        assert_eq!(World::state_of(&p, "a"), (PodState::Unverifiable, Some(Held::Unverifiable("EACCES".into()))));
+    }
+
+    #[test]
+    fn a_repair_that_keeps_failing_backs_off() {
+        let mut w = World::new();
+        w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
+        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Drifted(vec!["x".into()])));
+        let l = limits(MissedPolicy::Restart);
+        let mut m = Memory::default();
+        m.acted(&w.records[0].0.pod, w.now, &l);
+        let p = w.plan(&l, &m);
+        assert!(p.actions.is_empty());
+        assert!(matches!(World::state_of(&p, "a"), (PodState::Drifted, Some(Held::BackingOff(_)))));
+    }
+
+    #[test]
+    fn policies_parse_by_name() {
+        for n in MissedPolicy::NAMES {
+            assert_eq!(n.parse::<MissedPolicy>().unwrap().name(), n);
+        }
+        assert!("delete".parse::<MissedPolicy>().unwrap_err().contains("\"delete\""));
+    }
+}

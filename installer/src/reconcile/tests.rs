@@ -1,0 +1,264 @@
+//! The pass over fakes of the runtime and the node (in the spirit of youki's fake netlink
+//! client): what it asks, what it does, what it reports.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime};
+
+use aether_cri::{Sandbox, SandboxNetns, SandboxState};
+
+use super::*;
+
+#[derive(Default)]
+struct FakeRuntime {
+    sandboxes: Vec<Sandbox>,
+    netns: HashMap<String, SandboxNetns>,
+    /// Every call, in order.
+    calls: Vec<String>,
+    fail_list: Option<String>,
+}
+
+impl Runtime for FakeRuntime {
+    type Error = String;
+    fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
+        self.calls.push("list".into());
+        match &self.fail_list {
+            Some(e) => Err(e.clone()),
+            None => Ok(self.sandboxes.clone()),
+        }
+    }
+    fn netns(&mut self, id: &str) -> Result<SandboxNetns, String> {
+        self.calls.push(format!("status {id}"));
+        self.netns.get(id).cloned().ok_or_else(|| format!("NotFound: {id}"))
+    }
+    fn stop(&mut self, id: &str) -> Result<(), String> {
+        self.calls.push(format!("stop {id}"));
+        let s = self.sandboxes.iter_mut().find(|s| s.id == id).ok_or_else(|| format!("NotFound: {id}"))?;
+        s.state = SandboxState::NotReady;
+        Ok(())
+    }
+}
+
+/// A node whose records and netns are a map: drift is a flag, repair clears it.
+#[derive(Default)]
+struct FakeNode {
+    records: BTreeMap<String, (RecordView, Observation)>,
+    calls: Vec<String>,
+    fail_repair: bool,
+}
+
+impl NodeOps for FakeNode {
+    type Error = String;
+    fn wants(&self, s: &Sandbox) -> Wants {
+        if s.namespace == "kube-system" {
+            return Wants::Excluded;
+        }
+        match s.annotations.get("aether.io/capture").map(String::as_str) {
+            None | Some("redirect-all") | Some("scoped") => Wants::Capture,
+            Some("disabled") => Wants::Disabled,
+            Some(v) => Wants::Invalid(format!("pod annotation aether.io/capture={v:?} is invalid")),
+        }
+    }
+    fn records(&mut self) -> Result<Vec<RecordView>, String> {
+        Ok(self.records.values().map(|(r, _)| r.clone()).collect())
+    }
+    fn observe(&mut self, r: &RecordView) -> Observation {
+        self.records[&r.key].1.clone()
+    }
+    fn repair(&mut self, r: &RecordView) -> Result<(), String> {
+        self.calls.push(format!("repair {}", r.key));
+        if self.fail_repair {
+            return Err("netlink: EPERM".into());
+        }
+        self.records.get_mut(&r.key).unwrap().1 = Observation::Intact;
+        Ok(())
+    }
+    fn collect(&mut self, r: &RecordView, _: &Leftover) -> Result<(), String> {
+        self.calls.push(format!("collect {}", r.key));
+        self.records.remove(&r.key);
+        Ok(())
+    }
+    fn capture(&mut self, s: &Sandbox, netns: &str) -> Result<(), String> {
+        self.calls.push(format!("capture {} {netns}", s.id));
+        let r = RecordView {
+            key: format!("net/{}/eth0", s.id),
+            sandbox_id: s.id.clone(),
+            pod: PodRef::of(s),
+            netns: netns.into(),
+            written: SystemTime::now(),
+        };
+        self.records.insert(r.key.clone(), (r, Observation::Intact));
+        Ok(())
+    }
+}
+
+fn sandbox(id: &str, ns: &str, name: &str, annotations: &[(&str, &str)]) -> Sandbox {
+    Sandbox {
+        id: id.into(),
+        namespace: ns.into(),
+        name: name.into(),
+        uid: format!("uid-{name}"),
+        attempt: 0,
+        state: SandboxState::Ready,
+        created_at: 0,
+        annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+    }
+}
+
+fn node_with_record(id: &str, name: &str, obs: Observation) -> FakeNode {
+    let mut n = FakeNode::default();
+    let r = RecordView {
+        key: format!("net/{id}/eth0"),
+        sandbox_id: id.into(),
+        pod: PodRef { namespace: "shop".into(), name: name.into(), uid: format!("uid-{name}") },
+        netns: format!("/run/netns/{id}"),
+        written: SystemTime::now() - Duration::from_secs(3600),
+    };
+    n.records.insert(r.key.clone(), (r, obs));
+    n
+}
+
+fn node_pods() -> FakeRuntime {
+    let mut rt = FakeRuntime {
+        sandboxes: vec![
+            sandbox("missed", "shop", "cart", &[]),
+            sandbox("system", "kube-system", "dns", &[]),
+            sandbox("off", "shop", "legacy", &[("aether.io/capture", "disabled")]),
+            sandbox("bad", "shop", "weird", &[("aether.io/capture", "sideways")]),
+        ],
+        ..Default::default()
+    };
+    for s in &rt.sandboxes {
+        rt.netns.insert(s.id.clone(), SandboxNetns::Pod(format!("/run/netns/{}", s.id)));
+    }
+    rt
+}
+
+#[test]
+fn restart_stops_only_the_missed_sandbox_and_asks_its_status_only() {
+    let mut r = Reconciler::new(Some(node_pods()), FakeNode::default(), Limits::default());
+    let report = r.pass(Ok(()));
+    let rt = r.runtime.as_ref().unwrap();
+    assert_eq!(rt.calls, ["list", "status missed", "stop missed"], "statuses are asked only for missed pods");
+    assert_eq!(report.actions.len(), 1);
+    assert_eq!(report.actions[0].1, Outcome::Done);
+    assert_eq!(
+        (report.count(PodState::Missed), report.count(PodState::Excluded), report.count(PodState::Disabled)),
+        (1, 1, 1)
+    );
+    assert_eq!(report.count(PodState::Invalid), 1);
+    assert!(r.node.calls.is_empty(), "nothing programmed: {:?}", r.node.calls);
+    // The next pass sees the stopped sandbox not ready: nothing more is done to it.
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty(), "{:?}", report.actions);
+    assert_eq!(r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("stop")).count(), 1);
+}
+
+#[test]
+fn capture_programs_in_place_and_the_next_pass_sees_it_captured() {
+    let limits = Limits { missed: MissedPolicy::Capture, ..Limits::default() };
+    let mut r = Reconciler::new(Some(node_pods()), FakeNode::default(), limits);
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["capture missed /run/netns/missed"]);
+    assert_eq!(report.actions[0].1, Outcome::Done);
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty());
+    assert_eq!(report.count(PodState::Captured), 1);
+    assert_eq!(r.memory().attempts(&PodRef::of(&node_pods().sandboxes[0])), 0, "a captured pod's history is forgotten");
+}
+
+#[test]
+fn report_changes_nothing() {
+    let limits = Limits { missed: MissedPolicy::Report, ..Limits::default() };
+    let mut r = Reconciler::new(Some(node_pods()), FakeNode::default(), limits);
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty() && r.node.calls.is_empty());
+    assert!(!r.runtime.as_ref().unwrap().calls.iter().any(|c| c.starts_with("stop")));
+    let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
+    assert_eq!((f.state, f.held.clone()), (PodState::Missed, Some(Held::Reported)));
+}
+
+#[test]
+fn drift_is_repaired_once_and_intact_pods_are_not_touched() {
+    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["policy rule removed".into()]));
+    let intact = node_with_record("b", "b", Observation::Intact);
+    node.records.extend(intact.records);
+    let rt = FakeRuntime {
+        sandboxes: vec![sandbox("a", "shop", "a", &[]), sandbox("b", "shop", "b", &[])],
+        ..Default::default()
+    };
+    let mut r = Reconciler::new(Some(rt), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0"]);
+    assert_eq!(report.count(PodState::Drifted), 1);
+    assert_eq!(r.runtime.as_ref().unwrap().calls, ["list"], "no status for recorded pods");
+    r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0"], "repaired: nothing more to do");
+}
+
+#[test]
+fn a_repair_that_fails_is_reported_and_backs_off() {
+    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    node.fail_repair = true;
+    let mut r = Reconciler::new(None::<FakeRuntime>, node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(report.actions[0].1, Outcome::Failed("netlink: EPERM".into()));
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty());
+    assert!(matches!(report.findings[0].held, Some(Held::BackingOff(_))));
+}
+
+#[test]
+fn without_the_runtime_drift_and_gone_netns_are_still_handled() {
+    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    let gone = node_with_record("g", "g", Observation::NetnsGone("no such file".into()));
+    let old = node_with_record("o", "o", Observation::Intact);
+    node.records.extend(gone.records);
+    node.records.extend(old.records);
+    let rt = FakeRuntime {
+        fail_list: Some("cannot connect to the runtime's CRI socket /run/containerd/containerd.sock".into()),
+        ..Default::default()
+    };
+    let mut r = Reconciler::new(Some(rt), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0", "collect net/g/eth0"]);
+    assert!(report.runtime_unseen.as_deref().unwrap().contains("containerd.sock"));
+    // The record of a pod the runtime cannot confirm or deny is kept.
+    assert!(r.node.records.contains_key("net/o/eth0"));
+    // No socket configured at all: the same.
+    let node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    let mut r = Reconciler::new(None::<FakeRuntime>, node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0"]);
+    assert_eq!(report.runtime_unseen.as_deref(), Some("no CRI socket configured"));
+}
+
+#[test]
+fn a_record_whose_sandbox_is_gone_is_collected_once() {
+    let node = node_with_record("old", "old", Observation::Intact);
+    let mut r = Reconciler::new(Some(FakeRuntime::default()), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["collect net/old/eth0"]);
+    assert_eq!(report.count(PodState::Leftover), 1);
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["collect net/old/eth0"], "collected once");
+    assert_eq!(report.count(PodState::Leftover), 0);
+}
+
+#[test]
+fn a_sandbox_whose_status_fails_is_held_and_asked_again_next_pass() {
+    let mut rt = node_pods();
+    rt.netns.clear();
+    let mut r = Reconciler::new(Some(rt), FakeNode::default(), Limits::default());
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty());
+    let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
+    assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("NotFound")), "{f:?}");
+    r.runtime.as_mut().unwrap().netns.insert("missed".into(), SandboxNetns::Pod("/run/netns/missed".into()));
+    let report = r.pass(Ok(()));
+    assert_eq!(report.actions.len(), 1);
+    // A known netns is not asked again.
+    let statuses = r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("status")).count();
+    r.runtime.as_mut().unwrap().sandboxes[0].state = SandboxState::Ready;
+    r.pass(Ok(()));
+    assert_eq!(r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("status")).count(), statuses);
+}
