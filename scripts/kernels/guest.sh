@@ -5,6 +5,8 @@
 #   guest.sh OUT SUITE=EXECUTABLE[@FILTER]...
 set -u
 out=$1; shift
+# From the workspace root (the suites find their files by absolute, compiled-in paths).
+cd "$(dirname "$0")/../.." || exit 1
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 export AETHER_REQUIRE_ROOT_TESTS=1 RUST_BACKTRACE=1
 # The tests that must never run on the host itself (attaching BPF at the root cgroup) look
@@ -19,9 +21,7 @@ for spec in "$@"; do
     exe=${rest%%@*}; filter=""
     [ "$rest" != "$exe" ] && filter=${rest#*@}
     start=$(date +%s.%N)
-    # Each suite runs from its crate's directory, as cargo test runs it.
-    ( cd "$(dirname "$exe")/../../.." && if [ -n "$filter" ]; then "$exe" "$filter"; else "$exe"; fi ) \
-        > "$out/$suite.log" 2>&1
+    if [ -n "$filter" ]; then "$exe" "$filter"; else "$exe"; fi > "$out/$suite.log" 2>&1
     echo $? > "$out/$suite.rc"
     end=$(date +%s.%N)
     echo "$start $end" | awk '{ printf "%.1f\n", $2 - $1 }' > "$out/$suite.secs"

@@ -146,7 +146,9 @@ probe_kvm() {
 boot() {
     local kimg=$1 ver=$2 label=$3 append=$4; shift 4
     local out=$work/out/$label specs=() suite t filter exe
-    rm -rf "$out" && mkdir -p "$out"
+    rm -rf "$out" && mkdir -p "$out/bin"
+    # The VM runs copies: a build on the host meanwhile cannot swap a binary under a test.
+    cp "$cni_bin" "$out/bin/aether-cni"
     for suite in "$@"; do
         t=${SUITE_TARGET[$suite]}; filter=""
         [[ $t == *@* ]] && { filter=@${t#*@}; t=${t%@*}; }
@@ -154,6 +156,7 @@ boot() {
         if [ -z "$exe" ]; then
             echo "kernel $label  $suite: FAILED: no test executable for $t"; failed=$((failed + 1)); continue
         fi
+        cp "$exe" "$out/bin/" && exe=$out/bin/${exe##*/}
         specs+=("$suite=$exe$filter")
     done
     [ ${#specs[@]} -gt 0 ] || return 0
@@ -164,7 +167,7 @@ boot() {
     timeout --kill-after=10 "${KERNEL_TIMEOUT:-3600}" \
         vng --run "$kimg" $kvm_flag --memory "${KERNEL_MEMORY:-2G}" --cpus 2 --rwdir "$out" \
         --overlay-rwdir "$root/target/tmp" ${append:+--append "$append"} \
-        --exec "AETHER_CNI_BIN=$cni_bin AETHER_TEST_CONNECT4_OBJ=$bpf_obj $root/scripts/kernels/guest.sh $out ${specs[*]}" \
+        --exec "AETHER_CNI_BIN=$out/bin/aether-cni AETHER_TEST_CONNECT4_OBJ=$bpf_obj $root/scripts/kernels/guest.sh $out ${specs[*]}" \
         > "$out/console.log" 2>&1 </dev/null
     vm_rc=$?
     echo "kernel $label: booted and ran in $((SECONDS - start)) s ($([ -z "$kvm_flag" ] && echo KVM || echo TCG)${append:+, $append}$([ $vm_rc -ne 0 ] && echo ", VM exit $vm_rc"))"
