@@ -12,7 +12,14 @@ pub fn run(args: InstallArgs) -> ExitCode {
     let plugin = Plugin {
         not_ready_marker: state::NOT_READY_MARKER,
         validate_entry: Box::new(|conf| config::parse(conf).map(drop).map_err(|e| e.to_string())),
-        kernel_checks: Box::new(cni::kernel_probe),
+        kernel_checks: Box::new(|| {
+            // A connect-time socket load balancer is said, not a not-ready reason: pods start
+            // and are captured, but Service traffic reaches the capture already balanced.
+            if let Ok(f @ aether_rules::socket_lb::Finding::Attached(_)) = aether_rules::socket_lb::detect() {
+                tracing::warn!("{f}");
+            }
+            cni::kernel_probe()
+        }),
         node_counters: Box::new(move || services::node_counters(&counters_dir).map(|c| c.to_prometheus())),
     };
     match aether_installer::run(args, plugin) {

@@ -264,6 +264,16 @@ impl Node {
         if files::holds(own, &body, primary.mode) {
             return Ok(());
         }
+        if !own.exists() {
+            if let Some((renamed, why)) = chain::renamed_away(&self.args.cni_conf_dir, &self.args.conflist_name) {
+                // Said, not a not-ready reason: chained again below, the node works until the
+                // other CNI renames it once more (Cilium does so when its agent starts).
+                let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let what = format!("{} was renamed to {} by another CNI: {why}", name(own), name(&renamed));
+                tracing::warn!("{what}; chaining again");
+                self.metrics().record_error(Reason::Chain, &what);
+            }
+        }
         files::write_atomic(own, &body, primary.mode).map_err(|source| Error::Write { path: own.into(), source })?;
         self.count_write("conflist", own, self.conflist_installed, since);
         Ok(())
