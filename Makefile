@@ -64,7 +64,9 @@ image: build
 
 ## chart-test: charts/aether-cni rendered and linted by Helm v4's engine (helm-python-sdk),
 ## every object validated against the Kubernetes schemas, the DaemonSet's args turned into
-## the plugin entry by the real binary; a venv in target/chart-venv (make test runs it too)
+## the plugin entry by the real binary, values.schema.json given good and bad values, the
+## PodMonitor and the Grafana dashboard checked against a real installer's /metrics; a venv
+## in target/chart-venv (make test runs it too)
 chart-test:
 	bash charts/tests/run.sh
 

@@ -92,6 +92,8 @@ pub enum Error {
     Signals(std::io::Error),
     #[error("kernel checks failed: {0}")]
     Kernel(String),
+    #[error("HTTP serving ended ({0}): exiting to be restarted")]
+    ServingEnded(String),
 }
 
 impl Error {
@@ -119,6 +121,9 @@ pub enum Msg {
     Changed { name: Option<std::ffi::OsString>, at: Instant },
     /// Stop: uninstall (unless an upgrade), then end the loop.
     Stop,
+    /// The HTTP face stopped serving (why): mark the node not ready and end the loop,
+    /// keeping the files (pods keep their capture; the restarted installer takes over).
+    ServingEnded(String),
 }
 
 /// One node's installation: the desired files and what is known of them.
@@ -364,9 +369,11 @@ impl Node {
             };
             // Coalesce a burst (a rename is several events) into one pass, timed from its start.
             let (mut since, mut conf, mut bin, mut stop) = (None, false, false, false);
+            let mut serving_ended = None;
             for m in std::iter::once(first).chain(rx.try_iter()) {
                 match m {
                     Msg::Stop => stop = true,
+                    Msg::ServingEnded(why) => serving_ended = Some(why),
                     Msg::Changed { name, at } => {
                         since = Some(since.map_or(at, |s: Instant| s.min(at)));
                         match name {
@@ -377,6 +384,11 @@ impl Node {
                         }
                     }
                 }
+            }
+            if let Some(why) = serving_ended {
+                self.set(Reason::Http, Err(why.clone()));
+                self.publish();
+                return Err(Error::ServingEnded(why));
             }
             if stop {
                 break;
@@ -476,11 +488,33 @@ pub struct Running {
     thread: std::thread::JoinHandle<Result<(), Error>>,
     server: serve::Server,
     pub shared: Arc<Shared>,
+    serving_end: Arc<std::sync::Mutex<ServingEnd>>,
+}
+
+/// Whether the HTTP face still serves, and whom to wake when it stops.
+enum ServingEnd {
+    Running { wake: Option<Box<dyn FnOnce() + Send>> },
+    Ended,
 }
 
 impl Running {
     pub fn addr(&self) -> SocketAddr {
         self.server.addr
+    }
+
+    /// The metrics-only listener's address, if there is one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.server.metrics_addr
+    }
+
+    /// Calls `wake` once serving has ended (at once if it already has): the caller then
+    /// `stop`s, which returns `Error::ServingEnded`.
+    pub fn when_serving_ends(&self, wake: impl FnOnce() + Send + 'static) {
+        let mut end = self.serving_end.lock().unwrap();
+        match &mut *end {
+            ServingEnd::Running { wake: slot } => *slot = Some(Box::new(wake)),
+            ServingEnd::Ended => wake(),
+        }
     }
 
     /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
@@ -499,14 +533,25 @@ pub fn start(args: InstallArgs, plugin: Plugin, binary: Vec<u8>) -> Result<Runni
     let shared = Arc::new(Shared::new());
     let node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
     node.preflight()?;
-    let server = serve::start(args.listen, shared.clone(), plugin)?;
     let (tx, rx) = mpsc::channel();
+    let serving_end = Arc::new(std::sync::Mutex::new(ServingEnd::Running { wake: None }));
+    let on_end: serve::OnEnd = {
+        let (tx, serving_end) = (tx.clone(), serving_end.clone());
+        Box::new(move |why| {
+            let _ = tx.send(Msg::ServingEnded(why));
+            let end = std::mem::replace(&mut *serving_end.lock().unwrap(), ServingEnd::Ended);
+            if let ServingEnd::Running { wake: Some(wake) } = end {
+                wake();
+            }
+        })
+    };
+    let server = serve::start(&args.http(), shared.clone(), plugin, on_end)?;
     let watcher = Watcher::start(tx.clone(), &[&args.cni_conf_dir, &args.cni_bin_dir])?;
     let thread = std::thread::Builder::new()
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared })
+    Ok(Running { tx, thread, server, shared, serving_end })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
@@ -535,7 +580,18 @@ pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
     let running = start(args, plugin, binary)?;
-    tracing::info!("serving /healthz, /readyz, /metrics on {}", running.addr());
+    // The address ends the line: tests and operators read it from there.
+    tracing::info!(
+        "serving /healthz, /readyz, /metrics (at most {} connections per listener) on {}",
+        running.server.connection_limit,
+        running.addr()
+    );
+    if let Some(addr) = running.metrics_addr() {
+        tracing::info!("serving /metrics on {addr}");
+    }
+    // The signal iterator ends without a signal when serving ends: `stop` then says why.
+    let signals_handle = signals.handle();
+    running.when_serving_ends(move || signals_handle.close());
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

@@ -386,3 +386,34 @@ fn probes_are_answered_while_a_slow_scrape_reads_the_node_counters() {
     assert_eq!(scrape.join().unwrap().0, 200);
     r.stop().unwrap();
 }
+
+#[test]
+fn concurrent_scrapes_share_one_reading_of_the_node_counters() {
+    let fake = FakeNode::new("shared-scrape");
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    let readings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut plugin = common::plugin(&Switches::default());
+    let count = readings.clone();
+    plugin.node_counters = Box::new(move || {
+        count.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(300)); // a busy node's pods
+        Ok("aether_cni_service_connections_total{class=\"mesh\"} 7\n".into())
+    });
+    let r = start(fake.args(&["--metrics-listen=127.0.0.1:0"]), plugin, fake_binary(64, 9)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    let metrics = r.metrics_addr().expect("a metrics listener");
+    assert_eq!(get(metrics, "/healthz").0, 404, "the metrics listener serves /metrics only");
+    let scrapes: Vec<_> = (0..32).map(|_| std::thread::spawn(move || get(metrics, "/metrics"))).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(readyz(&r).0, 200);
+    assert!(scrapes.iter().any(|s| !s.is_finished()), "/readyz answered while the scrapes still wait for the reading");
+    for s in scrapes {
+        let (code, body) = s.join().unwrap();
+        assert_eq!(code, 200);
+        assert!(body.contains("aether_cni_installer_node_counters_up 1"), "{body}");
+    }
+    let n = readings.load(Ordering::SeqCst);
+    // The first reading, then at most one more for every scrape that came during it.
+    assert!(n <= 2, "32 concurrent scrapes read the node counters {n} times");
+    r.stop().unwrap();
+}
