@@ -59,6 +59,7 @@ fn add_names_the_missing_feature_and_the_release_and_programs_nothing() {
         return;
     }
     let (code, text) = out.error();
+    println!("ADD's error (code {code}): {text}");
     assert_eq!(code, 101, "{text}");
     for want in
         ["tproxy expression", "CONFIG_NFT_TPROXY", "module nft_tproxy", "Linux 4.19 or later", "loopback_tproxy"]
@@ -78,6 +79,7 @@ fn doctor_names_every_missing_feature_with_its_module_and_release() {
     }
     let out = Command::new(bin()).arg("doctor").output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
     let tproxy = lacking("nft_tproxy");
     let objref = lacking("nft_objref");
     assert_eq!(out.status.success(), !tproxy, "doctor's exit status (tproxy withheld: {tproxy}):\n{text}");

@@ -21,7 +21,8 @@ for spec in "$@"; do
     exe=${rest%%@*}; filter=""
     [ "$rest" != "$exe" ] && filter=${rest#*@}
     start=$(date +%s.%N)
-    if [ -n "$filter" ]; then "$exe" "$filter"; else "$exe"; fi > "$out/$suite.log" 2>&1
+    # --show-output: what passing tests print (the messages a kernel gave) stays in the log.
+    "$exe" --show-output ${filter:+"$filter"} > "$out/$suite.log" 2>&1
     echo $? > "$out/$suite.rc"
     end=$(date +%s.%N)
     echo "$start $end" | awk '{ printf "%.1f\n", $2 - $1 }' > "$out/$suite.secs"
