@@ -71,6 +71,11 @@ impl NodeChecks for LiveNode {
     }
 
     fn kernel_checks(&self) -> Result<(), ProbeError> {
+        // A connect-time socket load balancer is said, not a not-ready reason: pods start
+        // and are captured, but Service traffic reaches the capture already balanced.
+        if let Ok(f @ aether_node::probe::socket_lb::Finding::Attached(_)) = aether_node::probe::socket_lb::detect() {
+            tracing::warn!("{f}");
+        }
         aether_node::probe::kernel_probe()
     }
 
@@ -298,6 +303,16 @@ impl Node {
             .map_err(|e| Error::EntryRefused { path: primary.path.clone(), why: refusal(&e) })?;
         if files::holds(own, &body, primary.mode) {
             return Ok(());
+        }
+        if !own.exists() {
+            if let Some((renamed, why)) = chain::renamed_away(&self.args.cni_conf_dir, &self.args.conflist_name) {
+                // Said, not a not-ready reason: chained again below, the node works until the
+                // other CNI renames it once more (Cilium does so when its agent starts).
+                let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let what = format!("{} was renamed to {} by another CNI: {why}", name(own), name(&renamed));
+                tracing::warn!("{what}; chaining again");
+                self.metrics().record_error(Reason::Chain, &what);
+            }
         }
         files::write_atomic(own, &body, primary.mode).map_err(|source| Error::Write { path: own.into(), source })?;
         self.count_write("conflist", own, self.conflist_installed, since);
