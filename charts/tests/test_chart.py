@@ -24,7 +24,14 @@ K3S = {
         "stateDir": "/run/aether",
         "netnsDir": "",
     },
-    "installer": {"port": 19095, "uninstallOnStop": True, "conflistName": "000-aether.conflist", "resyncSeconds": 3},
+    "installer": {
+        "port": 19095,
+        "uninstallOnStop": True,
+        "conflistName": "000-aether.conflist",
+        "resyncSeconds": 3,
+        "maxConnections": 64,
+    },
+    "metrics": {"enabled": False},
     "reconciler": {"enabled": False},
     "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
@@ -116,7 +123,9 @@ def test_defaults():
         "--cni-conf-dir=/host/etc/cni/net.d",
         "--state-dir=/var/run/aether-cni",
         "--conflist-name=00-aether-cni.conflist",
-        "--listen=$(HOST_IP):18095",
+        "--listen=127.0.0.1:18095",
+        "--metrics-listen=$(HOST_IP):18096",
+        "--http-max-connections=256",
         "--resync-seconds=10",
         "--upgrade",
         "--cri-socket=/run/containerd/containerd.sock",
@@ -128,9 +137,13 @@ def test_defaults():
         "--leftover-grace-seconds=60",
     ]
     assert c["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
-    assert c["ports"] == [{"name": "http", "containerPort": 18095, "protocol": "TCP"}]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["ports"] == [
+        {"name": "probes", "containerPort": 18095, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 18096, "protocol": "TCP"},
+    ]
+    # The probes on loopback, out of every pod's reach; only /metrics on the node's address.
+    assert c["readinessProbe"]["httpGet"] == {"host": "127.0.0.1", "path": "/readyz", "port": "probes"}
+    assert c["livenessProbe"]["httpGet"] == {"host": "127.0.0.1", "path": "/healthz", "port": "probes"}
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "SYS_ADMIN"]}
     assert "privileged" not in sc and sc["readOnlyRootFilesystem"] is True
@@ -170,7 +183,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     }
     ds = daemonset(values)
     c = container(ds)
-    assert c["args"][7:] == [
+    assert c["args"][9:] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
         "--missed-pods=capture",
         "--reconcile-period-seconds=3",
@@ -207,11 +220,12 @@ def test_k3s_paths_port_and_uninstall_on_stop():
         "--cni-conf-dir=/host/var/lib/rancher/k3s/agent/etc/cni/net.d",
         "--state-dir=/run/aether",
         "--conflist-name=000-aether.conflist",
-        "--listen=$(HOST_IP):19095",
+        "--listen=127.0.0.1:19095",
+        "--http-max-connections=64",
         "--resync-seconds=3",
         "--reconcile=false",
-    ], "no --upgrade: a stopped installer uninstalls; no reconciler, no CRI socket"
-    assert c["ports"][0]["containerPort"] == 19095
+    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket"
+    assert c["ports"] == [{"name": "probes", "containerPort": 19095, "protocol": "TCP"}]
     assert [m["mountPath"] for m in c["volumeMounts"]] == [
         "/host/var/lib/rancher/k3s/data/cni",
         "/host/var/lib/rancher/k3s/agent/etc/cni/net.d",
@@ -224,13 +238,14 @@ def test_k3s_paths_port_and_uninstall_on_stop():
     ]
     _, notes = render(K3S)
     assert "uninstallOnStop is true" in notes
+    assert "curl http://127.0.0.1:19095/metrics" in notes
 
 
 def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][7:-7] == [
+    assert c["args"][9:-7] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",
@@ -294,13 +309,17 @@ def test_every_plugin_value_reaches_the_entry_through_the_binary():
 
 
 def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
-    c = container(daemonset({"plugin": {"captureMode": "everything"}}))
+    # A value the chart's schema cannot tell is wrong (it has the shape of a CIDR), so it
+    # reaches the node, where the plugin's own parser refuses it by name. Values the schema
+    # does refuse are in test_schema.py.
+    c = container(daemonset({"plugin": {"excludeOutboundCIDRs": ["10.0.0.0/33"]}}))
     out = subprocess.run(
         [os.environ["AETHER_CNI_BIN"], "install", *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
+        env={"HOST_IP": "10.0.0.21", "PATH": os.environ.get("PATH", "")},
         capture_output=True,
         text=True,
     )
-    assert out.returncode == 1 and 'field "captureMode" has "everything"' in out.stderr, out.stderr
+    assert out.returncode == 1 and 'field "excludeOutboundCIDRs" has "10.0.0.0/33"' in out.stderr, out.stderr
 
 
 def test_node_addresses_of_both_families_reach_the_entry():

@@ -20,6 +20,9 @@ pub mod code {
     pub const NOT_AVAILABLE: u32 = 50;
     /// CHECK found the capture ruleset missing or changed.
     pub const CAPTURE_NOT_INTACT: u32 = 100;
+    /// The node's kernel lacks a feature the ruleset needs (named, with the release that has
+    /// it): no retry helps until the node's kernel or its modules change.
+    pub const KERNEL_LACKS_FEATURE: u32 = 101;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,6 +80,10 @@ impl From<aether_rules::Error> for CniError {
     fn from(e: aether_rules::Error) -> Self {
         match &e {
             aether_rules::Error::InvalidConfig(m) => CniError::invalid_config(m.clone()),
+            aether_rules::Error::MissingFeature { .. } => {
+                CniError::new(code::KERNEL_LACKS_FEATURE, "this node's kernel lacks what the pod's capture needs")
+                    .with_details(e.to_string())
+            }
             _ => CniError::new(code::IO_FAILURE, "programming the pod's capture failed").with_details(e.to_string()),
         }
     }

@@ -2,7 +2,11 @@
 //! root: temp directories bind-mounted as the host's CNI bin, conf and state directories.
 //! Install, a primary rewritten by "another CNI" and repaired, SIGTERM (podman stop)
 //! uninstalling to the original bytes, an upgrade keeping the files. The image is built in a
-//! private podman storage (its own --root/--runroot), removed at the end.
+//! private podman storage (its own --root/--runroot), removed at the end. And the load of
+//! install_load.rs against the containerized installer: a flood past its 1,024 descriptors,
+//! half-open requests, huge heads, concurrent scrapes, with /healthz answered within 1 s.
+
+mod load;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -250,8 +254,9 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     let chained = node.dir("net.d/00-aether-cni.conflist");
 
     // Install.
-    let (name, _addr) = start(&mut p, &node, &libs, "a", &[]);
+    let (name, addr) = start(&mut p, &node, &libs, "a", &[]);
     assert_eq!(fs::read(node.dir("bin/aether-cni")).unwrap(), bin_bytes);
+    hostile_load(&p, &name, load::addr(&addr));
     let list: serde_json::Value = serde_json::from_slice(&fs::read(&chained).unwrap()).unwrap();
     assert_eq!(list["plugins"][1]["hostIP"], "10.0.0.14");
     assert_eq!(list["plugins"][1]["stateDir"], "/var/run/aether-cni");
@@ -287,4 +292,58 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     let (code, log) = stop(&p, &new);
     assert_eq!(code, "0", "{log}");
     assert_eq!(snapshot(&node.dir("net.d")), original, "byte for byte as before install: {log}");
+}
+
+/// The containerized installer (1,024 descriptors, as `start` runs it) under the load of
+/// install_load.rs: /healthz within 1 s during and after each part, threads bounded, the
+/// container still running and ready at the end.
+fn hostile_load(p: &Podman, name: &str, addr: std::net::SocketAddr) {
+    let own = load::raise_own_fd_limit();
+    let pid: u32 = p.ok(&["inspect", "--format", "{{.State.Pid}}", name]).trim().parse().unwrap();
+    // A scrape first, so its thread is part of "idle" once gone.
+    load::assert_answered(addr, "/metrics", "before the load");
+    assert!(load::eventually(Duration::from_secs(10), || load::usage(pid).threads <= 4), "{:?}", load::usage(pid));
+    let idle = load::usage(pid);
+    let bounded = |when: &str| {
+        let now = load::usage(pid);
+        assert!(now.threads <= 6, "{} threads {when}: {now:?}", now.threads);
+        assert!(now.rss_kib <= idle.rss_kib + 16 * 1024, "RSS {when}: {now:?}, idle {idle:?}");
+        assert!(now.fds < 1024, "descriptors {when}: {now:?}");
+    };
+
+    let flood = load::idle_connections(addr, 1500.min((own as usize).saturating_sub(300)));
+    assert!(flood.len() > 1024, "a flood past the container's descriptor limit: {}", flood.len());
+    std::thread::sleep(Duration::from_millis(300));
+    load::assert_answered(addr, "/healthz", "during a flood past the descriptor limit");
+    bounded("during the flood");
+    drop(flood);
+    load::assert_answered(addr, "/healthz", "after the flood");
+
+    let half_open = load::half_open_requests(addr, 200);
+    std::thread::sleep(Duration::from_millis(300));
+    load::assert_answered(addr, "/healthz", "during 200 half-open requests");
+    bounded("during half-open requests");
+    drop(half_open);
+
+    let huge: Vec<_> = (0..2).map(|_| load::huge_head(addr, 20 << 20)).collect();
+    load::assert_answered(addr, "/healthz", "while 20 MiB heads arrive");
+    for h in huge {
+        let code = h.join().unwrap();
+        assert!(code.is_none() || code == Some(431), "a 20 MiB head: {code:?}");
+    }
+
+    let scrapes = std::thread::spawn(move || load::concurrent_scrapes(addr, 64));
+    while !scrapes.is_finished() {
+        load::assert_answered(addr, "/healthz", "during 64 concurrent scrapes");
+        bounded("during concurrent scrapes");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(scrapes.join().unwrap().iter().all(|s| s.as_ref().is_ok_and(|(c, _)| *c == 200)), "every scrape answered");
+
+    load::assert_answered(addr, "/healthz", "after the load");
+    assert!(load::eventually(Duration::from_secs(10), || load::usage(pid).threads <= 4), "threads back down");
+    bounded("after the load");
+    let state = p.ok(&["inspect", "--format", "{{.State.Status}}", name]);
+    assert_eq!(state.trim(), "running", "the containerized installer lives on");
+    assert_eq!(load::request(addr, "/readyz", load::PROBE_BOUND).map(|r| r.0), Ok(200));
 }

@@ -178,7 +178,7 @@ fn every_relative_link_in_readme_and_docs_resolves_inside_the_repository() {
     let control = "# A page\n\n## The second part\n\n\
         [ok](design.md) [ok](#the-second-part) [ok](../README.md#aether-cni) [ok](https://example.org/x)\n\
         `[in code](nowhere.md)`\n```\n[in a block](nowhere.md)\n```\n\
-        [gone](nowhere.md) [out](../../elsewhere/DESIGN.md) [abs](/etc/passwd) [anchor](design.md#no-such-heading)\n\
+        [gone](nowhere.md) [out](../../elsewhere/spec.md) [abs](/etc/passwd) [anchor](design.md#no-such-heading)\n\
         [self](#no-such-part) [built](../target/release/aether-cni)\n\
         [label]: ../../outside.md\n";
     let found = broken_links(&root, &control_doc, control);

@@ -31,6 +31,15 @@ pub struct InstallArgs {
     /// brackets: the chart passes `$(HOST_IP):PORT` whatever the node's family).
     #[arg(long, env = "AETHER_CNI_LISTEN", default_value = "127.0.0.1:18095", value_parser = parse_listen)]
     pub listen: SocketAddr,
+    /// Address for /metrics alone (Prometheus), e.g. the node's `$(HOST_IP):18096`; the
+    /// probes stay on --listen, which can then be loopback, out of every pod's reach.
+    #[arg(long, env = "AETHER_CNI_METRICS_LISTEN", value_parser = parse_listen)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Open HTTP connections per listener; lowered to fit the file-descriptor limit. At the
+    /// limit the oldest connection that has not sent its request yet makes room, or else
+    /// the new one is closed at once.
+    #[arg(long, default_value = "256", value_name = "N")]
+    pub http_max_connections: usize,
     /// Keep the binary and the entry when stopped (an upgrade: the next installer takes
     /// over). Also honoured when `<state-dir>/installer-upgrade` exists at stop time.
     #[arg(long, env = "AETHER_CNI_UPGRADE", value_parser = clap::builder::BoolishValueParser::new(), default_value = "false", num_args = 0..=1, default_missing_value = "true")]
@@ -171,6 +180,15 @@ impl InstallArgs {
             }
         }
         (v4, v6)
+    }
+
+    /// Where and how the HTTP face serves.
+    pub fn http(&self) -> crate::serve::Config {
+        crate::serve::Config {
+            probes: self.listen,
+            metrics: self.metrics_listen,
+            max_connections: self.http_max_connections,
+        }
     }
 
     pub fn resync(&self) -> Duration {

@@ -71,6 +71,11 @@ impl NodeChecks for LiveNode {
     }
 
     fn kernel_checks(&self) -> Result<(), ProbeError> {
+        // A connect-time socket load balancer is said, not a not-ready reason: pods start
+        // and are captured, but Service traffic reaches the capture already balanced.
+        if let Ok(f @ aether_node::probe::socket_lb::Finding::Attached(_)) = aether_node::probe::socket_lb::detect() {
+            tracing::warn!("{f}");
+        }
         aether_node::probe::kernel_probe()
     }
 
@@ -123,6 +128,8 @@ pub enum Error {
     Kernel(String),
     #[error("cannot start the reconciler: {0}")]
     Reconciler(std::io::Error),
+    #[error("HTTP serving ended ({0}): exiting to be restarted")]
+    ServingEnded(String),
 }
 
 impl Error {
@@ -150,6 +157,9 @@ pub enum Msg {
     Changed { name: Option<std::ffi::OsString>, at: Instant },
     /// Stop: uninstall (unless an upgrade), then end the loop.
     Stop,
+    /// The HTTP face stopped serving (why): mark the node not ready and end the loop,
+    /// keeping the files (pods keep their capture; the restarted installer takes over).
+    ServingEnded(String),
 }
 
 /// One node's installation: the desired files and what is known of them.
@@ -296,6 +306,16 @@ impl Node {
         if files::holds(own, &body, primary.mode) {
             return Ok(());
         }
+        if !own.exists() {
+            if let Some((renamed, why)) = chain::renamed_away(&self.args.cni_conf_dir, &self.args.conflist_name) {
+                // Said, not a not-ready reason: chained again below, the node works until the
+                // other CNI renames it once more (Cilium does so when its agent starts).
+                let name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let what = format!("{} was renamed to {} by another CNI: {why}", name(own), name(&renamed));
+                tracing::warn!("{what}; chaining again");
+                self.metrics().record_error(Reason::Chain, &what);
+            }
+        }
         files::write_atomic(own, &body, primary.mode).map_err(|source| Error::Write { path: own.into(), source })?;
         self.count_write("conflist", own, self.conflist_installed, since);
         Ok(())
@@ -386,9 +406,11 @@ impl Node {
             };
             // Coalesce a burst (a rename is several events) into one pass, timed from its start.
             let (mut since, mut conf, mut bin, mut stop) = (None, false, false, false);
+            let mut serving_ended = None;
             for m in std::iter::once(first).chain(rx.try_iter()) {
                 match m {
                     Msg::Stop => stop = true,
+                    Msg::ServingEnded(why) => serving_ended = Some(why),
                     Msg::Changed { name, at } => {
                         since = Some(since.map_or(at, |s: Instant| s.min(at)));
                         match name {
@@ -399,6 +421,11 @@ impl Node {
                         }
                     }
                 }
+            }
+            if let Some(why) = serving_ended {
+                self.set(Reason::Http, Err(why.clone()));
+                self.publish();
+                return Err(Error::ServingEnded(why));
             }
             if stop {
                 break;
@@ -500,11 +527,33 @@ pub struct Running {
     pub shared: Arc<Shared>,
     /// The reconciler's thread, when `run` started one.
     reconciler: Option<reconcile::looper::Looper>,
+    serving_end: Arc<std::sync::Mutex<ServingEnd>>,
+}
+
+/// Whether the HTTP face still serves, and whom to wake when it stops.
+enum ServingEnd {
+    Running { wake: Option<Box<dyn FnOnce() + Send>> },
+    Ended,
 }
 
 impl Running {
     pub fn addr(&self) -> SocketAddr {
         self.server.addr
+    }
+
+    /// The metrics-only listener's address, if there is one.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.server.metrics_addr
+    }
+
+    /// Calls `wake` once serving has ended (at once if it already has): the caller then
+    /// `stop`s, which returns `Error::ServingEnded`.
+    pub fn when_serving_ends(&self, wake: impl FnOnce() + Send + 'static) {
+        let mut end = self.serving_end.lock().unwrap();
+        match &mut *end {
+            ServingEnd::Running { wake: slot } => *slot = Some(Box::new(wake)),
+            ServingEnd::Ended => wake(),
+        }
     }
 
     /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
@@ -527,14 +576,25 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
     let shared = Arc::new(Shared::new());
     let node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
     node.preflight()?;
-    let server = serve::start(args.listen, shared.clone(), plugin)?;
     let (tx, rx) = mpsc::channel();
+    let serving_end = Arc::new(std::sync::Mutex::new(ServingEnd::Running { wake: None }));
+    let on_end: serve::OnEnd = {
+        let (tx, serving_end) = (tx.clone(), serving_end.clone());
+        Box::new(move |why| {
+            let _ = tx.send(Msg::ServingEnded(why));
+            let end = std::mem::replace(&mut *serving_end.lock().unwrap(), ServingEnd::Ended);
+            if let ServingEnd::Running { wake: Some(wake) } = end {
+                wake();
+            }
+        })
+    };
+    let server = serve::start(&args.http(), shared.clone(), plugin, on_end)?;
     let watcher = Watcher::start(tx.clone(), &[&args.cni_conf_dir, &args.cni_bin_dir])?;
     let thread = std::thread::Builder::new()
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared, reconciler: None })
+    Ok(Running { tx, thread, server, shared, serving_end, reconciler: None })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
@@ -569,7 +629,18 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
     let mut running = start(args.clone(), node, binary)?;
-    tracing::info!("serving /healthz, /readyz, /metrics on {}", running.addr());
+    // The address ends the line: tests and operators read it from there.
+    tracing::info!(
+        "serving /healthz, /readyz, /metrics (at most {} connections per listener) on {}",
+        running.server.connection_limit,
+        running.addr()
+    );
+    if let Some(addr) = running.metrics_addr() {
+        tracing::info!("serving /metrics on {addr}");
+    }
+    // The signal iterator ends without a signal when serving ends: `stop` then says why.
+    let signals_handle = signals.handle();
+    running.when_serving_ends(move || signals_handle.close());
     let ops = reconcile::node_lib::NodeLib::new(&args);
     running.reconciler = reconcile::start(&args, running.shared.clone(), ops).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {

@@ -2,10 +2,28 @@
 //! `/healthz` (the process runs), `/readyz` (200, or 503 naming each not-ready reason),
 //! `/metrics` (Prometheus text 0.0.4: the installer's own metrics, then the Service layer's
 //! node counters rendered by the plugin).
+//!
+//! The face is a node daemon's: anything that can reach its address may flood it. It is
+//! served by hyper (HTTP/1.1) on a current-thread tokio runtime of its own thread, so an
+//! open connection costs a task and a buffer, never a thread. Every bound is here:
+//! connections per listener (below the file-descriptor limit; at the limit the oldest
+//! connection that has not sent its request is closed for the newcomer, else the newcomer
+//! is closed at once), the request head (size and time to arrive), a connection's whole life,
+//! one scrape of the node counters at a time (concurrent scrapes share its result) bounded
+//! in time, on one blocking thread. Accept errors are logged at a bounded rate and retried
+//! after a backoff. If serving ends anyway, `start`'s `on_end` is told, and the installer
+//! marks the node not ready and exits (never half-alive).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper_util::rt::{TokioIo, TokioTimer};
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -30,10 +48,12 @@ pub enum Reason {
     Kernel,
     /// Stopped: the entry and binary were removed.
     Uninstalled,
+    /// The HTTP face stopped serving: the installer exits to be restarted.
+    Http,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Starting,
         Reason::Binary,
         Reason::Primary,
@@ -41,6 +61,7 @@ impl Reason {
         Reason::Chain,
         Reason::Kernel,
         Reason::Uninstalled,
+        Reason::Http,
     ];
 
     pub fn name(self) -> &'static str {
@@ -52,6 +73,7 @@ impl Reason {
             Reason::Chain => "chain",
             Reason::Kernel => "kernel",
             Reason::Uninstalled => "uninstalled",
+            Reason::Http => "http",
         }
     }
 }
@@ -81,6 +103,13 @@ pub struct Metrics {
     pub repair_seconds: Histogram,
     /// The reconciler's (registered here, observed by its thread).
     pub reconcile: crate::reconcile::metrics::ReconcileMetrics,
+    /// Open HTTP connections, by listener (`probes`, `metrics`).
+    pub http_connections: IntGaugeVec,
+    /// HTTP connections closed by the connection limit, by listener and how: `refused` (the
+    /// newcomer, closed at once) or `evicted` (an older one that had not sent its request).
+    pub http_limited: IntCounterVec,
+    /// Failed accepts (out of file descriptors, aborted connections...), by listener.
+    pub http_accept_errors: IntCounterVec,
 }
 
 impl Metrics {
@@ -138,6 +167,27 @@ impl Metrics {
             .buckets(vec![0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0]),
         )
         .unwrap();
+        let http_connections = IntGaugeVec::new(
+            Opts::new("aether_cni_installer_http_connections", "Open HTTP connections, by listener."),
+            &["listener"],
+        )
+        .unwrap();
+        let http_limited = IntCounterVec::new(
+            Opts::new(
+                "aether_cni_installer_http_connections_limited_total",
+                "HTTP connections closed by the connection limit: the newcomer (refused) or an older one that had not sent its request (evicted).",
+            ),
+            &["listener", "how"],
+        )
+        .unwrap();
+        let http_accept_errors = IntCounterVec::new(
+            Opts::new(
+                "aether_cni_installer_http_accept_errors_total",
+                "Failed accepts of HTTP connections (out of file descriptors, aborted connections...), retried.",
+            ),
+            &["listener"],
+        )
+        .unwrap();
         for c in [
             Box::new(installs.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(repairs.clone()),
@@ -147,6 +197,9 @@ impl Metrics {
             Box::new(last_error.clone()),
             Box::new(last_error_time.clone()),
             Box::new(repair_seconds.clone()),
+            Box::new(http_connections.clone()),
+            Box::new(http_limited.clone()),
+            Box::new(http_accept_errors.clone()),
         ] {
             registry.register(c).unwrap();
         }
@@ -159,6 +212,13 @@ impl Metrics {
         }
         let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
         reconcile.register(&registry).unwrap();
+        for face in [Face::Probes, Face::Metrics] {
+            http_connections.with_label_values(&[face.name()]);
+            http_accept_errors.with_label_values(&[face.name()]);
+            for how in ["refused", "evicted"] {
+                http_limited.with_label_values(&[face.name(), how]);
+            }
+        }
         Metrics {
             registry,
             installs,
@@ -170,6 +230,9 @@ impl Metrics {
             last_error_time,
             repair_seconds,
             reconcile,
+            http_connections,
+            http_limited,
+            http_accept_errors,
         }
     }
 
@@ -225,86 +288,444 @@ impl Default for Shared {
     }
 }
 
-/// Binds `addr` now (so a bad address fails before anything is installed) and serves on a
-/// thread of its own until `stop` is called on the returned handle.
-pub fn start(addr: SocketAddr, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>) -> Result<Server, Error> {
-    let server = tiny_http::Server::http(addr).map_err(|e| Error::Listen { addr, why: e.to_string() })?;
-    let server = Arc::new(server);
-    let bound = server.server_addr().to_ip().unwrap_or(addr);
-    let s = server.clone();
+/// Requests whose head (request line and headers) is larger are answered 431 and closed.
+pub const MAX_HEAD_BYTES: usize = 8 * 1024;
+/// A request head must arrive within this time of the connection's first read.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection's whole life (one request: keep-alive is off), a client that reads its
+/// answer slowly included.
+pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(20);
+/// A scrape waits this long for the node counters (which read every pod's), then answers
+/// without them (`aether_cni_installer_node_counters_up 0`); under Prometheus' default 10 s.
+pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(8);
+/// A connection younger than this is never evicted for a newcomer: it has had no time to
+/// send its request yet.
+const EVICTION_GRACE: Duration = Duration::from_millis(250);
+/// File descriptors kept out of the connection limits, for the installer's own files,
+/// watches, and the netns a scrape opens.
+const RESERVED_FDS: u64 = 64;
+/// No listener's limit is set below this, whatever the file-descriptor limit.
+const MIN_CONNECTIONS: usize = 8;
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// At most one log line per this period for each kind of repeated event.
+const LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// What a listener answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Face {
+    /// `/healthz`, `/readyz` and `/metrics` (loopback: the kubelet's probes).
+    Probes,
+    /// `/metrics` only (the node's address: Prometheus).
+    Metrics,
+}
+
+impl Face {
+    pub fn name(self) -> &'static str {
+        match self {
+            Face::Probes => "probes",
+            Face::Metrics => "metrics",
+        }
+    }
+}
+
+/// Where the HTTP face listens, and its connection limit per listener.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `/healthz`, `/readyz`, `/metrics`.
+    pub probes: SocketAddr,
+    /// `/metrics` only, if given.
+    pub metrics: Option<SocketAddr>,
+    /// Open connections per listener (lowered to fit the file-descriptor limit).
+    pub max_connections: usize,
+}
+
+impl Config {
+    /// `max_connections`, lowered so that every listener at its limit still leaves
+    /// `RESERVED_FDS` of the soft file-descriptor limit free (never below `MIN_CONNECTIONS`).
+    pub fn connection_limit(&self) -> usize {
+        let listeners = 1 + u64::from(self.metrics.is_some());
+        let fit = open_files_limit().map_or(u64::MAX, |n| n.saturating_sub(RESERVED_FDS) / listeners);
+        self.max_connections.min(usize::try_from(fit).unwrap_or(usize::MAX)).max(MIN_CONNECTIONS)
+    }
+}
+
+/// The soft RLIMIT_NOFILE (None: unlimited or unknown).
+fn open_files_limit() -> Option<u64> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct it is given.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// Told why serving ended (called once, on the serving thread), unless it was stopped.
+pub type OnEnd = Box<dyn FnOnce(String) + Send>;
+
+/// Binds every listener now (so a bad address fails before anything is installed) and
+/// serves on a thread of its own until the returned handle is dropped. If serving ends
+/// otherwise (a panic, a loop that returns), `on_end` is called with the reason.
+pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, on_end: OnEnd) -> Result<Server, Error> {
+    let listen_err = |addr: SocketAddr| move |e: std::io::Error| Error::Listen { addr, why: e.to_string() };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        // The node counters are read on a blocking thread: one at a time (see `Scrapes`).
+        .max_blocking_threads(1)
+        .thread_keep_alive(Duration::from_secs(2))
+        .thread_name("installer-scrape")
+        .build()
+        .map_err(listen_err(config.probes))?;
+    let limit = config.connection_limit();
+    let mut listeners = Vec::new();
+    {
+        let _entered = runtime.enter();
+        for (face, addr) in
+            std::iter::once((Face::Probes, config.probes)).chain(config.metrics.map(|a| (Face::Metrics, a)))
+        {
+            let tcp = bind(addr).map_err(listen_err(addr))?;
+            let addr = tcp.local_addr().map_err(listen_err(addr))?;
+            listeners.push(Listener { face, tcp, addr, limit });
+        }
+    }
+    let (addr, metrics_addr) = (listeners[0].addr, listeners.get(1).map(|l| l.addr));
+    let app = Arc::new(App { shared, hooks, scrapes: Scrapes::default() });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let thread = std::thread::Builder::new()
         .name("installer-http".into())
         .spawn(move || {
-            for request in s.incoming_requests() {
-                let answer = {
-                    let (shared, hooks) = (shared.clone(), hooks.clone());
-                    move |request: tiny_http::Request| {
-                        let (code, ctype, body) = respond(request.url(), &shared, hooks.as_ref());
-                        let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("a valid header");
-                        let response =
-                            tiny_http::Response::from_string(body).with_status_code(code).with_header(header);
-                        let _ = request.respond(response);
-                    }
-                };
-                // A scrape reads every pod's counters (it may take a while on a busy node):
-                // on a thread of its own, so the kubelet's probes are never queued behind it.
-                if request.url().starts_with("/metrics") {
-                    let _ = std::thread::Builder::new().name("installer-scrape".into()).spawn(move || answer(request));
-                } else {
-                    answer(request);
-                }
-            }
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runtime.block_on(serve(listeners, app, stop_rx))
+            }));
+            // A scrape still reading on the blocking thread is not waited for long.
+            runtime.shutdown_timeout(Duration::from_secs(1));
+            let why = match served {
+                Ok(Ok(())) => return,
+                Ok(Err(why)) => why,
+                Err(panic) => format!("the serving thread panicked: {}", panic_message(&*panic)),
+            };
+            tracing::error!("HTTP serving ended: {why}");
+            on_end(why);
         })
-        .map_err(|e| Error::Listen { addr, why: e.to_string() })?;
-    Ok(Server { server, thread: Some(thread), addr: bound })
+        .map_err(listen_err(config.probes))?;
+    Ok(Server { stop: stop_tx, thread: Some(thread), addr, metrics_addr, connection_limit: limit })
 }
 
-fn respond(url: &str, shared: &Shared, hooks: &dyn NodeChecks) -> (u16, &'static str, String) {
-    const TEXT: &str = "text/plain; charset=utf-8";
-    match url.split('?').next().unwrap_or("") {
-        "/healthz" => (200, TEXT, "ok\n".into()),
-        "/readyz" => {
-            let status = shared.status.lock().unwrap();
-            if status.not_ready.is_empty() {
-                (200, TEXT, "ready\n".into())
+/// A listening socket with SO_REUSEADDR (a restarted installer binds at once while the old
+/// one's connections linger in TIME_WAIT) and a backlog that takes a burst.
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+struct Listener {
+    face: Face,
+    tcp: tokio::net::TcpListener,
+    addr: SocketAddr,
+    limit: usize,
+}
+
+/// What every connection's task shares.
+struct App {
+    shared: Arc<Shared>,
+    hooks: Arc<dyn NodeChecks>,
+    scrapes: Scrapes,
+}
+
+/// Every accept loop, until `stop` changes (Ok) or a loop ends (Err: why).
+async fn serve(
+    listeners: Vec<Listener>,
+    app: Arc<App>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let mut loops = tokio::task::JoinSet::new();
+    let mut names = BTreeMap::new();
+    for l in listeners {
+        let name = format!("the accept loop of {} ({})", l.addr, l.face.name());
+        names.insert(loops.spawn(accept_loop(l, app.clone())).id(), name);
+    }
+    tokio::select! {
+        _ = stop.changed() => Ok(()),
+        ended = loops.join_next_with_id() => Err(match ended {
+            Some(Ok((id, why))) => format!("{} ended: {why}", names[&id]),
+            Some(Err(e)) if e.is_panic() => {
+                let name = names[&e.id()].clone();
+                format!("{name} panicked: {}", panic_message(&*e.into_panic()))
+            }
+            Some(Err(e)) => format!("{} was cancelled", names[&e.id()]),
+            None => "no listener".into(),
+        }),
+    }
+}
+
+/// One open connection, as its accept loop tracks it.
+struct Conn {
+    since: Instant,
+    /// Set once its request head has been read: it is being answered, never evicted.
+    head_read: Arc<AtomicBool>,
+    task: tokio::task::AbortHandle,
+}
+
+/// At most one line per `LOG_PERIOD`, saying how many were held back.
+#[derive(Default)]
+struct RateLimited {
+    last: Option<Instant>,
+    held_back: u64,
+}
+
+impl RateLimited {
+    fn log(&mut self, line: impl FnOnce(u64)) {
+        if self.last.is_some_and(|t| t.elapsed() < LOG_PERIOD) {
+            self.held_back += 1;
+            return;
+        }
+        line(self.held_back);
+        (self.last, self.held_back) = (Some(Instant::now()), 0);
+    }
+}
+
+/// The AETHER_INSTALLER_INJECT_SERVE_FAILURE=N of a test: the probes' accept loop panics at
+/// its Nth connection. Compiled in only with the `fault-injection` feature.
+#[cfg(feature = "fault-injection")]
+fn injected_failure() -> Option<u64> {
+    std::env::var("AETHER_INSTALLER_INJECT_SERVE_FAILURE").ok()?.parse().ok()
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn injected_failure() -> Option<u64> {
+    None
+}
+
+/// Accepts until the runtime stops; returns only if it cannot go on (never, so far).
+async fn accept_loop(l: Listener, app: Arc<App>) -> String {
+    let metrics = &app.shared.metrics;
+    let name = l.face.name();
+    let fail_at = if l.face == Face::Probes { injected_failure() } else { None };
+    let mut accepted = 0u64;
+    let mut open: VecDeque<Conn> = VecDeque::new();
+    let (mut accept_log, mut limit_log) = (RateLimited::default(), RateLimited::default());
+    let mut backoff = ACCEPT_BACKOFF_MIN;
+    loop {
+        let stream = match l.tcp.accept().await {
+            Ok((stream, _)) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                stream
+            }
+            Err(e) => {
+                metrics.http_accept_errors.with_label_values(&[name]).inc();
+                let out_of_resources =
+                    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM));
+                // Out of descriptors: free one held by a connection that sent nothing yet and
+                // retry once it is closed; with none to free, back off.
+                let evicted = out_of_resources && evict_idle(&mut open, Duration::ZERO);
+                let wait = if out_of_resources && !evicted { backoff } else { Duration::ZERO };
+                accept_log.log(|held_back| {
+                    tracing::warn!(
+                        listener = %l.addr,
+                        held_back,
+                        "cannot accept an HTTP connection: {e}; retrying in {} ms{}",
+                        wait.as_millis(),
+                        if evicted { " (an idle connection closed to make room)" } else { "" }
+                    )
+                });
+                if wait.is_zero() {
+                    // The evicted task runs (and closes its socket) before the next accept.
+                    tokio::task::yield_now().await;
+                    tokio::task::yield_now().await;
+                } else {
+                    tokio::time::sleep(wait).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                }
+                continue;
+            }
+        };
+        accepted += 1;
+        if fail_at.is_some_and(|n| accepted >= n) {
+            panic!("AETHER_INSTALLER_INJECT_SERVE_FAILURE: the accept loop fails at connection {accepted}");
+        }
+        open.retain(|c| !c.task.is_finished());
+        if open.len() >= l.limit {
+            if evict_idle(&mut open, EVICTION_GRACE) {
+                metrics.http_limited.with_label_values(&[name, "evicted"]).inc();
             } else {
-                (503, TEXT, status.describe())
+                drop(stream);
+                metrics.http_limited.with_label_values(&[name, "refused"]).inc();
+                limit_log.log(|held_back| {
+                    tracing::warn!(
+                        listener = %l.addr,
+                        limit = l.limit,
+                        held_back,
+                        "HTTP connection limit reached and every connection is answering or just arrived: a new one closed"
+                    )
+                });
+                continue;
             }
         }
-        "/metrics" => {
-            let mut body = shared.metrics.encode();
-            let up = match hooks.node_counters() {
-                Ok(text) => {
-                    body.push_str(text.trim_end());
-                    body.push('\n');
-                    1
+        let head_read = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(serve_connection(stream, l.face, app.clone(), head_read.clone()));
+        open.push_back(Conn { since: Instant::now(), head_read, task: task.abort_handle() });
+        // Let the new connection read what it has sent before the next one is accepted.
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Closes the oldest connection older than `grace` that has not sent its request head.
+fn evict_idle(open: &mut VecDeque<Conn>, grace: Duration) -> bool {
+    let Some(i) = open.iter().position(|c| !c.head_read.load(Ordering::Relaxed) && c.since.elapsed() >= grace) else {
+        return false;
+    };
+    open.remove(i).expect("an index from position").task.abort();
+    true
+}
+
+/// Counts an open connection while it lives (also when its task is aborted).
+struct Counted(prometheus::IntGauge);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// One request (keep-alive is off: a probe or a scrape, then close), within the head's
+/// size and time limits and the connection's deadline.
+async fn serve_connection(stream: tokio::net::TcpStream, face: Face, app: Arc<App>, head_read: Arc<AtomicBool>) {
+    let gauge = app.shared.metrics.http_connections.with_label_values(&[face.name()]);
+    gauge.inc();
+    let _counted = Counted(gauge);
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+        head_read.store(true, Ordering::Relaxed);
+        let app = app.clone();
+        async move { Ok::<_, Infallible>(app.respond(face, request.uri().path()).await) }
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES)
+        .max_header_size(MAX_HEAD_BYTES)
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(CONNECTION_DEADLINE, connection).await;
+}
+
+const TEXT: &str = "text/plain; charset=utf-8";
+
+fn answer(code: u16, content_type: &'static str, body: String) -> hyper::Response<Full<Bytes>> {
+    hyper::Response::builder()
+        .status(code)
+        .header(hyper::header::CONTENT_TYPE, content_type)
+        .body(Full::new(Bytes::from(body)))
+        .expect("a valid status and header")
+}
+
+impl App {
+    async fn respond(&self, face: Face, path: &str) -> hyper::Response<Full<Bytes>> {
+        match (face, path) {
+            (Face::Probes, "/healthz") => answer(200, TEXT, "ok\n".into()),
+            (Face::Probes, "/readyz") => {
+                let status = self.shared.status.lock().unwrap();
+                if status.not_ready.is_empty() {
+                    answer(200, TEXT, "ready\n".into())
+                } else {
+                    answer(503, TEXT, status.describe())
                 }
-                Err(e) => {
-                    body.push_str(&format!(
-                        "# the Service layer's node counters are unavailable: {}\n",
-                        e.to_string().replace('\n', " ")
-                    ));
-                    0
-                }
-            };
-            body.push_str("# HELP aether_cni_installer_node_counters_up 1 when the Service layer's node counters could be read.\n");
-            body.push_str("# TYPE aether_cni_installer_node_counters_up gauge\n");
-            body.push_str(&format!("aether_cni_installer_node_counters_up {up}\n"));
-            (200, "text/plain; version=0.0.4; charset=utf-8", body)
+            }
+            (_, "/metrics") => answer(200, "text/plain; version=0.0.4; charset=utf-8", self.metrics().await),
+            (Face::Probes, _) => answer(404, TEXT, "not found: try /healthz, /readyz or /metrics\n".into()),
+            (Face::Metrics, _) => {
+                answer(404, TEXT, "not found: this address serves /metrics (the probes listen on loopback)\n".into())
+            }
         }
-        _ => (404, TEXT, "not found: try /healthz, /readyz or /metrics\n".into()),
+    }
+
+    async fn metrics(&self) -> String {
+        let mut body = self.shared.metrics.encode();
+        let up = match self.scrapes.node_counters(&self.hooks).await {
+            Ok(text) => {
+                body.push_str(text.trim_end());
+                body.push('\n');
+                1
+            }
+            Err(e) => {
+                body.push_str(&format!(
+                    "# the Service layer's node counters are unavailable: {}\n",
+                    e.replace('\n', " ")
+                ));
+                0
+            }
+        };
+        body.push_str(
+            "# HELP aether_cni_installer_node_counters_up 1 when the Service layer's node counters could be read.\n",
+        );
+        body.push_str("# TYPE aether_cni_installer_node_counters_up gauge\n");
+        body.push_str(&format!("aether_cni_installer_node_counters_up {up}\n"));
+        body
+    }
+}
+
+/// A reading of the node counters, and when it ended.
+type Reading = (Instant, Result<String, String>);
+
+/// The node counters, read by one scrape at a time on the runtime's one blocking thread; a
+/// scrape that waited for another's reading takes its result (it is no older than the wait).
+#[derive(Default)]
+struct Scrapes {
+    turn: Arc<tokio::sync::Mutex<()>>,
+    last: Arc<Mutex<Option<Reading>>>,
+}
+
+impl Scrapes {
+    async fn node_counters(&self, hooks: &Arc<dyn NodeChecks>) -> Result<String, String> {
+        let asked = Instant::now();
+        let read = async {
+            let turn = self.turn.clone().lock_owned().await;
+            if let Some((at, result)) = self.last.lock().unwrap().as_ref() {
+                if *at >= asked {
+                    return result.clone();
+                }
+            }
+            let (hooks, last) = (hooks.clone(), self.last.clone());
+            // The turn goes with the reading: a reading that outlives its scrape's timeout
+            // still keeps the next one waiting, so at most one runs.
+            let reading = tokio::task::spawn_blocking(move || {
+                // Kept as text: a waiting scrape takes a copy of it.
+                let result = hooks.node_counters().map_err(|e| e.to_string());
+                *last.lock().unwrap() = Some((Instant::now(), result.clone()));
+                drop(turn);
+                result
+            });
+            reading.await.unwrap_or_else(|e| Err(format!("reading them failed: {e}")))
+        };
+        tokio::time::timeout(SCRAPE_TIMEOUT, read).await.unwrap_or_else(|_| {
+            Err(format!("reading them took longer than {} s (every pod's are read)", SCRAPE_TIMEOUT.as_secs()))
+        })
     }
 }
 
 pub struct Server {
-    server: Arc<tiny_http::Server>,
+    stop: tokio::sync::watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The probes' listener (`/healthz`, `/readyz`, `/metrics`).
     pub addr: SocketAddr,
+    /// The metrics-only listener, if any.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Open connections allowed per listener.
+    pub connection_limit: usize,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.server.unblock();
+        let _ = self.stop.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -218,6 +218,37 @@ fn another_cni_rewriting_replacing_or_renaming_its_file_is_repaired() {
     r.stop().unwrap();
 }
 
+/// Cilium with `cni.exclusive: true` renames every other configuration to `*.cilium_bak`:
+/// the installer chains again and says which setting does it (the error metric, whose label
+/// carries the message; a removal without such a file says nothing of the kind).
+#[test]
+fn the_chained_file_renamed_away_by_cilium_is_chained_again_and_the_setting_named() {
+    let fake = FakeNode::new("exclusive");
+    fs::write(
+        fake.conf.join("05-cilium.conflist"),
+        r#"{"name":"cilium","cniVersion":"1.0.0","plugins":[{"type":"cilium-cni"}]}"#,
+    )
+    .unwrap();
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 4)).unwrap();
+    wait_for(&r, "chained", || chained_matches(&fake, "05-cilium.conflist"));
+    let chain_errors = || r.shared.metrics.errors.with_label_values(&["chain"]).get();
+    // The control: removed outright, it is repaired and nothing is said of a rename.
+    fs::remove_file(fake.chained()).unwrap();
+    wait_for(&r, "removal repaired", || chained_matches(&fake, "05-cilium.conflist"));
+    assert_eq!(chain_errors(), 0);
+    // Renamed away as Cilium does it.
+    let renamed = fake.conf.join(format!("{}.cilium_bak", fake.chained().file_name().unwrap().to_string_lossy()));
+    fs::rename(fake.chained(), &renamed).unwrap();
+    wait_for(&r, "chained again", || chained_matches(&fake, "05-cilium.conflist"));
+    assert_eq!(chain_errors(), 1);
+    let (_, metrics) = get(r.addr(), "/metrics");
+    assert!(
+        metrics.contains("cilium_bak by another CNI") && metrics.contains("set cni.exclusive=false"),
+        "the setting is named:\n{metrics}"
+    );
+    r.stop().unwrap();
+}
+
 #[test]
 fn a_concurrent_reader_never_sees_a_partial_binary_or_conflist() {
     let fake = FakeNode::new("reader");
@@ -353,5 +384,36 @@ fn probes_are_answered_while_a_slow_scrape_reads_the_node_counters() {
     assert!(!scrape.is_finished(), "the scrape is still held: /readyz was not queued behind it");
     release.store(true, Ordering::SeqCst);
     assert_eq!(scrape.join().unwrap().0, 200);
+    r.stop().unwrap();
+}
+
+#[test]
+fn concurrent_scrapes_share_one_reading_of_the_node_counters() {
+    let fake = FakeNode::new("shared-scrape");
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    let readings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut plugin = common::plugin(&Switches::default());
+    let count = readings.clone();
+    plugin.node_counters = Box::new(move || {
+        count.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(300)); // a busy node's pods
+        Ok("aether_cni_service_connections_total{class=\"mesh\"} 7\n".into())
+    });
+    let r = start(fake.args(&["--metrics-listen=127.0.0.1:0"]), plugin, fake_binary(64, 9)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    let metrics = r.metrics_addr().expect("a metrics listener");
+    assert_eq!(get(metrics, "/healthz").0, 404, "the metrics listener serves /metrics only");
+    let scrapes: Vec<_> = (0..32).map(|_| std::thread::spawn(move || get(metrics, "/metrics"))).collect();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(readyz(&r).0, 200);
+    assert!(scrapes.iter().any(|s| !s.is_finished()), "/readyz answered while the scrapes still wait for the reading");
+    for s in scrapes {
+        let (code, body) = s.join().unwrap();
+        assert_eq!(code, 200);
+        assert!(body.contains("aether_cni_installer_node_counters_up 1"), "{body}");
+    }
+    let n = readings.load(Ordering::SeqCst);
+    // The first reading, then at most one more for every scrape that came during it.
+    assert!(n <= 2, "32 concurrent scrapes read the node counters {n} times");
     r.stop().unwrap();
 }

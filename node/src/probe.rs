@@ -5,6 +5,8 @@
 
 use aether_rules::model::Proto;
 use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
+/// A connect-time socket load balancer beside us (the main CNI's BPF at the root cgroup).
+pub use aether_rules::socket_lb;
 use aether_rules::{capture, CaptureConfig, CaptureMode, DnsDivert};
 
 /// Why a probe says no.
