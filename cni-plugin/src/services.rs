@@ -22,8 +22,9 @@ pub struct ServicesArgs {
 
 #[derive(clap::Subcommand)]
 enum ServicesCommand {
-    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) from -f FILE or
-    /// stdin, validate it, store it and apply it to every managed pod.
+    /// Read a snapshot (JSON, see testdata/services/snapshot.schema.json) or a change to the
+    /// stored one (testdata/services/change.schema.json) from -f FILE or stdin, validate it,
+    /// store the result and apply it to every managed pod.
     Apply {
         /// The snapshot file; `-` is stdin. Without -f, stdin is read unless it is a terminal.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
@@ -98,7 +99,13 @@ pub fn run(args: ServicesArgs) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            match services::apply_document(&dir, &text) {
+            // A change document (a top-level baseGeneration) or a whole snapshot.
+            let applied = if services::change::is_change(&text) {
+                services::apply_change(&dir, &text)
+            } else {
+                services::apply_document(&dir, &text)
+            };
+            match applied {
                 Ok(report) => {
                     println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
                     return if report.failed() { ExitCode::FAILURE } else { ExitCode::SUCCESS };

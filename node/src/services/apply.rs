@@ -9,7 +9,7 @@ use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied, LayerChange};
 use serde_json::{json, Value};
 
-use super::{flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
 
@@ -179,6 +179,20 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
             StoredLayer::new(snap.generation, &snap.layer(0), source)
         }
     };
+    store_and_apply(dir, text, new, previous, warnings)
+}
+
+/// The end of an apply, under the exclusive lock, once the document `text` is checked and
+/// `new` is its layer: refuses an older or reused generation, stores the document and its
+/// layer, and brings every pod to it.
+fn store_and_apply(
+    dir: &ServicesDir,
+    text: &[u8],
+    new: StoredLayer,
+    previous: Option<StoredLayer>,
+    warnings: Vec<String>,
+) -> Result<ApplyReport, ServicesError> {
+    let source = new.source;
     if let Some(old) = &previous {
         if new.generation < old.generation {
             return Err(ServicesError::OlderGeneration { new: new.generation, stored: old.generation });
@@ -192,6 +206,36 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
         dir.write_atomic("layer.bin", &new.encode())?;
     }
     aether_netns::tour(|| apply_to_pods(dir, &new, previous.as_ref(), warnings)).map_err(ServicesError::Tour)?
+}
+
+/// `services apply` with a change document: refused unless its base is the stored
+/// generation; applied to the stored snapshot; the result, in canonical form
+/// (`change::render`), checked and stored as a whole snapshot would be, so what is stored
+/// after a change is what the whole snapshot of the same content stores. Nothing changes on
+/// refusal.
+pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
+    let c = change::parse(text).map_err(refused)?;
+    let _lock = dir.lock(true)?;
+    let path = dir.root.join("snapshot.json");
+    let Some(stored) = dir.read("snapshot.json")? else {
+        return Err(ServicesError::NoBase { base: c.base_generation });
+    };
+    let base = snapshot::parse(&stored).map_err(|reasons| ServicesError::StoredInvalid { path, reasons })?;
+    if base.generation != c.base_generation {
+        return Err(ServicesError::StaleBase { base: c.base_generation, stored: base.generation });
+    }
+    let next = change::apply(&base, &c).map_err(refused)?;
+    let whole = change::render(&next);
+    let next = snapshot::parse(&whole).map_err(|reasons| {
+        refused(reasons.into_iter().map(|r| format!("the snapshot the change makes: {r}")).collect())
+    })?;
+    let mut warnings = Vec::new();
+    let previous = dir.stored_layer().unwrap_or_else(|e| {
+        warnings.push(format!("{e}; replaced by this snapshot"));
+        None
+    });
+    let new = StoredLayer::new(next.generation, &next.layer(0), layer_file::source_digest(&whole));
+    store_and_apply(dir, &whole, new, previous, warnings)
 }
 
 /// `apply_document` once `new` is stored: the layer to every recorded pod, each given the

@@ -24,6 +24,7 @@
 //!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
 pub mod apply;
+pub mod change;
 pub mod fold;
 pub mod layer_file;
 pub mod report;
@@ -37,7 +38,7 @@ use aether_netns::Netns;
 
 use crate::state::{self, Record};
 use crate::PodError;
-pub use apply::{apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
+pub use apply::{apply_change, apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
 use apply::{generation_value, netns_key, PodHolds};
 pub use fold::{end_stale_fold, retire_layer, Retired};
 pub use layer_file::{LayerFileError, StoredLayer};
@@ -73,6 +74,12 @@ pub enum ServicesError {
     Refused { reasons: Vec<String> },
     #[error("generation: {new} is older than the stored generation {stored}; nothing changed")]
     OlderGeneration { new: u64, stored: u64 },
+    /// A change document whose base is not the stored generation: the agent sends a whole
+    /// snapshot instead.
+    #[error("baseGeneration: {base} is not the stored generation {stored}; send a whole snapshot; nothing changed")]
+    StaleBase { base: u64, stored: u64 },
+    #[error("baseGeneration: {base}, but no snapshot is stored; send a whole snapshot; nothing changed")]
+    NoBase { base: u64 },
     #[error("generation: {0} is already stored with different content; a new snapshot needs a new generation")]
     GenerationReused(u64),
     /// The pods' network namespaces cannot be toured (a thread, or the way home).

@@ -29,11 +29,11 @@ pub const MAX_MESH_VIPS: usize = 100_000;
 const MAX_SHOWN: usize = 64;
 
 /// A JSON value as messages show it: whole when short, otherwise its start and its size.
-fn brief(v: &Value) -> String {
+pub(super) fn brief(v: &Value) -> String {
     shortened(&v.to_string())
 }
 
-fn shortened(text: &str) -> String {
+pub(super) fn shortened(text: &str) -> String {
     if text.len() <= MAX_SHOWN {
         return text.to_string();
     }
@@ -227,6 +227,18 @@ fn well_formed(text: &[u8]) -> Option<Snapshot> {
 /// its place.
 fn parse_reporting(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     let doc: Value = serde_json::from_slice(text).map_err(|e| vec![format!("the snapshot is not JSON: {e}")])?;
+    let snap = parse_items(&doc)?;
+    let errs = relations(&snap);
+    if errs.is_empty() {
+        Ok(snap)
+    } else {
+        Err(errs)
+    }
+}
+
+/// A document's items, each checked alone, with their places (a change document's items are
+/// read by it too); what is wrong between them is `relations`'s.
+pub(super) fn parse_items(doc: &Value) -> Result<Snapshot, Vec<String>> {
     let mut errs = Vec::new();
     let Some(obj) = doc.as_object() else {
         return Err(vec!["the snapshot must be a JSON object".into()]);
@@ -329,13 +341,7 @@ fn parse_reporting(text: &[u8]) -> Result<Snapshot, Vec<String>> {
         // Items were left out: what is between them waits for a document of the right shape.
         return Err(errs);
     }
-    let snap = Snapshot { generation, mode, service_ranges, mesh_vips, services, dialled_timeout_secs };
-    let errs = relations(&snap);
-    if errs.is_empty() {
-        Ok(snap)
-    } else {
-        Err(errs)
-    }
+    Ok(Snapshot { generation, mode, service_ranges, mesh_vips, services, dialled_timeout_secs })
 }
 
 /// Networks that are never Service ranges, of either family: a range may neither overlap

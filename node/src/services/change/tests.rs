@@ -1,0 +1,150 @@
+use std::fs;
+
+use super::*;
+use crate::services::{apply_change, apply_document, ServicesDir};
+
+fn tmp(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("aether-svcchange-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    d
+}
+
+/// A small xorshift: the random sequences are reproducible from the seed in a failure.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+fn svc(i: u64, usable: bool) -> Value {
+    json!({"namespace": "ns", "name": format!("s{i}"), "vip": format!("10.96.{}.{}", i / 250, 1 + i % 250),
+           "ports": [{"protocol": "TCP", "port": 80 + (i % 3)}], "usableEndpoints": usable})
+}
+
+/// A random change to `model` (the agent's view), applied to the model as the agent would.
+fn random_change(rng: &mut Rng, model: &mut Snapshot, next_id: &mut u64) -> Value {
+    let base = model.generation;
+    let mut c = json!({"baseGeneration": base, "generation": base + 1 + rng.next(3)});
+    let mut put = Vec::new();
+    let mut removed = Vec::new();
+    let mut flips = Vec::new();
+    for _ in 0..1 + rng.next(4) {
+        match rng.next(3) {
+            0 => {
+                put.push(svc(*next_id, rng.next(2) == 0));
+                *next_id += 1;
+            }
+            1 if !model.services.is_empty() => {
+                let s = model.services.remove(rng.next(model.services.len() as u64) as usize);
+                removed.push(json!({"namespace": s.namespace, "name": s.name}));
+                flips.retain(|f: &Value| f["name"] != json!(s.name));
+            }
+            _ if !model.services.is_empty() => {
+                let s = &model.services[rng.next(model.services.len() as u64) as usize];
+                if flips.iter().all(|f: &Value| f["name"] != json!(s.name))
+                    && removed.iter().all(|r| r["name"] != json!(s.name))
+                {
+                    flips.push(json!({"namespace": s.namespace, "name": s.name,
+                                      "usableEndpoints": !s.usable_endpoints}));
+                }
+            }
+            _ => {}
+        }
+    }
+    c["servicesPut"] = json!(put);
+    c["servicesRemoved"] = json!(removed);
+    c["endpoints"] = json!(flips);
+    c
+}
+
+/// Random sequences of changes give, generation by generation, the stored snapshot and
+/// `layer.bin` the equivalent whole snapshot gives.
+fn changes_equal_whole_snapshots(wrong: bool) -> Result<(), String> {
+    let (a, b) = (tmp(&format!("a{wrong}")), tmp(&format!("b{wrong}")));
+    let (da, db) = (ServicesDir::new(&a), ServicesDir::new(&b));
+    let first = json!({"generation": 1, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"],
+                       "services": (0..20).map(|i| svc(i, i % 2 == 0)).collect::<Vec<_>>()});
+    let text = render(&snapshot::parse(first.to_string().as_bytes()).unwrap());
+    apply_document(&da, &text).unwrap();
+    apply_document(&db, &text).unwrap();
+    let mut rng = Rng(0x5eed_1234);
+    let mut next_id = 20;
+    for step in 0..40 {
+        let stored = snapshot::parse(&fs::read(a.join("services/snapshot.json")).unwrap()).unwrap();
+        let mut model = stored.clone();
+        let c = random_change(&mut rng, &mut model, &mut next_id);
+        let mut sent = c.clone();
+        if wrong {
+            // The deliberately wrong applier: endpoint flips lost.
+            sent["endpoints"] = json!([]);
+        }
+        apply_change(&da, sent.to_string().as_bytes()).map_err(|e| format!("step {step}: {e}"))?;
+        // The whole snapshot the agent would have sent: the change applied to its view.
+        let whole = apply(&stored, &parse(c.to_string().as_bytes()).unwrap()).unwrap();
+        let whole_text = render(&whole);
+        apply_document(&db, &whole_text).unwrap();
+        for f in ["snapshot.json", "layer.bin"] {
+            if fs::read(a.join("services").join(f)).unwrap() != fs::read(b.join("services").join(f)).unwrap() {
+                return Err(format!("step {step}: {f} differs"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn random_changes_store_what_the_equivalent_whole_snapshots_store() {
+    changes_equal_whole_snapshots(false).unwrap();
+}
+
+#[test]
+fn refusals_name_their_reason_and_change_nothing() {
+    let state = tmp("refuse");
+    let dir = ServicesDir::new(&state);
+    let first = json!({"generation": 5, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "meshVIPs": ["10.96.9.9"],
+                       "services": [svc(1, true), svc(2, false)]});
+    apply_document(&dir, first.to_string().as_bytes()).unwrap();
+    let before = |f: &str| fs::read(state.join("services").join(f)).unwrap();
+    let (snap, layer) = (before("snapshot.json"), before("layer.bin"));
+    let mut dup = svc(7, true);
+    dup["vip"] = json!("10.96.0.2");
+    let cases = [
+        (json!({"baseGeneration": 4, "generation": 6}), "baseGeneration: 4 is not the stored generation 5"),
+        (
+            json!({"baseGeneration": 5, "generation": 6, "servicesRemoved": [{"namespace": "ns", "name": "nope"}]}),
+            "servicesRemoved[0]: Service ns/nope is not in the stored generation 5",
+        ),
+        (json!({"baseGeneration": 5, "generation": 6, "servicesPut": [dup]}), "is also the VIP of services[0]"),
+        (
+            json!({"baseGeneration": 5, "generation": 6, "meshVIPsAdded": ["10.97.0.1"]}),
+            "10.97.0.1 is outside every Service range",
+        ),
+        (
+            json!({"baseGeneration": 5, "generation": 6, "meshVIPsAdded": ["10.96.9.9"]}),
+            "meshVIPsAdded[0]: 10.96.9.9 is already a mesh VIP",
+        ),
+        (
+            json!({"baseGeneration": 5, "generation": 6,
+                "servicesRemoved": (0..MAX_CHANGED_ITEMS + 1).map(|i| json!({"namespace": "n", "name": format!("x{i}")})).collect::<Vec<_>>()}),
+            "more than the limit of 10000",
+        ),
+    ];
+    for (c, why) in cases {
+        let e = apply_change(&dir, c.to_string().as_bytes()).unwrap_err();
+        assert!(e.reasons().iter().any(|r| r.contains(why)), "{why}: {:?}", e.reasons());
+        assert_eq!(before("snapshot.json"), snap, "{why}");
+        assert_eq!(before("layer.bin"), layer, "{why}");
+    }
+    assert!(is_change(json!({"baseGeneration": 5}).to_string().as_bytes()));
+    assert!(!is_change(&snap));
+}
+
+/// The negative control: an applier that loses endpoint flips is caught by the comparison.
+#[test]
+fn the_comparison_catches_a_wrong_change_applier() {
+    assert!(changes_equal_whole_snapshots(true).is_err());
+}
