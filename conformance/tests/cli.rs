@@ -24,7 +24,9 @@ fn doctor_proves_the_kernel_can_hold_the_ruleset_without_touching_the_node() {
     // This kernel holds all of it (the IPv6 and Service layer tests prove as much), so every
     // check says ok. (The IPv6 line once said "no" here: the probe's netns had `lo` down, and
     // IPv6 refuses a route through a down device; a pod's `lo` is up.)
-    assert_eq!(text.matches("\nok ").count(), 5, "{text}");
+    // Five kernel checks, and no connect-time socket load balancer beside us.
+    assert_eq!(text.matches("\nok ").count(), 6, "{text}");
+    assert!(text.contains("\nok    no connect-time socket load balancer"), "{text}");
     assert!(!text.contains("\nno ") && !text.contains("FAIL"), "{text}");
     assert!(
         text.contains("for IPv4 and IPv6 pods") && text.contains("Service layer, for IPv4 and IPv6 Service ranges"),

@@ -23,6 +23,22 @@ pub const EXTENSIONS: [&str; 3] = ["conf", "conflist", "json"];
 /// The `type` of the entry the installer adds.
 pub const PLUGIN_TYPE: &str = "aether-cni";
 
+/// Suffixes another CNI gives the configuration files it renames away, and the setting that
+/// makes it do so.
+const RENAMED_AWAY: [(&str, &str); 1] = [(
+    ".cilium_bak",
+    "Cilium renames every other CNI configuration with cni.exclusive: true (its default); set cni.exclusive=false",
+)];
+
+/// Our chained file as another CNI renamed it away (`00-aether-cni.conflist.cilium_bak`),
+/// and the setting that causes it, if such a file is in `dir`.
+pub fn renamed_away(dir: &Path, own_name: &str) -> Option<(PathBuf, &'static str)> {
+    RENAMED_AWAY.iter().find_map(|(suffix, why)| {
+        let renamed = dir.join(format!("{own_name}{suffix}"));
+        renamed.exists().then_some((renamed, *why))
+    })
+}
+
 /// The configuration runtimes would load if the installer's own file were not there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Primary {

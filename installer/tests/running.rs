@@ -77,7 +77,7 @@ fn readyz_names_each_not_ready_cause_and_the_marker_follows() {
         let (code, body) = readyz(&r);
         code == 503
             && body.contains("primary: no CNI network configuration")
-            && body.contains("kernel: kernel checks failed: nft_tproxy")
+            && body.contains("kernel: kernel checks failed: programmed, but read back differently: nft_tproxy")
             && fake.marker().is_some_and(|m| m.contains("no CNI network configuration") && m.contains("nft_tproxy"))
     });
 
@@ -215,6 +215,37 @@ fn another_cni_rewriting_replacing_or_renaming_its_file_is_repaired() {
     );
     assert_eq!(m.repairs.with_label_values(&["binary"]).get(), 1);
     assert!(m.repair_seconds.get_sample_count() >= 6);
+    r.stop().unwrap();
+}
+
+/// Cilium with `cni.exclusive: true` renames every other configuration to `*.cilium_bak`:
+/// the installer chains again and says which setting does it (the error metric, whose label
+/// carries the message; a removal without such a file says nothing of the kind).
+#[test]
+fn the_chained_file_renamed_away_by_cilium_is_chained_again_and_the_setting_named() {
+    let fake = FakeNode::new("exclusive");
+    fs::write(
+        fake.conf.join("05-cilium.conflist"),
+        r#"{"name":"cilium","cniVersion":"1.0.0","plugins":[{"type":"cilium-cni"}]}"#,
+    )
+    .unwrap();
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 4)).unwrap();
+    wait_for(&r, "chained", || chained_matches(&fake, "05-cilium.conflist"));
+    let chain_errors = || r.shared.metrics.errors.with_label_values(&["chain"]).get();
+    // The control: removed outright, it is repaired and nothing is said of a rename.
+    fs::remove_file(fake.chained()).unwrap();
+    wait_for(&r, "removal repaired", || chained_matches(&fake, "05-cilium.conflist"));
+    assert_eq!(chain_errors(), 0);
+    // Renamed away as Cilium does it.
+    let renamed = fake.conf.join(format!("{}.cilium_bak", fake.chained().file_name().unwrap().to_string_lossy()));
+    fs::rename(fake.chained(), &renamed).unwrap();
+    wait_for(&r, "chained again", || chained_matches(&fake, "05-cilium.conflist"));
+    assert_eq!(chain_errors(), 1);
+    let (_, metrics) = get(r.addr(), "/metrics");
+    assert!(
+        metrics.contains("cilium_bak by another CNI") && metrics.contains("set cni.exclusive=false"),
+        "the setting is named:\n{metrics}"
+    );
     r.stop().unwrap();
 }
 

@@ -12,6 +12,19 @@ pub enum Error {
     /// The kernel refused one object of an nftables transaction; nothing of it was applied.
     #[error("nftables refused {object}: {source}")]
     Transaction { object: String, source: io::Error },
+    /// The kernel refused objects because it lacks features they need (an expression type,
+    /// a chain type, a module not built or not loadable); nothing of the transaction was
+    /// applied.
+    #[error(
+        "nftables refused {object}: this kernel ({release}) lacks {} (the ruleset needs Linux {}.{} or later with these built) [{source}]",
+        crate::features::List(missing), crate::features::minimum_kernel().0, crate::features::minimum_kernel().1
+    )]
+    MissingFeature {
+        object: String,
+        missing: Vec<&'static crate::features::Feature>,
+        release: String,
+        source: io::Error,
+    },
     /// A policy-routing request (ip rule / ip route) failed in the kernel.
     #[error("policy routing {op} failed: {source}")]
     Route { op: &'static str, source: io::Error },

@@ -7,11 +7,13 @@
 pub mod capture;
 mod error;
 pub mod family;
+pub mod features;
 pub mod model;
 mod netlink;
 pub mod nft;
 pub mod route;
 pub mod services;
+pub mod socket_lb;
 
 pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 pub use error::{Error, Result};
@@ -132,7 +134,10 @@ pub fn remove(table: &str, policy_routes: &[PolicyRoute]) -> Result<Removed> {
 /// The kernel has no such family here (IPv6 disabled, say): nothing of it can exist.
 fn unsupported(e: &Error) -> bool {
     let source = match e {
-        Error::Nftables { source, .. } | Error::Transaction { source, .. } | Error::Route { source, .. } => source,
+        Error::Nftables { source, .. }
+        | Error::Transaction { source, .. }
+        | Error::MissingFeature { source, .. }
+        | Error::Route { source, .. } => source,
         _ => return false,
     };
     source.raw_os_error() == Some(libc::EAFNOSUPPORT)

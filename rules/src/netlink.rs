@@ -216,11 +216,12 @@ impl Socket {
             .collect())
     }
 
-    /// After a batch was sent without per-message ACKs and a `fence` request after it: the
-    /// first error the kernel reported for the batch, as (sequence number, errno), once the
-    /// fence's answer (which comes after every answer to the batch) has arrived.
-    pub fn batch_verdict(&mut self, fence: u32) -> io::Result<Option<(u32, i32)>> {
-        let mut first_error = None;
+    /// After a batch was sent without per-message ACKs and a `fence` request after it: every
+    /// error the kernel reported for the batch, as (sequence number, errno), in order, once
+    /// the fence's answer (which comes after every answer to the batch) has arrived. The
+    /// kernel goes on through a batch after an error, so each refused message is answered.
+    pub fn batch_errors(&mut self, fence: u32) -> io::Result<Vec<(u32, i32)>> {
+        let mut errors = Vec::new();
         self.receive(|m| {
             if m.seq == fence {
                 return match m.kind {
@@ -230,10 +231,10 @@ impl Socket {
                 };
             }
             if m.kind == NLMSG_ERROR && m.code() != 0 {
-                first_error.get_or_insert((m.seq, m.code()));
+                errors.push((m.seq, m.code()));
             }
             Ok(false)
         })?;
-        Ok(first_error)
+        Ok(errors)
     }
 }

@@ -5,6 +5,7 @@
 mod expr;
 pub mod key;
 pub mod read;
+mod reg;
 mod render;
 
 pub use expr::{Expr, Exprs, Reg};
@@ -48,17 +49,29 @@ fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
         NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
     );
     let fence = sock.request(gen, 0).map_err(nft("send generation fence"))?;
-    match sock.batch_verdict(fence).map_err(nft("generation fence"))? {
-        None => Ok(()),
-        Some((seq, code)) => {
-            let what = seq
-                .checked_sub(first + 1)
-                .and_then(|i| batch.labels.get(i as usize))
-                .map(String::as_str)
-                .unwrap_or("the transaction");
-            Err(Error::Transaction { object: what.to_string(), source: io::Error::from_raw_os_error(code) })
+    let errors = sock.batch_errors(fence).map_err(nft("generation fence"))?;
+    let Some(&(seq, code)) = errors.first() else {
+        return Ok(());
+    };
+    let index = |seq: u32| seq.checked_sub(first + 1).map(|i| i as usize);
+    let what = index(seq).and_then(|i| batch.labels.get(i)).map(String::as_str).unwrap_or("the transaction");
+    let source = io::Error::from_raw_os_error(code);
+    // A kernel without a feature refuses each object that needs it: name every feature it
+    // lacks among those the refused objects need, and which Linux has it.
+    let kernel = crate::features::Kernel::running();
+    let mut missing: Vec<&'static crate::features::Feature> = Vec::new();
+    for &(seq, code) in &errors {
+        let needs = index(seq).and_then(|i| batch.needs.get(i)).map(Vec::as_slice).unwrap_or(&[]);
+        for f in crate::features::missing(&kernel, needs, code) {
+            if !missing.contains(&f) {
+                missing.push(f);
+            }
         }
     }
+    if missing.is_empty() {
+        return Err(Error::Transaction { object: what.to_string(), source });
+    }
+    Err(Error::MissingFeature { object: what.to_string(), missing, release: kernel.release, source })
 }
 
 /// Runs a dump and parses its messages. A message that does not parse is skipped when it

@@ -14,6 +14,7 @@ use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProto
 use super::expr::{self, lower_action, lower_match, Expr, NFT_OBJECT_COUNTER};
 use super::key;
 use crate::family::Family;
+use crate::features::{self, Feature};
 use crate::model;
 
 /// Elements per NEWSETELEM/DELSETELEM message: well under the 64 KiB a message can hold
@@ -37,6 +38,9 @@ const COUNTER_PACKETS: u16 = 2;
 pub(crate) struct Batch {
     pub messages: Vec<(Part, u16)>,
     pub labels: Vec<String>,
+    /// The kernel features each message's object needs beyond nf_tables' core (to name the
+    /// one the kernel lacks when it refuses the object).
+    pub needs: Vec<Vec<&'static Feature>>,
     /// The family of each message's table.
     pub families: Vec<Family>,
     /// Set IDs name sets created in this transaction: unique across its tables.
@@ -97,7 +101,13 @@ impl Batch {
     fn add_part(&mut self, family: Family, part: Part, flags: u16, label: String) {
         self.messages.push((part, flags));
         self.labels.push(label);
+        self.needs.push(Vec::new());
         self.families.push(family);
+    }
+
+    /// The last message's object needs `features`.
+    fn needing(&mut self, features: Vec<&'static Feature>) {
+        *self.needs.last_mut().expect("a message") = features;
     }
 
     /// Every message, built (for reading the batch as the kernel will hold it).
@@ -126,6 +136,7 @@ impl Batch {
     pub fn append(&mut self, other: Batch) {
         self.messages.extend(other.messages);
         self.labels.extend(other.labels);
+        self.needs.extend(other.needs);
         self.families.extend(other.families);
     }
 
@@ -208,11 +219,13 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
     for name in &table.counters {
         let start = counters.get(name).copied().unwrap_or((0, 0));
         b.add(family, counter(&table.name, name, start), NLM_F_CREATE, named(format!("counter {name}")));
+        b.needing(vec![&features::COUNTER_OBJECT]);
     }
     for set in &table.sets {
         b.next_set_id += 1;
         let id = b.next_set_id;
         b.add(family, set_message(&table.name, set, id), NLM_F_CREATE, named(format!("set {}", set.name)));
+        b.needing(features::of_set(set));
         // A netlink message holds at most 64 KiB: elements go in chunks.
         for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
             let keys = PackedKeys::pack(&key::element_keys(set, chunk));
@@ -227,15 +240,19 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
             NLM_F_CREATE,
             named(format!("chain {}", c.name)),
         );
+        b.needing(features::of_chain(c));
     }
     for c in &table.chains {
         for (i, r) in c.rules.iter().enumerate() {
+            let exprs = rule_exprs(r, family);
+            let needs = features::of_rule(&exprs, family);
             b.add(
                 family,
-                NfTablesMessage::NewRule(rule(&table.name, &c.name, r, family)),
+                NfTablesMessage::NewRule(rule(&table.name, &c.name, r, exprs)),
                 NLM_F_CREATE | NLM_F_APPEND,
                 named(format!("rule {} of chain {} ({})", i + 1, c.name, r.comment)),
             );
+            b.needing(needs);
         }
     }
 }
@@ -380,7 +397,7 @@ pub(crate) fn rule_exprs(r: &model::Rule, family: Family) -> Vec<Expr> {
     out
 }
 
-fn rule(table: &str, chain: &str, r: &model::Rule, family: Family) -> RuleMessage {
+fn rule(table: &str, chain: &str, r: &model::Rule, exprs: Vec<Expr>) -> RuleMessage {
     let mut comment = r.comment.as_bytes().to_vec();
     comment.push(0);
     let mut udata = vec![UDATA_RULE_COMMENT, u8::try_from(comment.len()).expect("comments are short constants")];
@@ -389,7 +406,7 @@ fn rule(table: &str, chain: &str, r: &model::Rule, family: Family) -> RuleMessag
         attributes: vec![
             RuleAttribute::Table(table.to_string()),
             RuleAttribute::Chain(chain.to_string()),
-            RuleAttribute::Expressions(rule_exprs(r, family).iter().map(Expr::encode).collect()),
+            RuleAttribute::Expressions(exprs.iter().map(Expr::encode).collect()),
             RuleAttribute::UserData(udata),
         ],
     }
