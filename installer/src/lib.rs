@@ -126,6 +126,8 @@ pub enum Error {
     Signals(std::io::Error),
     #[error("kernel checks failed: {0}")]
     Kernel(String),
+    #[error("cannot start the reconciler: {0}")]
+    Reconciler(std::io::Error),
     #[error("HTTP serving ended ({0}): exiting to be restarted")]
     ServingEnded(String),
 }
@@ -523,6 +525,8 @@ pub struct Running {
     thread: std::thread::JoinHandle<Result<(), Error>>,
     server: serve::Server,
     pub shared: Arc<Shared>,
+    /// The reconciler's thread, when `run` started one.
+    reconciler: Option<reconcile::looper::Looper>,
     serving_end: Arc<std::sync::Mutex<ServingEnd>>,
 }
 
@@ -554,6 +558,10 @@ impl Running {
 
     /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
     pub fn stop(self) -> Result<(), Error> {
+        // The reconciler first: no pass may act while the node is uninstalled.
+        if let Some(r) = self.reconciler {
+            r.stop();
+        }
         let _ = self.tx.send(Msg::Stop);
         let out = self.thread.join().expect("the installer loop does not panic");
         drop(self.server);
@@ -586,7 +594,7 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared, serving_end })
+    Ok(Running { tx, thread, server, shared, serving_end, reconciler: None })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
@@ -607,6 +615,10 @@ pub fn entry_for_display(args: &InstallArgs, node: &dyn NodeChecks) -> Result<St
 /// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
 /// for an upgrade). The binary installed is this process's own executable.
 pub fn run(args: InstallArgs) -> Result<(), Error> {
+    // A long-running service: a peer that hangs up (the CRI socket, an HTTP client of
+    // /metrics) is an error on that connection, never the end of the process. (The binary's
+    // CLI restores SIGPIPE's default for the commands that print.)
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let node = LiveNode::new(&args.state_dir);
     if args.print_entry {
         println!("{}", entry_for_display(&args, &node)?);
@@ -616,7 +628,7 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
-    let running = start(args, node, binary)?;
+    let mut running = start(args.clone(), node, binary)?;
     // The address ends the line: tests and operators read it from there.
     tracing::info!(
         "serving /healthz, /readyz, /metrics (at most {} connections per listener) on {}",
@@ -629,6 +641,8 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
+    let ops = reconcile::node_lib::NodeLib::new(&args);
+    running.reconciler = reconcile::start(&args, running.shared.clone(), ops).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

@@ -101,6 +101,8 @@ pub struct Metrics {
     pub last_error: IntGaugeVec,
     pub last_error_time: IntGauge,
     pub repair_seconds: Histogram,
+    /// The reconciler's (registered here, observed by its thread).
+    pub reconcile: crate::reconcile::metrics::ReconcileMetrics,
     /// Open HTTP connections, by listener (`probes`, `metrics`).
     pub http_connections: IntGaugeVec,
     /// HTTP connections closed by the connection limit, by listener and how: `refused` (the
@@ -208,6 +210,8 @@ impl Metrics {
         for r in Reason::ALL {
             not_ready.with_label_values(&[r.name()]);
         }
+        let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
+        reconcile.register(&registry).unwrap();
         for face in [Face::Probes, Face::Metrics] {
             http_connections.with_label_values(&[face.name()]);
             http_accept_errors.with_label_values(&[face.name()]);
@@ -225,6 +229,7 @@ impl Metrics {
             last_error,
             last_error_time,
             repair_seconds,
+            reconcile,
             http_connections,
             http_limited,
             http_accept_errors,
