@@ -264,7 +264,15 @@ impl<'a> ImageInstaller<'a> {
                     .arg(binary)
                     .arg(&image)
                     .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
-                    .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf")),
+                    .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf"))
+                    // The image carries the notices `make notices` wrote (make test passes
+                    // them); the test binary links the same crates as the release one.
+                    .env(
+                        "NOTICES",
+                        std::env::var_os("AETHER_NOTICES")
+                            .map(std::path::PathBuf::from)
+                            .unwrap_or_else(|| repo().join("target/release/THIRD-PARTY-NOTICES")),
+                    ),
             ),
         );
         let name = format!("aether-installer-{}", std::process::id());
