@@ -32,6 +32,7 @@ K3S = {
         "maxConnections": 64,
     },
     "metrics": {"enabled": False},
+    "reconciler": {"enabled": False},
     "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
 # Every plugin setting given.
@@ -127,6 +128,13 @@ def test_defaults():
         "--http-max-connections=256",
         "--resync-seconds=10",
         "--upgrade",
+        "--cri-socket=/run/containerd/containerd.sock",
+        "--missed-pods=restart",
+        "--reconcile-period-seconds=10",
+        "--reconcile-max-actions=5",
+        "--reconcile-backoff-seconds=30",
+        "--reconcile-attempts=3",
+        "--leftover-grace-seconds=60",
     ]
     assert c["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
     assert c["ports"] == [
@@ -145,6 +153,7 @@ def test_defaults():
         "cni-conf": "/host/etc/cni/net.d",
         "state": "/var/run/aether-cni",
         "netns": "/var/run/netns",
+        "cri-socket": "/run/containerd/containerd.sock",
     }
     assert mounts["netns"]["readOnly"] is True and mounts["netns"]["mountPropagation"] == "HostToContainer"
     volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
@@ -153,8 +162,51 @@ def test_defaults():
         "cni-conf": "/etc/cni/net.d",
         "state": "/var/run/aether-cni",
         "netns": "/var/run/netns",
+        "cri-socket": "/run/containerd/containerd.sock",
     }
+    (socket,) = [v for v in spec["volumes"] if v["name"] == "cri-socket"]
+    assert socket["hostPath"]["type"] == "Socket", "a missing socket fails the pod's start, naming it"
     assert c["resources"]["limits"] == {"memory": "128Mi"}
+
+
+def test_reconciler_values_become_flags_and_the_socket_mount():
+    values = {
+        "reconciler": {
+            "criSocket": "/run/k3s/containerd/containerd.sock",
+            "missedPods": "capture",
+            "periodSeconds": 3,
+            "maxActionsPerPass": 2,
+            "backoffSeconds": 5,
+            "attempts": 7,
+            "leftoverGraceSeconds": 15,
+        }
+    }
+    ds = daemonset(values)
+    c = container(ds)
+    assert c["args"][9:] == [
+        "--cri-socket=/run/k3s/containerd/containerd.sock",
+        "--missed-pods=capture",
+        "--reconcile-period-seconds=3",
+        "--reconcile-max-actions=2",
+        "--reconcile-backoff-seconds=5",
+        "--reconcile-attempts=7",
+        "--leftover-grace-seconds=15",
+    ]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["cri-socket"] == "/run/k3s/containerd/containerd.sock"
+    # On without a socket: no mount, and the binary is told no socket.
+    c = container(daemonset({"reconciler": {"criSocket": ""}}))
+    assert not any(a.startswith("--cri-socket") for a in c["args"])
+    assert "cri-socket" not in {m["name"] for m in c["volumeMounts"]}
+    # The binary accepts these flags (and refuses a policy it does not know, naming it: the
+    # schema refuses it first in the chart, test_schema.py).
+    entry_from_args(values)
+    out = subprocess.run(
+        [os.environ["AETHER_CNI_BIN"], "install", "--missed-pods=delete", "--print-entry"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and '"delete" is not a missed-pod policy' in out.stderr, out.stderr
 
 
 def test_k3s_paths_port_and_uninstall_on_stop():
@@ -171,13 +223,14 @@ def test_k3s_paths_port_and_uninstall_on_stop():
         "--listen=127.0.0.1:19095",
         "--http-max-connections=64",
         "--resync-seconds=3",
-    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only"
+        "--reconcile=false",
+    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket"
     assert c["ports"] == [{"name": "probes", "containerPort": 19095, "protocol": "TCP"}]
     assert [m["mountPath"] for m in c["volumeMounts"]] == [
         "/host/var/lib/rancher/k3s/data/cni",
         "/host/var/lib/rancher/k3s/agent/etc/cni/net.d",
         "/run/aether",
-    ], "no netns mount when netnsDir is empty"
+    ], "no netns mount when netnsDir is empty, no CRI socket when the reconciler is off"
     assert [v["hostPath"]["path"] for v in spec["volumes"]] == [
         "/var/lib/rancher/k3s/data/cni",
         "/var/lib/rancher/k3s/agent/etc/cni/net.d",
@@ -192,7 +245,7 @@ def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:] == [
+    assert c["args"][9:-7] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",

@@ -1,15 +1,13 @@
 //! The CNI commands: ADD, DEL, CHECK, VERSION (STATUS and GC per CNI 1.1 join them).
 
-use aether_netns::Netns;
-use aether_rules::capture::{self, CaptureConfig};
+use aether_node::attachment::{self, Target};
+use aether_node::config::{self, NetConf, SUPPORTED_VERSIONS};
+use aether_node::state::StateDir;
 use serde_json::{json, Value};
 
-use crate::config::{self, NetConf, SUPPORTED_VERSIONS};
 use crate::env::Env;
 use crate::error::{code, CniError};
-use crate::services;
-use crate::state::{PodNetns, Record, StateDir};
-use crate::{debug, info, warn};
+use crate::info;
 
 /// What a command prints on success (nothing for DEL and CHECK).
 pub type Output = Option<Value>;
@@ -46,7 +44,7 @@ pub fn read_stdin(input: impl std::io::Read) -> (Vec<u8>, Result<(), CniError>) 
 }
 
 fn load(stdin: &[u8]) -> Result<NetConf, CniError> {
-    config::parse(stdin)
+    Ok(config::parse(stdin)?)
 }
 
 /// The configuration's version if it has a usable one, for error JSON.
@@ -69,7 +67,7 @@ fn version(stdin: &[u8]) -> Result<Output, CniError> {
     };
     let v = match requested {
         Some(v) => {
-            config::check_version(&v)?;
+            config::check_version(&v).map_err(CniError::from)?;
             v
         }
         None => "1.1.0".to_string(),
@@ -211,176 +209,26 @@ fn parse_cidr(s: &str) -> Option<std::net::IpAddr> {
         .map(|_| ip)
 }
 
-/// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
-/// crate's steps, or `record`. Compiled in only with the `fault-injection` feature.
-#[cfg(feature = "fault-injection")]
-fn injected_failure() -> Option<String> {
-    std::env::var("AETHER_CNI_INJECT_FAILURE").ok()
-}
-
-#[cfg(not(feature = "fault-injection"))]
-fn injected_failure() -> Option<String> {
-    None
-}
-
 fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
     let ifname = env.require_ifname()?;
     let result = pass_through(conf)?;
-    let Some(cfg) = config::effective(conf, env.args.pod_namespace.as_deref())? else {
+    let Some(cfg) = config::effective(conf, env.args.namespace.as_deref())? else {
         info!("pod is not managed (disabled, or its namespace is excluded); nothing programmed");
         return Ok(Some(result));
     };
-    let ruleset = capture::capture_ruleset(&cfg)?;
-    let netns = Netns::open_foreign(netns_path)?;
-    let state = StateDir::new(&conf.state_dir);
-    let _lock = state.lock(false)?;
-    let fail = injected_failure();
-    let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
-    netns.run(|| aether_rules::install(&ruleset, fail_step))??;
-    let record = Record::new(&conf.name, id, ifname, &netns, netns_path, &env.args, cfg.clone());
-    let recorded = if fail.as_deref() == Some("record") {
-        Err(CniError::new(code::IO_FAILURE, "injected failure at step record"))
-    } else {
-        state.write(&record)
-    };
-    // The Service layer comes after the record: `services apply` either sees the record or
-    // ADD reads the snapshot that apply stored (both under the services lock).
-    let layered = recorded.and_then(|()| {
-        if fail.as_deref() == Some("services") {
-            return Err(CniError::new(code::IO_FAILURE, "injected failure at step services"));
-        }
-        services::end_stale_fold(&conf.state_dir, &netns, &format!("{}/{id}/{ifname}", conf.name))?;
-        services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
-    });
-    let generation = match layered {
-        Ok(generation) => generation,
-        Err(e) => {
-            // All or nothing: a pod with rules but no record would escape GC and CHECK.
-            let prs = ruleset.policy_routes();
-            let undo = netns.run(|| {
-                aether_rules::services::remove()?;
-                aether_rules::remove(capture::TABLE, &prs)
-            });
-            if let Err(undo) = undo.map_err(CniError::from).and_then(|r| r.map_err(CniError::from)) {
-                warn!("undoing after a failure also failed: {undo}");
-            }
-            if let Err(undo) = state.remove(&conf.name, id, ifname) {
-                warn!("removing the record after a failure also failed: {undo}");
-            }
-            return Err(e);
-        }
-    };
-    info!(mode = %cfg.mode, services_generation = %generation.map_or("none".to_string(), |g| g.to_string()), "capture programmed");
-    for table in ruleset.tables() {
-        debug!("ruleset: {table}");
-    }
+    let target = Target { network: &conf.name, container_id: id, ifname };
+    attachment::attach(conf, target, &env.args, netns_path, &cfg)?;
     Ok(Some(result))
 }
 
 fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let id = env.require_container_id()?;
     let ifname = env.require_ifname()?;
-    let state = StateDir::new(&conf.state_dir);
-    let _lock = state.lock(false)?;
-    let record = state.read(&conf.name, id, ifname).unwrap_or_else(|u| {
-        // DEL forgets the attachment whatever its record says; a damaged one is removed.
-        warn!(file = %u.file, why = %u.why, "the attachment record cannot be read; removing it");
-        None
-    });
-    let netns = match (env.netns.as_deref(), &record) {
-        // Without CNI_NETNS, the record still knows where the pod lived.
-        (None, Some(r)) => live(r.open_netns().map_err(|e| record_netns_error(r, e))?, id),
-        (None, None) => None,
-        (Some(path), _) => match Netns::open_foreign(path) {
-            Err(aether_netns::Error::NotFound { .. }) => {
-                info!(netns = %path, "netns is already gone; nothing to remove there");
-                None
-            }
-            Err(e) => return Err(e.into()),
-            // The namespace at CNI_NETNS must be the one ADD programmed: a path (or PID) reused
-            // by another pod is that pod's, and is left alone.
-            Ok(ns) => match &record {
-                Some(r) if !r.owns(&ns) => {
-                    info!(netns = %path, found = %ns.id(), "another namespace than ADD programmed is at the path; left alone");
-                    None
-                }
-                Some(_) => Some(ns),
-                None => match state.records().into_iter().find(|o| o.netns_id.is_some_and(|i| i.matches(&ns))) {
-                    Some(owner) => {
-                        info!(netns = %path, owner = %owner.key(), "no record, and the namespace is another attachment's; left alone");
-                        None
-                    }
-                    None => Some(ns),
-                },
-            },
-        },
-    };
-    let key = format!("{}/{id}/{ifname}", conf.name);
-    detach(netns, conf, record.as_ref(), &key, || state.remove(&conf.name, id, ifname))?;
+    let target = Target { network: &conf.name, container_id: id, ifname };
+    attachment::detach(conf, target, env.netns.as_deref())?;
     Ok(None)
-}
-
-/// The pod's netns if it is still there, logging why not.
-fn live(found: PodNetns, id: &str) -> Option<Netns> {
-    match found {
-        PodNetns::Live(ns) => Some(ns),
-        PodNetns::Gone(why) => {
-            info!(attachment = %id, why = %why, "the pod's netns is gone; nothing to remove there");
-            None
-        }
-    }
-}
-
-/// A recorded netns that cannot be opened for another reason than being gone. It names the
-/// record, not `CNI_NETNS` (which the runtime may not have set).
-fn record_netns_error(r: &Record, e: aether_netns::Error) -> CniError {
-    CniError::new(code::IO_FAILURE, format!("cannot open the netns {} recorded for {}", r.netns, r.key()))
-        .with_details(e.to_string())
-}
-
-/// Undoes an attachment: the capture in `netns` (the pod's, or `None` when it is gone),
-/// then, under the services lock, the pod's Service layer (its counts folded into the node
-/// totals first) and its record, last: a DEL killed at any point leaves the record, so a
-/// retried DEL (or GC) finishes the job.
-fn detach(
-    netns: Option<Netns>,
-    conf: &NetConf,
-    record: Option<&Record>,
-    key: &str,
-    forget: impl FnOnce() -> Result<(), CniError>,
-) -> Result<(), CniError> {
-    let removed = match &netns {
-        Some(netns) => {
-            // The policy routes ADD installed are in the record (one per family); without one
-            // (a record lost, or an ADD that failed before writing it) the node's settings
-            // name them, in both families.
-            let policy_routes = record.and_then(|r| r.capture.as_ref()).map_or_else(
-                || aether_rules::Family::ALL.map(|f| conf.base.policy_route(f)).to_vec(),
-                |c| c.policy_routes(),
-            );
-            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_routes))??)
-        }
-        None => None,
-    };
-    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget)?;
-    let container = key.split('/').nth(1).unwrap_or(key);
-    for w in &retired.warnings {
-        warn!(container = %container, "{w}");
-    }
-    if let (Some(netns), Some(removed)) = (&netns, removed) {
-        info!(
-            container = %container,
-            netns = %netns.path().display(),
-            table = removed.table,
-            rule = removed.rule,
-            route = removed.route,
-            services_folded = %crate::log::counts(&retired.folded),
-            "capture removed"
-        );
-    }
-    Ok(())
 }
 
 fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
@@ -393,46 +241,11 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     };
     check_prev_result(&conf.cni_version, prev)?;
     let ifname = env.require_ifname()?;
-    let netns = Netns::open_foreign(netns_path)?;
-    let expected: Option<CaptureConfig> = config::effective(conf, env.args.pod_namespace.as_deref())?;
-    let diffs = match expected {
-        Some(cfg) => {
-            let ruleset = capture::capture_ruleset(&cfg)?;
-            let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
-            match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
-                Ok(None) => {
-                    diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display()))
-                }
-                Err(u) => diffs.push(format!("the attachment record {} cannot be read: {}", u.file, u.why)),
-                Ok(Some(r)) => {
-                    if !r.owns(&netns) {
-                        diffs.push(format!(
-                            "{netns_path} is another network namespace ({}) than the one ADD programmed",
-                            netns.id()
-                        ));
-                    }
-                    match &r.capture {
-                        Some(recorded) if *recorded != cfg => diffs.push(
-                            "the pod's capture configuration changed since ADD (annotations or network configuration)"
-                                .into(),
-                        ),
-                        Some(_) => {}
-                        None => diffs.push("the attachment record does not say what ADD programmed".into()),
-                    }
-                }
-            }
-            diffs
-        }
-        None => {
-            let mut found = Vec::new();
-            for family in aether_rules::Family::ALL {
-                if netns.run(|| aether_rules::nft::kernel_view(family, capture::TABLE))??.is_some() {
-                    found.push(format!("pod is not managed but table {} {} exists", family.nft_name(), capture::TABLE));
-                }
-            }
-            found
-        }
-    };
+    // The netns first: a missing one is "container unknown" before any configuration error.
+    let netns = aether_netns::Netns::open_foreign(netns_path)?;
+    let expected = config::effective(conf, env.args.namespace.as_deref())?;
+    let target = Target { network: &conf.name, container_id: id, ifname };
+    let diffs = attachment::verify(conf, target, &netns, expected.as_ref())?;
     if diffs.is_empty() {
         info!("capture intact");
         return Ok(None);
@@ -452,82 +265,21 @@ fn status(conf: &NetConf) -> Result<Output, CniError> {
     if let Some(reason) = state.not_ready_reason() {
         return Err(not_available(format!("the node is marked not ready: {reason}")));
     }
-    state.probe_writable().map_err(|e| not_available(e.to_string()))?;
-    kernel_probe().map_err(|e| not_available(format!("the kernel cannot hold the capture ruleset: {e}")))?;
+    state.probe_writable().map_err(|e| not_available(CniError::from(e).to_string()))?;
+    aether_node::probe::kernel_probe()
+        .map_err(|e| not_available(format!("the kernel cannot hold the capture ruleset: {e}")))?;
     Ok(None)
 }
 
-/// Programs and verifies the default capture ruleset in a private, throwaway netns: the
-/// only honest way to know nf_tables, tproxy, NAT and policy routing all work here.
-pub fn kernel_probe() -> Result<(), String> {
-    let mut cfg = CaptureConfig::new(aether_rules::CaptureMode::RedirectAll);
-    cfg.dns = Some(aether_rules::DnsDivert {
-        host_ip: std::net::Ipv4Addr::new(192, 0, 2, 1).into(),
-        port: capture::DNS_PROXY_PORT,
-    });
-    crate::doctor::probe(&cfg).map_err(|e| e.to_string())
-}
-
-/// GC (CNI 1.1): forget attachments of this network the runtime no longer has, removing
-/// what is left of their capture where their netns still exists, and clear what is
-/// provably stale: records of this network that cannot be read and are not valid
-/// attachments, files that are not records at all, temp files of dead writers. Keeps going
-/// past errors, then reports them; logs by name what it keeps.
+/// GC (CNI 1.1): forget attachments of this network the runtime no longer has (see
+/// `attachment::collect`).
 fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     env.require_path()?;
     let valid = conf.valid_attachments.clone().ok_or_else(|| {
         CniError::invalid_config("GC needs cni.dev/valid-attachments (or cni.dev/attachments) in the configuration")
     })?;
-    let is_valid = |c: &str, i: &str| valid.iter().any(|(vc, vi)| vc == c && vi == i);
-    let state = StateDir::new(&conf.state_dir);
-    let _lock = state.lock(true)?;
-    let mut failures = Vec::new();
-    let scan = state.scan();
-    for rec in scan.records.iter().filter(|r| r.network == conf.name) {
-        if is_valid(&rec.container_id, &rec.ifname) {
-            continue;
-        }
-        let key = rec.key();
-        let outcome =
-            rec.open_netns().map_err(|e| record_netns_error(rec, e)).map(|found| live(found, &key)).and_then(|netns| {
-                detach(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
-            });
-        match outcome {
-            Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
-            Err(e) => failures.push(format!("{key} (kept): {e}")),
-        }
-    }
-    for u in &scan.unreadable {
-        // Record files are named network+containerID+ifname.json (see StateDir).
-        let parts: Vec<&str> = u.file.strip_suffix(".json").map(|n| n.split('+').collect()).unwrap_or_default();
-        let stale = match parts.as_slice() {
-            [network, c, i] if *network == conf.name => !is_valid(c, i),
-            [_, _, _] => {
-                info!(file = %u.file, why = %u.why, "kept: another network's record, unreadable");
-                continue;
-            }
-            _ => true, // not a record's name: nobody's record
-        };
-        if !stale {
-            warn!(file = %u.file, why = %u.why, "kept: the record of a valid attachment cannot be read");
-            continue;
-        }
-        match state.remove_file(&u.file) {
-            Ok(()) => info!(file = %u.file, why = %u.why, "removed an unreadable record"),
-            Err(e) => failures.push(format!("{} (kept): {e}", u.file)),
-        }
-    }
-    for t in &scan.stale_temps {
-        match state.remove_file(t) {
-            Ok(()) => info!(file = %t, "removed a temp file its writer left"),
-            Err(e) => failures.push(format!("{t} (kept): {e}")),
-        }
-    }
-    if failures.is_empty() {
-        return Ok(None);
-    }
-    Err(CniError::new(code::IO_FAILURE, format!("GC could not remove {} stale item(s)", failures.len()))
-        .with_details(failures.join("\n")))
+    attachment::collect(conf, |c, i| valid.iter().any(|(vc, vi)| vc == c && vi == i))?;
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -1,5 +1,8 @@
 //! The CNI invocation environment (spec §2 "Parameters").
 
+use aether_node::config::shown;
+pub use aether_node::state::PodIdentity;
+
 use crate::error::CniError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -8,16 +11,8 @@ pub struct Env {
     pub container_id: Option<String>,
     pub netns: Option<String>,
     pub ifname: Option<String>,
-    pub args: CniArgs,
+    pub args: PodIdentity,
     pub path: Option<String>,
-}
-
-/// `CNI_ARGS`: `K=V;K2=V2`; the Kubernetes keys runtimes send are kept.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CniArgs {
-    pub pod_namespace: Option<String>,
-    pub pod_name: Option<String>,
-    pub pod_uid: Option<String>,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -43,7 +38,7 @@ impl Env {
         if !id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')) || id.starts_with('.') {
             return Err(CniError::invalid_env(
                 "CNI_CONTAINERID",
-                format!("{} has characters outside [A-Za-z0-9_.-]", crate::config::shown(&format!("{id:?}"))),
+                format!("{} has characters outside [A-Za-z0-9_.-]", shown(&format!("{id:?}"))),
             ));
         }
         Ok(id)
@@ -63,7 +58,7 @@ impl Env {
         {
             return Err(CniError::invalid_env(
                 "CNI_IFNAME",
-                format!("{} is not a usable interface name", crate::config::shown(&format!("{name:?}"))),
+                format!("{} is not a usable interface name", shown(&format!("{name:?}"))),
             ));
         }
         Ok(name)
@@ -74,19 +69,16 @@ impl Env {
     }
 }
 
-pub fn parse_args(raw: &str) -> Result<CniArgs, CniError> {
-    let mut args = CniArgs::default();
+pub fn parse_args(raw: &str) -> Result<PodIdentity, CniError> {
+    let mut args = PodIdentity::default();
     for pair in raw.split(';').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').ok_or_else(|| {
-            CniError::invalid_env(
-                "CNI_ARGS",
-                format!("has {}, not KEY=VALUE", crate::config::shown(&format!("{pair:?}"))),
-            )
+            CniError::invalid_env("CNI_ARGS", format!("has {}, not KEY=VALUE", shown(&format!("{pair:?}"))))
         })?;
         match k {
-            "K8S_POD_NAMESPACE" => args.pod_namespace = Some(v.to_string()),
-            "K8S_POD_NAME" => args.pod_name = Some(v.to_string()),
-            "K8S_POD_UID" => args.pod_uid = Some(v.to_string()),
+            "K8S_POD_NAMESPACE" => args.namespace = Some(v.to_string()),
+            "K8S_POD_NAME" => args.name = Some(v.to_string()),
+            "K8S_POD_UID" => args.uid = Some(v.to_string()),
             // IgnoreUnknown, K8S_POD_INFRA_CONTAINER_ID and anything else: not ours.
             _ => {}
         }
@@ -104,10 +96,10 @@ mod tests {
             "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=u-1",
         )
         .unwrap();
-        assert_eq!(a.pod_namespace.as_deref(), Some("shop"));
-        assert_eq!(a.pod_name.as_deref(), Some("cart-0"));
-        assert_eq!(a.pod_uid.as_deref(), Some("u-1"));
-        assert_eq!(parse_args("").unwrap(), CniArgs::default());
+        assert_eq!(a.namespace.as_deref(), Some("shop"));
+        assert_eq!(a.name.as_deref(), Some("cart-0"));
+        assert_eq!(a.uid.as_deref(), Some("u-1"));
+        assert_eq!(parse_args("").unwrap(), PodIdentity::default());
     }
 
     #[test]
@@ -123,7 +115,7 @@ mod tests {
             container_id: Some(id.into()),
             netns: Some("/run/netns/x".into()),
             ifname: Some(ifname.into()),
-            args: CniArgs::default(),
+            args: PodIdentity::default(),
             path: None,
         }
     }

@@ -1,6 +1,9 @@
 //! The plugin's one error type: a CNI error, with the spec's code, that prints as the
-//! spec's JSON on stdout.
+//! spec's JSON on stdout; and the one place the node library's errors get their codes.
 
+use aether_node::attachment::AttachmentError;
+use aether_node::config::ConfigError;
+use aether_node::state::StateError;
 use serde_json::json;
 
 /// Well-known CNI error codes (spec §6), plus this plugin's own (100 and up).
@@ -58,15 +61,6 @@ impl CniError {
     }
 }
 
-/// At most `max` characters of `text`, with how much was left out: what an error may echo of
-/// a value a stranger sent (a huge value is never echoed whole).
-pub fn clip(text: &str, max: usize) -> String {
-    match text.char_indices().nth(max) {
-        None => text.to_string(),
-        Some((cut, _)) => format!("{}... ({} bytes in all)", &text[..cut], text.len()),
-    }
-}
-
 impl From<aether_netns::Error> for CniError {
     fn from(e: aether_netns::Error) -> Self {
         use aether_netns::Error as E;
@@ -91,6 +85,56 @@ impl From<aether_rules::Error> for CniError {
                     .with_details(e.to_string())
             }
             _ => CniError::new(code::IO_FAILURE, "programming the pod's capture failed").with_details(e.to_string()),
+        }
+    }
+}
+
+impl From<ConfigError> for CniError {
+    fn from(e: ConfigError) -> Self {
+        let code = match e {
+            ConfigError::UnsupportedVersion { .. } => code::INCOMPATIBLE_VERSION,
+            ConfigError::NotJson { .. } | ConfigError::NotAnObject => code::DECODE_FAILURE,
+            ConfigError::UnknownField { .. } => code::UNSUPPORTED_FIELD,
+            ConfigError::Missing { .. }
+            | ConfigError::BadValue { .. }
+            | ConfigError::BadAnnotation { .. }
+            | ConfigError::Node(_)
+            | ConfigError::Pod(_) => code::INVALID_CONFIG,
+        };
+        CniError::new(code, e.to_string()).with_details(e.details().unwrap_or_default())
+    }
+}
+
+impl From<StateError> for CniError {
+    fn from(e: StateError) -> Self {
+        let code = match e {
+            StateError::Busy { .. } => code::TRY_AGAIN,
+            _ => code::IO_FAILURE,
+        };
+        let details = e.io_source().map(|s| s.to_string()).unwrap_or_default();
+        CniError::new(code, e.to_string()).with_details(details)
+    }
+}
+
+impl From<AttachmentError> for CniError {
+    fn from(e: AttachmentError) -> Self {
+        let msg = e.to_string();
+        match e {
+            AttachmentError::Netns(e) => e.into(),
+            AttachmentError::Rules(e) => e.into(),
+            AttachmentError::State(e) => e.into(),
+            AttachmentError::RecordedNetns { source, .. } => {
+                CniError::new(code::IO_FAILURE, msg).with_details(source.to_string())
+            }
+            AttachmentError::ServiceLayer(s) | AttachmentError::ServiceLock(s) => {
+                CniError::new(code::IO_FAILURE, msg).with_details(s.to_string())
+            }
+            AttachmentError::Injected(_) => CniError::new(code::IO_FAILURE, msg),
+            AttachmentError::Collect(kept) => {
+                let details: Vec<String> =
+                    kept.into_iter().map(|k| format!("{} (kept): {}", k.item, CniError::from(k.error))).collect();
+                CniError::new(code::IO_FAILURE, msg).with_details(details.join("\n"))
+            }
         }
     }
 }

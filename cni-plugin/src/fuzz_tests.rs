@@ -12,7 +12,22 @@
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
-use crate::{cni, config, state};
+use aether_node::{config, state};
+
+use crate::cni;
+use crate::error::CniError;
+
+/// The parsers as the plugin answers them: through the one mapping to CNI codes.
+fn parse(stdin: &[u8]) -> Result<config::NetConf, CniError> {
+    Ok(config::parse(stdin)?)
+}
+
+fn effective(
+    conf: &config::NetConf,
+    pod_namespace: Option<&str>,
+) -> Result<Option<aether_rules::CaptureConfig>, CniError> {
+    Ok(config::effective(conf, pod_namespace)?)
+}
 
 /// Strings a stranger might send: empty, numbers as text, hex, CIDRs good and bad, very
 /// long, control characters and non-ASCII.
@@ -208,10 +223,10 @@ proptest! {
     #[test]
     fn network_configuration_never_panics_and_refuses_with_a_spec_code(extra in value_with_keys(conf_keys())) {
         let stdin = conf_over(&extra);
-        match config::parse(&stdin) {
+        match parse(&stdin) {
             Ok(conf) => {
                 // What ADD and CHECK then read from it must not panic either.
-                if let Err(e) = config::effective(&conf, Some("shop")) {
+                if let Err(e) = effective(&conf, Some("shop")) {
                     prop_assert_eq!(e.code, 7, "{}", e.msg);
                     prop_assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes", e.msg.len());
                 }
@@ -223,14 +238,14 @@ proptest! {
             }
             Err(e) => {
                 prop_assert!([1, 2, 6, 7].contains(&e.code), "code {}: {}", e.code, e.msg);
-                prop_assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes: {}", e.msg.len(), crate::error::clip(&e.msg, 200));
+                prop_assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes: {}", e.msg.len(), aether_node::text::clip(&e.msg, 200));
             }
         }
     }
 
     #[test]
     fn raw_bytes_on_stdin_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-        if let Err(e) = config::parse(&bytes) {
+        if let Err(e) = parse(&bytes) {
             prop_assert!([1, 2, 6, 7].contains(&e.code), "code {}: {}", e.code, e.msg);
         }
         let _ = cni::version_of(&bytes);
@@ -269,8 +284,8 @@ proptest! {
         ),
     ) {
         let extra = json!({"runtimeConfig": {config::POD_ANNOTATIONS_CAPABILITY: annotations}});
-        let conf = config::parse(&conf_over(&extra)).expect("annotations are read by ADD and CHECK only");
-        if let Err(e) = config::effective(&conf, Some("shop")) {
+        let conf = parse(&conf_over(&extra)).expect("annotations are read by ADD and CHECK only");
+        if let Err(e) = effective(&conf, Some("shop")) {
             prop_assert_eq!(e.code, 7, "{}", e.msg);
             prop_assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes", e.msg.len());
         }
@@ -279,7 +294,7 @@ proptest! {
     #[test]
     fn a_service_snapshot_never_panics(doc in value_with_keys(SNAPSHOT_KEYS)) {
         let text = doc.to_string();
-        if let Err(errs) = crate::services::snapshot::parse(text.as_bytes()) {
+        if let Err(aether_node::services::snapshot::Refused { reasons: errs }) = aether_node::services::snapshot::parse(text.as_bytes()) {
             prop_assert!(!errs.is_empty());
         }
     }
@@ -295,7 +310,7 @@ proptest! {
     ) {
         use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
         use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
-        use crate::services::layer_file::{decode, StoredLayer};
+        use aether_node::services::layer_file::{decode, StoredLayer};
         let addr = |v6: bool, bits: u128| if v6 { IpAddr::V6(Ipv6Addr::from(bits)) } else { IpAddr::V4(Ipv4Addr::from(bits as u32)) };
         let mut l = ServiceLayer::new(LayerMode::Refuse);
         l.ranges = ranges.iter().map(|&(v6, bits, p)| ipnet::IpNet::new(addr(v6, bits), if v6 { p } else { p % 33 }).unwrap().trunc()).collect();
@@ -339,7 +354,7 @@ fn finding_a_signed_prefix_is_not_a_cidr() {
 #[test]
 fn finding_a_huge_unknown_field_name_is_not_echoed() {
     let stdin = conf_over(&json!({ "x".repeat(1 << 20): 1 }));
-    let e = config::parse(&stdin).unwrap_err();
+    let e = parse(&stdin).unwrap_err();
     assert_eq!(e.code, 2);
     assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes", e.msg.len());
 }
@@ -349,10 +364,10 @@ fn finding_a_huge_unknown_field_name_is_not_echoed() {
 #[test]
 fn finding_a_huge_port_item_is_not_echoed_through_the_parsers_reason() {
     let extra = json!({"runtimeConfig": {config::POD_ANNOTATIONS_CAPABILITY: {"aether.io/exclude-outbound-ports": "9".repeat(3000)}}});
-    let conf = config::parse(&conf_over(&extra)).unwrap();
-    let e = config::effective(&conf, Some("shop")).unwrap_err();
+    let conf = parse(&conf_over(&extra)).unwrap();
+    let e = effective(&conf, Some("shop")).unwrap_err();
     assert_eq!(e.code, 7);
     assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes", e.msg.len());
-    let e = config::parse(&conf_over(&json!({"excludeOutboundPorts": ["9".repeat(3000)]}))).unwrap_err();
+    let e = parse(&conf_over(&json!({"excludeOutboundPorts": ["9".repeat(3000)]}))).unwrap_err();
     assert!(e.msg.len() < MESSAGE_BOUND, "{} bytes", e.msg.len());
 }

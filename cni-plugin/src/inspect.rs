@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use aether_netns::Netns;
 use aether_rules::capture;
 
-use crate::services;
-use crate::state::{PodNetns, Record, StateDir};
+use aether_node::services;
+use aether_node::state::{self, PodNetns, Record, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -17,12 +17,12 @@ pub struct InspectArgs {
     /// recorded attachment, one line each, with whether its layers are intact.
     target: Option<String>,
     /// The node state directory (the `stateDir` of the network configuration).
-    #[arg(long, default_value = crate::config::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = aether_node::config::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
 }
 
 pub fn run(args: InspectArgs) -> ExitCode {
-    if let Some(why) = crate::state::unusable_reason(&args.state_dir) {
+    if let Some(why) = state::unusable_reason(&args.state_dir) {
         eprintln!("aether-cni inspect: state directory {} {why}", args.state_dir.display());
         return ExitCode::FAILURE;
     }
@@ -42,6 +42,7 @@ fn list(state_dir: &Path) -> ExitCode {
     let records = scan.records;
     if records.is_empty() && scan.unreadable.is_empty() {
         println!("no attachment records in {} (no pod is attached on this node)", state_dir.display());
+        print_reconciler(state_dir);
         return ExitCode::SUCCESS;
     }
     let mut rows = vec![["POD", "CONTAINER", "IFNAME", "NETNS", "CAPTURE", "SERVICE LAYER"].map(String::from)];
@@ -78,11 +79,60 @@ fn list(state_dir: &Path) -> ExitCode {
         let cells: Vec<String> = row.iter().zip(&widths).map(|(c, w)| format!("{c:w$}")).collect();
         println!("{}", cells.join("  ").trim_end());
     }
+    print_reconciler(state_dir);
     if all_intact && scan.unreadable.is_empty() {
         ExitCode::SUCCESS
     } else {
         println!("`aether-cni inspect <container>` lists what differs");
         ExitCode::FAILURE
+    }
+}
+
+/// What the installer's reconciler last saw (its last pass, in the state directory): when,
+/// the pods by state, the ones that needed something and why they got nothing, and what it
+/// did.
+fn print_reconciler(state_dir: &Path) {
+    use aether_installer::reconcile::looper::LAST_PASS_FILE;
+    use serde_json::Value;
+    // No file: no reconciler on this node (or not yet): nothing to say.
+    let Ok(text) = std::fs::read_to_string(state_dir.join(LAST_PASS_FILE)) else { return };
+    let Ok(pass) = serde_json::from_str::<Value>(&text) else {
+        println!("\nreconciler: {LAST_PASS_FILE} cannot be read");
+        return;
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let ago = now.saturating_sub(pass["finished"].as_u64().unwrap_or(0));
+    let pods = pass["pods"].as_array().cloned().unwrap_or_default();
+    let mut by_state = std::collections::BTreeMap::<String, usize>::new();
+    for p in &pods {
+        *by_state.entry(p["state"].as_str().unwrap_or("?").to_string()).or_default() += 1;
+    }
+    let states: Vec<String> = by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    println!(
+        "\nreconciler: last pass {ago} s ago (pass {}, {} µs): {}",
+        pass["pass"],
+        pass["tookMicros"],
+        if states.is_empty() { "no pods".to_string() } else { states.join(", ") }
+    );
+    if let Some(why) = pass["runtimeUnseen"].as_str() {
+        println!("  missed pods cannot be seen: {why}");
+    }
+    for p in pods.iter().filter(|p| p["held"].is_string()) {
+        println!(
+            "  {}  {}: {}",
+            p["pod"].as_str().unwrap_or("-"),
+            p["state"].as_str().unwrap_or("?"),
+            p["held"].as_str().unwrap_or("")
+        );
+    }
+    for a in pass["actions"].as_array().into_iter().flatten() {
+        let error = a["error"].as_str().map(|e| format!(": {e}")).unwrap_or_default();
+        println!(
+            "  {}  {} {}{error}",
+            a["pod"].as_str().unwrap_or("-"),
+            a["kind"].as_str().unwrap_or("?"),
+            a["outcome"].as_str().unwrap_or("?")
+        );
     }
 }
 
@@ -132,11 +182,11 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
                 r.ifname,
                 r.network
             );
-            if r.version < crate::state::RECORD_VERSION || !r.defaulted.is_empty() {
+            if r.version < state::RECORD_VERSION || !r.defaulted.is_empty() {
                 println!(
                     "record version {} (this plugin writes {}); fields read as their defaults: {}",
                     r.version,
-                    crate::state::RECORD_VERSION,
+                    state::RECORD_VERSION,
                     if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
                 );
             }

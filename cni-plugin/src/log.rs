@@ -14,7 +14,6 @@
 //! Values are written with `Display` (`%`), never `Debug`: an operator greps for
 //! `pod=shop/cart-0`, not `Some("shop")`.
 
-use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
@@ -36,22 +35,7 @@ pub fn parse_level(s: &str) -> Option<LevelFilter> {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Text,
-    Json,
-}
-
-impl std::str::FromStr for Format {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s {
-            "text" => Ok(Format::Text),
-            "json" => Ok(Format::Json),
-            _ => Err(()),
-        }
-    }
-}
+pub use aether_node::config::LogFormat as Format;
 
 /// Where logs go and how they look.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,24 +168,14 @@ pub fn pod_name(namespace: Option<&str>, name: Option<&str>) -> Option<String> {
     }
 }
 
-/// Counters as one token for a `key=value` field: the non-zero ones as `mesh:1,service:2`,
-/// `none` when there are none.
-pub fn counts(map: &BTreeMap<String, u64>) -> String {
-    let nonzero: Vec<String> = map.iter().filter(|(_, v)| **v > 0).map(|(k, v)| format!("{k}:{v}")).collect();
-    if nonzero.is_empty() {
-        return "none".into();
-    }
-    nonzero.join(",")
-}
-
-/// `1 difference`, `3 differences`: counts in words an operator reads.
-pub fn plural(n: usize, word: &str) -> String {
-    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
-}
+#[cfg(test)]
+use aether_node::text::counts;
+pub use aether_node::text::plural;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn lenient_settings_read_what_is_usable_and_default_the_rest() {

@@ -1,7 +1,14 @@
 //! aether-cni: a chained CNI plugin when `CNI_COMMAND` is set, an operator CLI otherwise.
+//!
+//! This crate is the CNI protocol (the environment, stdin, the result and error JSON, exit
+//! codes, logging set-up; `error` gives the node library's errors their CNI codes, in one
+//! place) and the CLI (clap definitions and output formats of `services`, `inspect`,
+//! `doctor`, `install`). What a node does is the node library's (`aether-node`); what the
+//! installer daemon does is `aether-installer`'s. Nothing here is imported by another crate.
 
 mod cni;
-mod config;
+#[cfg(test)]
+mod config_tests;
 mod doctor;
 mod env;
 mod error;
@@ -11,14 +18,13 @@ mod inspect;
 mod install;
 mod log;
 mod services;
-mod state;
 
 use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 // Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
-pub(crate) use tracing::{debug, error, info, warn};
+pub(crate) use tracing::{error, info};
 
 /// What `--help` says after the commands: how the same binary behaves as a CNI plugin,
 /// and where the rest is written down.
@@ -90,7 +96,7 @@ fn main() -> ExitCode {
     log::init(&log::Settings { level, ..log::Settings::default() });
     match cli.command {
         Command::Versions => {
-            println!("{}", config::SUPPORTED_VERSIONS.join("\n"));
+            println!("{}", aether_node::config::SUPPORTED_VERSIONS.join("\n"));
             ExitCode::SUCCESS
         }
         Command::Services(args) => services::run(args),
@@ -111,7 +117,7 @@ fn run_cni() -> ExitCode {
     let _span = match &env {
         Ok(e) => log::cni_span(
             &e.command,
-            log::pod_name(e.args.pod_namespace.as_deref(), e.args.pod_name.as_deref()),
+            log::pod_name(e.args.namespace.as_deref(), e.args.name.as_deref()),
             e.container_id.as_deref(),
             e.netns.as_deref(),
         ),

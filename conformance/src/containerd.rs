@@ -268,8 +268,20 @@ impl Containerd {
     /// RunPodSandbox for pod `namespace/name`, with these annotations (none: the field is
     /// left out, as crictl and critest do). The sandbox ID, or the runtime's error message.
     pub fn run_pod(&self, namespace: &str, name: &str, annotations: Option<Value>) -> Result<String, String> {
+        self.run_pod_attempt(namespace, name, annotations, 0)
+    }
+
+    /// RunPodSandbox as the kubelet recreates a pod whose sandbox stopped: the same pod (name,
+    /// uid) with the next `attempt`.
+    pub fn run_pod_attempt(
+        &self,
+        namespace: &str,
+        name: &str,
+        annotations: Option<Value>,
+        attempt: u32,
+    ) -> Result<String, String> {
         let mut config = json!({
-            "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "attempt": 0},
+            "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "attempt": attempt},
             "hostname": name,
             "linux": {"cgroup_parent": self.cgroup_parent},
         });

@@ -331,6 +331,35 @@ mod tests {
         assert!(matches!(e, Error::Connect { .. }) && text.contains("/nonexistent/aether-cri.sock"), "{text}");
     }
 
+    /// A socket that answers garbage and hangs up: the same.
+    #[test]
+    fn a_socket_answering_garbage_and_closing_is_an_error_not_a_hang() {
+        let dir = std::env::temp_dir().join(format!("aether-cri-garbage-close-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("garbage.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            use std::io::Write;
+            for stream in listener.incoming().take(3) {
+                let _ = stream.unwrap().write_all(b"HTTP/1.1 418 I'm a teapot\r\n\r\nnot gRPC\r\n");
+            }
+        });
+        let rt = runtime();
+        let started = std::time::Instant::now();
+        for _ in 0..3 {
+            let outcome = rt.block_on(async {
+                let mut c = Client::connect(&path, Duration::from_secs(3)).await?;
+                c.sandboxes().await
+            });
+            let e = outcome.expect_err("garbage is not a sandbox list");
+            eprintln!("{e} after {:?}", started.elapsed());
+            assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        }
+        drop(server);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A socket that answers garbage instead of HTTP/2: the call fails, names the socket.
     #[test]
     fn a_socket_answering_garbage_is_an_error_not_a_hang() {

@@ -7,7 +7,7 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aether_installer::{files, start, InstallArgs, Plugin};
+use aether_installer::{files, start, InstallArgs, NodeChecks};
 use clap::Parser;
 
 const ROUNDS: u32 = 200;
@@ -42,6 +42,22 @@ fn stats(mut v: Vec<Duration>) -> (f64, f64, f64, f64) {
     (at(0.5), at(0.9), at(0.99), ms(*v.last().unwrap()))
 }
 
+struct QuietNode;
+
+impl NodeChecks for QuietNode {
+    fn validate_entry(&self, entry: &[u8]) -> Result<(), aether_node::config::ConfigError> {
+        serde_json::from_slice::<serde_json::Value>(entry)
+            .map(drop)
+            .map_err(|e| aether_node::config::ConfigError::NotJson { why: e.to_string() })
+    }
+    fn kernel_checks(&self) -> Result<(), aether_node::probe::ProbeError> {
+        Ok(())
+    }
+    fn node_counters(&self) -> Result<String, aether_node::services::ServicesError> {
+        Ok(String::new())
+    }
+}
+
 fn main() {
     let root = std::env::temp_dir().join(format!("aether-repair-bench-{}", std::process::id()));
     let _ = fs::remove_dir_all(&root);
@@ -61,14 +77,7 @@ fn main() {
     ])
     .args;
     // The plugin's parser costs microseconds; the bench keeps the installer crate alone.
-    let plugin = Plugin {
-        not_ready_marker: "node-not-ready",
-        validate_entry: Box::new(|b| {
-            serde_json::from_slice::<serde_json::Value>(b).map(drop).map_err(|e| e.to_string())
-        }),
-        kernel_checks: Box::new(|| Ok(())),
-        node_counters: Box::new(|| Ok(String::new())),
-    };
+    let plugin = QuietNode;
     // (No log subscriber here: the installer's 600 "repaired" lines go nowhere.)
     let running = start(args, plugin, vec![0u8; 1 << 20]).unwrap();
     let chained = conf.join("00-aether-cni.conflist");

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use crate::chain::PLUGIN_TYPE;
+use crate::reconcile::{Limits, MissedPolicy};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct InstallArgs {
@@ -50,6 +51,42 @@ pub struct InstallArgs {
     /// Full re-check period: binary, conflist, kernel checks while they fail.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub resync_seconds: u64,
+
+    /// Keep every pod's capture true: each period, the runtime's pod sandboxes (over
+    /// --cri-socket) against the node's attachment records: missed pods handled by
+    /// --missed-pods, drift repaired to the record, leftovers collected. false: off.
+    #[arg(long, env = "AETHER_CNI_RECONCILE", value_parser = clap::builder::BoolishValueParser::new(), default_value = "true", num_args = 0..=1, default_missing_value = "true")]
+    pub reconcile: bool,
+    /// The runtime's CRI socket, as mounted in this container: a path, or `containerd`
+    /// (/run/containerd/containerd.sock) or `crio` (/var/run/crio/crio.sock). Empty (the
+    /// default): no runtime is asked, so missed pods cannot be seen; drift and leftovers are
+    /// still handled from the records.
+    #[arg(long, env = "AETHER_CNI_CRI_SOCKET", default_value = "")]
+    pub cri_socket: String,
+    /// Seconds each CRI call may take.
+    #[arg(long, default_value = "5", value_name = "SECONDS")]
+    pub cri_timeout_seconds: u64,
+    /// Seconds between reconciler passes.
+    #[arg(long, default_value = "10", value_name = "SECONDS")]
+    pub reconcile_period_seconds: u64,
+    /// What to do with a missed pod (ready, should be captured, no attachment): restart
+    /// (stop its sandbox through the CRI: the kubelet recreates it through ADD), capture (in
+    /// place, with ADD's code) or report (log and count only).
+    #[arg(long, default_value = "restart", value_parser = parse_policy)]
+    pub missed_pods: MissedPolicy,
+    /// Restarts plus in-place captures per pass, at most.
+    #[arg(long, default_value = "5")]
+    pub reconcile_max_actions: usize,
+    /// Seconds before a pod is acted on again, doubled per attempt (up to ten minutes).
+    #[arg(long, default_value = "30", value_name = "SECONDS")]
+    pub reconcile_backoff_seconds: u64,
+    /// Actions on one pod before it is only reported.
+    #[arg(long, default_value = "3")]
+    pub reconcile_attempts: u32,
+    /// Seconds a record must be old before a missing sandbox makes it a leftover (the runtime
+    /// lists a sandbox only after its ADD wrote the record).
+    #[arg(long, default_value = "60", value_name = "SECONDS")]
+    pub leftover_grace_seconds: u64,
 
     /// The node address of the DNS proxy (the chart passes status.hostIP): entry `hostIP`, or
     /// `hostIPv6` when it is an IPv6 address (an IPv6-only node).
@@ -109,6 +146,10 @@ pub struct InstallArgs {
     pub log_level: Option<String>,
 }
 
+fn parse_policy(s: &str) -> Result<MissedPolicy, String> {
+    s.parse()
+}
+
 /// `IP:PORT`, `[IPv6]:PORT`, or an unbracketed `IPv6:PORT` (the port after the last colon).
 fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     if let Ok(a) = s.parse() {
@@ -152,6 +193,36 @@ impl InstallArgs {
 
     pub fn resync(&self) -> Duration {
         Duration::from_secs(self.resync_seconds.max(1))
+    }
+
+    /// The CRI socket, if one is given (the runtimes' names stand for their defaults).
+    pub fn cri_socket(&self) -> Option<PathBuf> {
+        match self.cri_socket.trim() {
+            "" => None,
+            "containerd" => Some(PathBuf::from(aether_cri::CONTAINERD_SOCKET)),
+            "crio" | "cri-o" => Some(PathBuf::from(aether_cri::CRIO_SOCKET)),
+            path => Some(PathBuf::from(path)),
+        }
+    }
+
+    pub fn cri_timeout(&self) -> Duration {
+        Duration::from_secs(self.cri_timeout_seconds.max(1))
+    }
+
+    pub fn reconcile_period(&self) -> Duration {
+        Duration::from_secs(self.reconcile_period_seconds.max(1))
+    }
+
+    pub fn reconcile_limits(&self) -> Limits {
+        let backoff = Duration::from_secs(self.reconcile_backoff_seconds);
+        Limits {
+            missed: self.missed_pods,
+            actions_per_pass: self.reconcile_max_actions,
+            backoff,
+            backoff_max: backoff.max(Duration::from_secs(600)),
+            attempts: self.reconcile_attempts.max(1),
+            leftover_grace: Duration::from_secs(self.leftover_grace_seconds),
+        }
     }
 
     /// The plugin entry: `type`, the pod-annotations capability, `stateDir`, and each node
@@ -228,6 +299,25 @@ mod tests {
         assert_eq!((e.get("hostIP"), e.get("hostIPv6")), (Some(&"10.0.0.2".into()), Some(&"fd00::9".into())));
         let e = entry(&["--host-ip=not-an-ip"]);
         assert_eq!(e.get("hostIP"), Some(&"not-an-ip".into()), "left for the plugin's parser to name");
+    }
+
+    #[test]
+    fn reconciler_flags() {
+        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("install").chain(flags.iter().copied()));
+        let a = parse(&[]).unwrap().args;
+        assert!(a.reconcile);
+        assert_eq!(a.cri_socket(), None, "no runtime is asked unless told where");
+        assert_eq!(a.reconcile_limits().missed, MissedPolicy::Restart);
+        let a = parse(&["--cri-socket=containerd", "--missed-pods=capture", "--reconcile=false"]).unwrap().args;
+        assert_eq!(a.cri_socket(), Some(PathBuf::from("/run/containerd/containerd.sock")));
+        assert_eq!((a.reconcile, a.reconcile_limits().missed), (false, MissedPolicy::Capture));
+        assert_eq!(
+            parse(&["--cri-socket=crio"]).unwrap().args.cri_socket(),
+            Some(PathBuf::from("/var/run/crio/crio.sock"))
+        );
+        assert_eq!(parse(&["--cri-socket=/x/y.sock"]).unwrap().args.cri_socket(), Some(PathBuf::from("/x/y.sock")));
+        let e = parse(&["--missed-pods=delete"]).err().unwrap().to_string();
+        assert!(e.contains("\"delete\" is not a missed-pod policy"), "{e}");
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //! the kernel checks pass, serves `/healthz`, `/readyz` and `/metrics`, and on SIGTERM undoes
 //! it all (unless told it is an upgrade).
 //!
-//! The installer knows nothing of the plugin's internals: what it needs from the plugin
-//! (its configuration parser, its kernel checks, its node counters) comes in as `Plugin`.
+//! What it asks of the node beyond its files (the plugin's configuration parser, the kernel
+//! checks, the Service layer's node counters) it asks the node library, `aether-node`,
+//! through [`NodeChecks`] ([`LiveNode`] on a real node; tests stand in for it). It must not
+//! know the CNI protocol.
 
 pub mod args;
 pub mod chain;
@@ -25,6 +27,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
+use aether_node::config::ConfigError;
+use aether_node::probe::ProbeError;
+use aether_node::services::ServicesError;
 use serde_json::{Map, Value};
 
 pub use args::InstallArgs;
@@ -37,25 +42,54 @@ pub const UPGRADE_FILE: &str = "installer-upgrade";
 /// Mode of the installed binary.
 const BINARY_MODE: u32 = 0o755;
 
-/// The plugin's parser, given one plugin configuration: `Err` carries the reason.
-pub type Validate = Box<dyn Fn(&[u8]) -> Result<(), String> + Send + Sync>;
-/// A probe of the node (the kernel checks): `Err` carries the reason.
-pub type Probe = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
-/// Renders text (the node counters), or says why it cannot.
-pub type Render = Box<dyn Fn() -> Result<String, String> + Send + Sync>;
-
-/// What the installer needs from the plugin, passed in by the binary so that dependencies
-/// flow one way (the plugin uses the installer, never the reverse).
-pub struct Plugin {
-    /// The state directory's not-ready marker file name (the plugin's STATUS reads it).
-    pub not_ready_marker: &'static str,
-    /// The plugin's own configuration parser, given the entry exactly as the runtime will
-    /// pass it (with the list's `name` and `cniVersion`).
-    pub validate_entry: Validate,
-    /// doctor's kernel checks.
-    pub kernel_checks: Probe,
+/// What the installer asks of the node library: the answers a real node gives
+/// ([`LiveNode`]), or a test's.
+pub trait NodeChecks: Send + Sync {
+    /// The plugin's own parser, given the entry exactly as the runtime will pass it (with the
+    /// list's `name` and `cniVersion`).
+    fn validate_entry(&self, entry: &[u8]) -> Result<(), ConfigError>;
+    /// doctor's kernel checks (the default capture ruleset, in a private netns).
+    fn kernel_checks(&self) -> Result<(), ProbeError>;
     /// The Service layer's node counters as Prometheus text.
-    pub node_counters: Render,
+    fn node_counters(&self) -> Result<String, ServicesError>;
+}
+
+/// The node as it is: `aether-node` on the installer's state directory.
+pub struct LiveNode {
+    services: aether_node::services::ServicesDir,
+}
+
+impl LiveNode {
+    pub fn new(state_dir: &Path) -> Self {
+        LiveNode { services: aether_node::services::ServicesDir::new(state_dir) }
+    }
+}
+
+impl NodeChecks for LiveNode {
+    fn validate_entry(&self, entry: &[u8]) -> Result<(), ConfigError> {
+        aether_node::config::parse(entry).map(drop)
+    }
+
+    fn kernel_checks(&self) -> Result<(), ProbeError> {
+        // A connect-time socket load balancer is said, not a not-ready reason: pods start
+        // and are captured, but Service traffic reaches the capture already balanced.
+        if let Ok(f @ aether_node::probe::socket_lb::Finding::Attached(_)) = aether_node::probe::socket_lb::detect() {
+            tracing::warn!("{f}");
+        }
+        aether_node::probe::kernel_probe()
+    }
+
+    fn node_counters(&self) -> Result<String, ServicesError> {
+        aether_node::services::node_counters(&self.services).map(|c| c.to_prometheus())
+    }
+}
+
+/// A refused entry in one line: the parser's message and what lies under it.
+fn refusal(e: &ConfigError) -> String {
+    match e.details() {
+        Some(d) => format!("{e}: {d}"),
+        None => e.to_string(),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +126,8 @@ pub enum Error {
     Signals(std::io::Error),
     #[error("kernel checks failed: {0}")]
     Kernel(String),
+    #[error("cannot start the reconciler: {0}")]
+    Reconciler(std::io::Error),
     #[error("HTTP serving ended ({0}): exiting to be restarted")]
     ServingEnded(String),
 }
@@ -130,7 +166,7 @@ pub enum Msg {
 pub struct Node {
     args: InstallArgs,
     entry: Map<String, Value>,
-    plugin: Arc<Plugin>,
+    node: Arc<dyn NodeChecks>,
     shared: Arc<Shared>,
     binary: Vec<u8>,
     binary_installed: bool,
@@ -140,12 +176,12 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(args: InstallArgs, plugin: Arc<Plugin>, shared: Arc<Shared>, binary: Vec<u8>) -> Node {
+    pub fn new(args: InstallArgs, node: Arc<dyn NodeChecks>, shared: Arc<Shared>, binary: Vec<u8>) -> Node {
         let entry = args.entry();
         Node {
             args,
             entry,
-            plugin,
+            node,
             shared,
             binary,
             binary_installed: false,
@@ -264,8 +300,9 @@ impl Node {
     fn chain_once(&self, own: &Path, since: Option<Instant>) -> Result<(), Error> {
         let primary = chain::find_primary(&self.args.cni_conf_dir, &self.args.conflist_name)?;
         let (body, as_passed) = chain::chain(&primary, &self.entry)?;
-        (self.plugin.validate_entry)(&as_passed)
-            .map_err(|why| Error::EntryRefused { path: primary.path.clone(), why })?;
+        self.node
+            .validate_entry(&as_passed)
+            .map_err(|e| Error::EntryRefused { path: primary.path.clone(), why: refusal(&e) })?;
         if files::holds(own, &body, primary.mode) {
             return Ok(());
         }
@@ -289,7 +326,7 @@ impl Node {
         if self.kernel_ok {
             return;
         }
-        let outcome = (self.plugin.kernel_checks)().map_err(|e| Error::Kernel(e).to_string());
+        let outcome = self.node.kernel_checks().map_err(|e| Error::Kernel(e.to_string()).to_string());
         self.kernel_ok = outcome.is_ok();
         self.set(Reason::Kernel, outcome);
     }
@@ -303,7 +340,7 @@ impl Node {
             let reasons: Vec<String> = status.not_ready.iter().map(|(r, w)| format!("{}: {w}", r.name())).collect();
             (format!("aether-cni installer: {}\n", reasons.join("; ")), reasons.is_empty())
         };
-        let marker = self.args.state_dir.join(self.plugin.not_ready_marker);
+        let marker = self.args.state_dir.join(aether_node::state::NOT_READY_MARKER);
         let want = if ready { None } else { Some(text) };
         if want == self.marker_written && (want.is_some() == marker.exists()) {
             return;
@@ -488,6 +525,8 @@ pub struct Running {
     thread: std::thread::JoinHandle<Result<(), Error>>,
     server: serve::Server,
     pub shared: Arc<Shared>,
+    /// The reconciler's thread, when `run` started one.
+    reconciler: Option<reconcile::looper::Looper>,
     serving_end: Arc<std::sync::Mutex<ServingEnd>>,
 }
 
@@ -519,6 +558,10 @@ impl Running {
 
     /// Stops the loop (uninstalling unless an upgrade) and returns its outcome.
     pub fn stop(self) -> Result<(), Error> {
+        // The reconciler first: no pass may act while the node is uninstalled.
+        if let Some(r) = self.reconciler {
+            r.stop();
+        }
         let _ = self.tx.send(Msg::Stop);
         let out = self.thread.join().expect("the installer loop does not panic");
         drop(self.server);
@@ -528,8 +571,8 @@ impl Running {
 
 /// Checks the directories, binds the HTTP address and starts watching, then reconciles on
 /// a thread of its own. Any error here comes before anything is installed.
-pub fn start(args: InstallArgs, plugin: Plugin, binary: Vec<u8>) -> Result<Running, Error> {
-    let plugin = Arc::new(plugin);
+pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>) -> Result<Running, Error> {
+    let plugin: Arc<dyn NodeChecks> = Arc::new(node);
     let shared = Arc::new(Shared::new());
     let node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
     node.preflight()?;
@@ -551,35 +594,41 @@ pub fn start(args: InstallArgs, plugin: Plugin, binary: Vec<u8>) -> Result<Runni
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared, serving_end })
+    Ok(Running { tx, thread, server, shared, serving_end, reconciler: None })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
 /// (the same code path as a node's primary), checked by the plugin's parser.
-pub fn entry_for_display(args: &InstallArgs, plugin: &Plugin) -> Result<String, Error> {
+pub fn entry_for_display(args: &InstallArgs, node: &dyn NodeChecks) -> Result<String, Error> {
     let stand_in = chain::Primary {
         path: PathBuf::from("(--print-entry)"),
         bytes: br#"{"cniVersion":"1.1.0","name":"print-entry","plugins":[{"type":"main-cni"}]}"#.to_vec(),
         mode: 0o644,
     };
     let (_, as_passed) = chain::chain(&stand_in, &args.entry())?;
-    (plugin.validate_entry)(&as_passed).map_err(|why| Error::EntryRefused { path: stand_in.path.clone(), why })?;
+    node.validate_entry(&as_passed)
+        .map_err(|e| Error::EntryRefused { path: stand_in.path.clone(), why: refusal(&e) })?;
     let v: Value = serde_json::from_slice(&as_passed).expect("chain returns JSON");
     Ok(serde_json::to_string_pretty(&v).expect("JSON values serialize"))
 }
 
 /// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
 /// for an upgrade). The binary installed is this process's own executable.
-pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
+pub fn run(args: InstallArgs) -> Result<(), Error> {
+    // A long-running service: a peer that hangs up (the CRI socket, an HTTP client of
+    // /metrics) is an error on that connection, never the end of the process. (The binary's
+    // CLI restores SIGPIPE's default for the commands that print.)
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    let node = LiveNode::new(&args.state_dir);
     if args.print_entry {
-        println!("{}", entry_for_display(&args, &plugin)?);
+        println!("{}", entry_for_display(&args, &node)?);
         return Ok(());
     }
     let self_exe = PathBuf::from("/proc/self/exe");
     let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
-    let running = start(args, plugin, binary)?;
+    let mut running = start(args.clone(), node, binary)?;
     // The address ends the line: tests and operators read it from there.
     tracing::info!(
         "serving /healthz, /readyz, /metrics (at most {} connections per listener) on {}",
@@ -592,6 +641,8 @@ pub fn run(args: InstallArgs, plugin: Plugin) -> Result<(), Error> {
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
+    let ops = reconcile::node_lib::NodeLib::new(&args);
+    running.reconciler = reconcile::start(&args, running.shared.clone(), ops).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

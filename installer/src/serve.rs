@@ -29,7 +29,7 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::{Error, Plugin};
+use crate::{Error, NodeChecks};
 
 /// Why the node is not ready, one per part of the installation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -101,6 +101,8 @@ pub struct Metrics {
     pub last_error: IntGaugeVec,
     pub last_error_time: IntGauge,
     pub repair_seconds: Histogram,
+    /// The reconciler's (registered here, observed by its thread).
+    pub reconcile: crate::reconcile::metrics::ReconcileMetrics,
     /// Open HTTP connections, by listener (`probes`, `metrics`).
     pub http_connections: IntGaugeVec,
     /// HTTP connections closed by the connection limit, by listener and how: `refused` (the
@@ -208,6 +210,8 @@ impl Metrics {
         for r in Reason::ALL {
             not_ready.with_label_values(&[r.name()]);
         }
+        let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
+        reconcile.register(&registry).unwrap();
         for face in [Face::Probes, Face::Metrics] {
             http_connections.with_label_values(&[face.name()]);
             http_accept_errors.with_label_values(&[face.name()]);
@@ -225,6 +229,7 @@ impl Metrics {
             last_error,
             last_error_time,
             repair_seconds,
+            reconcile,
             http_connections,
             http_limited,
             http_accept_errors,
@@ -359,7 +364,7 @@ pub type OnEnd = Box<dyn FnOnce(String) + Send>;
 /// Binds every listener now (so a bad address fails before anything is installed) and
 /// serves on a thread of its own until the returned handle is dropped. If serving ends
 /// otherwise (a panic, a loop that returns), `on_end` is called with the reason.
-pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<Plugin>, on_end: OnEnd) -> Result<Server, Error> {
+pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, on_end: OnEnd) -> Result<Server, Error> {
     let listen_err = |addr: SocketAddr| move |e: std::io::Error| Error::Listen { addr, why: e.to_string() };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -432,7 +437,7 @@ struct Listener {
 /// What every connection's task shares.
 struct App {
     shared: Arc<Shared>,
-    hooks: Arc<Plugin>,
+    hooks: Arc<dyn NodeChecks>,
     scrapes: Scrapes,
 }
 
@@ -680,7 +685,7 @@ struct Scrapes {
 }
 
 impl Scrapes {
-    async fn node_counters(&self, hooks: &Arc<Plugin>) -> Result<String, String> {
+    async fn node_counters(&self, hooks: &Arc<dyn NodeChecks>) -> Result<String, String> {
         let asked = Instant::now();
         let read = async {
             let turn = self.turn.clone().lock_owned().await;
@@ -693,7 +698,8 @@ impl Scrapes {
             // The turn goes with the reading: a reading that outlives its scrape's timeout
             // still keeps the next one waiting, so at most one runs.
             let reading = tokio::task::spawn_blocking(move || {
-                let result = (hooks.node_counters)();
+                // Kept as text: a waiting scrape takes a copy of it.
+                let result = hooks.node_counters().map_err(|e| e.to_string());
                 *last.lock().unwrap() = Some((Instant::now(), result.clone()));
                 drop(turn);
                 result

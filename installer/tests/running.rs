@@ -77,7 +77,7 @@ fn readyz_names_each_not_ready_cause_and_the_marker_follows() {
         let (code, body) = readyz(&r);
         code == 503
             && body.contains("primary: no CNI network configuration")
-            && body.contains("kernel: kernel checks failed: nft_tproxy")
+            && body.contains("kernel: kernel checks failed: programmed, but read back differently: nft_tproxy")
             && fake.marker().is_some_and(|m| m.contains("no CNI network configuration") && m.contains("nft_tproxy"))
     });
 

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aether_cri::{Client, Error, Sandbox, SandboxNetns};
+use aether_cri::{Client, Error, Sandbox};
+
+use super::PodNetwork;
 
 pub struct CriRuntime {
     socket: PathBuf,
@@ -45,13 +47,19 @@ impl super::Runtime for CriRuntime {
         self.with(|c| Box::pin(c.sandboxes()))
     }
 
-    fn netns(&mut self, sandbox_id: &str) -> Result<SandboxNetns, Error> {
+    fn network(&mut self, sandbox_id: &str) -> Result<PodNetwork, Error> {
         let id = sandbox_id.to_string();
-        self.with(move |c| Box::pin(async move { c.status(&id).await.map(|s| s.netns) }))
+        self.with(move |c| {
+            Box::pin(async move { c.status(&id).await.map(|s| PodNetwork { netns: s.netns, ips: s.ips }) })
+        })
     }
 
     fn stop(&mut self, sandbox_id: &str) -> Result<(), Error> {
         let id = sandbox_id.to_string();
-        self.with(move |c| Box::pin(async move { c.stop(&id).await }))
+        self.with(move |c| Box::pin(async move { c.stop(&id).await }))?;
+        // Tests kill the installer here, mid-pass, to prove a restart is neither lost nor
+        // done twice (fault-injection builds only).
+        aether_node::state::crash_point("reconciler-after-restart");
+        Ok(())
     }
 }

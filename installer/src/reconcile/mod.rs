@@ -14,23 +14,27 @@
 //! missed pods cannot be seen.
 
 pub mod cri;
+pub mod looper;
+pub mod metrics;
+pub mod node_lib;
 pub mod plan;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant, SystemTime};
 
-use aether_cri::{Sandbox, SandboxNetns};
+use aether_cri::Sandbox;
 pub use plan::{
-    Action, Finding, Held, Leftover, Limits, Memory, MissedPolicy, Observation, PodRef, PodState, RecordView, Wants,
+    Action, Finding, Held, Leftover, Limits, Memory, MissedPolicy, Observation, PodNetwork, PodRef, PodState,
+    RecordView, Wants,
 };
 use plan::{Input, SandboxView};
 
-/// The runtime's side: its sandboxes, a sandbox's netns, StopPodSandbox.
+/// The runtime's side: its sandboxes, a sandbox's network, StopPodSandbox.
 pub trait Runtime {
     type Error: fmt::Display;
     fn sandboxes(&mut self) -> Result<Vec<Sandbox>, Self::Error>;
-    fn netns(&mut self, sandbox_id: &str) -> Result<SandboxNetns, Self::Error>;
+    fn network(&mut self, sandbox_id: &str) -> Result<PodNetwork, Self::Error>;
     fn stop(&mut self, sandbox_id: &str) -> Result<(), Self::Error>;
 }
 
@@ -48,8 +52,8 @@ pub trait NodeOps {
     fn repair(&mut self, record: &RecordView) -> Result<(), Self::Error>;
     /// Collects the record as GC does (its Service counts folded once).
     fn collect(&mut self, record: &RecordView, why: &Leftover) -> Result<(), Self::Error>;
-    /// Captures a missed pod in place, in its netns (ADD's code, from the pod's addresses).
-    fn capture(&mut self, sandbox: &Sandbox, netns: &str) -> Result<(), Self::Error>;
+    /// Captures a missed pod in place, in its netns (ADD's code, for the pod's addresses).
+    fn capture(&mut self, sandbox: &Sandbox, netns: &str, ips: &[String]) -> Result<(), Self::Error>;
 }
 
 /// How an action went.
@@ -62,6 +66,8 @@ pub enum Outcome {
 /// One pass, as `/metrics`, the log and `inspect` show it.
 #[derive(Debug, Clone)]
 pub struct PassReport {
+    /// Passes since the installer started, this one included.
+    pub number: u64,
     pub finished: SystemTime,
     pub took: Duration,
     /// Why the runtime's sandboxes could not be seen, if so: missed pods are then unseen.
@@ -94,11 +100,12 @@ pub struct Reconciler<R, N> {
     pub node: N,
     pub limits: Limits,
     memory: Memory,
-    /// Verbose statuses are asked once per sandbox: a sandbox's netns does not change.
-    netns_cache: HashMap<String, SandboxNetns>,
-    /// Invalid sandboxes already logged (one line per sandbox, not per pass).
-    invalid_logged: HashSet<String>,
+    /// Verbose statuses are asked once per sandbox: a sandbox's network does not change.
+    network_cache: HashMap<String, PodNetwork>,
+    /// Why each held pod got nothing, as last logged (one line per change, not per pass).
+    held_logged: HashMap<String, String>,
     runtime_was_unseen: bool,
+    passes: u64,
 }
 
 impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
@@ -108,9 +115,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             node,
             limits,
             memory: Memory::default(),
-            netns_cache: HashMap::new(),
-            invalid_logged: HashSet::new(),
+            network_cache: HashMap::new(),
+            held_logged: HashMap::new(),
             runtime_was_unseen: false,
+            passes: 0,
         }
     }
 
@@ -156,12 +164,12 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             records: &observed,
             node_ready: node_ready.as_ref().map(|_| ()).map_err(String::as_str),
             now: Instant::now(),
-            wall: SystemTime::now(),
         };
         let plan = plan::plan(&input, &self.limits, &self.memory);
         for pod in &plan.settled {
             self.memory.forget(pod);
         }
+        self.memory.orphans_seen(&plan.orphans, input.now);
         let sandboxes: BTreeMap<&str, &Sandbox> = match &views {
             Ok(v) => v.iter().map(|v| (v.sandbox.id.as_str(), &v.sandbox)).collect(),
             Err(_) => BTreeMap::new(),
@@ -170,25 +178,47 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let mut actions = Vec::new();
         for action in plan.actions {
             let outcome = self.execute(&action, &sandboxes, &records);
-            if action.counts_as_attempt() {
+            // A restart or capture counts whatever its outcome (the pod may come back
+            // uncaptured); a repair only when it failed (drift again later is repaired again).
+            let failed = matches!(outcome, Outcome::Failed(_));
+            if action.counts_as_attempt() && (failed || !matches!(action, Action::Repair { .. })) {
                 self.memory.acted(action.pod(), Instant::now(), &self.limits);
             }
             log_action(&action, &outcome);
             actions.push((action, outcome));
         }
+        // Why a pod needing something got nothing: one line when it starts, not per pass
+        // (backoff and the pass limit are transient and not logged).
         for f in &plan.findings {
-            if let (PodState::Invalid, Some(held)) = (f.state, &f.held) {
-                if self.invalid_logged.insert(f.sandbox_id.clone()) {
-                    tracing::warn!(pod = %f.pod, sandbox = %f.sandbox_id, "{held}");
-                }
+            let Some(held) = &f.held else { continue };
+            let kind = match held {
+                Held::Reported => "reported",
+                Held::GaveUp(_) => "gave-up",
+                Held::NodeNotReady(_) => "node-not-ready",
+                Held::NetnsUnknown(_) => "netns-unknown",
+                Held::Invalid(_) => "invalid",
+                Held::Unverifiable(_) => "unverifiable",
+                Held::RateLimited | Held::BackingOff(_) => continue,
+            };
+            if self.held_logged.get(&f.sandbox_id).map(String::as_str) != Some(kind) {
+                let what = match f.state {
+                    PodState::Missed => "missed pod (no capture)",
+                    PodState::Drifted => "drifted pod",
+                    _ => "pod",
+                };
+                tracing::warn!(pod = %f.pod, sandbox = %f.sandbox_id, "{what}: {held}");
+                self.held_logged.insert(f.sandbox_id.clone(), kind.to_string());
             }
         }
+        let seen: HashSet<&str> = plan.findings.iter().map(|f| f.sandbox_id.as_str()).collect();
+        self.held_logged.retain(|id, _| seen.contains(id.as_str()));
         if let Ok(v) = &views {
             let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
-            self.netns_cache.retain(|id, _| live.contains(id.as_str()));
-            self.invalid_logged.retain(|id| live.contains(id.as_str()));
+            self.network_cache.retain(|id, _| live.contains(id.as_str()));
         }
+        self.passes += 1;
         PassReport {
+            number: self.passes,
             finished: SystemTime::now(),
             took: started.elapsed(),
             runtime_unseen: views.err(),
@@ -203,12 +233,12 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let mut views = Vec::with_capacity(sandboxes.len());
         for sandbox in sandboxes {
             let wants = self.node.wants(&sandbox);
-            let netns = if SandboxView::needs_netns(&sandbox, &wants, &recorded) {
-                Some(match self.netns_cache.get(&sandbox.id) {
+            let network = if SandboxView::needs_network(&sandbox, &wants, &recorded) {
+                Some(match self.network_cache.get(&sandbox.id) {
                     Some(n) => Ok(n.clone()),
-                    None => match self.runtime.as_mut().map(|rt| rt.netns(&sandbox.id)) {
+                    None => match self.runtime.as_mut().map(|rt| rt.network(&sandbox.id)) {
                         Some(Ok(n)) => {
-                            self.netns_cache.insert(sandbox.id.clone(), n.clone());
+                            self.network_cache.insert(sandbox.id.clone(), n.clone());
                             Ok(n)
                         }
                         Some(Err(e)) => Err(e.to_string()),
@@ -218,7 +248,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             } else {
                 None
             };
-            views.push(SandboxView { sandbox, wants, netns });
+            views.push(SandboxView { sandbox, wants, network });
         }
         views
     }
@@ -238,8 +268,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Some(rt) => done(rt.stop(sandbox_id).map_err(|e| e.to_string())),
                 None => Outcome::Failed("no runtime".into()),
             },
-            Action::Capture { sandbox_id, netns, .. } => match sandboxes.get(sandbox_id.as_str()) {
-                Some(sb) => done(self.node.capture(sb, netns).map_err(|e| e.to_string())),
+            Action::Capture { sandbox_id, netns, ips, .. } => match sandboxes.get(sandbox_id.as_str()) {
+                Some(sb) => done(self.node.capture(sb, netns, ips).map_err(|e| e.to_string())),
                 None => Outcome::Failed(format!("sandbox {sandbox_id} is not in this pass's list")),
             },
             Action::Repair { record, .. } => match records.get(record.as_str()) {
@@ -290,3 +320,30 @@ pub fn leftover_text(why: &Leftover) -> String {
 
 #[cfg(test)]
 mod tests;
+
+/// Starts the reconciler's thread for `aether-cni install` (unless `--reconcile=false`): the
+/// runtime's CRI socket if one is given (on the installer's shared async runtime), the node
+/// library's operations in `node`.
+pub fn start<N>(
+    args: &crate::InstallArgs,
+    shared: std::sync::Arc<crate::serve::Shared>,
+    node: N,
+) -> std::io::Result<Option<looper::Looper>>
+where
+    N: NodeOps + Send + 'static,
+{
+    if !args.reconcile {
+        tracing::info!("the reconciler is off (--reconcile=false)");
+        return Ok(None);
+    }
+    let runtime = match args.cri_socket() {
+        Some(socket) => {
+            let rt = crate::runtime::shared()?;
+            tracing::info!(socket = %socket.display(), policy = args.missed_pods.name(), "reconciling the runtime's pods every {} s", args.reconcile_period().as_secs());
+            Some(cri::CriRuntime::new(socket, args.cri_timeout(), rt))
+        }
+        None => None,
+    };
+    let reconciler = Reconciler::new(runtime, node, args.reconcile_limits());
+    looper::spawn(reconciler, args.reconcile_period(), shared, args.state_dir.clone()).map(Some)
+}

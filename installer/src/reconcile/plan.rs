@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use aether_cri::{Sandbox, SandboxNetns, SandboxState};
 
@@ -59,8 +59,9 @@ pub struct Limits {
     pub backoff_max: Duration,
     /// Actions on one pod (restarts, captures, failed repairs) before it is only reported.
     pub attempts: u32,
-    /// A record whose sandbox the runtime does not list is collected only once it is this
-    /// old: a sandbox being created is listed only after its ADD wrote the record.
+    /// A record whose sandbox the runtime does not list is collected only once it has been
+    /// missing this long: a sandbox being created is listed only after its ADD wrote the
+    /// record.
     pub leftover_grace: Duration,
 }
 
@@ -132,8 +133,6 @@ pub struct RecordView {
     pub sandbox_id: String,
     pub pod: PodRef,
     pub netns: String,
-    /// When the record was written (its file's time).
-    pub written: SystemTime,
 }
 
 /// What a record's netns holds, compared with the record.
@@ -148,18 +147,26 @@ pub enum Observation {
     Unverifiable(String),
 }
 
+/// A sandbox's network as the runtime reports it (its verbose status).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodNetwork {
+    pub netns: SandboxNetns,
+    /// The pod's addresses (what its CNI result gave it).
+    pub ips: Vec<String>,
+}
+
 /// A sandbox of the runtime's list, with what ADD would make of it and, for a pod that may
-/// be missed, its network namespace (looked up only for those: it takes a verbose status).
+/// be missed, its network (looked up only for those: it takes a verbose status).
 #[derive(Debug, Clone)]
 pub struct SandboxView {
     pub sandbox: Sandbox,
     pub wants: Wants,
-    pub netns: Option<Result<SandboxNetns, String>>,
+    pub network: Option<Result<PodNetwork, String>>,
 }
 
 impl SandboxView {
-    /// Whether the plan needs this sandbox's netns: ready, wanting capture, not recorded.
-    pub fn needs_netns(sandbox: &Sandbox, wants: &Wants, recorded: &HashSet<&str>) -> bool {
+    /// Whether the plan needs this sandbox's network: ready, wanting capture, not recorded.
+    pub fn needs_network(sandbox: &Sandbox, wants: &Wants, recorded: &HashSet<&str>) -> bool {
         sandbox.state == SandboxState::Ready && *wants == Wants::Capture && !recorded.contains(sandbox.id.as_str())
     }
 }
@@ -174,7 +181,6 @@ pub struct Input<'a> {
     /// would come back uncaptured, so missed pods wait.
     pub node_ready: Result<(), &'a str>,
     pub now: Instant,
-    pub wall: SystemTime,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,8 +195,8 @@ pub enum Leftover {
 pub enum Action {
     /// StopPodSandbox: the kubelet recreates the pod through a real ADD.
     Restart { sandbox_id: String, pod: PodRef },
-    /// ADD's capture in place, in `netns`.
-    Capture { sandbox_id: String, pod: PodRef, netns: String },
+    /// ADD's capture in place, in `netns`, for the pod's addresses `ips`.
+    Capture { sandbox_id: String, pod: PodRef, netns: String, ips: Vec<String> },
     /// Re-apply exactly the record's ruleset.
     Repair { record: String, pod: PodRef, differences: Vec<String> },
     /// Collect the record as GC does.
@@ -314,6 +320,8 @@ pub struct Plan {
     pub findings: Vec<Finding>,
     /// Pods seen right (captured and intact): their history is forgotten.
     pub settled: Vec<PodRef>,
+    /// Records whose sandbox the runtime does not list, this pass (not yet collected).
+    pub orphans: Vec<String>,
 }
 
 /// A pod's actions so far, across passes.
@@ -323,10 +331,12 @@ struct History {
     next: Instant,
 }
 
-/// What the reconciler remembers between passes: each pod's attempts.
+/// What the reconciler remembers between passes: each pod's attempts, and since when each
+/// record's sandbox has been missing from the runtime's list.
 #[derive(Debug, Default)]
 pub struct Memory {
     pods: HashMap<String, History>,
+    orphans: HashMap<String, Instant>,
 }
 
 impl Memory {
@@ -341,6 +351,20 @@ impl Memory {
 
     pub fn forget(&mut self, pod: &PodRef) {
         self.pods.remove(&pod.history_key());
+    }
+
+    /// The records whose sandbox is missing this pass: new ones start their grace now, the
+    /// others (listed again, or collected) are forgotten.
+    pub fn orphans_seen(&mut self, keys: &[String], now: Instant) {
+        self.orphans.retain(|k, _| keys.contains(k));
+        for k in keys {
+            self.orphans.entry(k.clone()).or_insert(now);
+        }
+    }
+
+    /// How long the record's sandbox has been missing (zero the first time).
+    fn orphaned_for(&self, key: &str, now: Instant) -> Duration {
+        self.orphans.get(key).map_or(Duration::ZERO, |since| now.saturating_duration_since(*since))
     }
 
     pub fn attempts(&self, pod: &PodRef) -> u32 {
@@ -373,7 +397,10 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
             _ => record.pod.clone(),
         };
         let finding = |state, held| Finding { pod: pod.clone(), sandbox_id: record.sandbox_id.clone(), state, held };
-        let age = input.wall.duration_since(record.written).unwrap_or(Duration::ZERO);
+        if matches!(listed, Some(None)) && !matches!(observation, Observation::NetnsGone(_)) {
+            out.orphans.push(record.key.clone());
+        }
+        let orphaned = memory.orphaned_for(&record.key, input.now);
         match (observation, listed) {
             (Observation::NetnsGone(why), _) => {
                 out.actions.push(Action::Collect {
@@ -383,7 +410,7 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
                 });
                 out.findings.push(finding(PodState::Leftover, None));
             }
-            (_, Some(None)) if age >= limits.leftover_grace => {
+            (_, Some(None)) if orphaned >= limits.leftover_grace => {
                 out.actions.push(Action::Collect {
                     record: record.key.clone(),
                     pod: pod.clone(),
@@ -434,11 +461,11 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
             Wants::Excluded => finding(PodState::Excluded, None),
             Wants::Disabled => finding(PodState::Disabled, None),
             Wants::Invalid(why) => finding(PodState::Invalid, Some(Held::Invalid(why.clone()))),
-            Wants::Capture => match &v.netns {
-                Some(Ok(SandboxNetns::Node)) => finding(PodState::HostNetwork, None),
+            Wants::Capture => match &v.network {
+                Some(Ok(PodNetwork { netns: SandboxNetns::Node, .. })) => finding(PodState::HostNetwork, None),
                 None => finding(PodState::Missed, Some(Held::NetnsUnknown("not looked up".into()))),
                 Some(Err(why)) => finding(PodState::Missed, Some(Held::NetnsUnknown(why.clone()))),
-                Some(Ok(SandboxNetns::Pod(netns))) => {
+                Some(Ok(PodNetwork { netns: SandboxNetns::Pod(netns), ips })) => {
                     let held = if let Err(why) = input.node_ready {
                         Some(Held::NodeNotReady(why.to_string()))
                     } else if limits.missed == MissedPolicy::Report {
@@ -455,7 +482,7 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
                         let (sandbox_id, pod) = (v.sandbox.id.clone(), pod.clone());
                         out.actions.push(match limits.missed {
                             MissedPolicy::Restart => Action::Restart { sandbox_id, pod },
-                            _ => Action::Capture { sandbox_id, pod, netns: netns.clone() },
+                            _ => Action::Capture { sandbox_id, pod, netns: netns.clone(), ips: ips.clone() },
                         });
                     }
                     finding(PodState::Missed, held);
@@ -485,17 +512,19 @@ mod tests {
     }
 
     fn view(s: Sandbox, wants: Wants) -> SandboxView {
-        let netns = Some(Ok(SandboxNetns::Pod(format!("/run/netns/{}", s.id))));
-        SandboxView { sandbox: s, wants, netns }
+        let network = Some(Ok(PodNetwork {
+            netns: SandboxNetns::Pod(format!("/run/netns/{}", s.id)),
+            ips: vec!["10.1.0.5".into()],
+        }));
+        SandboxView { sandbox: s, wants, network }
     }
 
-    fn record(id: &str, name: &str, age: Duration, wall: SystemTime) -> RecordView {
+    fn record(id: &str, name: &str) -> RecordView {
         RecordView {
             key: format!("net/{id}/eth0"),
             sandbox_id: id.into(),
             pod: PodRef { namespace: "shop".into(), name: name.into(), uid: format!("uid-{name}") },
             netns: format!("/run/netns/{id}"),
-            written: wall - age,
         }
     }
 
@@ -505,19 +534,11 @@ mod tests {
         runtime_error: Option<String>,
         node_not_ready: Option<String>,
         now: Instant,
-        wall: SystemTime,
     }
 
     impl World {
         fn new() -> World {
-            World {
-                sandboxes: vec![],
-                records: vec![],
-                runtime_error: None,
-                node_not_ready: None,
-                now: Instant::now(),
-                wall: SystemTime::now(),
-            }
+            World { sandboxes: vec![], records: vec![], runtime_error: None, node_not_ready: None, now: Instant::now() }
         }
         fn plan(&self, limits: &Limits, memory: &Memory) -> Plan {
             let input = Input {
@@ -531,7 +552,6 @@ mod tests {
                     None => Ok(()),
                 },
                 now: self.now,
-                wall: self.wall,
             };
             plan(&input, limits, memory)
         }
@@ -562,7 +582,8 @@ mod tests {
             vec![Action::Capture {
                 sandbox_id: "a".into(),
                 pod: PodRef::of(&w.sandboxes[0].sandbox),
-                netns: "/run/netns/a".into()
+                netns: "/run/netns/a".into(),
+                ips: vec!["10.1.0.5".into()],
             }]
         );
 
@@ -578,13 +599,13 @@ mod tests {
         w.sandboxes.push(view(sandbox("d", "shop", "off", 2), Wants::Disabled));
         w.sandboxes.push(view(sandbox("i", "shop", "bad", 3), Wants::Invalid("pod annotation x is invalid".into())));
         let mut host = view(sandbox("h", "shop", "host", 4), Wants::Capture);
-        host.netns = Some(Ok(SandboxNetns::Node));
+        host.network = Some(Ok(PodNetwork { netns: SandboxNetns::Node, ips: vec![] }));
         w.sandboxes.push(host);
         let mut creating = sandbox("n", "shop", "creating", 5);
         creating.state = SandboxState::NotReady;
         w.sandboxes.push(view(creating, Wants::Capture));
         let mut unknown = view(sandbox("u", "shop", "unknown", 6), Wants::Capture);
-        unknown.netns = Some(Err("PodSandboxStatus failed".into()));
+        unknown.network = Some(Err("PodSandboxStatus failed".into()));
         w.sandboxes.push(unknown);
         for policy in [MissedPolicy::Restart, MissedPolicy::Capture] {
             let p = w.plan(&limits(policy), &Memory::default());
@@ -602,7 +623,7 @@ mod tests {
         // Negative control: the same sandboxes wanting capture are acted on.
         for v in &mut w.sandboxes {
             v.wants = Wants::Capture;
-            v.netns = Some(Ok(SandboxNetns::Pod("/run/netns/x".into())));
+            v.network = Some(Ok(PodNetwork { netns: SandboxNetns::Pod("/run/netns/x".into()), ips: vec![] }));
         }
         let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
         assert_eq!(p.actions.len(), 5, "all ready ones but the not-ready one: {:?}", p.actions);
@@ -681,11 +702,8 @@ mod tests {
         let mut w = World::new();
         w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
         w.sandboxes.push(view(sandbox("b", "shop", "b", 2), Wants::Capture));
-        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Intact));
-        w.records.push((
-            record("b", "b", Duration::from_secs(600), w.wall),
-            Observation::Drifted(vec!["rule removed: ...".into()]),
-        ));
+        w.records.push((record("a", "a"), Observation::Intact));
+        w.records.push((record("b", "b"), Observation::Drifted(vec!["rule removed: ...".into()])));
         let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
         assert_eq!(
             p.actions,
@@ -708,36 +726,48 @@ mod tests {
     #[test]
     fn leftovers_are_collected_but_not_a_sandbox_being_created() {
         let mut w = World::new();
-        let l = limits(MissedPolicy::Restart);
-        w.records.push((record("gone", "gone", Duration::from_secs(600), w.wall), Observation::Intact));
-        w.records.push((record("fresh", "fresh", Duration::from_secs(1), w.wall), Observation::Intact));
-        w.records.push((
-            record("nons", "nons", Duration::from_secs(1), w.wall),
-            Observation::NetnsGone("no such file".into()),
-        ));
-        let p = w.plan(&l, &Memory::default());
-        let collected: Vec<(&str, &Leftover)> = p
-            .actions
-            .iter()
-            .map(|a| match a {
-                Action::Collect { record, why, .. } => (record.as_str(), why),
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(
-            collected,
-            vec![
-                ("net/gone/eth0", &Leftover::SandboxGone),
-                ("net/nons/eth0", &Leftover::NetnsGone("no such file".into()))
-            ]
-        );
-        assert_eq!(World::state_of(&p, "fresh").0, PodState::Captured, "its sandbox is being created");
+        let l = Limits { leftover_grace: Duration::from_secs(60), ..limits(MissedPolicy::Restart) };
+        let mut m = Memory::default();
+        w.records.push((record("gone", "gone"), Observation::Intact));
+        w.records.push((record("nons", "nons"), Observation::NetnsGone("no such file".into())));
+        let collected = |p: &Plan| -> Vec<(String, Leftover)> {
+            p.actions
+                .iter()
+                .map(|a| match a {
+                    Action::Collect { record, why, .. } => (record.clone(), why.clone()),
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        // First seen without its sandbox: it may be one being created (listed only after its
+        // ADD); a gone netns is a leftover at once.
+        let p = w.plan(&l, &m);
+        assert_eq!(collected(&p), vec![("net/nons/eth0".into(), Leftover::NetnsGone("no such file".into()))]);
+        assert_eq!(World::state_of(&p, "gone").0, PodState::Captured);
+        assert_eq!(p.orphans, vec!["net/gone/eth0".to_string()]);
+        m.orphans_seen(&p.orphans, w.now);
+        w.records.remove(1);
+        w.now += Duration::from_secs(59);
+        assert!(w.plan(&l, &m).actions.is_empty(), "within the grace");
+        w.now += Duration::from_secs(1);
+        let p = w.plan(&l, &m);
+        assert_eq!(collected(&p), vec![("net/gone/eth0".into(), Leftover::SandboxGone)]);
+        assert_eq!(World::state_of(&p, "gone").0, PodState::Leftover);
+        // Listed again meanwhile (it was being created): forgotten, its grace starts anew.
+        w.sandboxes.push(view(sandbox("gone", "shop", "gone", 1), Wants::Capture));
+        let p = w.plan(&l, &m);
+        assert!(p.orphans.is_empty() && p.actions.is_empty());
+        m.orphans_seen(&p.orphans, w.now);
+        w.sandboxes.clear();
+        assert!(w.plan(&l, &m).actions.is_empty(), "a new grace");
         // Without the runtime, a record without sandbox cannot be told: only a gone netns is
         // a leftover.
         w.runtime_error = Some("connection refused".into());
-        let q = w.plan(&l, &Memory::default());
+        w.records.push((record("nons", "nons"), Observation::NetnsGone("no such file".into())));
+        let q = w.plan(&l, &m);
         assert_eq!(q.actions.len(), 1);
         assert!(matches!(&q.actions[0], Action::Collect { why: Leftover::NetnsGone(_), .. }));
+        assert!(q.orphans.is_empty());
     }
 
     #[test]
@@ -746,7 +776,7 @@ mod tests {
         let mut s = sandbox("a", "shop", "a", 1);
         s.state = SandboxState::NotReady;
         w.sandboxes.push(view(s, Wants::Capture));
-        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Drifted(vec!["x".into()])));
+        w.records.push((record("a", "a"), Observation::Drifted(vec!["x".into()])));
         let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
         assert!(p.actions.is_empty(), "{:?}", p.actions);
         assert_eq!(World::state_of(&p, "a").0, PodState::NotReady);
@@ -756,8 +786,7 @@ mod tests {
     fn recorded_sandboxes_are_not_missed_and_unverifiable_records_are_kept() {
         let mut w = World::new();
         w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
-        w.records
-            .push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Unverifiable("EACCES".into())));
+        w.records.push((record("a", "a"), Observation::Unverifiable("EACCES".into())));
         let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
         assert!(p.actions.is_empty());
         assert_eq!(World::state_of(&p, "a"), (PodState::Unverifiable, Some(Held::Unverifiable("EACCES".into()))));
@@ -767,7 +796,7 @@ mod tests {
     fn a_repair_that_keeps_failing_backs_off() {
         let mut w = World::new();
         w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
-        w.records.push((record("a", "a", Duration::from_secs(600), w.wall), Observation::Drifted(vec!["x".into()])));
+        w.records.push((record("a", "a"), Observation::Drifted(vec!["x".into()])));
         let l = limits(MissedPolicy::Restart);
         let mut m = Memory::default();
         m.acted(&w.records[0].0.pod, w.now, &l);

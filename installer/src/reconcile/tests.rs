@@ -2,7 +2,7 @@
 //! client): what it asks, what it does, what it reports.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use aether_cri::{Sandbox, SandboxNetns, SandboxState};
 
@@ -11,7 +11,7 @@ use super::*;
 #[derive(Default)]
 struct FakeRuntime {
     sandboxes: Vec<Sandbox>,
-    netns: HashMap<String, SandboxNetns>,
+    netns: HashMap<String, PodNetwork>,
     /// Every call, in order.
     calls: Vec<String>,
     fail_list: Option<String>,
@@ -26,7 +26,7 @@ impl Runtime for FakeRuntime {
             None => Ok(self.sandboxes.clone()),
         }
     }
-    fn netns(&mut self, id: &str) -> Result<SandboxNetns, String> {
+    fn network(&mut self, id: &str) -> Result<PodNetwork, String> {
         self.calls.push(format!("status {id}"));
         self.netns.get(id).cloned().ok_or_else(|| format!("NotFound: {id}"))
     }
@@ -77,18 +77,21 @@ impl NodeOps for FakeNode {
         self.records.remove(&r.key);
         Ok(())
     }
-    fn capture(&mut self, s: &Sandbox, netns: &str) -> Result<(), String> {
-        self.calls.push(format!("capture {} {netns}", s.id));
+    fn capture(&mut self, s: &Sandbox, netns: &str, ips: &[String]) -> Result<(), String> {
+        self.calls.push(format!("capture {} {netns} {}", s.id, ips.join(",")));
         let r = RecordView {
             key: format!("net/{}/eth0", s.id),
             sandbox_id: s.id.clone(),
             pod: PodRef::of(s),
             netns: netns.into(),
-            written: SystemTime::now(),
         };
         self.records.insert(r.key.clone(), (r, Observation::Intact));
         Ok(())
     }
+}
+
+fn pod_network(netns: &str) -> PodNetwork {
+    PodNetwork { netns: SandboxNetns::Pod(netns.into()), ips: vec!["10.1.0.7".into()] }
 }
 
 fn sandbox(id: &str, ns: &str, name: &str, annotations: &[(&str, &str)]) -> Sandbox {
@@ -111,7 +114,6 @@ fn node_with_record(id: &str, name: &str, obs: Observation) -> FakeNode {
         sandbox_id: id.into(),
         pod: PodRef { namespace: "shop".into(), name: name.into(), uid: format!("uid-{name}") },
         netns: format!("/run/netns/{id}"),
-        written: SystemTime::now() - Duration::from_secs(3600),
     };
     n.records.insert(r.key.clone(), (r, obs));
     n
@@ -128,7 +130,7 @@ fn node_pods() -> FakeRuntime {
         ..Default::default()
     };
     for s in &rt.sandboxes {
-        rt.netns.insert(s.id.clone(), SandboxNetns::Pod(format!("/run/netns/{}", s.id)));
+        rt.netns.insert(s.id.clone(), pod_network(&format!("/run/netns/{}", s.id)));
     }
     rt
 }
@@ -158,7 +160,7 @@ fn capture_programs_in_place_and_the_next_pass_sees_it_captured() {
     let limits = Limits { missed: MissedPolicy::Capture, ..Limits::default() };
     let mut r = Reconciler::new(Some(node_pods()), FakeNode::default(), limits);
     let report = r.pass(Ok(()));
-    assert_eq!(r.node.calls, ["capture missed /run/netns/missed"]);
+    assert_eq!(r.node.calls, ["capture missed /run/netns/missed 10.1.0.7"]);
     assert_eq!(report.actions[0].1, Outcome::Done);
     let report = r.pass(Ok(()));
     assert!(report.actions.is_empty());
@@ -193,6 +195,10 @@ fn drift_is_repaired_once_and_intact_pods_are_not_touched() {
     assert_eq!(r.runtime.as_ref().unwrap().calls, ["list"], "no status for recorded pods");
     r.pass(Ok(()));
     assert_eq!(r.node.calls, ["repair net/a/eth0"], "repaired: nothing more to do");
+    // Drift again right away: repaired again (a successful repair starts no backoff).
+    r.node.records.get_mut("net/a/eth0").unwrap().1 = Observation::Drifted(vec!["table deleted".into()]);
+    r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0", "repair net/a/eth0"]);
 }
 
 #[test]
@@ -235,7 +241,8 @@ fn without_the_runtime_drift_and_gone_netns_are_still_handled() {
 #[test]
 fn a_record_whose_sandbox_is_gone_is_collected_once() {
     let node = node_with_record("old", "old", Observation::Intact);
-    let mut r = Reconciler::new(Some(FakeRuntime::default()), node, Limits::default());
+    let limits = Limits { leftover_grace: Duration::ZERO, ..Limits::default() };
+    let mut r = Reconciler::new(Some(FakeRuntime::default()), node, limits);
     let report = r.pass(Ok(()));
     assert_eq!(r.node.calls, ["collect net/old/eth0"]);
     assert_eq!(report.count(PodState::Leftover), 1);
@@ -253,7 +260,7 @@ fn a_sandbox_whose_status_fails_is_held_and_asked_again_next_pass() {
     assert!(report.actions.is_empty());
     let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
     assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("NotFound")), "{f:?}");
-    r.runtime.as_mut().unwrap().netns.insert("missed".into(), SandboxNetns::Pod("/run/netns/missed".into()));
+    r.runtime.as_mut().unwrap().netns.insert("missed".into(), pod_network("/run/netns/missed"));
     let report = r.pass(Ok(()));
     assert_eq!(report.actions.len(), 1);
     // A known netns is not asked again.

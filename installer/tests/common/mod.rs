@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use aether_installer::{InstallArgs, Plugin};
+use aether_installer::{InstallArgs, NodeChecks};
+use aether_node::config::ConfigError;
+use aether_node::probe::ProbeError;
+use aether_node::services::ServicesError;
 use clap::Parser;
 
 #[derive(Parser)]
@@ -103,26 +106,40 @@ pub struct Switches {
     pub kernel_fails: Arc<AtomicBool>,
 }
 
-/// A stand-in for the plugin: accepts entries unless told, kernel checks pass unless told,
-/// fixed node counters. (The real parser is exercised through the binary in
+/// A stand-in for the node: accepts entries unless told, kernel checks pass unless told,
+/// fixed node counters unless replaced. (The real parser is exercised through the binary in
 /// cni-plugin/tests/install.rs.)
-pub fn plugin(sw: &Switches) -> Plugin {
-    let (refuse, kernel) = (sw.refuse_entry.clone(), sw.kernel_fails.clone());
-    Plugin {
-        not_ready_marker: "node-not-ready",
-        validate_entry: Box::new(move |conf| {
-            serde_json::from_slice::<serde_json::Value>(conf).map_err(|e| e.to_string())?;
-            if refuse.load(Ordering::SeqCst) {
-                return Err("cniVersion \"0.3.1\" is not supported (stand-in)".into());
-            }
-            Ok(())
-        }),
-        kernel_checks: Box::new(move || {
-            if kernel.load(Ordering::SeqCst) {
-                return Err("nft_tproxy is missing (stand-in)".into());
-            }
-            Ok(())
-        }),
+pub struct StandIn {
+    refuse: Arc<AtomicBool>,
+    kernel: Arc<AtomicBool>,
+    pub node_counters: Box<dyn Fn() -> Result<String, ServicesError> + Send + Sync>,
+}
+
+impl NodeChecks for StandIn {
+    fn validate_entry(&self, conf: &[u8]) -> Result<(), ConfigError> {
+        serde_json::from_slice::<serde_json::Value>(conf).map_err(|e| ConfigError::NotJson { why: e.to_string() })?;
+        if self.refuse.load(Ordering::SeqCst) {
+            return Err(ConfigError::UnsupportedVersion { version: "\"0.3.1\" (stand-in)".into() });
+        }
+        Ok(())
+    }
+
+    fn kernel_checks(&self) -> Result<(), ProbeError> {
+        if self.kernel.load(Ordering::SeqCst) {
+            return Err(ProbeError::ReadBack(vec!["nft_tproxy is missing (stand-in)".into()]));
+        }
+        Ok(())
+    }
+
+    fn node_counters(&self) -> Result<String, ServicesError> {
+        (self.node_counters)()
+    }
+}
+
+pub fn plugin(sw: &Switches) -> StandIn {
+    StandIn {
+        refuse: sw.refuse_entry.clone(),
+        kernel: sw.kernel_fails.clone(),
         node_counters: Box::new(|| {
             Ok("# HELP aether_cni_service_connections_total New captured connections by destination class.\n\
                 # TYPE aether_cni_service_connections_total counter\n\

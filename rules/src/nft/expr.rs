@@ -21,11 +21,7 @@ use super::key;
 use crate::family::Family;
 use crate::model::{Action, Match};
 
-/// A register number (`NFT_REG_*`, `NFT_REG32_*`).
-pub type Reg = u32;
-pub const REG_VERDICT: Reg = 0;
-pub const REG_1: Reg = 1;
-pub const REG_2: Reg = 2;
+pub use super::reg::{Reg, REG_1, REG_2, REG_VERDICT};
 
 /// `NF_CT_STATE_BIT(IP_CT_NEW)`
 const CT_STATE_NEW_BIT: u32 = 1 << 3;

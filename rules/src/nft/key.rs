@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use super::expr::Reg;
+use super::reg::Reg;
 use crate::family::Family;
 use crate::model::{Element, KeyType, Proto};
 

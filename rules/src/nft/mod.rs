@@ -5,6 +5,7 @@
 mod expr;
 pub mod key;
 pub mod read;
+mod reg;
 mod render;
 
 pub use expr::{Expr, Exprs, Reg};

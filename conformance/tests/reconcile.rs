@@ -1,0 +1,629 @@
+//! The installer's reconciler on a real containerd 1.6 node (see
+//! `aether_conformance::containerd`): pods that started before aether-cni was chained are
+//! restarted through the CRI (and come back captured by a real ADD) or only reported, by
+//! policy; kube-system, `aether.io/capture: disabled` and malformed pods are left alone;
+//! drift in a running pod is repaired to exactly its record, and stays broken with the
+//! reconciler off (the negative control); a record whose pod's DEL never came is collected;
+//! without a CRI socket, or with one that answers garbage, the installer keeps running, says
+//! why, and still repairs drift.
+//!
+//! The installer is the built binary (`aether-cni install`) run by the test, with the node's
+//! directories and containerd's socket; its last pass is read from the state directory
+//! (`reconciler-last-pass.json`), its metrics from `/metrics`, its log from its stderr.
+//!
+//! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI),
+//! as they also do there when `make clients-deps` has not been run.
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_conformance::clients::{assert_captured, capture_state, client, exec, must, records, terminate};
+use aether_conformance::containerd::{requirements, Containerd, NodeNet};
+use aether_conformance::{cni_bin, sock};
+use aether_testkit::root_or_skip;
+use serde_json::{json, Value};
+
+const NET: NodeNet = NodeNet { bridge: "aerec0", subnet: "10.250.13.0/24", gateway: "10.250.13.1" };
+
+fn ready(test: &str) -> bool {
+    root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
+}
+
+/// `aether-cni install` on the test's node, run by the test.
+struct Installer {
+    child: Child,
+    log: PathBuf,
+    addr: SocketAddr,
+    state_dir: PathBuf,
+}
+
+impl Installer {
+    fn start(ctrd: &Containerd, tag: &str, extra: &[String]) -> Installer {
+        Installer::start_with(ctrd, tag, extra, &[])
+    }
+
+    fn start_with(ctrd: &Containerd, tag: &str, extra: &[String], env: &[(&str, &str)]) -> Installer {
+        let addr = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        // The last installer's last pass is not this one's.
+        let _ = std::fs::remove_file(ctrd.state_dir.join("reconciler-last-pass.json"));
+        let log = ctrd.dir.join(&format!("installer-{tag}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(cni_bin())
+            .arg("install")
+            .arg(format!("--cni-bin-dir={}", ctrd.bin_dir.display()))
+            .arg(format!("--cni-conf-dir={}", ctrd.net_dir.display()))
+            .arg(format!("--state-dir={}", ctrd.state_dir.display()))
+            .arg(format!("--listen={addr}"))
+            .arg(format!("--host-ip={}", NET.gateway))
+            .arg(format!("--log-file={}", ctrd.log_file.display()))
+            // Stopping keeps the binary and the entry: the next phase's installer takes over.
+            .arg("--upgrade")
+            .arg("--reconcile-period-seconds=1")
+            .args(extra)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn aether-cni install");
+        let inst = Installer { child, log, addr, state_dir: ctrd.state_dir.clone() };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while inst.get("/healthz").is_none() {
+            assert!(Instant::now() < deadline, "the installer never served /healthz:\n{}", inst.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        inst
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET `path`: (status code, body).
+    fn get(&self, path: &str) -> Option<(u16, String)> {
+        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        let (_, body) = self.get("/metrics").expect("/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
+    }
+
+    fn last_pass(&self) -> Option<Value> {
+        let text = std::fs::read_to_string(self.state_dir.join("reconciler-last-pass.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    /// The number of the last pass written (0: none yet). Pass `mark() + 1` may have started
+    /// before now; `mark() + 2` starts after.
+    fn mark(&self) -> u64 {
+        self.last_pass().map_or(0, |p| p["pass"].as_u64().unwrap())
+    }
+
+    /// Waits (up to 30 s) for a pass numbered `from` or later that satisfies `cond`.
+    fn wait_pass(&mut self, from: u64, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(p) = self.last_pass() {
+                if p["pass"].as_u64().unwrap() >= from && cond(&p) {
+                    return p;
+                }
+            }
+            let exited = self.child.try_wait().unwrap();
+            assert!(
+                Instant::now() < deadline && exited.is_none(),
+                "no reconciler pass with {what} in 30 s (installer exited: {exited:?}); the last:\n{:#}\n--- installer\n{}",
+                self.last_pass().unwrap_or(Value::Null),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn stop(mut self) -> String {
+        let status = terminate(&mut self.child, Duration::from_secs(10));
+        assert!(status.success(), "the installer exited with {status}:\n{}", self.log());
+        self.log()
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        terminate(&mut self.child, Duration::from_secs(10));
+    }
+}
+
+fn pod_in<'a>(pass: &'a Value, pod: &str) -> Option<&'a Value> {
+    pass["pods"].as_array()?.iter().find(|p| p["pod"] == pod)
+}
+
+fn state_of(pass: &Value, pod: &str) -> String {
+    pod_in(pass, pod).map(|p| p["state"].as_str().unwrap().to_string()).unwrap_or_default()
+}
+
+fn actions_on(pass: &Value, pod: &str) -> Vec<Value> {
+    pass["actions"].as_array().into_iter().flatten().filter(|a| a["pod"] == pod).cloned().collect()
+}
+
+fn sandbox_state(ctrd: &Containerd, id: &str) -> String {
+    let r = ctrd.cri("PodSandboxStatus", &json!({"pod_sandbox_id": id})).unwrap();
+    r["status"]["state"].as_str().unwrap().to_string()
+}
+
+fn uncaptured(netns: &str) -> bool {
+    let (ruleset, rules, _, _) = capture_state(netns);
+    !ruleset.contains("aether") && !rules.contains("0xae71")
+}
+
+/// A node whose pods started before aether-cni was chained: one to be captured, one in
+/// kube-system, one with capture disabled, one with a malformed annotation.
+struct EarlyPods {
+    cart: String,
+    system: String,
+    legacy: String,
+    weird: String,
+}
+
+fn early_pods(ctrd: &Containerd) -> EarlyPods {
+    let p = EarlyPods {
+        cart: ctrd.run_pod("shop", "cart-0", None).unwrap(),
+        system: ctrd.run_pod("kube-system", "dns-0", None).unwrap(),
+        legacy: ctrd.run_pod("shop", "legacy-0", Some(json!({"aether.io/capture": "disabled"}))).unwrap(),
+        weird: ctrd.run_pod("shop", "weird-0", Some(json!({"aether.io/capture": "sideways"}))).unwrap(),
+    };
+    for id in [&p.cart, &p.system, &p.legacy, &p.weird] {
+        assert!(uncaptured(&ctrd.sandbox(id).unwrap().netns), "{id} captured before aether-cni was chained");
+    }
+    p
+}
+
+fn untouched(ctrd: &Containerd, pods: &EarlyPods, pass: &Value) {
+    for (id, name, state) in [
+        (&pods.system, "kube-system/dns-0", "excluded"),
+        (&pods.legacy, "shop/legacy-0", "disabled"),
+        (&pods.weird, "shop/weird-0", "invalid"),
+    ] {
+        assert_eq!(sandbox_state(ctrd, id), "SANDBOX_READY", "{name} was stopped");
+        assert!(uncaptured(&ctrd.sandbox(id).unwrap().netns), "{name} was programmed");
+        assert_eq!(state_of(pass, name), state, "{name} in {pass:#}");
+        assert!(actions_on(pass, name).is_empty(), "{name}: {pass:#}");
+    }
+}
+
+#[test]
+fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_others_alone() {
+    let test = "reconciler_restarts_a_missed_pod";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcrst", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "restart", &[socket, "--missed-pods=restart".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 restarted", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "restart" && a["outcome"] == "done")
+    });
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_NOTREADY", "StopPodSandbox through the CRI");
+    untouched(&ctrd, &pods, &pass);
+    let log = inst.log();
+    assert!(
+        log.lines().any(|l| l.contains("shop/cart-0") && l.contains("sandbox stopped through the CRI")),
+        "no log line for the restart:\n{log}"
+    );
+    assert!(
+        log.lines().any(|l| l.contains("shop/weird-0") && l.contains("aether.io/capture")),
+        "the malformed pod is not reported naming its annotation:\n{log}"
+    );
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0);
+
+    // The kubelet recreates the pod (same pod, next attempt): a real ADD captures it.
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let again = ctrd.run_pod_attempt("shop", "cart-0", None, 1).unwrap();
+    assert_captured(&ctrd.sandbox(&again).unwrap().netns, &["dnat to 10.250.13.1:18054"]);
+    let from = inst.mark() + 2;
+    let pass = inst.wait_pass(from, "shop/cart-0 captured", |p| {
+        pod_in(p, "shop/cart-0").is_some_and(|x| x["state"] == "captured" && x["sandbox"] == again.as_str())
+    });
+    assert!(actions_on(&pass, "shop/cart-0").is_empty(), "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="captured"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="excluded"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0, "once");
+    assert_eq!(inst.get("/readyz").unwrap().0, 200, "the node stays ready:\n{}", inst.log());
+    inst.stop();
+    for id in [&pods.cart, &again, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
+fn reconciler_captures_a_missed_pod_in_place_exactly_as_add_would() {
+    let test = "reconciler_captures_in_place";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rccap", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+    let cart_netns = ctrd.sandbox(&pods.cart).unwrap().netns;
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "capture", &[socket, "--missed-pods=capture".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 captured in place", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "capture" && a["outcome"] == "done")
+    });
+    untouched(&ctrd, &pods, &pass);
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_READY", "nothing restarted");
+    // What ADD makes for the same pod on this node, for comparison: a pod started now.
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let added = ctrd.run_pod("shop", "cart-1", None).unwrap();
+    let added_netns = ctrd.sandbox(&added).unwrap().netns;
+    let (in_place, by_add) = (capture_state(&cart_netns), capture_state(&added_netns));
+    assert_eq!(
+        (&in_place.0, &in_place.1, &in_place.2),
+        (&by_add.0, &by_add.1, &by_add.2),
+        "the in-place capture differs from ADD's"
+    );
+    // Its record is ADD's: `inspect` finds the pod by its sandbox and the kernel intact.
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg(&pods.cart).arg("--state-dir").arg(&ctrd.state_dir));
+    assert!(out.ok && out.stdout.contains("kernel: intact"), "{}{}", out.stdout, out.stderr);
+    let from = inst.mark() + 2;
+    let pass = inst.wait_pass(from, "both captured", |p| {
+        state_of(p, "shop/cart-0") == "captured" && state_of(p, "shop/cart-1") == "captured"
+    });
+    assert!(pass["actions"].as_array().unwrap().is_empty(), "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="capture",outcome="done"}"#), 1.0);
+    let log = inst.stop();
+    assert!(
+        log.lines().any(|l| l.contains("shop/cart-0") && l.contains("captured in place")),
+        "no log line for the capture:\n{log}"
+    );
+    for id in [&pods.cart, &added, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
+fn reconciler_killed_mid_pass_loses_nothing_and_does_nothing_twice() {
+    let test = "reconciler_killed_mid_pass";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rckill", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let first = ctrd.run_pod("shop", "a-0", None).unwrap();
+    let second = ctrd.run_pod("shop", "b-0", None).unwrap();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    // SIGKILLed right after its first StopPodSandbox, before anything else of that pass.
+    let mut inst = Installer::start_with(
+        &ctrd,
+        "killed",
+        std::slice::from_ref(&socket),
+        &[("AETHER_CNI_CRASH_AT", "reconciler-after-restart")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = inst.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the installer was not killed at its first restart:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}:\n{}", inst.log());
+    let states = (sandbox_state(&ctrd, &first), sandbox_state(&ctrd, &second));
+    assert_eq!(states, ("SANDBOX_NOTREADY".to_string(), "SANDBOX_READY".to_string()), "oldest first, one stopped");
+    drop(inst);
+    // Restarted: the stopped sandbox is not stopped again, the other one is.
+    let mut inst = Installer::start(&ctrd, "after", &[socket]);
+    let pass = inst.wait_pass(1, "shop/b-0 restarted", |p| {
+        actions_on(p, "shop/b-0").iter().any(|a| a["kind"] == "restart" && a["outcome"] == "done")
+    });
+    assert!(actions_on(&pass, "shop/a-0").is_empty(), "{pass:#}");
+    let from = inst.mark() + 2;
+    inst.wait_pass(from, "a quiet pass", |p| p["actions"].as_array().unwrap().is_empty());
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 1.0, "once");
+    assert_eq!(sandbox_state(&ctrd, &second), "SANDBOX_NOTREADY");
+    inst.stop();
+    for id in [&first, &second] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+#[test]
+fn reconciler_report_policy_changes_nothing_and_says_so() {
+    let test = "reconciler_report_policy";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcrep", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pods = early_pods(&ctrd);
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "report", &[socket, "--missed-pods=report".into()]);
+    let pass = inst.wait_pass(1, "shop/cart-0 missed and reported", |p| {
+        pod_in(p, "shop/cart-0").is_some_and(|x| x["held"].as_str().is_some_and(|h| h.contains("policy report")))
+    });
+    // Three more passes: still nothing done (the negative control of the restart test).
+    let from = inst.mark() + 3;
+    inst.wait_pass(from, "three more passes", |_| true);
+    assert_eq!(sandbox_state(&ctrd, &pods.cart), "SANDBOX_READY");
+    assert!(uncaptured(&ctrd.sandbox(&pods.cart).unwrap().netns));
+    assert!(pod_in(&pass, "shop/cart-0").unwrap()["held"].as_str().unwrap().contains("policy report"), "{pass:#}");
+    untouched(&ctrd, &pods, &pass);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="missed"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="restart",outcome="done"}"#), 0.0);
+    // `aether-cni inspect` with no argument shows what the reconciler last saw.
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg("--state-dir").arg(&ctrd.state_dir));
+    for want in [
+        "reconciler: last pass",
+        "1 missed",
+        "1 excluded",
+        "1 disabled",
+        "1 invalid",
+        "shop/cart-0  missed: reported only (policy report)",
+        "shop/weird-0  invalid: ADD would refuse it",
+    ] {
+        assert!(out.stdout.contains(want), "inspect should show {want:?}:\n{}{}", out.stdout, out.stderr);
+    }
+    let log = inst.stop();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("shop/cart-0") && l.contains("policy report")).collect();
+    assert_eq!(lines.len(), 1, "one log line for the missed pod, not one per pass:\n{log}");
+    for id in [&pods.cart, &pods.system, &pods.legacy, &pods.weird] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}
+
+/// `nsenter --net=NETNS CMD...`, which must succeed.
+fn in_netns(netns: &str, args: &[&str]) -> String {
+    must(&format!("{args:?} in {netns}"), exec(Command::new("nsenter").arg(format!("--net={netns}")).args(args)))
+}
+
+/// The handle of the first rule of `chain` in the pod's capture table.
+fn first_rule_handle(netns: &str, chain: &str) -> String {
+    let out = in_netns(netns, &["nft", "-a", "list", "chain", "ip", "aether_capture", chain]);
+    out.lines()
+        .find(|l| l.contains("accept") && l.contains("# handle "))
+        .and_then(|l| l.split("# handle ").nth(1))
+        .unwrap_or_else(|| panic!("no rule in {chain}:\n{out}"))
+        .trim()
+        .to_string()
+}
+
+/// What a packet shows: a new TCP connection from inside the pod to an address on the node
+/// (the gateway, where nothing listens) reaches a transparent listener on the capture port
+/// in the pod, with its original destination (`Ok`), or it is not captured (`Err`: refused
+/// by the node, as it would be without the mesh).
+fn packet_captured(netns: &str) -> Result<SocketAddr, String> {
+    let dst: SocketAddr = format!("{}:4242", NET.gateway).parse().unwrap();
+    sock::in_netns(netns, move || {
+        let listener =
+            sock::tcp_listener(SocketAddr::from(([127, 0, 0, 1], 18001)), true).map_err(|e| e.to_string())?;
+        listener.set_nonblocking(true).unwrap();
+        let conn = sock::tcp_connect(dst, None, Duration::from_secs(2)).map_err(|e| format!("not captured: {e}"))?;
+        let (accepted, _) =
+            listener.accept().map_err(|e| format!("connected, but not to the capture listener: {e}"))?;
+        drop(conn);
+        accepted.local_addr().map_err(|e| e.to_string())
+    })
+}
+
+/// A way to break a pod's capture, applied to its netns.
+type Tamper = Box<dyn Fn(&str)>;
+
+/// The tampers, each applied to a captured pod's netns.
+fn tampers() -> Vec<(&'static str, Tamper)> {
+    vec![
+        (
+            "a deleted rule",
+            Box::new(|ns: &str| {
+                let h = first_rule_handle(ns, "egress_divert");
+                in_netns(ns, &["nft", "delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &h]);
+            }),
+        ),
+        (
+            "a deleted table",
+            Box::new(|ns: &str| drop(in_netns(ns, &["nft", "delete", "table", "ip", "aether_capture"]))),
+        ),
+        (
+            "a flushed policy route",
+            Box::new(|ns: &str| drop(in_netns(ns, &["ip", "-4", "route", "flush", "table", "44657"]))),
+        ),
+        (
+            "a deleted policy rule",
+            Box::new(|ns: &str| {
+                drop(in_netns(ns, &["ip", "-4", "rule", "del", "fwmark", "0xae71", "lookup", "44657"]))
+            }),
+        ),
+    ]
+}
+
+#[test]
+fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
+    let test = "reconciler_repairs_drift";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcdrift", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "drift", std::slice::from_ref(&socket));
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let pod = ctrd.run_pod("shop", "web-0", None).unwrap();
+    let netns = ctrd.sandbox(&pod).unwrap().netns;
+    assert_captured(&netns, &[]);
+    let intact = capture_state(&netns);
+    let from = inst.mark() + 2;
+    inst.wait_pass(from, "shop/web-0 captured", |p| state_of(p, "shop/web-0") == "captured");
+
+    for (what, tamper) in tampers() {
+        let from = inst.mark() + 1;
+        tamper(&netns);
+        assert_ne!(capture_state(&netns), intact, "{what}: the tamper changed nothing");
+        let pass = inst.wait_pass(from, &format!("{what} repaired"), |p| {
+            actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+        });
+        assert_eq!(capture_state(&netns), intact, "{what}: not repaired to the record\n{pass:#}");
+        assert_eq!(
+            packet_captured(&netns),
+            Ok(format!("{}:4242", NET.gateway).parse().unwrap()),
+            "{what}: repaired, by packet"
+        );
+    }
+    let repairs = inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair",outcome="done"}"#);
+    assert_eq!(repairs, tampers().len() as f64);
+    let log = inst.stop();
+    assert!(log.lines().filter(|l| l.contains("shop/web-0") && l.contains("drift repaired")).count() >= 4, "{log}");
+
+    // Negative control: the reconciler off, a tamper stays, and packets leak.
+    let off = Installer::start(&ctrd, "off", &[socket, "--reconcile=false".into()]);
+    (tampers()[1].1)(&netns);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_ne!(capture_state(&netns), intact, "drift went away with the reconciler off: the test cannot fail");
+    let leak = packet_captured(&netns);
+    assert!(leak.as_ref().is_err_and(|e| e.contains("not captured")), "with the capture table gone: {leak:?}");
+    off.stop();
+
+    // Without a runtime (no socket; a socket that answers garbage) the installer keeps
+    // running, says why, and still repairs the drift left by the control.
+    let garbage_dir = ctrd.dir.join("garbage");
+    std::fs::create_dir_all(&garbage_dir).unwrap();
+    let garbage = Garbage::serve(&garbage_dir.join("cri.sock"));
+    for (tag, flag) in [
+        ("absent", format!("--cri-socket={}", ctrd.dir.join("no-such.sock").display())),
+        ("garbage", format!("--cri-socket={}", garbage.path.display())),
+    ] {
+        if capture_state(&netns) == intact {
+            (tampers()[1].1)(&netns);
+        }
+        let mut inst = Installer::start(&ctrd, tag, &[flag]);
+        let pass = inst.wait_pass(1, &format!("{tag}: the drift repaired"), |p| {
+            actions_on(p, "shop/web-0").iter().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+        });
+        assert_eq!(capture_state(&netns), intact, "{tag}");
+        assert!(packet_captured(&netns).is_ok(), "{tag}: repaired, by packet");
+        assert!(pass["runtimeUnseen"].as_str().is_some_and(|w| w.contains("CRI socket")), "{tag}: {pass:#}");
+        assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0, "{tag}");
+        assert_eq!(inst.get("/readyz").unwrap().0, 200, "{tag}: the node stays ready:\n{}", inst.log());
+        let from = inst.mark() + 1;
+        inst.wait_pass(from, &format!("{tag}: another pass"), |_| true);
+        let log = inst.stop();
+        let said = log.lines().filter(|l| l.contains("missed pods cannot be seen")).count();
+        assert_eq!(said, 1, "{tag}: said once why missed pods cannot be seen:\n{log}");
+    }
+    drop(garbage);
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+}
+
+#[test]
+fn reconciler_collects_a_record_whose_del_never_came() {
+    let test = "reconciler_collects_a_leftover";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcleft", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let inst = Installer::start(&ctrd, "chain", &[socket.clone(), "--reconcile=false".into()]);
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let pod = ctrd.run_pod("shop", "gone-0", None).unwrap();
+    assert_captured(&ctrd.sandbox(&pod).unwrap().netns, &[]);
+    assert_eq!(records(&ctrd.state_dir).len(), 1);
+    // The entry is withdrawn (an installer that uninstalled), then the pod goes: its DEL never
+    // reaches aether-cni, and its record stays behind.
+    inst.stop();
+    let chained: Vec<PathBuf> = std::fs::read_dir(&ctrd.net_dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("aether"))
+        .map(|e| e.path())
+        .collect();
+    for p in &chained {
+        std::fs::remove_file(p).unwrap();
+    }
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+    assert_eq!(records(&ctrd.state_dir).len(), 1, "the record is left behind");
+
+    let mut inst = Installer::start(&ctrd, "collect", &[socket, "--leftover-grace-seconds=0".into()]);
+    let pass = inst.wait_pass(1, "the leftover collected", |p| {
+        actions_on(p, "shop/gone-0").iter().any(|a| a["kind"] == "collect" && a["outcome"] == "done")
+    });
+    assert!(records(&ctrd.state_dir).is_empty(), "{pass:#}");
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="netns-gone"}"#)
+            + inst.metric(r#"aether_cni_reconciler_leftovers_collected_total{why="sandbox-gone"}"#),
+        1.0
+    );
+    let from = inst.mark() + 1;
+    inst.wait_pass(from, "a pass after", |p| actions_on(p, "shop/gone-0").is_empty());
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_actions_total{kind="collect",outcome="done"}"#),
+        1.0,
+        "collected once"
+    );
+    inst.stop();
+}
+
+/// A unix socket that answers every connection with bytes that are not HTTP/2.
+struct Garbage {
+    path: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Garbage {
+    fn serve(path: &Path) -> Garbage {
+        let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.write_all(b"HTTP/1.1 418 I'm a teapot\r\n\r\nnot gRPC at all\r\n");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        Garbage { path: path.into(), stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Garbage {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

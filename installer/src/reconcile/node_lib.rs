@@ -1,0 +1,241 @@
+//! [`NodeOps`] over the node library: the very code of the CNI commands. What ADD would make
+//! of a pod is `config::effective` on the entry the runtime passes; a record's netns is
+//! compared by `attachment::verify` (CHECK's comparison); a repair programs exactly the
+//! record's ruleset (ADD's `aether_rules::install`, which replaces the table in one
+//! transaction); a leftover is collected by `attachment::collect` (GC's, counts folded once);
+//! an in-place capture is `attachment::attach` (ADD's).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use aether_cri::Sandbox;
+use aether_node::attachment::{self, AttachmentError, Target};
+use aether_node::config::{self, NetConf};
+use aether_node::state::{PodIdentity, PodNetns, Record, StateDir, StateError};
+use serde_json::{json, Map, Value};
+
+use super::{Leftover, NodeOps, Observation, PodRef, RecordView, Wants};
+use crate::chain;
+
+/// The interface the kubelet asks runtimes for (containerd's and CRI-O's default).
+const POD_IFNAME: &str = "eth0";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeOpsError {
+    #[error("no network configuration to capture with: {0}")]
+    Chain(#[from] crate::Error),
+    #[error("the plugin refuses the network configuration: {0}")]
+    Config(config::ConfigError),
+    #[error(transparent)]
+    Attachment(#[from] AttachmentError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("the record {0} went away before the repair (the pod's DEL came)")]
+    RecordGone(String),
+    #[error("the record {0} changed before the repair (a new ADD): left to it")]
+    RecordChanged(String),
+    #[error("the record {key} cannot be read: {why}")]
+    RecordUnreadable { key: String, why: String },
+    #[error("the record {0} does not say what ADD programmed")]
+    NoCapture(String),
+    #[error("the pod's netns is gone: {0}")]
+    NetnsGone(String),
+    #[error("the plugin refuses the node's network configuration (see /readyz)")]
+    NoConfiguration,
+    #[error(transparent)]
+    Netns(#[from] aether_netns::Error),
+    #[error(transparent)]
+    Rules(#[from] aether_rules::Error),
+}
+
+pub struct NodeLib {
+    state_dir: PathBuf,
+    conf_dir: PathBuf,
+    conflist_name: String,
+    entry: Map<String, Value>,
+    /// The configuration as the runtime passes it now, read at the start of each pass.
+    conf: Option<NetConf>,
+    /// The entry alone (on a stand-in list): enough to judge annotations and namespaces
+    /// while there is no primary to chain onto yet.
+    standalone: Option<NetConf>,
+    /// This pass's records, by key.
+    records: HashMap<String, Record>,
+}
+
+impl NodeLib {
+    pub fn new(args: &crate::InstallArgs) -> NodeLib {
+        let entry = args.entry();
+        let stand_in = chain::Primary {
+            path: PathBuf::from("(reconciler)"),
+            bytes: br#"{"cniVersion":"1.1.0","name":"reconciler","plugins":[{"type":"main-cni"}]}"#.to_vec(),
+            mode: 0o644,
+        };
+        let standalone = chain::chain(&stand_in, &entry).ok().and_then(|(_, as_passed)| config::parse(&as_passed).ok());
+        NodeLib {
+            state_dir: args.state_dir.clone(),
+            conf_dir: args.cni_conf_dir.clone(),
+            conflist_name: args.conflist_name.clone(),
+            entry,
+            conf: None,
+            standalone,
+            records: HashMap::new(),
+        }
+    }
+
+    /// The entry chained onto the node's primary, as the runtime passes it to the plugin.
+    fn chained_conf(&self) -> Result<NetConf, NodeOpsError> {
+        let primary = chain::find_primary(&self.conf_dir, &self.conflist_name)?;
+        let (_, as_passed) = chain::chain(&primary, &self.entry)?;
+        config::parse(&as_passed).map_err(NodeOpsError::Config)
+    }
+
+    fn any_conf(&self) -> Option<&NetConf> {
+        self.conf.as_ref().or(self.standalone.as_ref())
+    }
+
+    /// `conf` for the pod's annotations (as containerd passes them: a map, `null` for none)
+    /// and addresses (as a prevResult's `ips`).
+    fn pod_conf(conf: &NetConf, sandbox: &Sandbox, ips: &[String]) -> NetConf {
+        let mut c = conf.clone();
+        c.annotations = if sandbox.annotations.is_empty() {
+            Value::Null
+        } else {
+            Value::Object(sandbox.annotations.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect())
+        };
+        let ips: Vec<Value> = ips
+            .iter()
+            .map(|ip| {
+                let prefix = if ip.contains(':') { 128 } else { 32 };
+                json!({"address": format!("{ip}/{prefix}")})
+            })
+            .collect();
+        c.prev_result = Some(json!({"cniVersion": c.cni_version, "ips": ips}));
+        c
+    }
+
+    /// A configuration naming the record's network and this state directory (what DEL and GC
+    /// of that network would be given).
+    fn conf_for(&self, record: &Record) -> Option<NetConf> {
+        let mut c = self.any_conf()?.clone();
+        c.name = record.network.clone();
+        c.state_dir = self.state_dir.clone();
+        Some(c)
+    }
+
+    fn target(record: &Record) -> Target<'_> {
+        Target { network: &record.network, container_id: &record.container_id, ifname: &record.ifname }
+    }
+}
+
+impl NodeOps for NodeLib {
+    type Error = NodeOpsError;
+
+    fn wants(&self, sandbox: &Sandbox) -> Wants {
+        let Some(conf) = self.any_conf() else {
+            return Wants::Invalid("the plugin refuses the node's network configuration".into());
+        };
+        if conf.exclude_namespaces.contains(&sandbox.namespace) {
+            return Wants::Excluded;
+        }
+        match config::effective(&Self::pod_conf(conf, sandbox, &[]), Some(&sandbox.namespace)) {
+            Ok(Some(_)) => Wants::Capture,
+            Ok(None) => Wants::Disabled,
+            Err(e) => Wants::Invalid(e.to_string()),
+        }
+    }
+
+    fn records(&mut self) -> Result<Vec<RecordView>, NodeOpsError> {
+        self.conf = self.chained_conf().ok();
+        let scan = StateDir::new(&self.state_dir).scan();
+        for u in &scan.unreadable {
+            tracing::warn!(file = %u.file, "an attachment record cannot be read: {}", u.why);
+        }
+        self.records = scan.records.into_iter().map(|r| (r.key(), r)).collect();
+        let mut views: Vec<RecordView> = self
+            .records
+            .values()
+            .map(|r| RecordView {
+                key: r.key(),
+                sandbox_id: r.container_id.clone(),
+                pod: PodRef {
+                    namespace: r.pod_namespace.clone().unwrap_or_default(),
+                    name: r.pod_name.clone().unwrap_or_default(),
+                    uid: r.pod_uid.clone().unwrap_or_default(),
+                },
+                netns: r.netns.clone(),
+            })
+            .collect();
+        views.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(views)
+    }
+
+    fn observe(&mut self, view: &RecordView) -> Observation {
+        let Some(record) = self.records.get(&view.key) else {
+            return Observation::Unverifiable("the record is not in this pass's scan".into());
+        };
+        let Some(conf) = self.conf_for(record) else {
+            return Observation::Unverifiable("the plugin refuses the node's network configuration".into());
+        };
+        match record.open_netns() {
+            Err(e) => Observation::Unverifiable(e.to_string()),
+            Ok(PodNetns::Gone(why)) => Observation::NetnsGone(why),
+            Ok(PodNetns::Live(ns)) => {
+                match attachment::verify(&conf, Self::target(record), &ns, record.capture.as_ref()) {
+                    Ok(d) if d.is_empty() => Observation::Intact,
+                    Ok(d) => Observation::Drifted(d),
+                    Err(e) => Observation::Unverifiable(e.to_string()),
+                }
+            }
+        }
+    }
+
+    fn repair(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
+        let seen = self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
+        let state = StateDir::new(&self.state_dir);
+        // Exclusive, as GC: no ADD or DEL (they hold it shared) runs while the record is read
+        // again and its ruleset programmed.
+        let _lock = state.lock(true)?;
+        let now = state
+            .read(&seen.network, &seen.container_id, &seen.ifname)
+            .map_err(|u| NodeOpsError::RecordUnreadable { key: view.key.clone(), why: u.why })?
+            .ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
+        if now != *seen {
+            return Err(NodeOpsError::RecordChanged(view.key.clone()));
+        }
+        let cfg = now.capture.as_ref().ok_or_else(|| NodeOpsError::NoCapture(view.key.clone()))?;
+        let netns = match now.open_netns()? {
+            PodNetns::Live(ns) => ns,
+            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
+        };
+        let ruleset = aether_rules::capture::capture_ruleset(cfg)?;
+        netns.run(|| aether_rules::install(&ruleset, None))??;
+        Ok(())
+    }
+
+    fn collect(&mut self, view: &RecordView, _why: &Leftover) -> Result<(), NodeOpsError> {
+        let record = self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
+        let conf = self.conf_for(record).ok_or(NodeOpsError::NoConfiguration)?;
+        let (id, ifname) = (record.container_id.clone(), record.ifname.clone());
+        attachment::collect(&conf, |c, i| !(c == id && i == ifname))?;
+        Ok(())
+    }
+
+    fn capture(&mut self, sandbox: &Sandbox, netns: &str, ips: &[String]) -> Result<(), NodeOpsError> {
+        let conf = match &self.conf {
+            Some(c) => c.clone(),
+            None => self.chained_conf()?,
+        };
+        let conf = Self::pod_conf(&conf, sandbox, ips);
+        let Some(cfg) = config::effective(&conf, Some(&sandbox.namespace)).map_err(NodeOpsError::Config)? else {
+            return Ok(());
+        };
+        let pod = PodIdentity {
+            namespace: Some(sandbox.namespace.clone()),
+            name: Some(sandbox.name.clone()),
+            uid: Some(sandbox.uid.clone()).filter(|u| !u.is_empty()),
+        };
+        let target = Target { network: &conf.name, container_id: &sandbox.id, ifname: POD_IFNAME };
+        attachment::attach(&conf, target, &pod, netns, &cfg)?;
+        Ok(())
+    }
+}

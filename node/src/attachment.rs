@@ -1,0 +1,373 @@
+//! A pod's attachment: the capture ADD programs in the pod's netns, its record, and its Service
+//! layer, as four operations over (configuration, pod, netns) that know nothing of how they
+//! were asked for (a CNI command, or the installer's reconciler):
+//!
+//! - [`attach`]: program the capture, write the record, apply the stored Service layer; all
+//!   or nothing (a pod with rules but no record would escape GC and CHECK);
+//! - [`detach`]: remove exactly what the record says, fold the pod's counts, forget the record
+//!   last (a detach killed at any point leaves the record, so a retry finishes the job);
+//! - [`verify`]: every difference between the kernel, the record and the expected capture;
+//! - [`collect`]: detach every recorded attachment of a network the runtime no longer has, and
+//!   clear what is provably stale.
+//!
+//! Callers hold nothing: each operation takes the state lock it needs (shared for attach and
+//! detach, exclusive for collect).
+
+use aether_netns::Netns;
+use aether_rules::capture::{self, CaptureConfig};
+use tracing::{debug, info, warn};
+
+use crate::config::NetConf;
+use crate::services::{self, fold::RetireError, ServicesError};
+use crate::state::{PodIdentity, PodNetns, Record, StateDir, StateError};
+
+/// Which attachment: the network (the configuration's `name`), the container, the interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    pub network: &'a str,
+    pub container_id: &'a str,
+    pub ifname: &'a str,
+}
+
+impl Target<'_> {
+    /// The attachment's key, as people (and the fold marks) read it.
+    pub fn key(&self) -> String {
+        format!("{}/{}/{}", self.network, self.container_id, self.ifname)
+    }
+}
+
+/// Why an attachment operation did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachmentError {
+    /// The pod's netns (at the path given) cannot be opened or entered.
+    #[error(transparent)]
+    Netns(aether_netns::Error),
+    /// The netns a record names cannot be opened for another reason than being gone.
+    #[error("cannot open the netns {netns} recorded for {key}")]
+    RecordedNetns { netns: String, key: String, source: aether_netns::Error },
+    /// The capture configuration cannot make a ruleset, or the kernel refused it.
+    #[error(transparent)]
+    Rules(aether_rules::Error),
+    #[error(transparent)]
+    State(StateError),
+    /// The stored Service layer could not be applied to the pod.
+    #[error("cannot apply the Service layer")]
+    ServiceLayer(ServicesError),
+    /// The Service state could not be locked to retire the pod's layer.
+    #[error("cannot lock the Service state")]
+    ServiceLock(ServicesError),
+    /// A test asked for this step to fail (fault-injection builds only).
+    #[error("injected failure at step {0}")]
+    Injected(String),
+    /// `collect` could not remove some stale items; each is named, and kept.
+    #[error("GC could not remove {} stale item(s)", .0.len())]
+    Collect(Vec<Kept>),
+}
+
+/// A stale item `collect` could not remove: an attachment's key or a file's name, and why.
+#[derive(Debug)]
+pub struct Kept {
+    pub item: String,
+    pub error: AttachmentError,
+}
+
+impl From<aether_netns::Error> for AttachmentError {
+    fn from(e: aether_netns::Error) -> Self {
+        AttachmentError::Netns(e)
+    }
+}
+
+impl From<aether_rules::Error> for AttachmentError {
+    fn from(e: aether_rules::Error) -> Self {
+        AttachmentError::Rules(e)
+    }
+}
+
+impl From<StateError> for AttachmentError {
+    fn from(e: StateError) -> Self {
+        AttachmentError::State(e)
+    }
+}
+
+/// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
+/// crate's steps, or `record`, or `services`. Compiled in only with `fault-injection`.
+#[cfg(feature = "fault-injection")]
+fn injected_failure() -> Option<String> {
+    std::env::var("AETHER_CNI_INJECT_FAILURE").ok()
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn injected_failure() -> Option<String> {
+    None
+}
+
+/// What [`attach`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attached {
+    /// The Service snapshot generation the pod was given; `None` before any snapshot.
+    pub services_generation: Option<u64>,
+}
+
+/// ADD's work: programs `cfg`'s capture in the netns at `netns_path`, records it, and applies
+/// the stored Service layer. On any failure everything done is undone.
+pub fn attach(
+    conf: &NetConf,
+    target: Target,
+    pod: &PodIdentity,
+    netns_path: &str,
+    cfg: &CaptureConfig,
+) -> Result<Attached, AttachmentError> {
+    let ruleset = capture::capture_ruleset(cfg)?;
+    let netns = Netns::open_foreign(netns_path)?;
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(false)?;
+    let fail = injected_failure();
+    let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
+    netns.run(|| aether_rules::install(&ruleset, fail_step))??;
+    let record = Record::new(target.network, target.container_id, target.ifname, &netns, netns_path, pod, cfg.clone());
+    let recorded = if fail.as_deref() == Some("record") {
+        Err(AttachmentError::Injected("record".into()))
+    } else {
+        state.write(&record).map_err(AttachmentError::from)
+    };
+    // The Service layer comes after the record: `services apply` either sees the record or
+    // ADD reads the snapshot that apply stored (both under the services lock).
+    let layered = recorded.and_then(|()| {
+        if fail.as_deref() == Some("services") {
+            return Err(AttachmentError::Injected("services".into()));
+        }
+        services::end_stale_fold(&conf.state_dir, &netns, &target.key()).map_err(AttachmentError::ServiceLayer)?;
+        services::apply_current_snapshot_in_netns(&conf.state_dir, &netns, cfg.divert_mark)
+            .map_err(AttachmentError::ServiceLayer)
+    });
+    let generation = match layered {
+        Ok(generation) => generation,
+        Err(e) => {
+            let prs = ruleset.policy_routes();
+            let undo = netns.run(|| {
+                aether_rules::services::remove()?;
+                aether_rules::remove(capture::TABLE, &prs)
+            });
+            match undo {
+                Ok(Ok(_)) => {}
+                Ok(Err(undo)) => warn!("undoing after a failure also failed: {undo}"),
+                Err(undo) => warn!("undoing after a failure also failed: {undo}"),
+            }
+            if let Err(undo) = state.remove(target.network, target.container_id, target.ifname) {
+                warn!("removing the record after a failure also failed: {undo}");
+            }
+            return Err(e);
+        }
+    };
+    info!(mode = %cfg.mode, services_generation = %generation.map_or("none".to_string(), |g| g.to_string()), "capture programmed");
+    for table in ruleset.tables() {
+        debug!("ruleset: {table}");
+    }
+    Ok(Attached { services_generation: generation })
+}
+
+/// DEL's work: undoes the attachment `target`, in the netns at `netns_path` when given (the
+/// runtime's), else in the one its record names. A namespace at the path that is not the one
+/// ADD programmed (a reused path or PID) is another pod's and left alone. A damaged record
+/// is removed: DEL forgets the attachment whatever its record says.
+pub fn detach(conf: &NetConf, target: Target, netns_path: Option<&str>) -> Result<(), AttachmentError> {
+    let Target { network, container_id: id, ifname } = target;
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(false)?;
+    let record = state.read(network, id, ifname).unwrap_or_else(|u| {
+        warn!(file = %u.file, why = %u.why, "the attachment record cannot be read; removing it");
+        None
+    });
+    let netns = match (netns_path, &record) {
+        // Without CNI_NETNS, the record still knows where the pod lived.
+        (None, Some(r)) => live(r.open_netns().map_err(|e| record_netns_error(r, e))?, id),
+        (None, None) => None,
+        (Some(path), _) => match Netns::open_foreign(path) {
+            Err(aether_netns::Error::NotFound { .. }) => {
+                info!(netns = %path, "netns is already gone; nothing to remove there");
+                None
+            }
+            Err(e) => return Err(e.into()),
+            // The namespace at CNI_NETNS must be the one ADD programmed: a path (or PID) reused
+            // by another pod is that pod's, and is left alone.
+            Ok(ns) => match &record {
+                Some(r) if !r.owns(&ns) => {
+                    info!(netns = %path, found = %ns.id(), "another namespace than ADD programmed is at the path; left alone");
+                    None
+                }
+                Some(_) => Some(ns),
+                None => match state.records().into_iter().find(|o| o.netns_id.is_some_and(|i| i.matches(&ns))) {
+                    Some(owner) => {
+                        info!(netns = %path, owner = %owner.key(), "no record, and the namespace is another attachment's; left alone");
+                        None
+                    }
+                    None => Some(ns),
+                },
+            },
+        },
+    };
+    undo(netns, conf, record.as_ref(), &target.key(), || state.remove(network, id, ifname))
+}
+
+/// The pod's netns if it is still there, logging why not.
+fn live(found: PodNetns, id: &str) -> Option<Netns> {
+    match found {
+        PodNetns::Live(ns) => Some(ns),
+        PodNetns::Gone(why) => {
+            info!(attachment = %id, why = %why, "the pod's netns is gone; nothing to remove there");
+            None
+        }
+    }
+}
+
+/// A recorded netns that cannot be opened for another reason than being gone. It names the
+/// record, not `CNI_NETNS` (which the runtime may not have set).
+fn record_netns_error(r: &Record, source: aether_netns::Error) -> AttachmentError {
+    AttachmentError::RecordedNetns { netns: r.netns.clone(), key: r.key(), source }
+}
+
+/// Undoes an attachment: the capture in `netns` (the pod's, or `None` when it is gone),
+/// then, under the services lock, the pod's Service layer (its counts folded into the node
+/// totals first) and its record, last: a DEL killed at any point leaves the record, so a
+/// retried DEL (or GC) finishes the job.
+fn undo(
+    netns: Option<Netns>,
+    conf: &NetConf,
+    record: Option<&Record>,
+    key: &str,
+    forget: impl FnOnce() -> Result<(), StateError>,
+) -> Result<(), AttachmentError> {
+    let removed = match &netns {
+        Some(netns) => {
+            // The policy routes ADD installed are in the record (one per family); without one
+            // (a record lost, or an ADD that failed before writing it) the node's settings
+            // name them, in both families.
+            let policy_routes = record.and_then(|r| r.capture.as_ref()).map_or_else(
+                || aether_rules::Family::ALL.map(|f| conf.base.policy_route(f)).to_vec(),
+                |c| c.policy_routes(),
+            );
+            Some(netns.run(|| aether_rules::remove(capture::TABLE, &policy_routes))??)
+        }
+        None => None,
+    };
+    let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget).map_err(|e| match e {
+        RetireError::Lock(e) => AttachmentError::ServiceLock(e),
+        RetireError::Forget(e) => AttachmentError::State(e),
+    })?;
+    let container = key.split('/').nth(1).unwrap_or(key);
+    for w in &retired.warnings {
+        warn!(container = %container, "{w}");
+    }
+    if let (Some(netns), Some(removed)) = (&netns, removed) {
+        info!(
+            container = %container,
+            netns = %netns.path().display(),
+            table = removed.table,
+            rule = removed.rule,
+            route = removed.route,
+            services_folded = %crate::text::counts(&retired.folded),
+            "capture removed"
+        );
+    }
+    Ok(())
+}
+
+/// CHECK's work: every way the attachment `target` in `netns` differs from `expected` (the
+/// pod's capture now, `None` for a pod that is not managed): the kernel's ruleset, the
+/// record, the namespace identity. Empty when intact.
+pub fn verify(
+    conf: &NetConf,
+    target: Target,
+    netns: &Netns,
+    expected: Option<&CaptureConfig>,
+) -> Result<Vec<String>, AttachmentError> {
+    let Target { network, container_id: id, ifname } = target;
+    let netns_path = netns.path().display();
+    let Some(cfg) = expected else {
+        let mut found = Vec::new();
+        for family in aether_rules::Family::ALL {
+            if netns.run(|| aether_rules::nft::kernel_view(family, capture::TABLE))??.is_some() {
+                found.push(format!("pod is not managed but table {} {} exists", family.nft_name(), capture::TABLE));
+            }
+        }
+        return Ok(found);
+    };
+    let ruleset = capture::capture_ruleset(cfg)?;
+    let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
+    match StateDir::new(&conf.state_dir).read(network, id, ifname) {
+        Ok(None) => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
+        Err(u) => diffs.push(format!("the attachment record {} cannot be read: {}", u.file, u.why)),
+        Ok(Some(r)) => {
+            if !r.owns(netns) {
+                diffs.push(format!(
+                    "{netns_path} is another network namespace ({}) than the one ADD programmed",
+                    netns.id()
+                ));
+            }
+            match &r.capture {
+                Some(recorded) if recorded != cfg => diffs.push(
+                    "the pod's capture configuration changed since ADD (annotations or network configuration)".into(),
+                ),
+                Some(_) => {}
+                None => diffs.push("the attachment record does not say what ADD programmed".into()),
+            }
+        }
+    }
+    Ok(diffs)
+}
+
+/// GC's work: forgets the attachments of `conf`'s network for which `is_valid(container,
+/// ifname)` says no, removing what is left of their capture where their netns still exists,
+/// and clears what is provably stale: records of this network that cannot be read and are not
+/// valid attachments, files that are not records at all, temp files of dead writers. Keeps
+/// going past errors, then reports them; logs by name what it keeps.
+pub fn collect(conf: &NetConf, is_valid: impl Fn(&str, &str) -> bool) -> Result<(), AttachmentError> {
+    let state = StateDir::new(&conf.state_dir);
+    let _lock = state.lock(true)?;
+    let mut failures = Vec::new();
+    let scan = state.scan();
+    for rec in scan.records.iter().filter(|r| r.network == conf.name) {
+        if is_valid(&rec.container_id, &rec.ifname) {
+            continue;
+        }
+        let key = rec.key();
+        let outcome =
+            rec.open_netns().map_err(|e| record_netns_error(rec, e)).map(|found| live(found, &key)).and_then(|netns| {
+                undo(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
+            });
+        match outcome {
+            Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
+            Err(error) => failures.push(Kept { item: key, error }),
+        }
+    }
+    for u in &scan.unreadable {
+        // Record files are named network+containerID+ifname.json (see StateDir).
+        let parts: Vec<&str> = u.file.strip_suffix(".json").map(|n| n.split('+').collect()).unwrap_or_default();
+        let stale = match parts.as_slice() {
+            [network, c, i] if *network == conf.name => !is_valid(c, i),
+            [_, _, _] => {
+                info!(file = %u.file, why = %u.why, "kept: another network's record, unreadable");
+                continue;
+            }
+            _ => true, // not a record's name: nobody's record
+        };
+        if !stale {
+            warn!(file = %u.file, why = %u.why, "kept: the record of a valid attachment cannot be read");
+            continue;
+        }
+        match state.remove_file(&u.file) {
+            Ok(()) => info!(file = %u.file, why = %u.why, "removed an unreadable record"),
+            Err(e) => failures.push(Kept { item: u.file.clone(), error: e.into() }),
+        }
+    }
+    for t in &scan.stale_temps {
+        match state.remove_file(t) {
+            Ok(()) => info!(file = %t, "removed a temp file its writer left"),
+            Err(e) => failures.push(Kept { item: t.clone(), error: e.into() }),
+        }
+    }
+    if failures.is_empty() {
+        return Ok(());
+    }
+    Err(AttachmentError::Collect(failures))
+}

@@ -1,0 +1,36 @@
+//! aether-node: what an aether-cni node does, shared by the CNI plugin (the binary) and the
+//! installer's daemon.
+//!
+//! - `config`: the network configuration (one conflist entry) and a pod's annotations, turned
+//!   into the capture configuration `aether-rules` builds from;
+//! - `state`: the node state directory (attachment records, the lock, the readiness marker);
+//! - `attachment`: a pod's capture as operations over (configuration, pod, netns): attach
+//!   (what ADD does), detach (DEL), verify (CHECK), collect (GC);
+//! - `services`: the Service layer's node side (the stored snapshot, `layer.bin`, apply to
+//!   every pod, the folded counts, counters/demand/verify reports);
+//! - `probe`: whether this kernel can hold the rulesets (STATUS, `doctor`, readiness).
+//!
+//! It must not know the CNI protocol: no `CNI_*` variables, stdin, stdout, result JSON or
+//! error codes (the binary maps these errors to codes in one place), nor the installer's
+//! files, HTTP or metrics. It depends on `aether-rules` and `aether-netns` only, never upward.
+
+pub mod attachment;
+pub mod config;
+pub mod probe;
+pub mod services;
+pub mod state;
+pub mod text;
+
+/// Work in one pod's network namespace that did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    /// The namespace is gone (or its path now names another one): nothing may act there.
+    #[error("{0}")]
+    Gone(String),
+    /// It could not be entered.
+    #[error(transparent)]
+    Netns(aether_netns::Error),
+    /// The kernel refused (or could not answer) what was asked there.
+    #[error(transparent)]
+    Kernel(aether_rules::Error),
+}

@@ -1,0 +1,402 @@
+//! A Service document to every recorded pod (`services apply`), and the stored layer to a
+//! new pod (ADD). Which layer each pod netns holds is kept in `pods/`, so a pod one
+//! generation behind gets only the element change, sent without reading its sets back.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use aether_netns::Netns;
+use aether_rules::services::{self as layer, Applied, LayerChange};
+use serde_json::{json, Value};
+
+use super::{flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use crate::state::{PodNetns, Record, StateDir};
+use crate::PodError;
+
+fn refused(r: snapshot::Refused) -> ServicesError {
+    ServicesError::Refused { reasons: r.reasons }
+}
+
+/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct PodHolds {
+    pub(super) generation: u64,
+    pub(super) digest: u64,
+    /// `Netns::id()` of the netns it was written for.
+    pub(super) netns: String,
+    pub(super) divert_mark: u32,
+}
+
+impl PodHolds {
+    pub(super) fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
+        PodHolds { generation: stored.generation, digest: stored.digest, netns: netns_key(ns), divert_mark }
+    }
+
+    pub(super) fn parse(text: &str) -> Option<Self> {
+        let mut f = text.split_whitespace();
+        let held = PodHolds {
+            generation: f.next()?.parse().ok()?,
+            digest: u64::from_str_radix(f.next()?, 16).ok()?,
+            netns: f.next()?.to_string(),
+            divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
+        };
+        f.next().is_none().then_some(held)
+    }
+
+    /// Whether the pod holds `stored`'s layer for `divert_mark` (whatever the generation).
+    pub(super) fn is(&self, stored: &StoredLayer, divert_mark: u32) -> bool {
+        self.digest == stored.digest && self.divert_mark == divert_mark
+    }
+}
+
+/// A netns's identity as one word: `device:inode`.
+pub(super) fn netns_key(ns: &Netns) -> String {
+    format!("{}:{}", ns.id().dev, ns.id().ino)
+}
+
+impl std::fmt::Display for PodHolds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)
+    }
+}
+
+/// One pod's outcome in an apply.
+#[derive(Debug)]
+pub struct PodOutcome {
+    pub container_id: String,
+    pub ifname: String,
+    pub netns: String,
+    /// `Err(PodError::Gone)`: the netns is gone, the pod was skipped, which is not a failure.
+    pub result: Result<Applied, PodError>,
+}
+
+impl PodOutcome {
+    /// The pod's netns is gone: skipped, not failed.
+    pub fn vanished(&self) -> bool {
+        matches!(self.result, Err(PodError::Gone(_)))
+    }
+}
+
+#[derive(Debug)]
+pub struct ApplyReport {
+    pub generation: u64,
+    pub pods: Vec<PodOutcome>,
+    /// What was wrong but did not stop the apply (e.g. a stored snapshot that no longer
+    /// parses, replaced by this one).
+    pub warnings: Vec<String>,
+}
+
+impl ApplyReport {
+    pub fn failed(&self) -> bool {
+        self.pods.iter().any(|p| p.result.is_err() && !p.vanished())
+    }
+
+    pub fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|p| {
+                let mut v = json!({"containerID": p.container_id, "ifname": p.ifname, "netns": p.netns});
+                match &p.result {
+                    Ok(a) => v["result"] = json!(describe(a)),
+                    Err(e) if p.vanished() => {
+                        v["result"] = json!("skipped");
+                        v["reason"] = json!(e.to_string());
+                    }
+                    Err(e) => {
+                        v["result"] = json!("failed");
+                        v["error"] = json!(e.to_string());
+                    }
+                }
+                v
+            })
+            .collect();
+        let mut v = json!({"generation": self.generation, "pods": pods});
+        if !self.warnings.is_empty() {
+            v["warnings"] = json!(self.warnings);
+        }
+        v
+    }
+}
+
+pub(super) fn describe(a: &Applied) -> String {
+    match a {
+        Applied::Rebuilt => "rebuilt".into(),
+        Applied::Elements { added, removed } => format!("elements +{added} -{removed}"),
+        Applied::Unchanged => "unchanged".into(),
+        Applied::Removed(true) => "removed".into(),
+        Applied::Removed(false) => "off".into(),
+    }
+}
+
+/// `services apply`: validate the whole document, refuse an older generation, store it
+/// (`snapshot.json`, then `layer.bin`), apply it to every recorded pod. Validation errors
+/// change nothing.
+///
+/// The element change from the previous stored generation is computed once; a pod whose
+/// file says it holds that generation gets only the change, sent without reading its sets
+/// back; a pod that already holds this content is not touched; any other pod (new, behind by
+/// more than one generation, or whose change the kernel refused) is rebuilt.
+pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
+    // The very document already stored (the agent sending it again) is not parsed again:
+    // `layer.bin` records which document it was made from. Nor is the stored document with
+    // only its generation changed (an agent resyncing without news).
+    let source = layer_file::source_digest(text);
+    let made_from_it = |stored: Option<StoredLayer>| stored.filter(|s| s.source == source);
+    let stored_header = layer_file::read_header(&dir.layer_path()).ok().flatten();
+    let stored_source = stored_header.map(|(_, source)| source);
+    let regenerated = match stored_header {
+        Some(header @ (_, stored_source)) if stored_source != source => dir.stored_with_new_generation(text, header),
+        _ => None,
+    };
+    let mut parsed = if stored_source == Some(source) || regenerated.is_some() {
+        None
+    } else {
+        Some(snapshot::parse(text).map_err(refused)?)
+    };
+    let _lock = dir.lock(true)?;
+    let mut warnings = Vec::new();
+    // A stored layer that no longer reads (a damaged file, another format) must not lock the
+    // agent out: the new, valid one replaces it.
+    let previous = dir.stored_layer().unwrap_or_else(|e| {
+        warnings.push(format!("{e}; replaced by this snapshot"));
+        None
+    });
+    // The stored content under a new generation: still what `layer.bin` holds (an apply
+    // may have stored another document since the look above, without the lock).
+    let renamed = regenerated.and_then(|(generation, from)| {
+        let prev = previous.as_ref().filter(|p| p.source == from)?;
+        Some(StoredLayer { generation, source, ..prev.clone() })
+    });
+    let new = match made_from_it(previous.clone()).or(renamed) {
+        Some(same) => same,
+        None => {
+            let snap = match parsed.take() {
+                Some(s) => s,
+                // Stored by a racing apply and replaced since the look above.
+                None => snapshot::parse(text).map_err(refused)?,
+            };
+            StoredLayer::new(snap.generation, &snap.layer(0), source)
+        }
+    };
+    if let Some(old) = &previous {
+        if new.generation < old.generation {
+            return Err(ServicesError::OlderGeneration { new: new.generation, stored: old.generation });
+        }
+        if new.generation == old.generation && old.digest != new.digest {
+            return Err(ServicesError::GenerationReused(new.generation));
+        }
+    }
+    if previous.as_ref().is_none_or(|old| old.source != source) {
+        dir.write_atomic("snapshot.json", text)?;
+        dir.write_atomic("layer.bin", &new.encode())?;
+    }
+    aether_netns::tour(|| apply_to_pods(dir, &new, previous.as_ref(), warnings)).map_err(ServicesError::Tour)?
+}
+
+/// `apply_document` once `new` is stored: the layer to every recorded pod, each given the
+/// change from `previous` if its file says it holds that, nothing if it holds `new`, a
+/// rebuild otherwise. Runs on a tour (`aether_netns::tour`: one thread entering each pod's
+/// netns in turn), as a thread per pod cost more than the change it sends.
+fn apply_to_pods(
+    dir: &ServicesDir,
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+    mut warnings: Vec<String>,
+) -> Result<ApplyReport, ServicesError> {
+    let node_mark = dir.divert_mark();
+    let scan = StateDir::new(&dir.state).scan();
+    for u in &scan.unreadable {
+        warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
+    }
+    let records = scan.records;
+    // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
+    // it): the mark ends before a new layer starts counting from zero.
+    let folding = match dir.accumulator() {
+        Ok(acc) => acc.folding,
+        Err(e) => {
+            warnings
+                .push(format!("the node's Service totals cannot be read, stale fold marks are left as they are: {e}"));
+            Default::default()
+        }
+    };
+    let ended: Vec<String> = records
+        .iter()
+        .filter(|r| folding.contains_key(&r.key()))
+        .filter(|r| open_pod(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
+        .map(Record::key)
+        .collect();
+    if !ended.is_empty() {
+        dir.end_folding(&ended)?;
+    }
+    // Mode `off` removes each pod's table: its counts join the node totals first (as at
+    // DEL), idempotently, so they never go backwards, also when this apply is killed.
+    let off = new.layer.mode == layer::LayerMode::Off;
+    let mut folded_keys = Vec::new();
+    if off {
+        let counts: Vec<(String, BTreeMap<String, u64>)> = records
+            .iter()
+            .filter_map(|r| Some((r.key(), flat(open_pod(r).ok()?.run(layer::counters)).ok()??)))
+            .collect();
+        dir.fold_pods(&counts)?;
+        folded_keys = counts.into_iter().map(|(k, _)| k).collect();
+    }
+    // Each pod's layer matches the divert mark its own capture sets.
+    let mark_of = |r: &Record| r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+    let mut marks: BTreeMap<u32, ForMark> = BTreeMap::new();
+    for r in &records {
+        marks.entry(mark_of(r)).or_insert_with(|| ForMark::new(new, mark_of(r)));
+    }
+    let pass = Pass { dir, new, previous, marks: &marks };
+    let mut out = Visited::default();
+    let pods = records.iter().map(|r| pass.visit(r, mark_of(r), &mut out)).collect();
+    let Visited { warnings: more, mut removed_keys } = out;
+    warnings.extend(more);
+    dir.prune_pods(&records);
+    if off {
+        removed_keys.retain(|k| folded_keys.contains(k));
+        dir.end_folding(&removed_keys)?;
+    }
+    Ok(ApplyReport { generation: new.generation, pods, warnings })
+}
+
+/// A record's netns, if it is still the pod's (a path reused by another namespace, a file
+/// or a directory is not: the pod is skipped as gone).
+fn open_pod(r: &Record) -> Result<Netns, PodError> {
+    match r.open_netns() {
+        Ok(PodNetns::Live(ns)) => Ok(ns),
+        Ok(PodNetns::Gone(why)) => Err(PodError::Gone(why)),
+        Err(e) => Err(PodError::Netns(e)),
+    }
+}
+
+/// What an apply makes once per divert mark in use (in practice one): the layer, and, on
+/// first need, the change from the previous generation and the encoded layer.
+struct ForMark {
+    layer: layer::ServiceLayer,
+    change: std::sync::OnceLock<Option<LayerChange>>,
+    prepared: std::sync::OnceLock<Option<layer::Prepared>>,
+}
+
+impl ForMark {
+    fn new(stored: &StoredLayer, mark: u32) -> Self {
+        ForMark { layer: stored.for_pod(mark), change: Default::default(), prepared: Default::default() }
+    }
+}
+
+/// One apply's walk over the pods.
+struct Pass<'a> {
+    dir: &'a ServicesDir,
+    new: &'a StoredLayer,
+    previous: Option<&'a StoredLayer>,
+    marks: &'a BTreeMap<u32, ForMark>,
+}
+
+/// What the pods' visits gathered besides their outcomes: warnings, and the attachments
+/// whose layer mode `off` removed.
+#[derive(Default)]
+struct Visited {
+    warnings: Vec<String>,
+    removed_keys: Vec<String>,
+}
+
+impl Pass<'_> {
+    /// Brings one pod to the new layer: nothing if its file says it holds it, the change if
+    /// it holds the previous one, a rebuild otherwise.
+    fn visit(&self, r: &Record, mark: u32, out: &mut Visited) -> PodOutcome {
+        let (dir, new) = (self.dir, self.new);
+        let m = &self.marks[&mark];
+        let l = &m.layer;
+        let result = match open_pod(r) {
+            Err(e) => Err(e),
+            Ok(ns) if l.mode == layer::LayerMode::Off => {
+                dir.forget_pod(ns.path());
+                let outcome = flat(ns.run(|| layer::apply(l)));
+                if matches!(outcome, Ok(Applied::Removed(_))) {
+                    out.removed_keys.push(r.key());
+                }
+                outcome
+            }
+            Ok(ns) => {
+                let held = dir.pod_holds(&ns);
+                let change = match (&held, self.previous) {
+                    (Some(h), _) if h.is(new, mark) => None,
+                    (Some(h), Some(prev)) if h.is(prev, mark) => Some(
+                        m.change.get_or_init(|| LayerChange::between(&prev.for_pod(mark), l).ok().flatten()).as_ref(),
+                    ),
+                    _ => Some(None),
+                };
+                let outcome = match change {
+                    None => Ok(Applied::Unchanged),
+                    // Refused (the pod's layer is not what its file says): rebuilt.
+                    Some(Some(c)) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(l)))),
+                    Some(None) => match m.prepared.get_or_init(|| layer::Prepared::new(l).ok().flatten()) {
+                        Some(p) => flat(ns.run(|| p.rebuild())),
+                        None => flat(ns.run(|| layer::rebuild(l))),
+                    },
+                };
+                if outcome.is_ok() && held.is_none_or(|h| !h.is(new, mark)) {
+                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(new, &ns, mark)) {
+                        out.warnings.push(e.to_string());
+                    }
+                }
+                if outcome.is_err() {
+                    dir.forget_pod(ns.path());
+                }
+                outcome
+            }
+        };
+        PodOutcome { container_id: r.container_id.clone(), ifname: r.ifname.clone(), netns: r.netns.clone(), result }
+    }
+}
+
+/// For ADD, in the host netns, after the attachment record is written: applies the stored
+/// layer (if any) to the pod netns `netns`, under the shared services lock, and records
+/// capture's divert mark for later applies. Loads `layer.bin`, never the JSON snapshot, and
+/// reads nothing back from the kernel. Returns the generation applied, `None` when the agent
+/// has sent no snapshot yet (the pod then has no layer until the first apply).
+pub fn apply_current_snapshot_in_netns(
+    state_dir: &Path,
+    netns: &Netns,
+    divert_mark: u32,
+) -> Result<Option<u64>, ServicesError> {
+    let dir = ServicesDir::new(state_dir);
+    let _lock = dir.lock(false)?;
+    if dir.divert_mark() != divert_mark {
+        dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes())?;
+    }
+    // A stored layer that cannot be read must not keep pods from starting: the pod starts
+    // without the layer (fail open, as before any snapshot), and the agent's next apply, which
+    // replaces the damaged file, reaches it through its record.
+    let stored = match dir.stored_layer() {
+        Ok(Some(stored)) => stored,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            tracing::warn!("the pod starts without the Service layer: {e}");
+            return Ok(None);
+        }
+    };
+    let l = stored.for_pod(divert_mark);
+    flat(netns.run(|| layer::rebuild(&l)))?;
+    if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
+        // Costs the pod a rebuild at the next apply instead of a change; nothing more.
+        tracing::warn!("{e}");
+    }
+    Ok(Some(stored.generation))
+}
+
+/// Where the value of a JSON document's top-level `generation` is, and that value, when the
+/// document is well-formed JSON with exactly one such member holding a whole number of at
+/// least 1 (as the snapshot requires); the rest of the document is skipped, not read.
+pub(super) fn generation_value(text: &[u8]) -> Option<(std::ops::Range<usize>, u64)> {
+    #[derive(serde::Deserialize)]
+    struct Generation<'a> {
+        #[serde(borrow)]
+        generation: &'a serde_json::value::RawValue,
+    }
+    let g: Generation = serde_json::from_slice(text).ok()?;
+    let raw = g.generation.get();
+    let start = (raw.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let value = raw.parse::<u64>().ok().filter(|&v| v >= 1 && raw.bytes().all(|b| b.is_ascii_digit()))?;
+    (start + raw.len() <= text.len()).then_some((start..start + raw.len(), value))
+}

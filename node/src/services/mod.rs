@@ -1,0 +1,270 @@
+//! The Service-range and refusal-counter layer's node side: what `aether-cni services` does
+//! for the agent, and the hooks a pod's attachment calls. Split by job: `snapshot` (the
+//! agent's document and its checks), `layer_file` (`layer.bin`), `apply` (a document to every
+//! pod, and the stored layer to a new one), `fold` (counts of removed layers), `report`
+//! (counters, demand, verify, `inspect`'s view).
+//!
+//! State, under `<stateDir>/services/`:
+//! - `snapshot.json`: the last accepted snapshot, exactly as the agent sent it (atomic write);
+//! - `layer.bin`: the same snapshot as the layer needs it, compact and checksummed
+//!   (`layer_file`), written after `snapshot.json`: what ADD loads (never the JSON), and the
+//!   generation the next apply computes its element change from;
+//! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
+//!   a pod that holds the previous generation only the change, without reading its sets back,
+//!   and rebuilds any other (a missed generation, a crash, a new pod);
+//! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
+//!   backwards when pods go);
+//! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
+//! - `lock`: `services apply` holds it exclusively while it stores the snapshot and applies
+//!   it to every recorded pod; ADD holds it shared while it applies the stored snapshot to
+//!   its pod. ADD must call `apply_current_snapshot_in_netns` after its attachment record is
+//!   written: then either the apply sees the record, or ADD reads the apply's snapshot, so no
+//!   pod misses a generation (a lock, not a generation check). DEL and GC hold it exclusively
+//!   while they fold a pod's counts, remove its layer and forget its record
+//!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
+
+pub mod apply;
+pub mod fold;
+pub mod layer_file;
+pub mod report;
+pub mod snapshot;
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use aether_netns::Netns;
+
+use crate::state::{self, Record};
+use crate::PodError;
+pub use apply::{apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
+use apply::{generation_value, netns_key, PodHolds};
+pub use fold::{end_stale_fold, retire_layer, Retired};
+pub use layer_file::{LayerFileError, StoredLayer};
+pub use report::{
+    describe_pod_layer, node_counters, node_demand, verify_pods, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
+};
+
+/// Why the Service layer's node state cannot do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ServicesError {
+    #[error("cannot open state directory {}: {source}", path.display())]
+    OpenState { path: PathBuf, source: std::io::Error },
+    #[error("cannot open {}: {source}", path.display())]
+    Open { path: PathBuf, source: std::io::Error },
+    #[error("cannot create {}: {source}", path.display())]
+    Create { path: PathBuf, source: std::io::Error },
+    #[error("cannot lock {}: {source}", path.display())]
+    Lock { path: PathBuf, source: std::io::Error },
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {}: {source}", path.display())]
+    Write { path: PathBuf, source: std::io::Error },
+    /// `accumulator.json` exists but cannot be read: never taken for zero.
+    #[error("{} is unreadable: {source}", path.display())]
+    Accumulator { path: PathBuf, source: serde_json::Error },
+    /// The stored `snapshot.json` (state from before `layer.bin`) no longer passes the checks.
+    #[error("stored snapshot {} is invalid: {}", path.display(), reasons.join("; "))]
+    StoredInvalid { path: PathBuf, reasons: Vec<String> },
+    #[error(transparent)]
+    LayerFile(#[from] LayerFileError),
+    /// The agent's document is refused, with every reason (nothing changed).
+    #[error("the snapshot is refused: {}", reasons.join("; "))]
+    Refused { reasons: Vec<String> },
+    #[error("generation: {new} is older than the stored generation {stored}; nothing changed")]
+    OlderGeneration { new: u64, stored: u64 },
+    #[error("generation: {0} is already stored with different content; a new snapshot needs a new generation")]
+    GenerationReused(u64),
+    /// The pods' network namespaces cannot be toured (a thread, or the way home).
+    #[error("cannot visit the pods' network namespaces: {0}")]
+    Tour(aether_netns::Error),
+    /// Work in one pod's netns failed.
+    #[error(transparent)]
+    Pod(#[from] PodError),
+}
+
+impl ServicesError {
+    /// What the agent is told, one line each: a refused document's every reason, or this.
+    pub fn reasons(&self) -> Vec<String> {
+        match self {
+            ServicesError::Refused { reasons } => reasons.clone(),
+            other => vec![other.to_string()],
+        }
+    }
+}
+
+/// The services part of the state directory.
+pub struct ServicesDir {
+    state: PathBuf,
+    root: PathBuf,
+    /// `pods/`, opened (created) on first need and kept: an apply writes a file in it per pod.
+    pods: std::sync::OnceLock<state::Dir>,
+}
+
+impl ServicesDir {
+    pub fn new(state_dir: &Path) -> Self {
+        ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services"), pods: Default::default() }
+    }
+
+    /// The directory, created (0700) if `create`; `None` when absent and not created.
+    fn open(&self, create: bool) -> Result<Option<state::Dir>, ServicesError> {
+        let Some(root) = state::Dir::open(&self.state, create)
+            .map_err(|source| ServicesError::OpenState { path: self.state.clone(), source })?
+        else {
+            return Ok(None);
+        };
+        root.subdir("services", create).map_err(|source| ServicesError::Open { path: self.root.clone(), source })
+    }
+
+    fn lock(&self, exclusive: bool) -> Result<state::Lock, ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.lock("lock", exclusive, None).map_err(|source| ServicesError::Lock { path: self.root.join("lock"), source })
+    }
+
+    /// For readers (`counters`, `demand`): the shared lock if the directory exists, and
+    /// nothing created when it does not (no snapshot was ever applied).
+    fn read_lock(&self) -> Result<Option<state::Lock>, ServicesError> {
+        match self.open(false)? {
+            None => Ok(None),
+            Some(dir) => dir
+                .lock_existing_shared("lock")
+                .map_err(|source| ServicesError::Lock { path: self.root.join("lock"), source }),
+        }
+    }
+
+    fn write_atomic(&self, name: &str, body: &[u8]) -> Result<(), ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.write_atomic(name, body).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
+    }
+
+    /// A file of the directory, capped in size; `None` if absent.
+    fn read(&self, name: &str) -> Result<Option<Vec<u8>>, ServicesError> {
+        let path = self.root.join(name);
+        state::read_capped(&path, state::MAX_STATE_FILE_BYTES).map_err(|source| ServicesError::Read { path, source })
+    }
+
+    fn layer_path(&self) -> PathBuf {
+        self.root.join("layer.bin")
+    }
+
+    /// The accepted snapshot's layer, from `layer.bin`. A damaged file is reported, never
+    /// silently ignored. State from before `layer.bin` existed (an upgrade) has only
+    /// `snapshot.json`: it is parsed instead, within the snapshot limits, until the next
+    /// apply writes `layer.bin`.
+    pub fn stored_layer(&self) -> Result<Option<StoredLayer>, ServicesError> {
+        if let Some(l) = layer_file::read(&self.layer_path())? {
+            return Ok(Some(l));
+        }
+        let path = self.root.join("snapshot.json");
+        let mut text = Vec::new();
+        match fs::File::open(&path) {
+            Ok(f) => f
+                .take(snapshot::MAX_SNAPSHOT_BYTES as u64 + 1)
+                .read_to_end(&mut text)
+                .map_err(|source| ServicesError::Read { path: path.clone(), source })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(ServicesError::Read { path, source }),
+        };
+        snapshot::parse(&text)
+            // No source digest: the next apply, whatever it sends, writes `layer.bin`.
+            .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0), 0)))
+            .map_err(|r| ServicesError::StoredInvalid { path, reasons: r.reasons })
+    }
+
+    /// The generation of `text` when `text` is the stored `snapshot.json` byte for byte but
+    /// for the value of its top-level `generation`, and that file is the one `layer.bin`
+    /// (`stored`: its generation and source digest, from its header) was made from: the same
+    /// content, already checked and in force, under a new generation. With the source digest,
+    /// for the caller to check under the lock. `None` whenever that is not certain: the
+    /// document is then read and checked in full. Costs a skim of the document (the
+    /// generation found, the rest skipped) and a comparison, about a fifth of a full reading.
+    fn stored_with_new_generation(&self, text: &[u8], stored: (u64, u64)) -> Option<(u64, u64)> {
+        let (stored_generation, stored_source) = stored;
+        // A generation is at most 20 digits: documents further apart in size differ in more.
+        let path = self.root.join("snapshot.json");
+        if fs::metadata(&path).ok()?.len().abs_diff(text.len() as u64) > 20 {
+            return None;
+        }
+        let stored = self.read("snapshot.json").ok()??;
+        if layer_file::source_digest(&stored) != stored_source {
+            return None;
+        }
+        let (span, generation) = generation_value(text)?;
+        // The same bytes up to the generation put the stored document's parser at its own
+        // top-level generation value there too; the stored value is canonical digits (a
+        // stored document was read as a u64), and everything after it must be the same.
+        let stored_value = stored_generation.to_string();
+        let stored_end = span.start + stored_value.len();
+        let same = text[..span.start] == stored[..span.start.min(stored.len())]
+            && stored.get(span.start..stored_end) == Some(stored_value.as_bytes())
+            && text[span.end..] == stored[stored_end..];
+        same.then_some((generation, stored_source))
+    }
+
+    /// The file that says which layer the pod netns at `netns` holds.
+    fn pod_path(&self, netns: &Path) -> PathBuf {
+        let name: String = netns
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+            .collect();
+        self.root.join("pods").join(name)
+    }
+
+    /// What the pod netns `ns` holds, if its file is there, readable, and about this very
+    /// netns (a path reused by another netns does not count).
+    fn pod_holds(&self, ns: &Netns) -> Option<PodHolds> {
+        let text = fs::read_to_string(self.pod_path(ns.path())).ok()?;
+        let held = PodHolds::parse(&text)?;
+        (held.netns == netns_key(ns)).then_some(held)
+    }
+
+    /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
+    fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), ServicesError> {
+        let path = self.pod_path(ns.path());
+        let pods = match self.pods.get() {
+            Some(pods) => pods,
+            None => {
+                let dir = self.open(true)?.expect("created");
+                let pods = dir
+                    .subdir("pods", true)
+                    .map_err(|source| ServicesError::Create { path: self.root.clone(), source })?;
+                self.pods.get_or_init(|| pods.expect("created"))
+            }
+        };
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        pods.write_atomic(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
+    }
+
+    fn forget_pod(&self, netns: &Path) {
+        let _ = fs::remove_file(self.pod_path(netns));
+    }
+
+    /// Removes the files of pods no record names any more (their DEL found no netns).
+    fn prune_pods(&self, records: &[Record]) {
+        let Ok(dir) = fs::read_dir(self.root.join("pods")) else { return };
+        let live: std::collections::BTreeSet<PathBuf> =
+            records.iter().map(|r| self.pod_path(Path::new(&r.netns))).collect();
+        for e in dir.filter_map(Result::ok) {
+            if !live.contains(&e.path()) {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+
+    fn divert_mark(&self) -> u32 {
+        self.read("divert-mark")
+            .ok()
+            .flatten()
+            .and_then(|s| u32::from_str_radix(String::from_utf8_lossy(&s).trim().trim_start_matches("0x"), 16).ok())
+            .unwrap_or(aether_rules::capture::DIVERT_MARK)
+    }
+}
+
+/// The outcome of work done inside a netns.
+fn flat<T>(r: Result<aether_rules::Result<T>, aether_netns::Error>) -> Result<T, PodError> {
+    r.map_err(PodError::Netns).and_then(|r| r.map_err(PodError::Kernel))
+}
+
+#[cfg(test)]
+mod tests;

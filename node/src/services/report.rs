@@ -1,0 +1,332 @@
+//! What the node's Service layer holds, for the agent and operators: node counters (with the
+//! folded counts of removed pods), demand, `services verify`, and `inspect`'s view of a pod.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use aether_netns::Netns;
+use aether_rules::services::{self as layer, Applied, COUNTERS};
+use serde_json::{json, Value};
+
+use super::apply::{describe, PodHolds};
+use super::{flat, layer_file, ServicesDir, ServicesError, StoredLayer};
+use crate::state::{PodNetns, Record, StateDir};
+use crate::PodError;
+
+pub struct NodeCounters {
+    pub generation: Option<u64>,
+    pub totals: BTreeMap<String, u64>,
+    pub folded: BTreeMap<String, u64>,
+    pub pods: Vec<(Record, BTreeMap<String, u64>)>,
+    /// Attachment records that cannot be read: their pods are not counted, and say so.
+    pub unreadable: Vec<String>,
+}
+
+impl NodeCounters {
+    pub fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|(r, c)| {
+                json!({
+                    "containerID": r.container_id, "ifname": r.ifname, "netns": r.netns,
+                    "podNamespace": r.pod_namespace, "podName": r.pod_name, "counters": c,
+                })
+            })
+            .collect();
+        let mut v =
+            json!({"generation": self.generation, "node": self.totals, "removedPods": self.folded, "pods": pods});
+        if !self.unreadable.is_empty() {
+            v["unreadableRecords"] = json!(self.unreadable);
+        }
+        v
+    }
+
+    /// Prometheus text: connections by class, refusals by reason, node totals and per pod.
+    pub fn to_prometheus(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP aether_cni_service_connections_total New captured connections by destination class (refusals included as their class).\n");
+        out.push_str("# TYPE aether_cni_service_connections_total counter\n");
+        let class = |name: &str| match name {
+            "mesh" | "service" | "external" => name.to_string(),
+            _ => "refused".to_string(),
+        };
+        let mut by_class: BTreeMap<String, u64> = BTreeMap::new();
+        for (k, v) in &self.totals {
+            *by_class.entry(class(k)).or_default() += v;
+        }
+        for (k, v) in &by_class {
+            out.push_str(&format!("aether_cni_service_connections_total{{class=\"{k}\"}} {v}\n"));
+        }
+        out.push_str("# HELP aether_cni_service_refused_total Connections the Service layer refused (or, in count mode, would refuse), by reason.\n");
+        out.push_str("# TYPE aether_cni_service_refused_total counter\n");
+        for (k, v) in &self.totals {
+            if let Some(reason) = k.strip_prefix("refused_") {
+                out.push_str(&format!(
+                    "aether_cni_service_refused_total{{reason=\"{}\"}} {v}\n",
+                    reason.replace('_', "-")
+                ));
+            }
+        }
+        out.push_str("# HELP aether_cni_pod_service_connections_total Per-pod counts by counter.\n");
+        out.push_str("# TYPE aether_cni_pod_service_connections_total counter\n");
+        for (r, c) in &self.pods {
+            for (k, v) in c {
+                out.push_str(&format!(
+                    "aether_cni_pod_service_connections_total{{container_id=\"{}\",namespace=\"{}\",pod=\"{}\",counter=\"{k}\"}} {v}\n",
+                    r.container_id,
+                    r.pod_namespace.as_deref().unwrap_or(""),
+                    r.pod_name.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        out.trim_end().to_string()
+    }
+}
+
+/// Node totals (folded counts of removed pods + live pods) and per-pod rows. A pod whose
+/// netns is gone or has no layer has no row.
+pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, ServicesError> {
+    // Shared with other readers, exclusive of DEL/GC folding a pod: a pod is then counted
+    // either in the accumulator or in its own row, never in neither (totals never dip).
+    let _lock = dir.read_lock()?;
+    let acc = dir.accumulator()?;
+    let folded = acc.totals.clone();
+    let mut totals: BTreeMap<String, u64> =
+        COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
+    let scan = StateDir::new(&dir.state).scan();
+    let live = |records: Vec<Record>| {
+        let mut pods = Vec::new();
+        for r in records {
+            let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+            if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
+                pods.push((r, c));
+            }
+        }
+        pods
+    };
+    let pods = aether_netns::tour(|| live(scan.records)).map_err(ServicesError::Tour)?;
+    for (r, c) in &pods {
+        // A pod a killed DEL already folded counts only its growth since.
+        for (k, v) in acc.live_part(&r.key(), c) {
+            *totals.entry(k).or_default() += v;
+        }
+    }
+    let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
+    let generation = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(generation, _)| generation);
+    Ok(NodeCounters { generation, totals, folded, pods, unreadable })
+}
+
+/// The union of what the node's pods dialled, as `VIP:port/proto` (`[VIP]:port/proto` for
+/// an IPv6 VIP).
+pub fn node_demand(dir: &ServicesDir) -> Result<Vec<String>, ServicesError> {
+    let _lock = dir.read_lock()?;
+    let mut all = std::collections::BTreeSet::new();
+    let scan = StateDir::new(&dir.state).scan();
+    for u in &scan.unreadable {
+        tracing::warn!(file = %u.file, why = %u.why, "an attachment record cannot be read; its pod is not included");
+    }
+    aether_netns::tour(|| {
+        for r in scan.records {
+            let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+            if let Ok(Ok(d)) = ns.run(layer::demand) {
+                all.extend(d);
+            }
+        }
+    })
+    .map_err(ServicesError::Tour)?;
+    // `[fd00::1]:80/tcp` for an IPv6 VIP, as a socket address is written.
+    Ok(all.into_iter().map(|(a, p, port)| format!("{}/{}", std::net::SocketAddr::new(a, port), p.name())).collect())
+}
+
+/// One pod's outcome in `services verify`.
+pub struct PodVerified {
+    pub container_id: String,
+    pub netns: String,
+    /// The differences found (empty: intact) and whether they were repaired.
+    pub result: Result<(Vec<String>, Option<Applied>), PodError>,
+}
+
+pub struct VerifyReport {
+    pub generation: Option<u64>,
+    pub pods: Vec<PodVerified>,
+}
+
+impl VerifyReport {
+    pub fn failed(&self) -> bool {
+        self.pods.iter().any(|p| p.result.is_err())
+    }
+
+    pub fn to_json(&self) -> Value {
+        let pods: Vec<Value> = self
+            .pods
+            .iter()
+            .map(|p| {
+                let mut v = json!({"containerID": p.container_id, "netns": p.netns});
+                match &p.result {
+                    Ok((d, _)) if d.is_empty() => v["result"] = json!("intact"),
+                    Ok((d, repaired)) => {
+                        v["result"] = json!(format!("repaired ({})", repaired.as_ref().map_or("-".into(), describe)));
+                        v["differences"] = json!(d);
+                    }
+                    Err(e) => {
+                        v["result"] = json!("failed");
+                        v["error"] = json!(e.to_string());
+                    }
+                }
+                v
+            })
+            .collect();
+        json!({"generation": self.generation, "pods": pods})
+    }
+}
+
+/// `services verify`: reads every recorded pod's layer back, compares it with the stored
+/// snapshot, and repairs what differs (the element change, or a rebuild). Pods whose netns
+/// is gone are left out. Exclusive of applies, ADD and DEL (the services lock).
+pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
+    let _lock = dir.lock(true)?;
+    let stored = dir.stored_layer()?;
+    let node_mark = dir.divert_mark();
+    let mut pods = Vec::new();
+    let records = StateDir::new(&dir.state).records();
+    aether_netns::tour(|| verify_each(dir, records, stored.as_ref(), node_mark, &mut pods))
+        .map_err(ServicesError::Tour)?;
+    Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
+}
+
+/// `verify_pods`' visit of each pod.
+fn verify_each(
+    dir: &ServicesDir,
+    records: Vec<Record>,
+    stored: Option<&StoredLayer>,
+    node_mark: u32,
+    pods: &mut Vec<PodVerified>,
+) {
+    for r in records {
+        let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+        let result = flat(ns.run(|| {
+            let diffs = layer::verify(&l)?;
+            let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
+            Ok((diffs, repaired))
+        }));
+        match (&result, stored) {
+            (Ok(_), Some(s)) if l.mode != layer::LayerMode::Off => {
+                let _ = dir.set_pod_holds(&ns, &PodHolds::new(s, &ns, mark));
+            }
+            _ => dir.forget_pod(ns.path()),
+        }
+        pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result });
+    }
+}
+
+/// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerVerdict {
+    /// No snapshot stored yet: the pod rightly has no layer.
+    NoSnapshot,
+    Intact {
+        generation: u64,
+    },
+    Differs {
+        generation: u64,
+        differences: usize,
+    },
+    /// The stored snapshot or the kernel could not be read.
+    Unknown,
+}
+
+impl LayerVerdict {
+    pub fn is_intact(&self) -> bool {
+        matches!(self, LayerVerdict::NoSnapshot | LayerVerdict::Intact { .. })
+    }
+}
+
+impl std::fmt::Display for LayerVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        match self {
+            LayerVerdict::NoSnapshot => write!(f, "none (no snapshot yet)"),
+            LayerVerdict::Intact { generation } => write!(f, "intact (generation {generation})"),
+            LayerVerdict::Differs { generation, differences } => {
+                write!(
+                    f,
+                    "NOT INTACT ({} from generation {generation})",
+                    crate::text::plural(*differences, "difference")
+                )
+            }
+            LayerVerdict::Unknown => write!(f, "unknown (cannot read)"),
+        }
+    }
+}
+
+/// For `inspect`: the pod's Service layer in a few readable lines (what the stored snapshot
+/// says it should be, whether the kernel holds exactly that, and its counters), and the
+/// verdict in a word.
+pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> (Vec<String>, LayerVerdict) {
+    let dir = ServicesDir::new(state_dir);
+    let mut out = Vec::new();
+    let stored = match dir.stored_layer() {
+        Ok(s) => s,
+        Err(e) => return (vec![format!("stored snapshot: {e}")], LayerVerdict::Unknown),
+    };
+    let mut verdict = LayerVerdict::NoSnapshot;
+    match &stored {
+        None => out.push("no snapshot applied on this node yet (the agent has not run `services apply`)".into()),
+        Some(stored) => {
+            let l = stored.for_pod(divert_mark.unwrap_or_else(|| dir.divert_mark()));
+            let tables: Vec<String> =
+                l.families().iter().map(|f| format!("table {} {}", f.nft_name(), layer::TABLE)).collect();
+            out.push(format!(
+                "snapshot generation {}, mode {}: {} ranges, {} mesh VIPs, {} Service ports{}",
+                stored.generation,
+                l.mode,
+                l.ranges.len(),
+                l.mesh_vips.len(),
+                l.ports.len(),
+                if tables.is_empty() { String::new() } else { format!(" ({})", tables.join(" and ")) }
+            ));
+            match dir.pod_holds(netns) {
+                Some(h) if h.is(stored, l.divert_mark) => {
+                    out.push(format!("the pod was last given generation {} (the same layer)", h.generation))
+                }
+                Some(h) => out.push(format!("the pod was last given generation {} (an older layer)", h.generation)),
+                None => out.push("no record of the generation the pod holds (the next apply rebuilds it)".into()),
+            }
+            let generation = stored.generation;
+            verdict = LayerVerdict::Unknown;
+            match netns.run(|| layer::verify(&l)) {
+                Ok(Ok(d)) if d.is_empty() => {
+                    verdict = LayerVerdict::Intact { generation };
+                    out.push("kernel: intact (matches the snapshot)".into())
+                }
+                Ok(Ok(d)) => {
+                    verdict = LayerVerdict::Differs { generation, differences: d.len() };
+                    out.push("kernel: NOT as the snapshot says:".into());
+                    out.extend(d.into_iter().map(|x| format!("  - {x}")));
+                }
+                Ok(Err(e)) => out.push(format!("kernel: cannot read the layer: {e}")),
+                Err(e) => out.push(format!("kernel: cannot enter the netns: {e}")),
+            }
+        }
+    }
+    match netns.run(layer::counters) {
+        Ok(Ok(Some(c))) => {
+            let text: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            out.push(format!("counters: {}", text.join(" ")));
+        }
+        Ok(Ok(None)) => out.push(format!("no {} table (ip or ip6) is present", layer::TABLE)),
+        Ok(Err(e)) => out.push(format!("counters: {e}")),
+        Err(e) => out.push(format!("counters: {e}")),
+    }
+    match netns.run(layer::demand) {
+        Ok(Ok(d)) if !d.is_empty() => {
+            let text: Vec<String> =
+                d.iter().map(|(vip, proto, port)| format!("{vip} {} {port}", proto.name())).collect();
+            out.push(format!("dialled: {}", text.join(", ")));
+        }
+        _ => {}
+    }
+    (out, verdict)
+}

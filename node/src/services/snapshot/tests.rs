@@ -1,0 +1,291 @@
+use super::*;
+use serde_json::json;
+
+/// The reasons alone, as the tests read them.
+fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
+    super::parse(text).map_err(|r| r.reasons)
+}
+
+fn good() -> Value {
+    json!({
+        "generation": 3,
+        "mode": "refuse",
+        "serviceRanges": ["10.96.0.0/16", "10.200.0.7/32"],
+        "meshVIPs": ["10.96.5.5"],
+        "services": [
+            {"namespace": "default", "name": "kubernetes", "vip": "10.96.0.1", "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": true},
+            {"namespace": "shop", "name": "cart", "vip": "10.96.1.1", "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "UDP", "port": 18082}], "usableEndpoints": true},
+            {"namespace": "shop", "name": "empty", "vip": "10.96.1.2", "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": false}
+        ],
+        "dialledTimeoutSeconds": 600
+    })
+}
+
+#[test]
+fn a_good_snapshot_parses_into_the_layer() {
+    let s = parse(good().to_string().as_bytes()).unwrap();
+    assert_eq!(s.generation, 3);
+    let l = s.layer(0xae71);
+    assert_eq!(l.ports.len(), 4);
+    assert_eq!(l.dialled_timeout_secs, 600);
+    assert_eq!(aether_rules::services::services_tables(&l).unwrap().len(), 1);
+}
+
+#[test]
+fn the_example_parses() {
+    let text = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/services/example.json")).unwrap();
+    parse(&text).unwrap();
+}
+
+/// Each malformed document is refused with a message naming the place.
+#[test]
+fn malformed_snapshots_are_refused_naming_the_place() {
+    type Tweak = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(Tweak, &str)> = vec![
+        (
+            Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.0/33")),
+            "serviceRanges[0]: \"10.96.0.0/33\" is not an IPv4 CIDR",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][0] = json!("10.96.01.0/24")),
+            "serviceRanges[0]: \"10.96.01.0/24\" is not an IPv4 CIDR",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][0] = json!("10.96.0.5/16")),
+            "serviceRanges[0]: \"10.96.0.5/16\" has host bits set",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("fd00::/129")),
+            "serviceRanges[1]: \"fd00::/129\" is not an IPv6 CIDR",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("fd00::5/108")),
+            "serviceRanges[1]: \"fd00::5/108\" has host bits set (the network is fd00::/108)",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("fd00::7")),
+            "serviceRanges[1]: \"fd00::7\" has no prefix length (write fd00::7/128",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("fe80::/64")),
+            "serviceRanges[1]: \"fe80::/64\" overlaps fe80::/10, which is never a Service range",
+        ),
+        (Box::new(|v| v["serviceRanges"][1] = json!("::/0")), "serviceRanges[1]: \"::/0\" overlaps ::/128"),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("::ffff:10.96.0.0/112")),
+            "serviceRanges[1]: \"::ffff:10.96.0.0/112\" is not an IPv6 CIDR",
+        ),
+        (
+            Box::new(|v| v["services"][2]["vip"] = json!("fd00::g")),
+            "services[2].vip: \"fd00::g\" is not an IPv6 address",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("10.96.3.0/24")),
+            "serviceRanges[1]: \"10.96.3.0/24\" overlaps serviceRanges[0]",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("10.200.0.7")),
+            "serviceRanges[1]: \"10.200.0.7\" has no prefix length",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][1] = json!("127.0.0.0/8")),
+            "serviceRanges[1]: \"127.0.0.0/8\" overlaps loopback",
+        ),
+        (Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(0)), "services[1].ports[0].port: 0 is not a port"),
+        (
+            Box::new(|v| v["services"][1]["ports"][0]["port"] = json!(70000)),
+            "services[1].ports[0].port: 70000 is not a port",
+        ),
+        (
+            Box::new(|v| v["services"][1]["ports"][1] = json!({"protocol": "TCP", "port": 80})),
+            "services[1].ports[1]: tcp/80 is declared twice",
+        ),
+        (
+            Box::new(|v| v["services"][1]["ports"][0]["protocol"] = json!("SCTP")),
+            "services[1].ports[0].protocol: SCTP is not supported",
+        ),
+        (
+            Box::new(|v| v["services"][2]["name"] = json!("cart")),
+            "services[2]: Service shop/cart duplicates services[1]",
+        ),
+        (
+            Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.1")),
+            "services[2].vip: 10.96.1.1 is also the VIP of services[1]",
+        ),
+        (
+            Box::new(|v| v["services"][2]["vip"] = json!("192.168.1.1")),
+            "services[2].vip: 192.168.1.1 is outside every Service range",
+        ),
+        (
+            Box::new(|v| v["services"][2]["vip"] = json!("10.96.1.300")),
+            "services[2].vip: \"10.96.1.300\" is not an IPv4 address",
+        ),
+        (Box::new(|v| v["services"][2]["vip"] = json!("10.96.5.5")), "services[2].vip: 10.96.5.5 is also a mesh VIP"),
+        (Box::new(|v| v["services"][0]["ports"] = json!([])), "services[0].ports: empty"),
+        (
+            Box::new(|v| v["services"][0]["usableEndpoints"] = json!("yes")),
+            "services[0].usableEndpoints: \"yes\" is not true or false",
+        ),
+        (Box::new(|v| v["services"][0]["selector"] = json!({})), "services[0].selector: unknown field"),
+        (
+            Box::new(|v| v["meshVIPs"] = json!(["10.96.5.5", "10.96.5.5"])),
+            "meshVIPs[1]: 10.96.5.5 duplicates meshVIPs[0]",
+        ),
+        (Box::new(|v| v["meshVIPs"] = json!(["8.8.8.8"])), "meshVIPs[0]: 8.8.8.8 is outside every Service range"),
+        (Box::new(|v| v["mode"] = json!("enforce")), "mode: \"enforce\" is not one of off, count, refuse"),
+        (Box::new(|v| v["generation"] = json!(-1)), "generation: -1 is not a positive integer"),
+        (
+            Box::new(|v| {
+                v.as_object_mut().unwrap().remove("generation");
+            }),
+            "generation: missing",
+        ),
+        (Box::new(|v| v["dialledTimeoutSeconds"] = json!(0)), "dialledTimeoutSeconds: 0 is not a number of seconds"),
+        (Box::new(|v| v["serviceRange"] = json!([])), "serviceRange: unknown field"),
+        (Box::new(|v| v["serviceRanges"] = json!([])), "serviceRanges: empty, but mode is not off"),
+        (Box::new(|v| *v = json!([1, 2])), "the snapshot must be a JSON object"),
+    ];
+    assert!(cases.len() >= 15);
+    for (tweak, want) in cases {
+        let mut v = good();
+        tweak(&mut v);
+        let errs = parse(v.to_string().as_bytes()).expect_err(want);
+        assert!(errs.iter().any(|e| e.starts_with(want)), "want {want:?}, got {errs:#?}");
+    }
+    let errs = parse(b"{\"generation\": 1,").unwrap_err();
+    assert!(errs[0].starts_with("the snapshot is not JSON"), "{errs:?}");
+}
+
+/// The typed reading (the fast one) takes a valid document, and reads it exactly as the
+/// thorough one does.
+#[test]
+fn both_readings_agree_on_a_valid_document() {
+    for text in [
+        good().to_string(),
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/services/example.json")).unwrap(),
+    ] {
+        let fast = well_formed(text.as_bytes()).expect("the typed reading takes it");
+        assert_eq!(Ok(fast), parse_reporting(text.as_bytes()));
+    }
+}
+
+#[test]
+fn limits_are_named_and_huge_values_never_echoed() {
+    let mut v = good();
+    v["services"][0]["ports"] = json!((1..=101).map(|p| json!({"protocol": "TCP", "port": p})).collect::<Vec<_>>());
+    let errs = parse(v.to_string().as_bytes()).unwrap_err();
+    assert_eq!(errs, ["services[0].ports: 101 ports, more than the limit of 100"]);
+    let mut v = good();
+    v["serviceRanges"] = json!((0..257).map(|i| format!("10.{i}.0.0/16")).collect::<Vec<_>>());
+    let errs = parse(v.to_string().as_bytes()).unwrap_err();
+    assert!(errs.iter().any(|e| e == "serviceRanges: 257 ranges, more than the limit of 256"), "{errs:?}");
+    let mut v = good();
+    v["services"][1]["vip"] = json!("x".repeat(1 << 20));
+    v["mode"] = json!("y".repeat(1 << 20));
+    for e in parse(v.to_string().as_bytes()).unwrap_err() {
+        assert!(e.len() < 200, "{} bytes echoed", e.len());
+        assert!(
+            e.ends_with("(1048578 bytes) is not an IPv4 address") || e.contains("(1048578 bytes) is not one of"),
+            "{e}"
+        );
+    }
+    let huge = vec![b' '; MAX_SNAPSHOT_BYTES + 1];
+    assert_eq!(parse(&huge).unwrap_err(), [too_large()]);
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let mut v = good();
+    v["services"][1]["ports"][0]["port"] = json!(0);
+    v["mode"] = json!("x");
+    assert_eq!(parse(v.to_string().as_bytes()).unwrap_err().len(), 2);
+}
+
+/// A dual-stack snapshot: IPv6 ranges, VIPs and mesh VIPs, checked by the same rules
+/// (inside a range, no duplicates, compared as addresses), read the same by both readings.
+fn dual() -> Value {
+    let mut v = good();
+    v["serviceRanges"] = json!(["10.96.0.0/16", "10.200.0.7/32", "fd00:10:96::/108", "fd00:200::7/128"]);
+    v["meshVIPs"] = json!(["10.96.5.5", "fd00:10:96::5:5"]);
+    v["services"].as_array_mut().unwrap().extend([
+        json!({"namespace": "default", "name": "kubernetes-v6", "vip": "fd00:10:96::1", "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": true}),
+        json!({"namespace": "shop", "name": "cart-v6", "vip": "fd00:10:96::1:1", "ports": [{"protocol": "UDP", "port": 18082}], "usableEndpoints": false}),
+    ]);
+    v
+}
+
+#[test]
+fn ipv6_ranges_vips_and_mesh_vips_are_accepted_and_checked_the_same_way() {
+    let text = dual().to_string();
+    let s = parse(text.as_bytes()).unwrap();
+    assert_eq!(s.service_ranges.len(), 4);
+    let l = s.layer(0xae71);
+    assert_eq!(l.families(), [aether_rules::Family::Ipv4, aether_rules::Family::Ipv6]);
+    assert_eq!(l.ports.iter().filter(|p| p.vip.is_ipv6()).count(), 2);
+    assert_eq!(Ok(well_formed(text.as_bytes()).expect("the typed reading takes it")), parse_reporting(text.as_bytes()));
+    type Tweak = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(Tweak, &str)> = vec![
+        (
+            Box::new(|v| v["services"][4]["vip"] = json!("fd00:11::1")),
+            "services[4].vip: fd00:11::1 is outside every Service range",
+        ),
+        (
+            Box::new(|v| v["meshVIPs"] = json!(["fd00:10:96::5:5", "fd00:10:96:0::5:5"])),
+            "meshVIPs[1]: fd00:10:96::5:5 duplicates meshVIPs[0]",
+        ),
+        (
+            Box::new(|v| v["services"][4]["vip"] = json!("fd00:10:96:0:0::1")),
+            "services[4].vip: fd00:10:96::1 is also the VIP of services[3]",
+        ),
+        (
+            Box::new(|v| v["services"][4]["vip"] = json!("fd00:10:96::5:5")),
+            "services[4].vip: fd00:10:96::5:5 is also a mesh VIP",
+        ),
+        (
+            Box::new(|v| v["serviceRanges"][3] = json!("fd00:10:96::100/120")),
+            "serviceRanges[3]: \"fd00:10:96::100/120\" overlaps serviceRanges[2] (fd00:10:96::/108)",
+        ),
+        (
+            Box::new(|v| v["meshVIPs"][1] = json!("::ffff:10.96.5.5")),
+            "meshVIPs[1]: \"::ffff:10.96.5.5\" is not an IPv6 address",
+        ),
+    ];
+    for (tweak, want) in cases {
+        let mut v = dual();
+        tweak(&mut v);
+        let errs = parse(v.to_string().as_bytes()).expect_err(want);
+        assert!(errs.iter().any(|e| e.starts_with(want)), "want {want:?}, got {errs:#?}");
+    }
+    // An IPv6-only cluster: IPv6 ranges alone are enough for a layer.
+    let mut v6 = dual();
+    v6["serviceRanges"] = json!(["fd00:10:96::/108"]);
+    v6["meshVIPs"] = json!(["fd00:10:96::5:5"]);
+    let keep: Vec<Value> = v6["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["vip"].as_str().unwrap().contains(':'))
+        .cloned()
+        .collect();
+    v6["services"] = json!(keep);
+    let l = parse(v6.to_string().as_bytes()).unwrap().layer(0xae71);
+    assert_eq!(l.families(), [aether_rules::Family::Ipv6]);
+}
+
+/// A member given twice (at the top or in a Service) is refused with the typed reading's
+/// reason, never read as its last value by the JSON tree of the thorough reading.
+#[test]
+fn a_member_given_twice_is_refused_not_read_as_the_last() {
+    let text = good().to_string();
+    let twice = text.replacen("\"generation\":3", "\"generation\":4,\"generation\":5", 1);
+    assert_ne!(twice, text);
+    let errs = parse(twice.as_bytes()).unwrap_err();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].starts_with("the snapshot is not well formed: duplicate field `generation`"), "{errs:?}");
+    let vip_twice = text.replacen("\"vip\":\"10.96.1.2\"", "\"vip\":\"10.96.1.2\",\"vip\":\"10.96.1.3\"", 1);
+    assert_ne!(vip_twice, text);
+    let errs = parse(vip_twice.as_bytes()).unwrap_err();
+    assert!(errs[0].contains("duplicate field `vip`"), "{errs:?}");
+    // Control: the document itself is accepted.
+    assert!(parse(text.as_bytes()).is_ok());
+}

@@ -1,0 +1,281 @@
+use super::*;
+use crate::state::StateDir;
+use aether_rules::services as layer;
+use aether_testkit::{root_or_skip, TestNetns};
+use serde_json::json;
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("aether-svcu-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    d
+}
+
+fn rec(cid: &str, netns: &str) -> Record {
+    Record {
+        version: crate::state::RECORD_VERSION,
+        network: "k8s-pod-network".into(),
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        netns: netns.into(),
+        netns_id: None,
+        pod_namespace: Some("shop".into()),
+        pod_name: Some(cid.into()),
+        pod_uid: None,
+        config_digest: "0".into(),
+        capture: None,
+        defaulted: Vec::new(),
+    }
+}
+
+/// A snapshot whose content tells its generation apart (one Service port per generation).
+fn doc(generation: u64) -> Vec<u8> {
+    json!({
+        "generation": generation,
+        "mode": "count",
+        "serviceRanges": ["10.96.0.0/16"],
+        "services": [{"namespace": "n", "name": "s", "vip": "10.96.1.1",
+                      "ports": [{"protocol": "TCP", "port": 1000 + generation}], "usableEndpoints": true}]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// The stored document with only its generation changed is taken as the stored content
+/// (not read again), and only then: any other difference, a damaged or swapped
+/// `snapshot.json`, an unknown member, a generation that is not one, gets a full reading.
+#[test]
+fn a_new_generation_of_the_stored_document_is_recognised_by_its_bytes_and_nothing_else() {
+    let state = tmp("regen");
+    let dir = ServicesDir::new(&state);
+    let regen = |text: &[u8], from: u64, to: &str| {
+        let text = String::from_utf8(text.to_vec()).unwrap();
+        let g = format!("\"generation\":{from},");
+        assert!(text.contains(&g), "{text}");
+        text.replacen(&g, &format!("\"generation\":{to},"), 1).into_bytes()
+    };
+    let port = |dir: &ServicesDir| dir.stored_layer().unwrap().unwrap().layer.ports[0].port;
+    let first = doc(1);
+    apply_document(&dir, &first).unwrap();
+    // Which reading was used shows when `layer.bin` (which says it was made from `first`)
+    // holds another layer than `first` does: the bytes path takes `layer.bin`'s.
+    let mut planted = snapshot::parse(&doc(7)).unwrap().layer(0);
+    planted.ports[0].port = 4242;
+    let source = layer_file::source_digest(&first);
+    dir.write_atomic("layer.bin", &StoredLayer::new(1, &planted, source).encode()).unwrap();
+    let second = regen(&first, 1, "2");
+    assert_eq!(apply_document(&dir, &second).unwrap().generation, 2);
+    let stored = dir.stored_layer().unwrap().unwrap();
+    assert_eq!((stored.generation, port(&dir)), (2, 4242), "taken by its bytes");
+    assert_eq!(fs::read(state.join("services/snapshot.json")).unwrap(), second);
+    // Control: another difference besides the generation is read in full.
+    let third = String::from_utf8(regen(&second, 2, "3")).unwrap().replace("1001", "1999").into_bytes();
+    apply_document(&dir, &third).unwrap();
+    assert_eq!(port(&dir), 1999, "read in full");
+    // Refused as a full reading refuses them: an unknown member, a generation of 0 or
+    // not a whole number.
+    let unknown = String::from_utf8(regen(&third, 3, "4")).unwrap().replacen('{', "{\"x\":1,", 1).into_bytes();
+    assert!(apply_document(&dir, &unknown).unwrap_err().reasons()[0].contains("x: unknown field"));
+    for bad in ["0", "4.0"] {
+        let e = apply_document(&dir, &regen(&third, 3, bad)).unwrap_err();
+        assert!(e.reasons().iter().any(|e| e.contains("generation")), "{bad}: {e:?}");
+    }
+    assert_eq!(dir.stored_layer().unwrap().unwrap().generation, 3);
+    // A `snapshot.json` that is not what `layer.bin` was made from (a crash between the
+    // two writes), even at the same generation, is never trusted: the new generation of
+    // it is read in full.
+    dir.write_atomic("snapshot.json", &doc(3)).unwrap();
+    apply_document(&dir, &regen(&doc(3), 3, "6")).unwrap();
+    assert_eq!((dir.stored_layer().unwrap().unwrap().generation, port(&dir)), (6, 1003));
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// Issue 5: "an apply racing with ADDs ends with every pod at the newest generation";
+/// Generations 2..=21 applied by 20 threads at once. They race each other too: one older
+/// than the stored generation is refused, as it must be.
+fn spawn_racing_applies<'s>(s: &'s std::thread::Scope<'s, '_>, state: &Path) {
+    for g in 2..=21u64 {
+        let dir = ServicesDir::new(state);
+        s.spawn(move || {
+            if let Err(e) = apply_document(&dir, &doc(g)) {
+                assert!(e.reasons()[0].contains("is older than the stored generation"), "{e:?}");
+            }
+        });
+    }
+}
+
+/// 50 parallel ADDs (record, then `apply_current_snapshot_in_netns`) against 20 applies.
+#[test]
+fn parallel_adds_and_applies_leave_every_pod_at_the_newest_generation() {
+    if !root_or_skip("parallel_adds_and_applies_leave_every_pod_at_the_newest_generation") {
+        return;
+    }
+    let state = tmp("race");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let netns: Vec<TestNetns> = (0..50).map(|_| TestNetns::new("svc-race")).collect();
+    std::thread::scope(|s| {
+        for (i, ns) in netns.iter().enumerate() {
+            let state = state.clone();
+            s.spawn(move || {
+                StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
+                let n = Netns::open_foreign(ns.path()).unwrap();
+                apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+            });
+        }
+        spawn_racing_applies(s, &state);
+    });
+    let newest = dir.stored_layer().unwrap().unwrap();
+    assert_eq!(newest.generation, 21);
+    let l = newest.for_pod(0xae71);
+    for ns in &netns {
+        let diffs = Netns::open_foreign(ns.path()).unwrap().run(|| layer::verify(&l)).unwrap().unwrap();
+        assert!(diffs.is_empty(), "{}: {diffs:#?}", ns.name);
+    }
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// 50 parallel DELs (`retire_layer` forgetting the record) against 20 applies: no apply
+/// re-creates a layer in a pod that is being deleted.
+#[test]
+fn parallel_dels_and_applies_leave_no_layer_behind() {
+    if !root_or_skip("parallel_dels_and_applies_leave_no_layer_behind") {
+        return;
+    }
+    let state = tmp("delrace");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let netns: Vec<TestNetns> = (0..50).map(|_| TestNetns::new("svc-delrace")).collect();
+    for (i, ns) in netns.iter().enumerate() {
+        StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
+        let n = Netns::open_foreign(ns.path()).unwrap();
+        apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+    }
+    std::thread::scope(|s| {
+        for (i, ns) in netns.iter().enumerate() {
+            let state = state.clone();
+            s.spawn(move || {
+                let n = Netns::open_foreign(ns.path()).unwrap();
+                let forget = || StateDir::new(&state).remove("k8s-pod-network", &format!("c{i}"), "eth0");
+                let retired = retire_layer(&state, Some(&n), &format!("k8s-pod-network/c{i}/eth0"), forget).unwrap();
+                assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
+            });
+        }
+        spawn_racing_applies(s, &state);
+    });
+    for ns in &netns {
+        let left = Netns::open_foreign(ns.path()).unwrap().run(layer::counters).unwrap().unwrap();
+        assert!(left.is_none(), "{}: an apply re-created the layer of a deleted pod", ns.name);
+    }
+    assert!(StateDir::new(&state).records().is_empty());
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// Node totals read while pods are deleted one after another never dip: a pod is counted
+/// in its own row or in the accumulator, never in neither.
+#[test]
+fn node_totals_never_dip_while_pods_are_deleted() {
+    if !root_or_skip("node_totals_never_dip_while_pods_are_deleted") {
+        return;
+    }
+    let state = tmp("dip");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let pods: Vec<TestNetns> = (0..8).map(|_| TestNetns::new("svc-dip")).collect();
+    for (i, ns) in pods.iter().enumerate() {
+        StateDir::new(&state).write(&rec(&format!("d{i}"), &ns.path())).unwrap();
+        let n = Netns::open_foreign(ns.path()).unwrap();
+        apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+        // Every packet leaves through lo, marked as capture would mark it: each
+        // connection to an external address counts once.
+        ns.exec("ip", &["route", "add", "default", "dev", "lo"]);
+        let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
+        fs::write(&path, "table ip standin {\n\tchain out {\n\t\ttype route hook output priority -150; policy accept;\n\t\tmeta l4proto tcp meta mark set 0xae71\n\t}\n}\n").unwrap();
+        ns.exec("nft", &["-f", path.to_str().unwrap()]);
+        let _ = fs::remove_file(&path);
+        n.run(|| {
+            for port in 1..=5 {
+                let addr = std::net::SocketAddr::from(([192, 0, 2, 1], port));
+                let _ = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(50));
+            }
+        })
+        .unwrap();
+    }
+    let full = node_counters(&dir).unwrap().totals["external"];
+    assert_eq!(full, 40, "8 pods x 5 connections");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let samples = std::thread::scope(|s| {
+        let poller = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                seen.push(node_counters(&ServicesDir::new(&state)).unwrap().totals["external"]);
+            }
+            seen
+        });
+        for (i, ns) in pods.iter().enumerate() {
+            let n = Netns::open_foreign(ns.path()).unwrap();
+            retire_layer(&state, Some(&n), &format!("k8s-pod-network/d{i}/eth0"), || {
+                StateDir::new(&state).remove("k8s-pod-network", &format!("d{i}"), "eth0")
+            })
+            .unwrap();
+        }
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        poller.join().unwrap()
+    });
+    assert!(!samples.is_empty());
+    assert!(samples.iter().all(|&v| v == full), "node totals dipped while pods were deleted: {samples:?}");
+    assert_eq!(node_counters(&dir).unwrap().totals["external"], full);
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// Counters survive pod churn: ADD, traffic, DEL; the node total still includes it, and a
+/// repeated DEL does not count it twice.
+#[test]
+fn del_folds_final_counts_into_the_node_total() {
+    if !root_or_skip("del_folds_final_counts_into_the_node_total") {
+        return;
+    }
+    let state = tmp("fold");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let ns = TestNetns::new("svc-fold");
+    StateDir::new(&state).write(&rec("f", &ns.path())).unwrap();
+    let n = Netns::open_foreign(ns.path()).unwrap();
+    assert_eq!(apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap(), Some(1));
+    ns.exec("ip", &["link", "add", "d0", "type", "veth", "peer", "name", "d1"]);
+    ns.exec("ip", &["link", "set", "d1", "up"]);
+    ns.exec("ip", &["addr", "add", "10.244.9.2/24", "dev", "d0"]);
+    ns.exec("ip", &["link", "set", "d0", "up"]);
+    ns.exec("ip", &["route", "add", "default", "dev", "d0"]);
+    // Stand-in for capture's divert decision (marks TCP; no policy route).
+    let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
+    fs::write(&path, "table ip standin {\n\tchain out {\n\t\ttype route hook output priority -150; policy accept;\n\t\tmeta l4proto tcp meta mark set 0xae71\n\t}\n}\n").unwrap();
+    ns.exec("nft", &["-f", path.to_str().unwrap()]);
+    let _ = fs::remove_file(&path);
+    n.run(|| {
+        for addr in ["10.96.1.1:1001", "10.96.7.7:80", "192.0.2.1:80"] {
+            let _ = std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), std::time::Duration::from_millis(50));
+        }
+    })
+    .unwrap();
+    let before = node_counters(&dir).unwrap().totals;
+    assert_eq!((before["service"], before["refused_no_service"], before["external"]), (1, 1, 1), "{before:?}");
+    let forget = || StateDir::new(&state).remove("k8s-pod-network", "f", "eth0");
+    let retired = retire_layer(&state, Some(&n), "k8s-pod-network/f/eth0", forget).unwrap();
+    assert_eq!(retired.folded["service"], 1);
+    assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
+    assert!(StateDir::new(&state).records().is_empty(), "the record is forgotten under the lock");
+    assert_eq!(node_counters(&dir).unwrap().totals, before, "node totals went backwards");
+    // DEL again (and DEL after the netns is gone): nothing counted twice.
+    assert!(retire_layer(&state, Some(&n), "k8s-pod-network/f/eth0", || Ok::<(), crate::state::StateError>(()))
+        .unwrap()
+        .folded
+        .is_empty());
+    drop(n);
+    drop(ns);
+    assert!(retire_layer(&state, None, "k8s-pod-network/f/eth0", || Ok::<(), crate::state::StateError>(()))
+        .unwrap()
+        .folded
+        .is_empty());
+    assert_eq!(node_counters(&dir).unwrap().totals, before);
+    let _ = fs::remove_dir_all(&state);
+}
