@@ -218,6 +218,11 @@ fn a_connection_flood_past_the_fd_limit_leaves_the_probes_answering() {
     );
     let during = i.assert_bounded(idle, "during the flood");
     assert!(during.fds < NOFILE as usize, "descriptors stay under the limit: {during:?}");
+    // Every idle connection is closed by the installer: at once (the limit), to make room, or
+    // when no request head has come within 5 s.
+    let mut flood_probes = flood_probes;
+    let closed = load::closed_by_server(&mut flood_probes, Duration::from_secs(10));
+    assert_eq!(closed, flood_probes.len(), "idle connections closed by the installer");
     drop(flood_probes);
     drop(flood_metrics);
     i.assert_back_down(idle, "the flood");

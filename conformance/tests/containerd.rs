@@ -282,7 +282,7 @@ impl<'a> ImageInstaller<'a> {
             format!("--volume={state}:{state}"),
             format!("--env=HOST_IP={}", NET.gateway),
         ];
-        // Until the shipped binary is static (issue 8), a test build is dynamic: it gets the
+        // A test build of the binary is dynamic (the release build is static): it gets the
         // host's libraries, read-only (as cni-plugin/tests/image.rs does).
         if exec(Command::new("ldd").arg(binary)).ok {
             args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));
