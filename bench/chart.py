@@ -1,5 +1,5 @@
 """Renders bench/results/services-scale.json (one `make bench` run) as a PNG: each timed
-operation against its goal and against issue 11's "now", on a log scale."""
+operation against its goal and against the figure before the scale work, on a log scale."""
 import json
 import sys
 
@@ -18,7 +18,7 @@ h = 0.21
 ax.barh([i + 1.5 * h for i in y], [r["value"] for r in rows], height=h, label="measured (wall)", color="#2b7bba")
 ax.barh([i + 0.5 * h for i in y], [r.get("cpu_ms") or 0 for r in rows], height=h, label="CPU time (user + sys)", color="#9ecae1")
 ax.barh([i - 0.5 * h for i in y], [r["goal"]["max"] if r["goal"] else 0 for r in rows], height=h, label="goal (max)", color="#8fd18f")
-ax.barh([i - 1.5 * h for i in y], [r["before"] or 0 for r in rows], height=h, label='issue 11 "now"', color="#e08a7a")
+ax.barh([i - 1.5 * h for i in y], [r["before"] or 0 for r in rows], height=h, label="before the scale work", color="#e08a7a")
 for i, r in zip(y, rows):
     ax.text(r["value"] * 1.1, i + 1.5 * h, f'{r["value"]:.1f} ms', va="center", fontsize=7)
 ax.set_yticks(list(y))

@@ -1,4 +1,4 @@
-//! `make bench`, part 3: the Service layer at cluster scale (issue 11). 10,000 Services
+//! `make bench`, part 3: the Service layer at cluster scale. 10,000 Services
 //! (20,000 ports) on a node of 100 pods, side by side in one run:
 //!
 //! - the floor: the kernel's own cost of creating one pod's layer, its transaction encoded
@@ -11,7 +11,7 @@
 //!   10,000 Services;
 //! - the kernel memory one pod's layer costs at 1,000 and 10,000 Services (`/proc/meminfo`
 //!   deltas over many netns);
-//! - the figures issue 11 measured before this work ("now").
+//! - the figures measured before the scale work ("before").
 //!
 //! Writes `bench/results/services-scale.{json,md}` and, with python3-matplotlib, the chart
 //! `services-scale.png`. Needs root; every netns it makes is deleted on drop, also when a
@@ -254,7 +254,7 @@ struct Figure {
     unit: &'static str,
     /// CPU time (user + sys) of a timed measure, ms.
     cpu: Option<f64>,
-    /// Issue 11's "now" for the same operation, if it measured it.
+    /// The figure before the scale work for the same operation, if there is one.
     before: Option<f64>,
     goal: Option<(f64, String)>,
 }
@@ -672,13 +672,13 @@ fn write_results(started: &str, figs: &[Figure], load: &str) {
                      "pods": PODS, "rounds": rounds(), "machine": machine, "results": results});
     std::fs::write(dir.join("services-scale.json"), serde_json::to_string_pretty(&doc).unwrap() + "\n").unwrap();
     let mut md = format!(
-        "# Service layer at scale (issue 11): `make bench` output\n\nWritten by `cni-plugin/benches/services_scale.rs`; not edited by hand.\n\n\
+        "# Service layer at scale: `make bench` output\n\nWritten by `cni-plugin/benches/services_scale.rs`; not edited by hand.\n\n\
          - date: {started}\n- machine: {} ({} CPUs, {} KiB), {}, kernel {}\n- {}, {}, aether-cni {}\n\
          - load average (1, 5, 15 min; before -> after the run): {}\n\
          - {SERVICES} Services ({} ports), {PODS} pods, medians of {} rounds; goals hold wall time; CPU \
          time is user + sys of the process (the kernel's work on its netlink messages included), \
          what the work costs whatever else the machine runs\n\n\
-         | measure | now (issue 11) | measured | CPU time | goal | met |\n| --- | --- | --- | --- | --- | --- |\n",
+         | measure | before the scale work | measured | CPU time | goal | met |\n| --- | --- | --- | --- | --- | --- |\n",
         machine["cpu"].as_str().unwrap(),
         machine["cpus"],
         machine["memory_kib"],

@@ -300,7 +300,7 @@ mod tests {
         r
     }
 
-    /// Issue 12 item 7: what Debian's Go plugins (libcni 1.1 `ParsePrevResult`, tried with
+    /// What Debian's Go plugins (libcni 1.1 `ParsePrevResult`, tried with
     /// /usr/lib/cni/tuning) refuse is refused, with the spec's code and the field named.
     #[test]
     fn prev_result_is_read_as_its_versions_result_type() {
@@ -339,7 +339,7 @@ mod tests {
         }
     }
 
-    /// Issue 12 item 6: stdin is read up to a documented size, and the error names it.
+    /// Stdin is read up to a documented size, and the error names it.
     #[test]
     fn stdin_is_capped_naming_the_limit() {
         let (read, ok) = read_stdin(&b"{}"[..]);

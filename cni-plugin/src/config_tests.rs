@@ -274,7 +274,7 @@ fn ipv6_exclusions_in_the_annotation_are_read_and_checked() {
     }
 }
 
-/// Issue 12 item 6: an aether.io/ annotation value is capped, and no error echoes more
+/// An aether.io/ annotation value is capped, and no error echoes more
 /// than a short prefix of a bad value.
 #[test]
 fn huge_values_are_refused_naming_the_limit_and_never_echoed_whole() {

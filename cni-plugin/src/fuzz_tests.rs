@@ -294,7 +294,7 @@ proptest! {
     #[test]
     fn a_service_snapshot_never_panics(doc in value_with_keys(SNAPSHOT_KEYS)) {
         let text = doc.to_string();
-        if let Err(errs) = aether_node::services::snapshot::parse(text.as_bytes()) {
+        if let Err(aether_node::services::snapshot::Refused { reasons: errs }) = aether_node::services::snapshot::parse(text.as_bytes()) {
             prop_assert!(!errs.is_empty());
         }
     }

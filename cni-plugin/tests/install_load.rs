@@ -23,10 +23,10 @@ use load::{assert_answered, eventually, sample, usage, Usage};
 
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
 
-/// Threads of an idle installer: main (waiting for signals), the reconcile loop, inotify and
-/// the HTTP runtime; a scrape adds the one blocking thread that reads the node counters, and
-/// its netns tour's thread.
-const IDLE_THREADS: u64 = 4;
+/// Threads of an idle installer: main (waiting for signals), the reconcile loop, inotify,
+/// the HTTP runtime and the pod reconciler's; a scrape adds the one blocking thread that reads
+/// the node counters, and its netns tour's thread.
+const IDLE_THREADS: u64 = 5;
 const MAX_THREADS: u64 = IDLE_THREADS + 2;
 /// What the load may add to the installer's RSS (connections are tasks with small buffers).
 const MAX_RSS_GROWTH_KIB: u64 = 16 * 1024;
@@ -218,6 +218,11 @@ fn a_connection_flood_past_the_fd_limit_leaves_the_probes_answering() {
     );
     let during = i.assert_bounded(idle, "during the flood");
     assert!(during.fds < NOFILE as usize, "descriptors stay under the limit: {during:?}");
+    // Every idle connection is closed by the installer: at once (the limit), to make room, or
+    // when no request head has come within 5 s.
+    let mut flood_probes = flood_probes;
+    let closed = load::closed_by_server(&mut flood_probes, Duration::from_secs(10));
+    assert_eq!(closed, flood_probes.len(), "idle connections closed by the installer");
     drop(flood_probes);
     drop(flood_metrics);
     i.assert_back_down(idle, "the flood");

@@ -1,6 +1,6 @@
 //! The published JSON Schema of the Service snapshot (testdata/services/snapshot.schema.json)
-//! checked against the examples and against `aether-cni services apply` itself (issue 5:
-//! "a JSON Schema file under testdata/ that the tests validate examples against").
+//! checked against the examples and against `aether-cni services apply` itself: the agent's
+//! authors read the schema, so it must accept and refuse what `apply` does.
 //!
 //! - The schema is itself a valid draft 2020-12 schema, and the example passes it.
 //! - Every malformed document whose rule the schema can express is refused by the schema

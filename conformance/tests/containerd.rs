@@ -264,7 +264,15 @@ impl<'a> ImageInstaller<'a> {
                     .arg(binary)
                     .arg(&image)
                     .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
-                    .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf")),
+                    .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf"))
+                    // The image carries the notices `make notices` wrote (make test passes
+                    // them); the test binary links the same crates as the release one.
+                    .env(
+                        "NOTICES",
+                        std::env::var_os("AETHER_NOTICES")
+                            .map(std::path::PathBuf::from)
+                            .unwrap_or_else(|| repo().join("target/release/THIRD-PARTY-NOTICES")),
+                    ),
             ),
         );
         let name = format!("aether-installer-{}", std::process::id());
@@ -282,7 +290,7 @@ impl<'a> ImageInstaller<'a> {
             format!("--volume={state}:{state}"),
             format!("--env=HOST_IP={}", NET.gateway),
         ];
-        // Until the shipped binary is static (issue 8), a test build is dynamic: it gets the
+        // A test build of the binary is dynamic (the release build is static): it gets the
         // host's libraries, read-only (as cni-plugin/tests/image.rs does).
         if exec(Command::new("ldd").arg(binary)).ok {
             args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));

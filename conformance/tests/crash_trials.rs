@@ -1,4 +1,4 @@
-//! Crash trials (issue 12): the real binary is SIGKILLed at random moments of ADD, DEL, GC and
+//! Crash trials: the real binary is SIGKILLed at random moments of ADD, DEL, GC and
 //! `services apply`, as a node losing power or an OOM killer would; then, as a runtime and
 //! the agent would, the operation is retried, and every invariant is checked:
 //!

@@ -1,11 +1,11 @@
 //! The capture ruleset proved with real packets on a simulated node (see
-//! `aether_conformance`): each test names the row of DESIGN.md "The pod ruleset" it proves,
+//! `aether_conformance`): each test names the row of docs/design.md "The pod ruleset" it proves,
 //! drives the built `aether-cni` through the CNI protocol, and pairs its positive case with
 //! a negative control that removes the rule (with `nft`/`ip`, as only a test may) and shows
 //! the same check then fails. A control that does not fail means the rig cannot tell, and is
 //! reported as `RIG BROKEN`, never as a pass.
 //!
-//! | DESIGN.md row | test | control (must fail) |
+//! | docs/design.md row | test | control (must fail) |
 //! | --- | --- | --- |
 //! | TCP, any port (`redirect-all`) | `row_tcp_redirect_all_...` | divert rule, policy route, policy rule, tproxy rule deleted |
 //! | TCP to 18081 or 18082 only (`scoped`) | `row_tcp_scoped_...` | port 80 from a redirect-all pod; 18081 rule deleted |

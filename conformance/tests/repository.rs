@@ -199,3 +199,97 @@ fn every_relative_link_in_readme_and_docs_resolves_inside_the_repository() {
     assert!(count > 20, "only {count} links found in README.md and docs/: is the link reader broken?");
     assert!(problems.is_empty(), "links that do not resolve inside the repository:\n{}", problems.join("\n"));
 }
+
+/// What in `line` refers to a work item by its number (the word "issue" or "item" followed
+/// by a number, in prose or in a name) or to a place outside the repository (the workplace's
+/// shared directory, its absolute paths, its specification file), if anything.
+fn outside_reference(line: &str) -> Option<String> {
+    let lower = line.to_lowercase();
+    for word in ["issue", "item"] {
+        let mut from = 0;
+        while let Some(at) = lower[from..].find(word) {
+            let start = from + at;
+            let before = lower[..start].chars().next_back();
+            let mut rest = lower[start + word.len()..].chars().peekable();
+            if rest.peek() == Some(&'s') {
+                rest.next();
+            }
+            while matches!(rest.peek(), Some(' ' | '_' | '#' | '-')) {
+                rest.next();
+            }
+            let word_starts = !before.is_some_and(|c| c.is_alphanumeric());
+            if word_starts && rest.peek().is_some_and(|c| c.is_ascii_digit()) {
+                return Some(line[start..].chars().take(word.len() + 4).collect());
+            }
+            from = start + word.len();
+        }
+    }
+    let outside = [concat!("..", "/shared"), concat!("/wo", "rk/"), concat!("DES", "IGN.md")];
+    outside.into_iter().find(|o| line.contains(o)).map(str::to_string)
+}
+
+/// Every file of the repository as text (build output, git's own files and binary files
+/// aside), with its path inside the repository.
+fn repository_texts() -> Vec<(PathBuf, String)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, String)>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap()).collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let path = e.path();
+            let rel = path.strip_prefix(root).unwrap().to_path_buf();
+            let name = e.file_name();
+            let kind = e.file_type().unwrap();
+            if kind.is_dir() {
+                if rel == Path::new("target") || name == ".git" || rel.starts_with("charts/tests/__pycache__") {
+                    continue;
+                }
+                walk(root, &path, out);
+            } else if kind.is_file() && name != ".git" {
+                if let Ok(text) = String::from_utf8(std::fs::read(&path).unwrap()) {
+                    out.push((rel, text));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo(), &repo(), &mut out);
+    out
+}
+
+#[test]
+fn no_file_refers_to_work_item_numbers_or_outside_the_repository() {
+    // The negative control: each kind of reference is found, and plain text is not.
+    // (Spelt in pieces, so that this file does not fail its own check.)
+    for bad in [
+        concat!("as iss", "ue 11 measured"),
+        concat!("(Iss", "ue 12 it", "em 6)"),
+        concat!("fn iss", "ue9_it", "em2_a_record() {"),
+        concat!("see iss", "ues #4"),
+        concat!("It", "em 2: a DEL killed"),
+        concat!("the spec in ../sh", "ared/reference/"),
+        concat!("/wo", "rk/main/README.md"),
+        concat!("(DES", "IGN.md \"The pod ruleset\")"),
+    ] {
+        assert!(outside_reference(bad).is_some(), "not caught: {bad:?}");
+    }
+    for good in ["an issue with the kernel", "each item of 4 bytes", "tissue 5", "containers/podman#12083"] {
+        assert_eq!(outside_reference(good), None, "caught in plain text: {good:?}");
+    }
+
+    let files = repository_texts();
+    assert!(files.iter().any(|(p, _)| p == Path::new("README.md")), "the walk missed README.md");
+    assert!(files.len() > 100, "only {} text files found: is the walk broken?", files.len());
+    let mut problems = Vec::new();
+    for (path, text) in &files {
+        for (n, line) in text.lines().enumerate() {
+            if let Some(what) = outside_reference(line) {
+                problems.push(format!("{}:{}: {what:?} in {:?}", path.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "say what changed and why instead of a work item's number, and link only to what a clone has:\n{}",
+        problems.join("\n")
+    );
+}

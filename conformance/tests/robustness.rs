@@ -1,6 +1,6 @@
-//! Issue 12 ("a reused netns path, a killed DEL, planted symlinks and huge inputs must not
-//! hurt a pod or the node") and issue 9 item 2 (records written by an older plugin), each
-//! reproduced as a user would: the real binary, real namespaces.
+//! A reused netns path, a killed DEL, planted symlinks and huge inputs must not hurt a pod or
+//! the node, and records written by an older plugin are still read: each reproduced as a
+//! user would, with the real binary and real namespaces.
 
 mod common;
 
@@ -98,8 +98,8 @@ fn assert_b_intact(p: &ReusedPath, c: &Value, after: &str) {
 }
 
 #[test]
-fn item1_gc_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
-    if !root_or_skip("item1_gc_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone") {
+fn gc_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
+    if !root_or_skip("gc_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone") {
         return;
     }
     let (p, c) = two_pods_one_path("reuse-gc");
@@ -124,8 +124,8 @@ fn item1_gc_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
 }
 
 #[test]
-fn item1_del_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
-    if !root_or_skip("item1_del_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone") {
+fn del_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
+    if !root_or_skip("del_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone") {
         return;
     }
     // Without CNI_NETNS (the record's path), and with it (a runtime passing the reused path).
@@ -146,7 +146,7 @@ fn item1_del_of_a_pod_whose_path_was_reused_leaves_the_new_pod_alone() {
 }
 
 #[test]
-fn item4_read_commands_never_create_the_state_directory() {
+fn read_commands_never_create_the_state_directory() {
     let dir = std::env::temp_dir().join(format!("aether-ro-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.display().to_string();
@@ -170,8 +170,8 @@ fn forge_record(state: &str, id: &str, new_id: &str, change: impl FnOnce(&mut Va
 }
 
 #[test]
-fn item5_gc_clears_what_is_provably_stale_and_keeps_the_rest() {
-    if !root_or_skip("item5_gc_clears_what_is_provably_stale_and_keeps_the_rest") {
+fn gc_clears_what_is_provably_stale_and_keeps_the_rest() {
+    if !root_or_skip("gc_clears_what_is_provably_stale_and_keeps_the_rest") {
         return;
     }
     let c = conf("1.1.0", json!({}));
@@ -220,8 +220,8 @@ fn item5_gc_clears_what_is_provably_stale_and_keeps_the_rest() {
 }
 
 #[test]
-fn item8_inspect_exits_non_zero_when_the_service_layer_is_not_intact() {
-    if !root_or_skip("item8_inspect_exits_non_zero_when_the_service_layer_is_not_intact") {
+fn inspect_exits_non_zero_when_the_service_layer_is_not_intact() {
+    if !root_or_skip("inspect_exits_non_zero_when_the_service_layer_is_not_intact") {
         return;
     }
     let c = conf("1.1.0", json!({}));
@@ -240,11 +240,11 @@ fn item8_inspect_exits_non_zero_when_the_service_layer_is_not_intact() {
     assert!(!out.ok, "{}", out.stdout);
 }
 
-/// Issue 9 item 2: a record without `rulePriority` in its capture (as an older plugin might
+/// A record without `rulePriority` in its capture (as an older plugin might
 /// have written) is still the pod's: `inspect`, `services apply` and GC know it.
 #[test]
-fn issue9_item2_a_record_missing_a_capture_field_still_names_its_pod() {
-    if !root_or_skip("issue9_item2_a_record_missing_a_capture_field_still_names_its_pod") {
+fn a_record_missing_a_capture_field_still_names_its_pod() {
+    if !root_or_skip("a_record_missing_a_capture_field_still_names_its_pod") {
         return;
     }
     let c = conf("1.1.0", json!({}));
@@ -306,8 +306,8 @@ fn plugin_raw(command: &str, netns: &str, stdin: &[u8]) -> Outcome {
 }
 
 #[test]
-fn item6_huge_inputs_are_refused_naming_the_limit_and_never_echoed() {
-    if !root_or_skip("item6_huge_inputs_are_refused_naming_the_limit_and_never_echoed") {
+fn huge_inputs_are_refused_naming_the_limit_and_never_echoed() {
+    if !root_or_skip("huge_inputs_are_refused_naming_the_limit_and_never_echoed") {
         return;
     }
     let ns = TestNetns::new("huge");
@@ -333,8 +333,8 @@ fn item6_huge_inputs_are_refused_naming_the_limit_and_never_echoed() {
 }
 
 #[test]
-fn item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version() {
-    if !root_or_skip("item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version") {
+fn prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version() {
+    if !root_or_skip("prev_result_is_refused_unless_it_is_a_result_of_the_configurations_version") {
         return;
     }
     let ns = TestNetns::new("prev");
@@ -354,12 +354,12 @@ fn item7_prev_result_is_refused_unless_it_is_a_result_of_the_configurations_vers
     }
 }
 
-/// Item 2: a DEL killed after the pod's counts are folded, or after its layer is removed,
+/// A DEL killed after the pod's counts are folded, or after its layer is removed,
 /// loses no count and counts none twice: node totals never go backwards, and once the DEL
 /// is retried they are exactly what the pod made.
 #[test]
-fn item2_a_del_killed_at_any_point_keeps_the_node_totals() {
-    if !root_or_skip("item2_a_del_killed_at_any_point_keeps_the_node_totals") {
+fn a_del_killed_at_any_point_keeps_the_node_totals() {
+    if !root_or_skip("a_del_killed_at_any_point_keeps_the_node_totals") {
         return;
     }
     let total = |state: &str| -> u64 {
@@ -391,12 +391,12 @@ fn item2_a_del_killed_at_any_point_keeps_the_node_totals() {
     }
 }
 
-/// Item 2, then a re-ADD of the same container (podman's network reload is DEL then ADD):
+/// A DEL killed as above, then a re-ADD of the same container (podman's network reload is DEL then ADD):
 /// the DEL killed after removing the layer left the pod's counts folded and marked; the new
 /// layer counts from zero and every new connection reaches the node totals.
 #[test]
-fn item2_a_re_add_after_a_killed_del_counts_from_zero() {
-    if !root_or_skip("item2_a_re_add_after_a_killed_del_counts_from_zero") {
+fn a_re_add_after_a_killed_del_counts_from_zero() {
+    if !root_or_skip("a_re_add_after_a_killed_del_counts_from_zero") {
         return;
     }
     let total = |state: &str| -> u64 {

@@ -1,5 +1,5 @@
-//! The Service-range and refusal-counter layer (DESIGN.md "The Service-range and
-//! refusal-counter layer", issue 5) proved with real sockets on the simulated node, behind
+//! The Service-range and refusal-counter layer (docs/design.md "The Service-range and
+//! refusal-counter layer") proved with real sockets on the simulated node, behind
 //! the real capture: pods are attached by the built `aether-cni` through the CNI protocol,
 //! the snapshot goes in through `aether-cni services --state-dir D apply` run in the node's
 //! netns as the agent would run it, and the counts come out of `services counters --format
@@ -297,7 +297,7 @@ fn refuse_mode_refuses_what_no_service_can_serve_and_passes_the_rest() {
         let got = c.run(&a);
         let refused_here = c.class.is_some_and(|k| k.starts_with("refused_"));
         if refused_here && matches!(c.kind, Kind::Udp) {
-            // Issue 5 asks for an ICMP port unreachable (ECONNREFUSED on a connected socket).
+            // The specification asks for an ICMP port unreachable (ECONNREFUSED on a connected socket).
             // What this kernel gives: `reject` in OUTPUT drops the datagram and send() fails
             // with EPERM; no ICMP is generated (see the report). Either way the client fails at
             // once and nothing reaches the listener (checked below).

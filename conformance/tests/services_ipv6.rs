@@ -1,4 +1,4 @@
-//! The Service layer for IPv6 Service ranges (issue 13, item 5), proved with real sockets on
+//! The Service layer for IPv6 Service ranges, proved with real sockets on
 //! the simulated node behind the real capture, as `services_datapath.rs` proves it for IPv4:
 //! pods attached by the built `aether-cni` through the CNI protocol, the snapshot applied with
 //! `aether-cni services apply` from the node's netns, the counts read with `services

@@ -83,6 +83,7 @@ fn doctor_warns_of_a_connect_time_socket_load_balancer_and_says_how_to_configure
     let attached = Attached(root.clone());
     sh("bpftool", &["cgroup", "attach", &root, "connect4", "pinned", PIN]);
     let during = doctor();
+    println!("doctor with a connect4 program at the root cgroup:\n{during}");
     for want in [
         "warn  a connect-time socket load balancer",
         "connect4 (1)",

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds aether-cni's OCI image from a binary, offline, with Debian's podman:
 #   installer/image/build.sh BINARY IMAGE [OCI_ARCHIVE]
+# The binary's third-party notices go in beside LICENSE: NOTICES, by default
+# THIRD-PARTY-NOTICES beside BINARY (make notices writes it beside the release binary).
 # PODMAN_FLAGS (e.g. "--root DIR --runroot DIR --storage-driver vfs") selects a private
 # storage; the tests use one so that nobody else's podman images are touched.
 set -euo pipefail
@@ -11,10 +13,13 @@ command -v podman >/dev/null || {
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman >/dev/null
 }
 [ -f "$bin" ] || { echo "build.sh: binary $bin does not exist (make build)" >&2; exit 1; }
+notices=${NOTICES:-$(dirname "$bin")/THIRD-PARTY-NOTICES}
+[ -f "$notices" ] || { echo "build.sh: no third-party notices at $notices (make notices)" >&2; exit 1; }
 ctx=$(mktemp -d "${TMPDIR:-/tmp}/aether-image-ctx.XXXXXX")
 trap 'rm -rf "$ctx"' EXIT
 cp "$bin" "$ctx/aether-cni"
 cp "$repo/LICENSE" "$ctx/LICENSE"
+cp "$notices" "$ctx/THIRD-PARTY-NOTICES"
 cp "$here/Containerfile" "$ctx/Containerfile"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/Cargo.toml" | head -1)
 # shellcheck disable=SC2086 # PODMAN_FLAGS is a list of flags

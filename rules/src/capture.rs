@@ -1,4 +1,4 @@
-//! The pod capture ruleset (DESIGN.md "The pod ruleset"), built from a `CaptureConfig`.
+//! The pod capture ruleset (docs/design.md "The pod ruleset"), built from a `CaptureConfig`.
 
 use std::net::IpAddr;
 
@@ -103,7 +103,7 @@ pub struct DnsDivert {
 }
 
 impl CaptureConfig {
-    /// The DESIGN.md defaults; DNS needs the node's address, so it starts off.
+    /// The docs/design.md defaults; DNS needs the node's address, so it starts off.
     pub fn new(mode: CaptureMode) -> Self {
         CaptureConfig {
             mode,
@@ -206,7 +206,7 @@ impl CaptureConfig {
 }
 
 /// Builds the capture ruleset: one half per family of the pod (`cfg.families`), each the
-/// same table of DESIGN.md, top to bottom, in its family.
+/// same table of docs/design.md, top to bottom, in its family.
 pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
     cfg.validate()?;
     let halves = Family::ALL

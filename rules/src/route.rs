@@ -1,4 +1,4 @@
-//! Policy routing for the divert mark (DESIGN.md, "The pod ruleset"):
+//! Policy routing for the divert mark (docs/design.md, "The pod ruleset"):
 //!
 //! ```text
 //! ip [-6] rule add fwmark <mark> lookup <table> priority <priority>

@@ -1,4 +1,4 @@
-//! The Service-range and refusal-counter layer (DESIGN.md "The Service-range and
+//! The Service-range and refusal-counter layer (docs/design.md "The Service-range and
 //! refusal-counter layer"): its own table in each managed pod netns, built from a
 //! `ServiceLayer` (the node snapshot, validated by the caller).
 //!

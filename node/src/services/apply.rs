@@ -13,8 +13,8 @@ use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, Stor
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
 
-fn refused(reasons: Vec<String>) -> ServicesError {
-    ServicesError::Refused { reasons }
+fn refused(r: snapshot::Refused) -> ServicesError {
+    ServicesError::Refused { reasons: r.reasons }
 }
 
 /// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line.

@@ -175,7 +175,7 @@ impl ServicesDir {
         snapshot::parse(&text)
             // No source digest: the next apply, whatever it sends, writes `layer.bin`.
             .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0), 0)))
-            .map_err(|reasons| ServicesError::StoredInvalid { path, reasons })
+            .map_err(|r| ServicesError::StoredInvalid { path, reasons: r.reasons })
     }
 
     /// The generation of `text` when `text` is the stored `snapshot.json` byte for byte but

@@ -95,9 +95,20 @@ impl Snapshot {
     }
 }
 
+/// A document refused: every problem, each naming its place (`services[2].ports[0].port`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", reasons.join("; "))]
+pub struct Refused {
+    pub reasons: Vec<String>,
+}
+
 /// Parses and validates a whole document. All problems are collected, each naming its place
 /// (`services[2].ports[0].port`), so the agent sees everything wrong at once.
-pub fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
+pub fn parse(text: &[u8]) -> Result<Snapshot, Refused> {
+    read(text).map_err(|reasons| Refused { reasons })
+}
+
+fn read(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     if text.len() > MAX_SNAPSHOT_BYTES {
         return Err(vec![too_large()]);
     }

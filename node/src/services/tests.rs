@@ -89,7 +89,7 @@ fn a_new_generation_of_the_stored_document_is_recognised_by_its_bytes_and_nothin
     let _ = fs::remove_dir_all(&state);
 }
 
-/// Issue 5: "an apply racing with ADDs ends with every pod at the newest generation";
+/// An apply racing with ADDs ends with every pod at the newest generation.
 /// Generations 2..=21 applied by 20 threads at once. They race each other too: one older
 /// than the stored generation is refused, as it must be.
 fn spawn_racing_applies<'s>(s: &'s std::thread::Scope<'s, '_>, state: &Path) {

@@ -62,7 +62,7 @@ fn unreadable_records_are_reported_by_name_and_temp_files_ignored() {
     fs::remove_dir_all(&d).unwrap();
 }
 
-/// Issue 9 item 2: a record an older plugin wrote (no version, no netns identity, a
+/// A record an older plugin wrote (no version, no netns identity, a
 /// capture field missing, an unknown field) is still read, the missing field defaulted
 /// and named.
 #[test]
@@ -153,7 +153,7 @@ fn the_not_ready_marker_carries_its_reason() {
     fs::remove_dir_all(&d).unwrap();
 }
 
-/// Issue 12 item 3: symlinks planted at every name the plugin creates are never written
+/// Symlinks planted at every name the plugin creates are never written
 /// through, and what it creates is 0700/0600.
 #[test]
 fn planted_symlinks_are_never_followed_and_modes_are_private() {
@@ -195,7 +195,7 @@ fn planted_symlinks_are_never_followed_and_modes_are_private() {
     fs::remove_dir_all(&d).unwrap();
 }
 
-/// Issue 12 item 6: records are read up to a documented size, and the error names it.
+/// Records are read up to a documented size, and the error names it.
 #[test]
 fn an_oversized_record_is_unreadable_naming_the_limit() {
     let d = tmpdir("big");
@@ -227,7 +227,7 @@ fn temp_files_of_dead_writers_are_stale_once_old() {
     fs::remove_dir_all(&d).unwrap();
 }
 
-/// Issue 12 item 9: GC gets its exclusive lock although ADDs and DELs keep overlapping
+/// GC gets its exclusive lock although ADDs and DELs keep overlapping
 /// (some shared holder at every instant), and gives up with code 11 when one never ends.
 #[test]
 fn gc_is_not_starved_by_overlapping_shared_holders_and_its_wait_is_bounded() {

@@ -1,6 +1,11 @@
 use super::*;
 use serde_json::json;
 
+/// The reasons alone, as the tests read them.
+fn parse(text: &[u8]) -> Result<Snapshot, Vec<String>> {
+    super::parse(text).map_err(|r| r.reasons)
+}
+
 fn good() -> Value {
     json!({
         "generation": 3,
