@@ -214,20 +214,20 @@ fn store_and_apply(
 /// after a change is what the whole snapshot of the same content stores. Nothing changes on
 /// refusal.
 pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
-    let c = change::parse(text).map_err(refused)?;
+    let c = change::parse(text).map_err(|reasons| ServicesError::Refused { reasons })?;
     let _lock = dir.lock(true)?;
     let path = dir.root.join("snapshot.json");
     let Some(stored) = dir.read("snapshot.json")? else {
         return Err(ServicesError::NoBase { base: c.base_generation });
     };
-    let base = snapshot::parse(&stored).map_err(|reasons| ServicesError::StoredInvalid { path, reasons })?;
+    let base = snapshot::parse(&stored).map_err(|r| ServicesError::StoredInvalid { path, reasons: r.reasons })?;
     if base.generation != c.base_generation {
         return Err(ServicesError::StaleBase { base: c.base_generation, stored: base.generation });
     }
-    let next = change::apply(&base, &c).map_err(refused)?;
+    let next = change::apply(&base, &c).map_err(|reasons| ServicesError::Refused { reasons })?;
     let whole = change::render(&next);
-    let next = snapshot::parse(&whole).map_err(|reasons| {
-        refused(reasons.into_iter().map(|r| format!("the snapshot the change makes: {r}")).collect())
+    let next = snapshot::parse(&whole).map_err(|r| ServicesError::Refused {
+        reasons: r.reasons.into_iter().map(|r| format!("the snapshot the change makes: {r}")).collect(),
     })?;
     let mut warnings = Vec::new();
     let previous = dir.stored_layer().unwrap_or_else(|e| {
