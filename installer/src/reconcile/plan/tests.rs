@@ -15,10 +15,8 @@ fn sandbox(id: &str, ns: &str, name: &str, created_at: i64) -> Sandbox {
 }
 
 fn view(s: Sandbox, wants: Wants) -> SandboxView {
-    let network = Some(Ok(PodNetwork {
-        netns: SandboxNetns::Pod(format!("/run/netns/{}", s.id)),
-        ips: vec!["10.1.0.5".into()],
-    }));
+    let network =
+        Some(Ok(PodNetwork { netns: SandboxNetns::Pod(format!("/run/netns/{}", s.id)), ips: vec!["10.1.0.5".into()] }));
     SandboxView { sandbox: s, wants, network }
 }
 
@@ -73,10 +71,7 @@ fn a_missed_pod_is_handled_by_policy() {
     let mut w = World::new();
     w.sandboxes.push(view(sandbox("a", "shop", "cart", 1), Wants::Capture));
     let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
-    assert_eq!(
-        p.actions,
-        vec![Action::Restart { sandbox_id: "a".into(), pod: PodRef::of(&w.sandboxes[0].sandbox) }]
-    );
+    assert_eq!(p.actions, vec![Action::Restart { sandbox_id: "a".into(), pod: PodRef::of(&w.sandboxes[0].sandbox) }]);
     assert_eq!(World::state_of(&p, "a"), (PodState::Missed, None));
 
     let p = w.plan(&limits(MissedPolicy::Capture), &Memory::default());
