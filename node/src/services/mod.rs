@@ -144,6 +144,12 @@ impl ServicesDir {
         dir.write_atomic(name, body).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
     }
 
+    /// Removes a file of the directory, if there.
+    fn remove(&self, name: &str) -> Result<(), ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.remove(name).map(drop).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
+    }
+
     /// A file of the directory, capped in size; `None` if absent.
     fn read(&self, name: &str) -> Result<Option<Vec<u8>>, ServicesError> {
         let path = self.root.join(name);

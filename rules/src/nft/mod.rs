@@ -240,11 +240,16 @@ pub(crate) fn change_elements(table: &str, changes: &[(Family, Vec<ElementChange
     if changes.iter().all(|(_, c)| c.is_empty()) {
         return Ok(());
     }
+    encode_element_changes(table, changes).send()
+}
+
+/// The transaction of `change_elements`, encoded once (to be sent to many netns).
+pub(crate) fn encode_element_changes(table: &str, changes: &[(Family, Vec<ElementChange>)]) -> Encoded {
     let mut batch = render::Batch::default();
     for (family, c) in changes {
         batch.append(render::element_changes(*family, table, c));
     }
-    commit(&mut open()?, &batch)
+    Encoded(batch)
 }
 
 fn obj_request(table: &str) -> NfTablesMessage {
