@@ -138,14 +138,18 @@ fn element_change(from: &[ServicePort], to: &[ServicePort]) -> services::LayerCh
 
 /// The kernel's floor for an element change in every pod: the change's transaction encoded
 /// once, then, on one thread, each pod's netns opened, entered, sent the transaction and
-/// left, as a minimal sender would.
+/// left, as a minimal sender would, the sockets closed at the end.
 fn change_floor(pods: &[TestNetns], change: &services::LayerChange) -> Sample {
     let encoded = change.encode();
     aether_netns::tour_here(|| {
         let (t, c) = (Instant::now(), thread_cpu());
+        // The sockets closed together at the end: one grace period for the deleted
+        // elements of all pods, as the plugin does.
+        let later = aether_rules::nft::CloseLater::new();
         for p in pods {
             Netns::open_foreign(p.path()).unwrap().run(|| encoded.send().unwrap()).unwrap();
         }
+        drop(later);
         Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
     })
     .unwrap()

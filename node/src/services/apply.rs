@@ -203,18 +203,23 @@ fn store_and_apply(
         }
     }
     if previous.as_ref().is_none_or(|old| old.source != source) {
-        // The marker goes before the document changes, and comes back only after the layer
-        // matches it: killed in between, the next change takes the full path.
-        dir.remove(CANONICAL)?;
+        // The marker goes before the document changes, and comes back only once the layer
+        // matches it: killed in between, the next apply reads the stored document in full.
+        dir.remove(SOURCE)?;
         dir.write_atomic("snapshot.json", text)?;
         dir.write_atomic("layer.bin", &new.encode())?;
-        if canonical {
-            if let Err(e) = dir.write_atomic(CANONICAL, format!("{source:016x}\n").as_bytes()) {
-                warnings.push(format!("{e}; the next change reads the stored snapshot in full"));
-            }
+        let form = if canonical { "canonical" } else { "as-sent" };
+        if let Err(e) = dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
+            warnings.push(format!("{e}; the next apply reads the stored snapshot in full"));
         }
     }
-    aether_netns::tour(|| apply_to_pods(dir, &new, previous.as_ref(), warnings)).map_err(ServicesError::Tour)?
+    aether_netns::tour(|| {
+        // One grace period for all the pods' sockets, not one per pod (a change that deletes
+        // elements makes the kernel wait one at each close).
+        let _later = aether_rules::nft::CloseLater::new();
+        apply_to_pods(dir, &new, previous.as_ref(), warnings)
+    })
+    .map_err(ServicesError::Tour)?
 }
 
 /// `services apply` with a change document: refused unless its base is the stored
@@ -223,8 +228,8 @@ fn store_and_apply(
 /// after a change is what the whole snapshot of the same content stores. Nothing changes on
 /// refusal.
 ///
-/// When the stored document is canonical (the last apply was a change: `snapshot.canonical`
-/// names it), the change is made to it and to `layer.bin` where it touches them
+/// When the stored document is canonical (the last apply was a change: `snapshot.source`
+/// says so), the change is made to it and to `layer.bin` where it touches them
 /// (`change::splice`), without reading either as a whole snapshot; otherwise, or when that
 /// path cannot vouch for the result, the stored snapshot is read in full.
 pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
@@ -262,19 +267,25 @@ pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Servi
     store_and_apply(dir, &whole, new, previous, warnings, true)
 }
 
-/// Marks `snapshot.json` as canonical (written by a change) and names it by its source
-/// digest, which `layer.bin` must carry too.
-pub(super) const CANONICAL: &str = "snapshot.canonical";
+/// Names the stored `snapshot.json` by the source digest `layer.bin` carries, and says
+/// whether it is in the canonical form a change writes: `<digest> canonical` or `<digest>
+/// as-sent`. Removed before the document is written and written after `layer.bin`, so while
+/// it names `layer.bin`'s source, the document is the one the layer was made from (without
+/// hashing it again).
+pub(super) const SOURCE: &str = "snapshot.source";
 
 impl ServicesDir {
+    /// What `snapshot.source` says: the source digest, and whether the form is canonical.
+    pub(super) fn source_marker(&self) -> Option<(u64, bool)> {
+        let marker = self.read(SOURCE).ok()??;
+        let (digest, form) = std::str::from_utf8(&marker).ok()?.trim().split_once(' ')?;
+        Some((u64::from_str_radix(digest, 16).ok()?, form == "canonical"))
+    }
+
     /// The stored document and its layer when the document is canonical and the one the
-    /// layer was made from (the marker names the layer's source); `None` otherwise.
+    /// layer was made from; `None` otherwise.
     fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
-        let Some(marker) = self.read(CANONICAL)? else { return Ok(None) };
-        let Some(named) = std::str::from_utf8(&marker).ok().and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
-        else {
-            return Ok(None);
-        };
+        let Some((named, true)) = self.source_marker() else { return Ok(None) };
         let Ok(Some(layer)) = layer_file::read(&self.layer_path()) else { return Ok(None) };
         if layer.source != named {
             return Ok(None);
@@ -526,6 +537,31 @@ pub fn apply_current_snapshot_in_netns(
         tracing::warn!("{e}");
     }
     Ok(Some(stored.generation))
+}
+
+/// Where the value of a document's top-level `generation` is, and that value, when it is
+/// the document's first member (`{"generation": 7, ...`, as agents and the canonical form
+/// write it): found without reading the rest. Digits only, no leading zero, at least 1.
+/// Whether the rest is JSON is not looked at: the caller compares it with a stored document.
+pub(super) fn leading_generation(text: &[u8]) -> Option<(std::ops::Range<usize>, u64)> {
+    let mut i = 0;
+    let skip_ws = |i: &mut usize| {
+        while text.get(*i).is_some_and(|b| b" \t\r\n".contains(b)) {
+            *i += 1;
+        }
+    };
+    for token in [&b"{"[..], b"\"generation\"", b":"] {
+        skip_ws(&mut i);
+        i += text.get(i..)?.starts_with(token).then_some(token.len())?;
+    }
+    skip_ws(&mut i);
+    let start = i;
+    while text.get(i).is_some_and(u8::is_ascii_digit) {
+        i += 1;
+    }
+    let digits = std::str::from_utf8(&text[start..i]).ok().filter(|d| !d.starts_with('0'))?;
+    let value = digits.parse::<u64>().ok().filter(|&v| v >= 1)?;
+    Some((start..i, value))
 }
 
 /// Where the value of a JSON document's top-level `generation` is, and that value, when the
