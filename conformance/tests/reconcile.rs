@@ -737,8 +737,9 @@ fn reconciler_collects_a_pod_whose_del_failed_with_its_counts_folded_once() {
     ctrd.start();
     ctrd.import_sandbox_image();
     let socket = format!("--cri-socket={}", ctrd.socket().display());
-    let grace = "--leftover-grace-seconds=0".to_string();
-    let mut inst = Installer::start(&ctrd, "before", &[socket.clone(), grace.clone()]);
+    // The default grace: a record written by ADD before containerd lists its sandbox is no
+    // leftover.
+    let mut inst = Installer::start(&ctrd, "before", std::slice::from_ref(&socket));
     ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
     let retried = ctrd.run_pod("shop", "retried-0", None).unwrap();
     let abandoned = ctrd.run_pod("shop", "abandoned-0", None).unwrap();
@@ -815,7 +816,7 @@ fn reconciler_collects_a_pod_whose_del_failed_with_its_counts_folded_once() {
     ctrd.remove_pod(&abandoned);
     assert_eq!(records(&ctrd.state_dir).len(), 1, "the failed DEL's record is left behind");
     // One pass of the reconciler collects it, its counts folded once.
-    let mut inst = Installer::start(&ctrd, "after", &[socket, grace]);
+    let mut inst = Installer::start(&ctrd, "after", &[socket, "--leftover-grace-seconds=0".into()]);
     let pass = inst.wait_pass(1, "the failed DEL's record collected", |p| {
         actions_on(p, "shop/abandoned-0").iter().any(|a| a["kind"] == "collect" && a["outcome"] == "done")
     });
