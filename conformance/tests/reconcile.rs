@@ -303,33 +303,6 @@ fn reconciler_captures_a_missed_pod_in_place_exactly_as_add_would() {
     }
 }
 
-/// A TCP connection opened from inside the pod to `listener` (on the node) before anything
-/// captured the pod: (the pod's end, the node's end).
-fn connection_from_pod(netns: &str, listener: &TcpListener) -> (TcpStream, TcpStream) {
-    let dst = listener.local_addr().unwrap();
-    let pod_end = sock::in_netns(netns, move || sock::tcp_connect(dst, None, Duration::from_secs(2))).unwrap();
-    let (node_end, _) = listener.accept().unwrap();
-    for s in [&pod_end, &node_end] {
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    }
-    (pod_end, node_end)
-}
-
-/// `first` sends, `second` answers, each reading exactly what the other sent: `Err` names
-/// what broke (a reset, a timeout, other bytes).
-fn exchange(first: &TcpStream, second: &TcpStream, round: &str) -> Result<(), String> {
-    fn one_way(mut from: &TcpStream, mut to: &TcpStream, text: &str) -> Result<(), String> {
-        from.write_all(text.as_bytes()).map_err(|e| format!("writing {text:?}: {e}"))?;
-        let mut got = vec![0; text.len()];
-        to.read_exact(&mut got).map_err(|e| format!("reading {text:?}: {e}"))?;
-        (got == text.as_bytes())
-            .then_some(())
-            .ok_or_else(|| format!("sent {text:?}, got {:?}", String::from_utf8_lossy(&got)))
-    }
-    one_way(first, second, &format!("ask {round}"))?;
-    one_way(second, first, &format!("answer {round}"))
-}
-
 /// Deletes the rule of the pod's IPv4 `egress_divert` whose comment contains `comment`.
 fn delete_divert_rule(netns: &str, comment: &str) {
     let out = in_netns(netns, &["nft", "-a", "list", "chain", "ip", "aether_capture", "egress_divert"]);
@@ -360,13 +333,13 @@ fn reconciler_capture_in_place_keeps_connections_opened_before_and_captures_new_
     let gateway: std::net::Ipv4Addr = NET.gateway.parse().unwrap();
     let listener =
         sock::in_netns(&ctrd.node.path(), move || sock::tcp_listener(SocketAddr::from((gateway, 0)), false)).unwrap();
-    let pod_speaks_first = connection_from_pod(&netns, &listener);
-    let node_speaks_first = connection_from_pod(&netns, &listener);
-    let idle_until_control = connection_from_pod(&netns, &listener);
+    let pod_speaks_first = sock::connection_from(&netns, &listener);
+    let node_speaks_first = sock::connection_from(&netns, &listener);
+    let idle_until_control = sock::connection_from(&netns, &listener);
     for (what, (p, n)) in
         [("pod first", &pod_speaks_first), ("node first", &node_speaks_first), ("idle", &idle_until_control)]
     {
-        exchange(p, n, "before").unwrap_or_else(|e| panic!("{what}, before the capture: {e}"));
+        sock::exchange(p, n, "before").unwrap_or_else(|e| panic!("{what}, before the capture: {e}"));
     }
 
     let socket = format!("--cri-socket={}", ctrd.socket().display());
@@ -378,9 +351,9 @@ fn reconciler_capture_in_place_keeps_connections_opened_before_and_captures_new_
     // Connections opened before keep exchanging bytes, both ways, whichever end speaks first.
     for round in ["after 1", "after 2", "after 3"] {
         let (p, n) = &pod_speaks_first;
-        exchange(p, n, round).unwrap_or_else(|e| panic!("pod first, {round} the capture: {e}"));
+        sock::exchange(p, n, round).unwrap_or_else(|e| panic!("pod first, {round} the capture: {e}"));
         let (p, n) = &node_speaks_first;
-        exchange(n, p, round).unwrap_or_else(|e| panic!("node first, {round} the capture: {e}"));
+        sock::exchange(n, p, round).unwrap_or_else(|e| panic!("node first, {round} the capture: {e}"));
     }
     // A new connection reaches the transparent listener with its original destination.
     assert_eq!(packet_captured(&netns), Ok(format!("{}:4242", NET.gateway).parse().unwrap()), "a new connection");
@@ -392,12 +365,12 @@ fn reconciler_capture_in_place_keeps_connections_opened_before_and_captures_new_
     // breaks; without the rule that accepts marked flows, so does one already marked.
     delete_divert_rule(&netns, "first seen mid-stream");
     let (p, n) = &idle_until_control;
-    let broken = exchange(p, n, "control");
+    let broken = sock::exchange(p, n, "control");
     assert!(broken.is_err(), "with no mid-stream rule, a connection from before still works: the test cannot fail");
     let (p, n) = &pod_speaks_first;
-    exchange(p, n, "marked").expect("a marked connection needs only the ct mark rule");
+    sock::exchange(p, n, "marked").expect("a marked connection needs only the ct mark rule");
     delete_divert_rule(&netns, "established before the capture stays uncaptured");
-    let broken_marked = exchange(p, n, "control");
+    let broken_marked = sock::exchange(p, n, "control");
     assert!(broken_marked.is_err(), "with no ct mark rule, a marked connection still works: the test cannot fail");
     eprintln!("controls: first seen mid-stream: {broken:?}; marked: {broken_marked:?}");
     ctrd.stop_pod(&pod);
