@@ -5,7 +5,7 @@
 //! transaction); a leftover is collected by `attachment::collect` (GC's, counts folded once);
 //! an in-place capture is `attachment::attach` (ADD's).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use aether_cri::Sandbox;
@@ -167,6 +167,10 @@ impl NodeOps for NodeLib {
             .collect();
         views.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(views)
+    }
+
+    fn recorded_sandboxes(&mut self) -> Result<HashSet<String>, NodeOpsError> {
+        Ok(StateDir::new(&self.state_dir).scan().records.into_iter().map(|r| r.container_id).collect())
     }
 
     fn observe(&mut self, view: &RecordView) -> Observation {
