@@ -16,7 +16,8 @@
 //!
 //! Any doubt is a full comparison: a record without a netns cookie, a generation that cannot
 //! be read, a record or stored layer other than remembered, a pod not found intact last time
-//! (a repair forgets it: the next look compares in full).
+//! (a repair forgets it: the next look compares in full). A pod whose capture differs has its
+//! Service layer compared at the next look, after the capture's repair.
 
 use std::collections::HashMap;
 
@@ -140,6 +141,12 @@ impl Drift {
             Ok(d) => d,
             Err(e) => return Look::Unverifiable(e.to_string()),
         };
+        if !capture.is_empty() {
+            // The capture first (a pod without it leaks): repaired this pass, without waiting for
+            // a comparison of a Service layer of perhaps 10,000 Services; the layer is compared
+            // at the next look (in full: nothing is remembered, and the repair commits).
+            return Look::Seen { capture, services: Vec::new(), compared: Compared::Full };
+        }
         let mark = record.capture.as_ref().map(|c| c.divert_mark);
         let (services, layer) = match services::verify_pod_layer(&conf.state_dir, ns, mark) {
             Ok(found) => found,
