@@ -169,12 +169,20 @@ impl Containerd {
 
     /// Starts containerd in the node netns and waits until its CRI answers.
     pub fn start(&mut self) {
+        self.start_with_env(&[]);
+    }
+
+    /// Starts containerd with these variables added to its environment, which the CNI plugins
+    /// it runs inherit (libcni passes its own environment on): how a test makes the plugin
+    /// fail a step of DEL (`AETHER_CNI_INJECT_FAILURE`) when containerd runs it.
+    pub fn start_with_env(&mut self, env: &[(&str, &str)]) {
         assert!(self.child.is_none(), "containerd already started");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("containerd.log")).unwrap();
         let child = Command::new("nsenter")
             .arg(format!("--net={}", self.node.path()))
             .args(["containerd", "--config"])
             .arg(self.dir.join("config.toml"))
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

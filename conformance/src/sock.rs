@@ -227,3 +227,33 @@ pub fn udp_connected(dst: SocketAddr, mark: Option<u32>, timeout: Duration) -> i
     sock.connect(dst)?;
     Ok(sock)
 }
+
+/// A TCP connection opened from inside the netns at `netns` to `listener` (in another netns):
+/// (the inside end, the listener's end), each reading with a 3 s timeout. How the tests hold
+/// a connection open across a change to the inside netns' rules.
+pub fn connection_from(netns: &str, listener: &TcpListener) -> (TcpStream, TcpStream) {
+    let dst = listener.local_addr().expect("listener address");
+    let inside = in_netns(netns, move || tcp_connect(dst, None, Duration::from_secs(2))).expect("connect");
+    let (outside, _) = listener.accept().expect("accept");
+    for s in [&inside, &outside] {
+        s.set_read_timeout(Some(Duration::from_secs(3))).expect("read timeout");
+    }
+    (inside, outside)
+}
+
+/// `first` sends, `second` answers, each reading exactly what the other sent: `Err` names
+/// what broke (a reset, a timeout, other bytes).
+pub fn exchange(first: &TcpStream, second: &TcpStream, round: &str) -> Result<(), String> {
+    use std::io::{Read as _, Write as _};
+    fn one_way(mut from: &TcpStream, mut to: &TcpStream, text: &str) -> Result<(), String> {
+        from.write_all(text.as_bytes()).map_err(|e| format!("writing {text:?}: {e}"))?;
+        let mut got = vec![0; text.len()];
+        to.read_exact(&mut got).map_err(|e| format!("reading {text:?}: {e}"))?;
+        if got != text.as_bytes() {
+            return Err(format!("sent {text:?}, got {:?}", String::from_utf8_lossy(&got)));
+        }
+        Ok(())
+    }
+    one_way(first, second, &format!("ask {round}"))?;
+    one_way(second, first, &format!("answer {round}"))
+}

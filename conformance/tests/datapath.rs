@@ -14,6 +14,7 @@
 //! | excluded network / excluded port or range | `row_excluded_...` | each element deleted; the neighbours of each exclusion |
 //! | a reply on a tracked flow | `row_ct_reply_...` | `ct direction reply accept` deleted |
 //! | passthrough mark `0xae7e` | `row_passthrough_...` | no mark; passthrough rule deleted |
+//! | a TCP connection established before the capture | `row_established_before_...` | mid-stream rule deleted; `ct mark` rule deleted |
 //! | DEL removes exactly what ADD made | `del_restores_...` | every probe changes under capture |
 //! | per-pod netns isolation | `two_pods_...` | pod a detached |
 //!
@@ -32,7 +33,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use aether_conformance::{
-    control, sa, Pod, Probe, Proxy, Seen, SimNode, Stack, APP_PORT, DNS_PROXY_PORT, DNS_VIP, DNS_VIP6, HOST_IP,
+    control, sa, sock, Pod, Probe, Proxy, Seen, SimNode, Stack, APP_PORT, DNS_PROXY_PORT, DNS_VIP, DNS_VIP6, HOST_IP,
     HOST_IP6, MESH_L4_PORT, PASSTHROUGH_MARK, SCOPED_PORT, VIP, VIP6,
 };
 use aether_testkit::root_or_skip;
@@ -142,6 +143,7 @@ macro_rules! rows {
             row_excluded_networks_and_ports_are_not_captured => row_excluded,
             row_ct_reply_inbound_connections_work_and_their_replies_are_not_diverted => row_ct_reply,
             row_passthrough_marked_sockets_are_not_captured => row_passthrough,
+            row_established_before_the_capture_keeps_working_uncaptured => row_established_before,
             del_restores_the_path_of_every_connection => del_restores,
             two_pods_are_each_captured_by_their_own_listeners => two_pods
         );
@@ -521,6 +523,49 @@ fn row_passthrough(f: &Fam, test: &str) {
     control(got == capture(&a, "tcp", vip80), "passthrough rule deleted (TCP)", format!("{got}\n{}", a.ruleset()));
     let got = a.udp_marked(vip_l4, PASSTHROUGH_MARK);
     control(got == capture(&a, "udp", vip_l4), "passthrough rule deleted (UDP)", &got);
+}
+
+/// Row "a TCP connection established before the capture existed": conntrack first sees it
+/// mid-stream (`ct state new`, SYN clear) and it is marked `0xae7c`, never captured: it keeps
+/// exchanging bytes both ways, whichever end speaks first, while a new connection is captured.
+fn row_established_before(f: &Fam, test: &str) {
+    let Some(mut node) = node(test, "est") else { return };
+    let a = f.pod(&mut node, "a");
+    // A server of the test's own on a Service address of the host (transparent: IPv6 binds
+    // an address a local route makes ours only so), and connections opened before ADD.
+    let vip = f.vip;
+    let listener = sock::in_netns(&node.host.path(), move || sock::tcp_listener(sa(vip, 0), true)).unwrap();
+    let pod_first = sock::connection_from(&a.path(), &listener);
+    let host_first = sock::connection_from(&a.path(), &listener);
+    let silent = sock::connection_from(&a.path(), &listener);
+    for (p, h) in [&pod_first, &host_first, &silent] {
+        sock::exchange(p, h, "before ADD").unwrap();
+    }
+    a.add(json!({}));
+    let proxy = Proxy::start(&a);
+    for round in ["after 1", "after 2"] {
+        let (p, h) = &pod_first;
+        sock::exchange(p, h, round).unwrap_or_else(|e| panic!("pod speaks first, {round} ADD: {e}\n{}", a.ruleset()));
+        let (p, h) = &host_first;
+        sock::exchange(h, p, round).unwrap_or_else(|e| panic!("host speaks first, {round} ADD: {e}"));
+    }
+    let vip80 = sa(vip, 80);
+    assert_eq!(a.tcp(vip80), capture(&a, "tcp", vip80), "a new connection is captured");
+    let port = listener.local_addr().unwrap().port();
+    assert!(proxy.seen().iter().all(|s| s.dst.port() != port), "{:?}", proxy.seen());
+
+    // Control: without the rule that marks a flow first seen mid-stream, the connection silent
+    // since ADD is diverted on its next packet, and breaks.
+    f.delete_rule(&a, "egress_divert", "first seen mid-stream");
+    let (p, h) = &silent;
+    let got = sock::exchange(p, h, "control");
+    control(got.is_err(), "mid-stream rule deleted", format!("{got:?}\n{}", a.ruleset()));
+    // Control: without the `ct mark` rule, so does a connection already marked.
+    let (p, h) = &pod_first;
+    sock::exchange(p, h, "marked").expect("a marked connection needs only the `ct mark` rule");
+    f.delete_rule(&a, "egress_divert", "ct mark 0x0000ae7c accept");
+    let got = sock::exchange(p, h, "control");
+    control(got.is_err(), "`ct mark` rule deleted", format!("{got:?}\n{}", a.ruleset()));
 }
 
 /// The whole table, undone: after DEL every connection goes where it went with no mesh.

@@ -3,7 +3,9 @@
 //! restarted through the CRI (and come back captured by a real ADD) or only reported, by
 //! policy; kube-system, `aether.io/capture: disabled` and malformed pods are left alone;
 //! drift in a running pod is repaired to exactly its record, and stays broken with the
-//! reconciler off (the negative control); a record whose pod's DEL never came is collected;
+//! reconciler off (the negative control); a pod captured in place keeps the TCP connections it
+//! had open, uncaptured, while new ones are captured; a record whose pod's DEL never came, or
+//! failed and was never retried, is collected, its Service counts folded once;
 //! without a CRI socket, or with one that answers garbage, the installer keeps running, says
 //! why, and still repairs drift.
 //!
@@ -301,6 +303,80 @@ fn reconciler_captures_a_missed_pod_in_place_exactly_as_add_would() {
     }
 }
 
+/// Deletes the rule of the pod's IPv4 `egress_divert` whose comment contains `comment`.
+fn delete_divert_rule(netns: &str, comment: &str) {
+    let out = in_netns(netns, &["nft", "-a", "list", "chain", "ip", "aether_capture", "egress_divert"]);
+    let handle = out
+        .lines()
+        .find(|l| l.contains(comment))
+        .and_then(|l| l.rsplit("# handle ").next())
+        .unwrap_or_else(|| panic!("no rule {comment:?}:\n{out}"))
+        .trim()
+        .to_string();
+    in_netns(netns, &["nft", "delete", "rule", "ip", "aether_capture", "egress_divert", "handle", &handle]);
+}
+
+#[test]
+fn reconciler_capture_in_place_keeps_connections_opened_before_and_captures_new_ones() {
+    let test = "reconciler_capture_keeps_connections";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcflow", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pod = ctrd.run_pod("shop", "cart-0", None).unwrap();
+    let netns = ctrd.sandbox(&pod).unwrap().netns;
+    assert!(uncaptured(&netns));
+    // A server on the node (the bridge's address, in containerd's node netns), and
+    // connections the pod opened to it before it was captured.
+    let gateway: std::net::Ipv4Addr = NET.gateway.parse().unwrap();
+    let listener =
+        sock::in_netns(&ctrd.node.path(), move || sock::tcp_listener(SocketAddr::from((gateway, 0)), false)).unwrap();
+    let pod_speaks_first = sock::connection_from(&netns, &listener);
+    let node_speaks_first = sock::connection_from(&netns, &listener);
+    let idle_until_control = sock::connection_from(&netns, &listener);
+    for (what, (p, n)) in
+        [("pod first", &pod_speaks_first), ("node first", &node_speaks_first), ("idle", &idle_until_control)]
+    {
+        sock::exchange(p, n, "before").unwrap_or_else(|e| panic!("{what}, before the capture: {e}"));
+    }
+
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "flows", &[socket, "--missed-pods=capture".into()]);
+    inst.wait_pass(1, "shop/cart-0 captured in place", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "capture" && a["outcome"] == "done")
+    });
+    assert_captured(&netns, &["ct mark 0x0000ae7c accept"]);
+    // Connections opened before keep exchanging bytes, both ways, whichever end speaks first.
+    for round in ["after 1", "after 2", "after 3"] {
+        let (p, n) = &pod_speaks_first;
+        sock::exchange(p, n, round).unwrap_or_else(|e| panic!("pod first, {round} the capture: {e}"));
+        let (p, n) = &node_speaks_first;
+        sock::exchange(n, p, round).unwrap_or_else(|e| panic!("node first, {round} the capture: {e}"));
+    }
+    // A new connection reaches the transparent listener with its original destination.
+    assert_eq!(packet_captured(&netns), Ok(format!("{}:4242", NET.gateway).parse().unwrap()), "a new connection");
+    // The reconciler stops before the controls, so it cannot repair what they delete.
+    inst.stop();
+
+    // Negative controls, the old behaviour: without the rule that marks a flow first seen
+    // mid-stream, a connection opened before the capture (silent since) is diverted, and
+    // breaks; without the rule that accepts marked flows, so does one already marked.
+    delete_divert_rule(&netns, "first seen mid-stream");
+    let (p, n) = &idle_until_control;
+    let broken = sock::exchange(p, n, "control");
+    assert!(broken.is_err(), "with no mid-stream rule, a connection from before still works: the test cannot fail");
+    let (p, n) = &pod_speaks_first;
+    sock::exchange(p, n, "marked").expect("a marked connection needs only the ct mark rule");
+    delete_divert_rule(&netns, "established before the capture stays uncaptured");
+    let broken_marked = sock::exchange(p, n, "control");
+    assert!(broken_marked.is_err(), "with no ct mark rule, a marked connection still works: the test cannot fail");
+    eprintln!("controls: first seen mid-stream: {broken:?}; marked: {broken_marked:?}");
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+}
+
 #[test]
 fn reconciler_killed_mid_pass_loses_nothing_and_does_nothing_twice() {
     let test = "reconciler_killed_mid_pass";
@@ -588,6 +664,141 @@ fn reconciler_collects_a_record_whose_del_never_came() {
         1.0,
         "collected once"
     );
+    inst.stop();
+}
+
+/// `aether-cni services counters --format json` on the test's node.
+fn service_counters(ctrd: &Containerd) -> Value {
+    let out = exec(
+        Command::new(cni_bin())
+            .arg("services")
+            .arg("--state-dir")
+            .arg(&ctrd.state_dir)
+            .args(["counters", "--format", "json"]),
+    );
+    serde_json::from_str(&must("services counters", out)).unwrap()
+}
+
+/// The node's total of connections counted `external`, and each pod's (by sandbox).
+fn externals(c: &Value) -> (u64, Vec<(String, u64)>) {
+    let pods = c["pods"].as_array().unwrap_or_else(|| panic!("no pods in {c}"));
+    let per_pod = pods
+        .iter()
+        .map(|r| (r["containerID"].as_str().unwrap().to_string(), r["counters"]["external"].as_u64().unwrap()))
+        .collect();
+    (c["node"]["external"].as_u64().unwrap_or_else(|| panic!("no node total in {c}")), per_pod)
+}
+
+/// Removes the chained conflist (an installer that uninstalled) and waits until containerd
+/// runs the main CNI alone: a DEL from now on never reaches aether-cni.
+fn withdraw_the_entry(ctrd: &Containerd) {
+    for e in std::fs::read_dir(&ctrd.net_dir).unwrap().flatten() {
+        if e.file_name().to_string_lossy().contains("aether") {
+            std::fs::remove_file(e.path()).unwrap();
+        }
+    }
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+}
+
+#[test]
+fn reconciler_collects_a_pod_whose_del_failed_with_its_counts_folded_once() {
+    let test = "reconciler_collects_a_failed_del";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcdelf", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    // The default grace: a record written by ADD before containerd lists its sandbox is no
+    // leftover.
+    let mut inst = Installer::start(&ctrd, "before", std::slice::from_ref(&socket));
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let retried = ctrd.run_pod("shop", "retried-0", None).unwrap();
+    let abandoned = ctrd.run_pod("shop", "abandoned-0", None).unwrap();
+    for id in [&retried, &abandoned] {
+        assert_captured(&ctrd.sandbox(id).unwrap().netns, &[]);
+    }
+    // The Service layer in both pods, and new connections counted in each (2 and 3).
+    let doc = ctrd.dir.join("snapshot.json");
+    std::fs::write(
+        &doc,
+        json!({"generation": 1, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []}).to_string(),
+    )
+    .unwrap();
+    must(
+        "services apply",
+        exec(
+            Command::new(cni_bin())
+                .arg("services")
+                .arg("--state-dir")
+                .arg(&ctrd.state_dir)
+                .arg("apply")
+                .arg("-f")
+                .arg(&doc),
+        ),
+    );
+    for (id, n) in [(&retried, 2), (&abandoned, 3)] {
+        let netns = ctrd.sandbox(id).unwrap().netns;
+        for _ in 0..n {
+            packet_captured(&netns)
+                .unwrap_or_else(|e| panic!("{id}: {e}\n{:#?}\n--- installer\n{}", capture_state(&netns), inst.log()));
+        }
+    }
+    let (total, mut pods) = externals(&service_counters(&ctrd));
+    pods.sort();
+    let mut want = vec![(retried.clone(), 2), (abandoned.clone(), 3)];
+    want.sort();
+    assert_eq!((total, pods), (5, want), "the connections counted, per pod and on the node");
+
+    // containerd restarted with a failure injected into the plugin's DEL, after the pod's
+    // counts are folded into the node totals and before its Service layer and record are
+    // removed (the capture is already gone). StopPodSandbox fails, as the kubelet sees it, and
+    // containerd keeps the sandbox (not ready) to retry its DEL.
+    ctrd.stop();
+    ctrd.start_with_env(&[("AETHER_CNI_INJECT_FAILURE", "del-folded")]);
+    for id in [&retried, &abandoned] {
+        let err = ctrd.cri("StopPodSandbox", &json!({"pod_sandbox_id": id})).unwrap_err();
+        assert!(err.contains("injected failure at step del-folded"), "{id}: {err}");
+        assert_eq!(sandbox_state(&ctrd, id), "SANDBOX_NOTREADY", "{id}");
+    }
+    assert_eq!(records(&ctrd.state_dir).len(), 2, "a failed DEL keeps its record for the retry");
+    assert_eq!(externals(&service_counters(&ctrd)).0, 5, "folded, and not counted twice while the layer stays");
+    // The reconciler leaves a not-ready sandbox to the runtime's retried DEL.
+    let from = inst.mark() + 2;
+    let pass = inst.wait_pass(from, "both pods not ready", |p| {
+        state_of(p, "shop/retried-0") == "not-ready" && state_of(p, "shop/abandoned-0") == "not-ready"
+    });
+    for pod in ["shop/retried-0", "shop/abandoned-0"] {
+        assert!(actions_on(&pass, pod).is_empty(), "{pod}: {pass:#}");
+    }
+    assert_eq!(records(&ctrd.state_dir).len(), 2);
+
+    // The fault lifted, the kubelet's RemovePodSandbox: containerd retries the DEL, which
+    // finishes the job, adding nothing more to the node totals.
+    ctrd.stop();
+    ctrd.start();
+    ctrd.remove_pod(&retried);
+    assert_eq!(records(&ctrd.state_dir).len(), 1, "the retried DEL forgot its record");
+    assert_eq!(externals(&service_counters(&ctrd)).0, 5, "the retried DEL folded nothing twice");
+
+    // The other pod's DEL never comes again (the entry withdrawn before the retry): the
+    // sandbox goes, its record stays behind.
+    inst.stop();
+    withdraw_the_entry(&ctrd);
+    ctrd.remove_pod(&abandoned);
+    assert_eq!(records(&ctrd.state_dir).len(), 1, "the failed DEL's record is left behind");
+    // One pass of the reconciler collects it, its counts folded once.
+    let mut inst = Installer::start(&ctrd, "after", &[socket, "--leftover-grace-seconds=0".into()]);
+    let pass = inst.wait_pass(1, "the failed DEL's record collected", |p| {
+        actions_on(p, "shop/abandoned-0").iter().any(|a| a["kind"] == "collect" && a["outcome"] == "done")
+    });
+    assert!(records(&ctrd.state_dir).is_empty(), "{pass:#}");
+    assert_eq!(externals(&service_counters(&ctrd)), (5, vec![]), "each pod's counts in the node totals once");
+    let from = inst.mark() + 1;
+    inst.wait_pass(from, "a pass after", |p| p["actions"].as_array().unwrap().is_empty());
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="collect",outcome="done"}"#), 1.0, "once");
+    assert_eq!(externals(&service_counters(&ctrd)).0, 5);
     inst.stop();
 }
 

@@ -13,6 +13,10 @@ cd "$repo"
 mkdir -p "$(dirname "$out")"
 tmp=$(mktemp "$out.XXXXXX")
 trap 'rm -f "$tmp"' EXIT
+# cargo-about reads `cargo metadata`, which wants the source of every package in Cargo.lock,
+# also those of other platforms that no build here downloads; fetch them first (from the
+# registry the machine's cargo is set up for), then read offline.
+cargo fetch --locked --manifest-path cni-plugin/Cargo.toml >/dev/null
 "$about" generate --frozen --fail -c about.toml -m cni-plugin/Cargo.toml --target "$target" \
     installer/image/THIRD-PARTY-NOTICES.hbs -o "$tmp"
 rust=$(rustc --version)

@@ -90,7 +90,8 @@ impl From<StateError> for AttachmentError {
 }
 
 /// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
-/// crate's steps, or `record`, or `services`. Compiled in only with `fault-injection`.
+/// crate's steps, or `record`, or `services` (DEL's steps: `state::fails_here`). Compiled in
+/// only with `fault-injection`.
 #[cfg(feature = "fault-injection")]
 fn injected_failure() -> Option<String> {
     std::env::var("AETHER_CNI_INJECT_FAILURE").ok()
@@ -253,6 +254,7 @@ fn undo(
     let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget).map_err(|e| match e {
         RetireError::Lock(e) => AttachmentError::ServiceLock(e),
         RetireError::Forget(e) => AttachmentError::State(e),
+        RetireError::Injected(step) => AttachmentError::Injected(step.into()),
     })?;
     let container = key.split('/').nth(1).unwrap_or(key);
     for w in &retired.warnings {

@@ -13,6 +13,10 @@ use crate::route::PolicyRoute;
 pub const DIVERT_MARK: u32 = 0xae71;
 /// Mark the proxy puts on its own forwarded egress; never re-captured.
 pub const PASSTHROUGH_MARK: u32 = 0xae7e;
+/// Conntrack mark of a TCP connection established before the capture existed: it stays
+/// uncaptured (docs/design.md "Connections established before the capture"). A ct mark, not
+/// a packet mark: it lives with the flow's conntrack entry, in the pod netns only. Fixed.
+pub const PREEXISTING_CT_MARK: u32 = 0xae7c;
 /// The transparent TCP capture listener.
 pub const CAPTURE_PORT: u16 = 18001;
 /// The L4 mesh port, TCP and UDP; UDP to it is tproxied with its port kept.
@@ -283,6 +287,20 @@ fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
             "the proxy's own passthrough traffic is never re-captured",
         ),
         rule(
+            vec![Match::CtMark(PREEXISTING_CT_MARK)],
+            Action::Accept,
+            "a connection established before the capture stays uncaptured",
+        ),
+        // Conntrack runs in the pod netns from the moment this table exists. A TCP packet
+        // of a flow it never saw, without SYN, is picked up mid-stream (nf_conntrack_tcp_loose)
+        // as `new`: that connection was open before the capture, and no new connection ever
+        // starts without SYN.
+        rule(
+            vec![Match::CtStateNew, Match::TcpWithoutSyn],
+            Action::SetCtMarkAccept(PREEXISTING_CT_MARK),
+            "a TCP flow first seen mid-stream was established before the capture: marked, not captured",
+        ),
+        rule(
             vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())],
             Action::Accept,
             "excluded destinations are not captured",
@@ -400,6 +418,7 @@ mod tests {
     fn constants_are_pinned() {
         assert_eq!(DIVERT_MARK, 0xae71);
         assert_eq!(PASSTHROUGH_MARK, 0xae7e);
+        assert_eq!(PREEXISTING_CT_MARK, 0xae7c);
         assert_eq!(CAPTURE_PORT, 18001);
         assert_eq!(MESH_L4_PORT, 18082);
         assert_eq!(SCOPED_PORTS, [18081, 18082]);
@@ -487,6 +506,28 @@ mod tests {
         assert_eq!(tproxy[0].action, Action::TproxyAccept(18001));
         assert_eq!(tproxy[1].action, Action::TproxyAccept(18082));
         assert!(rs.halves[0].table.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
+    }
+
+    #[test]
+    fn connections_established_before_the_capture_are_exempted_before_anything_is_diverted() {
+        for mode in [CaptureMode::RedirectAll, CaptureMode::Scoped] {
+            let rs = capture_ruleset(&CaptureConfig::new(mode)).unwrap();
+            let divert = rules_of(&rs, CHAIN_DIVERT);
+            let marked = divert.iter().position(|r| r.matches == vec![Match::CtMark(PREEXISTING_CT_MARK)]).unwrap();
+            assert_eq!(divert[marked].action, Action::Accept);
+            let first_seen =
+                divert.iter().position(|r| r.matches == vec![Match::CtStateNew, Match::TcpWithoutSyn]).unwrap();
+            assert_eq!(divert[first_seen].action, Action::SetCtMarkAccept(PREEXISTING_CT_MARK));
+            let first_divert =
+                divert.iter().position(|r| matches!(r.action, Action::SetMarkAccept(_))).expect("a divert rule");
+            assert!(marked < first_divert && first_seen < first_divert, "{mode}: exemptions come first");
+            assert_eq!(
+                divert[first_seen].to_string(),
+                "ct state new tcp flags ! syn ct mark set 0x0000ae7c accept comment \"a TCP flow first seen mid-stream was established before the capture: marked, not captured\""
+            );
+        }
+        // The mark differs from the packet marks: a restored ct mark never diverts.
+        assert!(![DIVERT_MARK, PASSTHROUGH_MARK].contains(&PREEXISTING_CT_MARK));
     }
 
     #[test]

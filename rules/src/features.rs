@@ -57,6 +57,13 @@ pub const CT: Feature = Feature {
     module: Some("nft_ct"),
     since: (3, 13),
 };
+/// Setting a conntrack key from a register (`ct mark set`), in the same module.
+pub const CT_SET: Feature = Feature {
+    name: "ct mark set (the ct expression's set form)",
+    config: "CONFIG_NFT_CT",
+    module: Some("nft_ct"),
+    since: (3, 14),
+};
 pub const NAT_CHAIN: Feature =
     Feature { name: "type nat chains", config: "CONFIG_NFT_NAT", module: Some("nft_chain_nat"), since: (3, 13) };
 pub const NAT: Feature =
@@ -88,12 +95,13 @@ pub const TPROXY: Feature = Feature {
 };
 
 /// Every feature, in the order of the README's table.
-pub const ALL: [&Feature; 16] = [
+pub const ALL: [&Feature; 17] = [
     &NF_TABLES,
     &ROUTE_CHAIN,
     &META_SET,
     &RULE_USERDATA,
     &CT,
+    &CT_SET,
     &NAT_CHAIN,
     &NAT,
     &REJECT_IPV4,
@@ -118,6 +126,7 @@ pub fn of_rule(exprs: &[Expr], family: Family) -> Vec<&'static Feature> {
     for e in exprs {
         let f: &'static Feature = match e {
             Expr::Ct { .. } => &CT,
+            Expr::CtSet { .. } => &CT_SET,
             Expr::MetaSet { .. } => &META_SET,
             Expr::Lookup { invert: true, .. } => &LOOKUP_INVERTED,
             Expr::Objref { .. } => &OBJREF,

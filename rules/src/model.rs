@@ -315,6 +315,10 @@ pub enum Match {
     DportInSet(Proto, String),
     /// `ct state new`: the first packet of a connection.
     CtStateNew,
+    /// `ct mark <mark>`: the flow's conntrack mark.
+    CtMark(u32),
+    /// `tcp flags ! syn` (SYN clear): a TCP packet that cannot start a connection.
+    TcpWithoutSyn,
     /// `ct status & confirmed == 0`: the first packet of a flow, exactly once.
     CtUnconfirmed,
     /// `ip daddr != @set`
@@ -330,6 +334,8 @@ pub enum Action {
     Accept,
     /// `meta mark set <mark> accept`
     SetMarkAccept(u32),
+    /// `ct mark set <mark> accept`: mark the packet's flow (conntrack), then accept.
+    SetCtMarkAccept(u32),
     /// `tproxy to :<port> accept`: deliver to the transparent listener on this port.
     TproxyAccept(u16),
     /// `dnat to <addr>:<port>`, the address of the table's family.
@@ -369,6 +375,8 @@ impl fmt::Display for InFamily<'_, Match> {
             Match::Dport(p, port) => write!(f, "{} dport {port}", p.name()),
             Match::DportInSet(p, s) => write!(f, "{} dport @{s}", p.name()),
             Match::CtStateNew => write!(f, "ct state new"),
+            Match::CtMark(m) => write!(f, "ct mark {m:#010x}"),
+            Match::TcpWithoutSyn => write!(f, "tcp flags ! syn"),
             Match::CtUnconfirmed => write!(f, "ct status & confirmed == 0"),
             Match::DaddrNotInSet(s) => write!(f, "{ip} daddr != @{s}"),
             Match::L4ProtoNotInSet(s) => write!(f, "meta l4proto != @{s}"),
@@ -389,6 +397,7 @@ impl fmt::Display for InFamily<'_, Action> {
         match self.0 {
             Action::Accept => write!(f, "accept"),
             Action::SetMarkAccept(m) => write!(f, "meta mark set {m:#010x} accept"),
+            Action::SetCtMarkAccept(m) => write!(f, "ct mark set {m:#010x} accept"),
             Action::TproxyAccept(port) => write!(f, "tproxy to :{port} accept"),
             Action::Dnat(addr, port) => write!(f, "dnat to {}", std::net::SocketAddr::new(*addr, *port)),
             Action::Jump(c) => write!(f, "jump {c}"),

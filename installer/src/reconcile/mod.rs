@@ -252,9 +252,16 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
 
     fn views(&mut self, sandboxes: Vec<Sandbox>, observed: &[(RecordView, Observation)]) -> Vec<SandboxView> {
         let recorded: HashSet<&str> = observed.iter().map(|(r, _)| r.sandbox_id.as_str()).collect();
-        let mut views = Vec::with_capacity(sandboxes.len());
-        for sandbox in sandboxes {
-            let wants = self.node.wants(&sandbox);
+        let wanted: Vec<(Sandbox, Wants)> = sandboxes
+            .into_iter()
+            .map(|s| {
+                let w = self.node.wants(&s);
+                (s, w)
+            })
+            .collect();
+        let late = self.added_during_the_pass(&wanted, &recorded);
+        let mut views = Vec::with_capacity(wanted.len());
+        for (sandbox, wants) in wanted.into_iter().filter(|(s, _)| !late.contains(&s.id)) {
             let network = if SandboxView::needs_network(&sandbox, &wants, &recorded) {
                 Some(match self.network_cache.get(&sandbox.id) {
                     Some(n) => Ok(n.clone()),
@@ -273,6 +280,23 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             views.push(SandboxView { sandbox, wants, network });
         }
         views
+    }
+
+    /// The sandboxes whose ADD finished while this pass read the records: listed ready after
+    /// the read, with a record the pass did not see, they would pass for missed pods (and be
+    /// restarted). They are left out of this pass; the next one reads both. The records are
+    /// read again only when a listed sandbox looks missed, which is rare.
+    fn added_during_the_pass(&mut self, wanted: &[(Sandbox, Wants)], recorded: &HashSet<&str>) -> HashSet<String> {
+        if !wanted.iter().any(|(s, w)| SandboxView::needs_network(s, w, recorded)) {
+            return HashSet::new();
+        }
+        let Ok(now) = self.node.records() else { return HashSet::new() };
+        let late: HashSet<String> =
+            now.into_iter().map(|r| r.sandbox_id).filter(|id| !recorded.contains(id.as_str())).collect();
+        for id in &late {
+            tracing::debug!(sandbox = %id, "recorded while the pass read the records: left to the next pass");
+        }
+        late
     }
 
     fn execute(

@@ -44,6 +44,8 @@ struct FakeNode {
     records: BTreeMap<String, (RecordView, Observation)>,
     calls: Vec<String>,
     fail_repair: bool,
+    /// A record an ADD writes just after the pass's first read of the records.
+    written_after_the_read: Option<(RecordView, Observation)>,
 }
 
 impl NodeOps for FakeNode {
@@ -59,7 +61,11 @@ impl NodeOps for FakeNode {
         }
     }
     fn records(&mut self) -> Result<Vec<RecordView>, String> {
-        Ok(self.records.values().map(|(r, _)| r.clone()).collect())
+        let read = self.records.values().map(|(r, _)| r.clone()).collect();
+        if let Some((r, o)) = self.written_after_the_read.take() {
+            self.records.insert(r.key.clone(), (r, o));
+        }
+        Ok(read)
     }
     fn observe(&mut self, r: &RecordView) -> Observation {
         self.records[&r.key].1.clone()
@@ -174,6 +180,29 @@ fn restart_stops_only_the_missed_sandbox_and_asks_its_status_only() {
     let report = r.pass(Ok(()));
     assert!(report.actions.is_empty(), "{:?}", report.actions);
     assert_eq!(r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("stop")).count(), 1);
+}
+
+#[test]
+fn a_pod_whose_add_finishes_while_the_pass_reads_the_records_is_not_taken_for_missed() {
+    // The sandbox is listed ready (its ADD done) after the pass read the records without it.
+    let mut node = FakeNode::default();
+    node.written_after_the_read =
+        node_with_record("missed", "cart", Observation::Intact).records.pop_first().map(|(_, v)| v);
+    let mut r = Reconciler::new(Some(node_pods()), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty(), "a freshly captured pod restarted: {:?}", report.actions);
+    assert!(
+        !r.runtime.as_ref().unwrap().calls.iter().any(|c| c.contains("missed")),
+        "{:?}",
+        r.runtime.as_ref().unwrap().calls
+    );
+    assert_eq!(report.count(PodState::Missed), 0);
+    // The next pass reads both: the pod is captured.
+    let report = r.pass(Ok(()));
+    assert_eq!((report.count(PodState::Captured), report.actions.len()), (1, 0));
+    // The control: with no such record, the same sandbox is missed and restarted.
+    let mut r = Reconciler::new(Some(node_pods()), FakeNode::default(), Limits::default());
+    assert_eq!(r.pass(Ok(())).count(PodState::Missed), 1);
 }
 
 #[test]

@@ -18,6 +18,9 @@ pub enum RetireError<E> {
     Lock(ServicesError),
     #[error(transparent)]
     Forget(E),
+    /// A test asked this step to fail (fault-injection builds only).
+    #[error("injected failure at step {0}")]
+    Injected(&'static str),
 }
 
 impl ServicesDir {
@@ -141,7 +144,8 @@ pub struct Retired {
 /// Fold first, idempotently ([`ServicesDir::fold_pods`], keyed by the attachment `key`),
 /// then remove: killed at any point, no count is lost or counted twice, and a retried DEL
 /// finishes the job. `netns` is `None` when the pod's netns is already gone: nothing to fold.
-/// Only `forget` and the lock can fail the call; a count or a layer that cannot be read or
+/// Only `forget` and the lock can fail the call (and, in a fault-injection build, a test's
+/// `AETHER_CNI_INJECT_FAILURE=del-folded`: after the fold, before the layer is removed); a count or a layer that cannot be read or
 /// removed must not keep a pod from being deleted, so it is reported in `warnings`.
 pub fn retire_layer<E>(
     state_dir: &Path,
@@ -165,6 +169,9 @@ pub fn retire_layer<E>(
             Err(e) => out.warnings.push(format!("cannot read the pod's Service counters: {e}")),
         }
         state::crash_point("del-folded");
+        if state::fails_here("del-folded") {
+            return Err(RetireError::Injected("del-folded"));
+        }
         if let Err(e) = flat(ns.run(layer::remove)) {
             out.warnings.push(format!("cannot remove the pod's Service layer: {e}"));
         }

@@ -308,6 +308,18 @@ pub fn crash_point(name: &str) {
     let _ = name;
 }
 
+/// Whether a test asked the step `name` of DEL to fail (`AETHER_CNI_INJECT_FAILURE=<name>`):
+/// the step returns an error instead of going on, as a DEL failing there would. Compiled in
+/// only with `fault-injection`.
+pub fn fails_here(name: &str) -> bool {
+    #[cfg(feature = "fault-injection")]
+    if std::env::var("AETHER_CNI_INJECT_FAILURE").as_deref() == Ok(name) {
+        return true;
+    }
+    let _ = name;
+    false
+}
+
 /// GC's bound on its lock wait; tests may shorten it (fault-injection builds only).
 fn gc_lock_timeout() -> Option<Duration> {
     #[cfg(feature = "fault-injection")]

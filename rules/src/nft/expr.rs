@@ -28,6 +28,9 @@ const CT_STATE_NEW_BIT: u32 = 1 << 3;
 /// `IPS_CONFIRMED`: set once the first packet of a flow has left the stack.
 const CT_STATUS_CONFIRMED: u32 = 1 << 3;
 const IP_CT_DIR_REPLY: u8 = 1;
+/// The SYN bit of the TCP flags byte (offset 13 of the TCP header).
+const TCP_FLAG_SYN: u8 = 0x02;
+const TCP_FLAGS_OFFSET: u32 = 13;
 const LOOPBACK_IFINDEX: u32 = 1;
 pub const NFT_OBJECT_COUNTER: u32 = 1;
 const NFT_DYNSET_OP_UPDATE: u32 = 1;
@@ -48,6 +51,7 @@ const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
 mod attr {
     pub const CT_DREG: u16 = 1;
     pub const CT_KEY: u16 = 2;
+    pub const CT_SREG: u16 = 4;
     pub const TPROXY_FAMILY: u16 = 1;
     pub const TPROXY_REG_ADDR: u16 = 2;
     pub const TPROXY_REG_PORT: u16 = 3;
@@ -83,6 +87,8 @@ pub enum Expr {
     MetaSet { key: u32, sreg: Reg },
     /// Load a conntrack key (`NFT_CT_*`).
     Ct { key: u32, dreg: Reg },
+    /// Set a conntrack key (`NFT_CT_MARK`) from a register.
+    CtSet { key: u32, sreg: Reg },
     /// Compare a register with `data` (`op`: `NFT_CMP_*`).
     Cmp { sreg: Reg, op: u32, data: Vec<u8> },
     /// `dreg = (sreg & mask) ^ xor`
@@ -144,6 +150,17 @@ pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
             bits(CT_STATE_NEW_BIT),
             Expr::Cmp { sreg: REG_1, op: libc::NFT_CMP_NEQ as u32, data: vec![0; 4] },
         ],
+        Match::CtMark(mark) => vec![ct(libc::NFT_CT_MARK), eq(mark.to_ne_bytes().to_vec())],
+        // What nft generates for `tcp flags ! syn`: the flags byte, masked, compared with 0.
+        Match::TcpWithoutSyn => {
+            let mut e = l4proto(crate::model::Proto::Tcp);
+            e.extend([
+                Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: TCP_FLAGS_OFFSET, len: 1, dreg: REG_1 },
+                Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: vec![TCP_FLAG_SYN], xor: vec![0] },
+                eq(vec![0]),
+            ]);
+            e
+        }
         Match::ServiceKeyInSet(set) => {
             let mut e = service_key(family);
             e.push(lookup(set, false));
@@ -185,6 +202,11 @@ pub(crate) fn lower_action(a: &Action, family: Family) -> Vec<Expr> {
         Action::SetMarkAccept(mark) => vec![
             Expr::Immediate { dreg: REG_1, data: mark.to_ne_bytes().to_vec() },
             Expr::MetaSet { key: libc::NFT_META_MARK as u32, sreg: REG_1 },
+            accept(),
+        ],
+        Action::SetCtMarkAccept(mark) => vec![
+            Expr::Immediate { dreg: REG_1, data: mark.to_ne_bytes().to_vec() },
+            Expr::CtSet { key: libc::NFT_CT_MARK as u32, sreg: REG_1 },
             accept(),
         ],
         Action::TproxyAccept(port) => vec![
@@ -303,6 +325,9 @@ impl Expr {
                 Lookup::Flags(if *invert { NFT_LOOKUP_F_INV } else { 0 }),
             ]),
             Expr::Ct { key, dreg } => other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_DREG, *dreg)]),
+            Expr::CtSet { key, sreg } => {
+                other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_SREG, *sreg)])
+            }
             Expr::Objref { kind, name } => {
                 other("objref", vec![u32_attr(attr::OBJREF_IMM_TYPE, *kind), str_attr(attr::OBJREF_IMM_NAME, name)])
             }
@@ -511,6 +536,9 @@ fn decode_ours(name: &str, raw: &[(u16, Vec<u8>)]) -> Option<Expr> {
         "ct" if only(&[attr::CT_KEY, attr::CT_DREG]) => {
             Some(Expr::Ct { key: u32_of(attr::CT_KEY)?, dreg: u32_of(attr::CT_DREG)? })
         }
+        "ct" if only(&[attr::CT_KEY, attr::CT_SREG]) => {
+            Some(Expr::CtSet { key: u32_of(attr::CT_KEY)?, sreg: u32_of(attr::CT_SREG)? })
+        }
         "objref" if only(&[attr::OBJREF_IMM_TYPE, attr::OBJREF_IMM_NAME]) => {
             Some(Expr::Objref { kind: u32_of(attr::OBJREF_IMM_TYPE)?, name: str_of(attr::OBJREF_IMM_NAME)? })
         }
@@ -639,6 +667,7 @@ fn payload_name(base: u32, offset: u32, len: u32) -> String {
         (NFT_PAYLOAD_NETWORK_HEADER, 24, 16) => "ip6 daddr".into(),
         (NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2) => "th sport".into(),
         (NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2) => "th dport".into(),
+        (NFT_PAYLOAD_TRANSPORT_HEADER, TCP_FLAGS_OFFSET, 1) => "tcp flags".into(),
         (b, o, l) => {
             let base = match b {
                 0 => "ll",
@@ -675,6 +704,7 @@ impl fmt::Display for Expr {
             Expr::Meta { key, dreg } => write!(f, "{} = meta {}", RegName(*dreg), meta_name(*key)),
             Expr::MetaSet { key, sreg } => write!(f, "meta {} set {}", meta_name(*key), RegName(*sreg)),
             Expr::Ct { key, dreg } => write!(f, "{} = ct {}", RegName(*dreg), ct_name(*key)),
+            Expr::CtSet { key, sreg } => write!(f, "ct {} set {}", ct_name(*key), RegName(*sreg)),
             Expr::Cmp { sreg, op, data } => {
                 let op = match *op as i32 {
                     libc::NFT_CMP_EQ => "==",
