@@ -239,7 +239,7 @@ impl NodeOps for NodeLib {
             uid: Some(sandbox.uid.clone()).filter(|u| !u.is_empty()),
         };
         let target = Target { network: &conf.name, container_id: &sandbox.id, ifname: POD_IFNAME };
-        attachment::attach(&conf, target, &pod, netns, &cfg)?;
+        attachment::attach_in_place(&conf, target, &pod, netns, &cfg)?;
         Ok(())
     }
 }

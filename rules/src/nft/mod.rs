@@ -343,6 +343,11 @@ fn table_flags(sock: &mut Socket, family: Family, name: &str) -> Result<Option<u
     }))
 }
 
+/// Whether the current netns holds table `name` of `family` (one dump of the tables).
+pub fn table_exists(family: Family, name: &str) -> Result<bool> {
+    Ok(table_flags(&mut open()?, family, name)?.is_some())
+}
+
 /// What the kernel holds of table `name` in the current netns, or `None` if it has no such
 /// table.
 pub fn kernel_view(family: Family, name: &str) -> Result<Option<TableView>> {
