@@ -98,6 +98,63 @@ fn layer(n: u32) -> ServiceLayer {
     l
 }
 
+/// IPv6 Service `i`: a VIP in fd00:10:96::/108, the same ports as `service_vip(i)`'s.
+fn service_vip6(i: u32) -> std::net::Ipv6Addr {
+    std::net::Ipv6Addr::from(0xfd00_0010_0096_0000_0000_0000_0000_0000u128 + 2 + i as u128)
+}
+
+/// `layer(n)`'s Services again in IPv6 (`v6_only`), or beside them (dual-stack).
+fn layer6(n: u32, v6_only: bool) -> ServiceLayer {
+    let mut l = if v6_only { ServiceLayer::new(LayerMode::Refuse) } else { layer(n) };
+    l.ranges.push("fd00:10:96::/108".parse().unwrap());
+    l.ports.extend((0..n).flat_map(|i| {
+        service_ports(i).map(|port| ServicePort {
+            vip: service_vip6(i).into(),
+            proto: Proto::Tcp,
+            port,
+            has_endpoints: i % 10 != 0,
+        })
+    }));
+    l
+}
+
+/// A Service the change rows add, flip and remove (`churn/c-k`, in the ranges' second /16).
+fn churn_service(k: u32, usable: bool) -> Value {
+    json!({"namespace": "churn", "name": format!("c-{k}"), "vip": Ipv4Addr::from(0x0a61_8000 + k).to_string(),
+           "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": usable})
+}
+
+/// The churn Service as the layer's port.
+fn churn_port(k: u32, usable: bool) -> ServicePort {
+    ServicePort { vip: Ipv4Addr::from(0x0a61_8000 + k).into(), proto: Proto::Tcp, port: 443, has_endpoints: usable }
+}
+
+/// The element change between two small layers with the bench's ranges and mode (the
+/// elements that turn a 10,000-Service layer without `from`'s ports into one with `to`'s).
+fn element_change(from: &[ServicePort], to: &[ServicePort]) -> services::LayerChange {
+    let at = |ports: &[ServicePort]| ServiceLayer { divert_mark: 0xae71, ports: ports.to_vec(), ..layer(0) };
+    services::LayerChange::between(&at(from), &at(to)).unwrap().unwrap()
+}
+
+/// The kernel's floor for an element change in every pod: the change's transaction encoded
+/// once, then, on one thread, each pod's netns opened, entered, sent the transaction and
+/// left, as a minimal sender would, the sockets closed at the end.
+fn change_floor(pods: &[TestNetns], change: &services::LayerChange) -> Sample {
+    let encoded = change.encode();
+    aether_netns::tour_here(|| {
+        let (t, c) = (Instant::now(), thread_cpu());
+        // The sockets closed together at the end: one grace period for the deleted
+        // elements of all pods, as the plugin does.
+        let later = aether_rules::nft::CloseLater::new();
+        for p in pods {
+            Netns::open_foreign(p.path()).unwrap().run(|| encoded.send().unwrap()).unwrap();
+        }
+        drop(later);
+        Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
+    })
+    .unwrap()
+}
+
 /// A process's wall time, CPU time (user + sys), max RSS (KiB, from `wait4`), success and
 /// stdout.
 struct Ran {
@@ -248,7 +305,7 @@ impl Drop for Cleanup {
 
 /// A result: a name, the measured value, its unit, and the goal it is held to.
 struct Figure {
-    key: &'static str,
+    key: String,
     name: String,
     value: f64,
     unit: &'static str,
@@ -260,13 +317,13 @@ struct Figure {
 }
 
 /// A timed measure: wall time (what goals hold) and CPU time.
-fn fig(key: &'static str, name: &str, s: &Sample) -> Figure {
+fn fig(key: &str, name: &str, s: &Sample) -> Figure {
     Figure { cpu: Some(s.cpu_ms), ..Figure::value(key, name, s.wall_ms, "ms") }
 }
 
 impl Figure {
-    fn value(key: &'static str, name: &str, value: f64, unit: &'static str) -> Figure {
-        Figure { key, name: name.into(), value, unit, cpu: None, before: None, goal: None }
+    fn value(key: &str, name: &str, value: f64, unit: &'static str) -> Figure {
+        Figure { key: key.into(), name: name.into(), value, unit, cpu: None, before: None, goal: None }
     }
 
     fn before(mut self, v: f64) -> Self {
@@ -338,8 +395,8 @@ fn meminfo() -> BTreeMap<String, i64> {
 
 /// Kernel memory per pod layer at `n` Services: SUnreclaim + VmallocUsed (large kmallocs
 /// count as unreclaimable slab), KiB, averaged over `pods` netns each holding the layer.
-fn kernel_memory(n: u32, pods: usize) -> f64 {
-    let l = ServiceLayer { divert_mark: 0xae71, ..layer(n) };
+fn kernel_memory(l: ServiceLayer, pods: usize) -> f64 {
+    let l = ServiceLayer { divert_mark: 0xae71, ..l };
     let netns: Vec<TestNetns> = (0..pods).map(|_| TestNetns::new("bscale-mem")).collect();
     let opened: Vec<Netns> = netns.iter().map(|n| Netns::open_foreign(n.path()).unwrap()).collect();
     // The first nftables use in a netns sets up per-netns state: not the layer's cost.
@@ -539,6 +596,54 @@ fn main() {
     let demand = medians((0..rounds()).map(|_| services_cmd(node, &["demand"], b"").sample()).collect());
     let counters = medians((0..rounds()).map(|_| services_cmd(node, &["counters"], b"").sample()).collect());
     let verify = medians((0..3).map(|_| expect(services_cmd(node, &["verify"], b""), "intact")).collect());
+
+    // Change documents (the agent's partial sync): a Service added, its endpoints flipped to
+    // none, removed; each round beside the kernel's floor for the same element change in
+    // the same 100 pods.
+    let mut g = generation;
+    let mut change = |mut doc: Value| -> Ran {
+        doc["baseGeneration"] = json!(g);
+        g += 1;
+        doc["generation"] = json!(g);
+        services_cmd(node, &["apply"], &serde_json::to_vec(&doc).unwrap())
+    };
+    let named = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}")});
+    let flipped = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false});
+    // The first change after a whole document reads it in full (it is not in the canonical
+    // form a change leaves): not one of the measures.
+    expect(change(json!({"servicesPut": [churn_service(0, true)]})), "elements +2 -0");
+    expect(change(json!({"servicesRemoved": [named(0)]})), "elements +0 -2");
+    let (up, down) = (churn_port(0, true), churn_port(0, false));
+    let floor_changes = [element_change(&[], &[up]), element_change(&[up], &[down]), element_change(&[down], &[])];
+    let mut by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
+    for k in 1..=rounds() as u32 {
+        by_op[0].0.push(expect(change(json!({"servicesPut": [churn_service(k, true)]})), "elements +2 -0"));
+        by_op[1].0.push(expect(change(json!({"endpoints": [flipped(k)]})), "elements +1 -1"));
+        by_op[2].0.push(expect(change(json!({"servicesRemoved": [named(k)]})), "elements +0 -2"));
+        for (op, c) in floor_changes.iter().enumerate() {
+            by_op[op].1.push(change_floor(&pods, c));
+        }
+    }
+    let changes: Vec<(Sample, Sample)> = by_op.into_iter().map(|(p, f)| (medians(p), medians(f))).collect();
+    // Churn: 10 changes a second (add, flip, remove in turn), the node's CPU time as a share
+    // of one core over the run.
+    let churn_secs: u64 = std::env::var("AETHER_BENCH_CHURN_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    let (start, mut cpu, mut slowest, mut sent) = (Instant::now(), Duration::ZERO, Duration::ZERO, 0u32);
+    while start.elapsed() < Duration::from_secs(churn_secs) {
+        let due = start + Duration::from_millis(100 * u64::from(sent));
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let k = 1000 + sent / 3;
+        let r = match sent % 3 {
+            0 => change(json!({"servicesPut": [churn_service(k, true)]})),
+            1 => change(json!({"endpoints": [flipped(k)]})),
+            _ => change(json!({"servicesRemoved": [named(k)]})),
+        };
+        assert!(!r.stdout.contains("\"failed\"") && !r.stdout.contains("\"rebuilt\""), "{}", r.stdout);
+        (cpu, slowest, sent) = (cpu + r.cpu, slowest.max(r.wall), sent + 1);
+    }
+    let churn_share = cpu.as_secs_f64() / start.elapsed().as_secs_f64() * 100.0;
     for (i, p) in pods.iter().enumerate() {
         cni("DEL", node, &p.path(), &format!("pod-{i}"));
     }
@@ -585,6 +690,39 @@ fn main() {
     figs.push(fig("demand", &format!("demand, {PODS} pods"), &demand).before(6400.0).goal(100.0, "100 ms".into()));
     figs.push(fig("counters", &format!("counters, {PODS} pods"), &counters).before(250.0).goal(50.0, "50 ms".into()));
     figs.push(fig("verify", &format!("verify (read back every layer), {PODS} pods"), &verify));
+    for ((op, what), (plugin, floor)) in
+        [("add", "a Service added"), ("flip", "a Service's endpoints flipped to none"), ("remove", "a Service removed")]
+            .into_iter()
+            .zip(&changes)
+    {
+        show(&format!("kernel floor: {what}, pre-encoded, sent to {PODS} pods"), floor);
+        show(&format!("change document: {what}, {PODS} pods"), plugin);
+        let ratio = plugin.wall_ms / floor.wall_ms;
+        println!("  {:<62} {ratio:>9.2} x  (cpu {:.2} x)", "  / the floor", plugin.cpu_ms / floor.cpu_ms);
+        let key = |k: &str| format!("{k}_{op}");
+        figs.push(fig(&key("floor_change"), &format!("kernel floor: {what}, pre-encoded, sent to {PODS} pods"), floor));
+        figs.push(
+            fig(&key("change"), &format!("change document: {what}, {PODS} pods"), plugin).goal(15.0, "15 ms".into()),
+        );
+        figs.push(
+            Figure::value(&key("change_ratio"), &format!("change document / kernel floor: {what}"), ratio, "x")
+                .goal(1.3, "1.3x the floor".into()),
+        );
+    }
+    println!(
+        "  churn: {sent} changes at 10/s over {churn_secs} s: the node's CPU {churn_share:.2}% of one core, slowest {:.1} ms",
+        ms(slowest)
+    );
+    figs.push(
+        Figure::value(
+            "churn_cpu",
+            &format!("churn, 10 changes/s for {churn_secs} s: CPU, % of one core"),
+            churn_share,
+            "%",
+        )
+        .goal(5.0, "5% of one core".into()),
+    );
+    figs.push(Figure::value("churn_slowest", "churn: the slowest change, wall", ms(slowest), "ms wall"));
 
     // Datapath: after the kernel has torn the 100 pods' netns down (it does so in the
     // background, and it is heavy), alternating, so drift on a shared machine hits both
@@ -610,7 +748,7 @@ fn main() {
     // Kernel memory per pod (MemFree moves with everything else a shared machine runs: only
     // the kernel's own unreclaimable slab and vmalloc are counted).
     for (key, services_n) in [("kmem_1k", 1_000u32), ("kmem_10k", n)] {
-        let kib = kernel_memory(services_n, 20);
+        let kib = kernel_memory(layer(services_n), 20);
         println!("  kernel memory per pod layer, {services_n} Services: SUnreclaim + VmallocUsed {kib:>7.0} KiB");
         figs.push(Figure::value(
             key,
@@ -619,6 +757,23 @@ fn main() {
             "KiB",
         ));
     }
+    // Dual-stack: the same 10,000 Services in IPv6 (20-byte keys, a table of their own).
+    let kib6 = kernel_memory(layer6(n, true), 20);
+    let kib_dual = kernel_memory(layer6(n, false), 20);
+    println!("  kernel memory per pod layer, {n} IPv6 Services: SUnreclaim + VmallocUsed {kib6:>7.0} KiB");
+    println!("  kernel memory per pod layer, {n} IPv4 + {n} IPv6 Services:        {kib_dual:>7.0} KiB");
+    figs.push(Figure::value(
+        "kmem_v6_10k",
+        &format!("kernel memory per pod layer, {n} IPv6 Services (SUnreclaim + VmallocUsed)"),
+        kib6,
+        "KiB",
+    ));
+    figs.push(Figure::value(
+        "kmem_dual",
+        &format!("kernel memory per pod layer, dual-stack: {n} IPv4 + {n} IPv6 Services"),
+        kib_dual,
+        "KiB",
+    ));
 
     println!("\n  goals");
     for f in figs.iter().filter(|f| f.goal.is_some()) {

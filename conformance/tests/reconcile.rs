@@ -377,6 +377,59 @@ fn reconciler_capture_in_place_keeps_connections_opened_before_and_captures_new_
     ctrd.remove_pod(&pod);
 }
 
+/// Turns conntrack on in the pod's netns, as something of the pod's own could (a firewall of
+/// an init script): a table whose rule uses conntrack.
+fn conntrack_on(netns: &str) {
+    in_netns(netns, &["nft", "add", "table", "ip", "pod_firewall"]);
+    in_netns(netns, &["nft", "add", "chain", "ip", "pod_firewall", "out", "{ type filter hook output priority 0; }"]);
+    in_netns(netns, &["nft", "add", "rule", "ip", "pod_firewall", "out", "ct", "state", "established", "accept"]);
+}
+
+#[test]
+fn reconciler_capture_in_place_keeps_connections_conntrack_tracked_before() {
+    let test = "reconciler_capture_keeps_tracked_connections";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rctrk", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let gateway: std::net::Ipv4Addr = NET.gateway.parse().unwrap();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    // Two pods whose conntrack was on before the capture: their connections are
+    // `established`, not first seen mid-stream, so only their marking keeps them. The first
+    // pod's marking fails (injected; the pod is captured all the same): the control.
+    for (name, env, keeps) in
+        [("unmarked-0", vec![("AETHER_CNI_INJECT_FAILURE", "mark-connections")], false), ("marked-0", vec![], true)]
+    {
+        ctrd.wait_cni_config("the node's own conflist", |c| c.contains("bridge") && !c.contains("aether-cni"));
+        let pod = ctrd.run_pod("shop", name, None).unwrap();
+        let netns = ctrd.sandbox(&pod).unwrap().netns;
+        conntrack_on(&netns);
+        // On the node's bridge address, which exists once the bridge plugin made a pod.
+        let listener =
+            sock::in_netns(&ctrd.node.path(), move || sock::tcp_listener(SocketAddr::from((gateway, 0)), false))
+                .unwrap();
+        let (p, n) = sock::connection_from(&netns, &listener);
+        sock::exchange(&p, &n, "before").unwrap();
+        let mut inst = Installer::start_with(&ctrd, name, &[socket.clone(), "--missed-pods=capture".into()], &env);
+        let who = format!("shop/{name}");
+        inst.wait_pass(1, &format!("{who} captured in place"), |pass| {
+            actions_on(pass, &who).iter().any(|a| a["kind"] == "capture" && a["outcome"] == "done")
+        });
+        assert_captured(&netns, &["ct mark 0x0000ae7c accept"]);
+        let after = sock::exchange(&p, &n, "after").and_then(|()| sock::exchange(&n, &p, "after, node first"));
+        assert_eq!(after.is_ok(), keeps, "{who}: {after:?}");
+        assert_eq!(packet_captured(&netns), Ok(format!("{}:4242", NET.gateway).parse().unwrap()), "{who}: a new one");
+        let log = inst.stop();
+        let said = if keeps { "marked uncaptured" } else { "are not marked, and will be reset" };
+        assert!(log.contains(said), "{who}: the log should say {said:?}:\n{log}");
+        withdraw_the_entry(&ctrd);
+        ctrd.stop_pod(&pod);
+        ctrd.remove_pod(&pod);
+    }
+}
+
 #[test]
 fn reconciler_killed_mid_pass_loses_nothing_and_does_nothing_twice() {
     let test = "reconciler_killed_mid_pass";

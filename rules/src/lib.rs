@@ -5,6 +5,7 @@
 //! callers enter the pod netns (see `aether-netns`) and call these functions there.
 
 pub mod capture;
+pub mod conntrack;
 mod error;
 pub mod family;
 pub mod features;

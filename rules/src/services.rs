@@ -494,6 +494,12 @@ impl LayerChange {
         self.changes.iter().flat_map(|(_, c)| c).map(|c| c.delete.len()).sum()
     }
 
+    /// The change's transaction, encoded once: what a minimal sender (the bench's floor)
+    /// sends to each netns.
+    pub fn encode(&self) -> nft::Encoded {
+        nft::encode_element_changes(TABLE, &self.changes)
+    }
+
     /// Sends the change to the layer in the current netns, in one transaction, without
     /// reading anything back. The kernel refuses all of it if the layer does not hold what
     /// the change starts from where it matters (a table or a deleted element missing): the

@@ -48,6 +48,11 @@ pub trait NodeOps {
     /// What ADD would make of this sandbox's pod (namespace exclusions, annotations).
     fn wants(&self, sandbox: &Sandbox) -> Wants;
     fn records(&mut self) -> Result<Vec<RecordView>, Self::Error>;
+    /// The sandboxes that have a record now: read again, apart from this pass's `records`
+    /// (which the pass's actions go by).
+    fn recorded_sandboxes(&mut self) -> Result<HashSet<String>, Self::Error> {
+        Ok(self.records()?.into_iter().map(|r| r.sandbox_id).collect())
+    }
     /// The record's netns compared with the record (CHECK's comparison) and with the stored
     /// Service layer.
     fn observe(&mut self, record: &RecordView) -> Observation;
@@ -290,9 +295,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         if !wanted.iter().any(|(s, w)| SandboxView::needs_network(s, w, recorded)) {
             return HashSet::new();
         }
-        let Ok(now) = self.node.records() else { return HashSet::new() };
-        let late: HashSet<String> =
-            now.into_iter().map(|r| r.sandbox_id).filter(|id| !recorded.contains(id.as_str())).collect();
+        let Ok(now) = self.node.recorded_sandboxes() else { return HashSet::new() };
+        let late: HashSet<String> = now.into_iter().filter(|id| !recorded.contains(id.as_str())).collect();
         for id in &late {
             tracing::debug!(sandbox = %id, "recorded while the pass read the records: left to the next pass");
         }

@@ -8,7 +8,7 @@
 //! collected by `attachment::collect` (GC's, counts folded once); an in-place capture is
 //! `attachment::attach` (ADD's).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use aether_cri::Sandbox;
@@ -204,6 +204,10 @@ impl NodeOps for NodeLib {
         Ok(views)
     }
 
+    fn recorded_sandboxes(&mut self) -> Result<HashSet<String>, NodeOpsError> {
+        Ok(StateDir::new(&self.state_dir).scan().records.into_iter().map(|r| r.container_id).collect())
+    }
+
     fn observe(&mut self, view: &RecordView) -> Observation {
         let Some(record) = self.records.get(&view.key) else {
             return Observation::Unverifiable("the record is not in this pass's scan".into());
@@ -297,7 +301,7 @@ impl NodeOps for NodeLib {
             uid: Some(sandbox.uid.clone()).filter(|u| !u.is_empty()),
         };
         let target = Target { network: &conf.name, container_id: &sandbox.id, ifname: POD_IFNAME };
-        attachment::attach(&conf, target, &pod, netns, &cfg)?;
+        attachment::attach_in_place(&conf, target, &pod, netns, &cfg)?;
         Ok(())
     }
 }

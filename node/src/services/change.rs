@@ -285,45 +285,57 @@ pub fn apply(base: &Snapshot, c: &Change) -> Result<Snapshot, Vec<String>> {
 /// compact, lists in the snapshot's own order. What `snapshot.json` holds after a change,
 /// and what a whole snapshot of the same content in this form stores too.
 pub fn render(s: &Snapshot) -> Vec<u8> {
+    let mut out = render_head(s);
+    for (i, v) in s.services.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        render_service(v, &mut out);
+    }
+    out.extend_from_slice(SERVICES_END);
+    out
+}
+
+/// What ends a canonical document, after its last Service.
+pub(super) const SERVICES_END: &[u8] = b"]}\n";
+
+/// The canonical document up to and including the `[` that opens its Services.
+pub(super) fn render_head(s: &Snapshot) -> Vec<u8> {
     let mode = match s.mode {
         LayerMode::Off => "off",
         LayerMode::Count => "count",
         LayerMode::Refuse => "refuse",
     };
-    let services: Vec<Value> = s
-        .services
-        .iter()
-        .map(|v| {
-            let ports: Vec<Value> = v
-                .ports
-                .iter()
-                .map(|&(p, port)| json!({"protocol": if p == Proto::Tcp { "TCP" } else { "UDP" }, "port": port}))
-                .collect();
-            json!({"namespace": v.namespace, "name": v.name, "vip": v.vip.to_string(), "ports": ports,
-                   "usableEndpoints": v.usable_endpoints})
-        })
-        .collect();
-    // serde_json's map keeps insertion order only with `preserve_order`; write by hand.
-    let mut out = format!(
+    format!(
         "{{\"generation\":{},\"mode\":\"{mode}\",\"serviceRanges\":{},\"meshVIPs\":{},\"dialledTimeoutSeconds\":{},\"services\":[",
         s.generation,
         json!(s.service_ranges.iter().map(|r| r.to_string()).collect::<Vec<_>>()),
         json!(s.mesh_vips.iter().map(|a| a.to_string()).collect::<Vec<_>>()),
         s.dialled_timeout_secs,
-    );
-    for (i, v) in services.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        let o = v.as_object().expect("an object");
-        out.push_str(&format!(
-            "{{\"namespace\":{},\"name\":{},\"vip\":{},\"ports\":{},\"usableEndpoints\":{}}}",
-            o["namespace"], o["name"], o["vip"], o["ports"], o["usableEndpoints"]
-        ));
-    }
-    out.push_str("]}\n");
-    out.into_bytes()
+    )
+    .into_bytes()
 }
+
+/// One Service in canonical form (written by hand: serde_json's map keeps insertion order
+/// only with `preserve_order`; a port's members are in the sorted order a JSON map has).
+pub(super) fn render_service(v: &Service, out: &mut Vec<u8>) {
+    use std::io::Write;
+    let text = |s: &str| serde_json::to_string(s).expect("a string serializes");
+    let _ = write!(
+        out,
+        "{{\"namespace\":{},\"name\":{},\"vip\":\"{}\",\"ports\":[",
+        text(&v.namespace),
+        text(&v.name),
+        v.vip
+    );
+    for (i, &(p, port)) in v.ports.iter().enumerate() {
+        let proto = if p == Proto::Tcp { "TCP" } else { "UDP" };
+        let _ = write!(out, "{}{{\"port\":{port},\"protocol\":\"{proto}\"}}", if i > 0 { "," } else { "" });
+    }
+    let _ = write!(out, "],\"usableEndpoints\":{}}}", v.usable_endpoints);
+}
+
+pub(crate) mod splice;
 
 #[cfg(test)]
 mod tests;

@@ -39,7 +39,7 @@ use aether_netns::Netns;
 use crate::state::{self, Record};
 use crate::PodError;
 pub use apply::{apply_change, apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
-use apply::{generation_value, netns_key, PodHolds};
+use apply::{generation_value, leading_generation, netns_key, PodHolds};
 pub use fold::{end_stale_fold, retire_layer, Retired};
 pub use layer_file::{LayerFileError, StoredLayer};
 pub use report::{
@@ -145,6 +145,12 @@ impl ServicesDir {
         dir.write_atomic(name, body).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
     }
 
+    /// Removes a file of the directory, if there.
+    fn remove(&self, name: &str) -> Result<(), ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.remove(name).map(drop).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
+    }
+
     /// A file of the directory, capped in size; `None` if absent.
     fn read(&self, name: &str) -> Result<Option<Vec<u8>>, ServicesError> {
         let path = self.root.join(name);
@@ -194,10 +200,13 @@ impl ServicesDir {
             return None;
         }
         let stored = self.read("snapshot.json").ok()??;
-        if layer_file::source_digest(&stored) != stored_source {
+        // `snapshot.source` vouches for the document without hashing it again.
+        if self.source_marker().is_none_or(|(named, _)| named != stored_source)
+            && layer_file::source_digest(&stored) != stored_source
+        {
             return None;
         }
-        let (span, generation) = generation_value(text)?;
+        let (span, generation) = leading_generation(text).or_else(|| generation_value(text))?;
         // The same bytes up to the generation put the stored document's parser at its own
         // top-level generation value there too; the stored value is canonical digits (a
         // stored document was read as a u64), and everything after it must be the same.

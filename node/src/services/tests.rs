@@ -79,10 +79,14 @@ fn a_new_generation_of_the_stored_document_is_recognised_by_its_bytes_and_nothin
         let e = apply_document(&dir, &regen(&third, 3, bad)).unwrap_err();
         assert!(e.reasons().iter().any(|e| e.contains("generation")), "{bad}: {e:?}");
     }
+    // A leading zero is not JSON: not taken for the stored content by its bytes either.
+    let e = apply_document(&dir, &regen(&third, 3, "04")).unwrap_err();
+    assert!(e.reasons()[0].contains("invalid number"), "{e:?}");
     assert_eq!(dir.stored_layer().unwrap().unwrap().generation, 3);
     // A `snapshot.json` that is not what `layer.bin` was made from (a crash between the
-    // two writes), even at the same generation, is never trusted: the new generation of
-    // it is read in full.
+    // two writes, which comes after `snapshot.source` is removed), even at the same
+    // generation, is never trusted: the new generation of it is read in full.
+    fs::remove_file(state.join("services/snapshot.source")).unwrap();
     dir.write_atomic("snapshot.json", &doc(3)).unwrap();
     apply_document(&dir, &regen(&doc(3), 3, "6")).unwrap();
     assert_eq!((dir.stored_layer().unwrap().unwrap().generation, port(&dir)), (6, 1003));

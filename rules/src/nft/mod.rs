@@ -261,8 +261,58 @@ pub fn encode_tables(tables: &[&Table]) -> Encoded {
 impl Encoded {
     /// Sends the transaction in the current netns and waits for the kernel's verdict.
     pub fn send(&self) -> Result<()> {
-        commit(&mut open()?, &self.0)
+        let mut sock = open()?;
+        let result = commit(&mut sock, &self.0);
+        close_later(sock);
+        result
     }
+}
+
+thread_local! {
+    /// The netfilter sockets whose closing a [`CloseLater`] of this thread puts off.
+    static LATER: std::cell::RefCell<Option<Vec<Socket>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The most sockets put off at once (descriptors); then they are closed together.
+const MAX_LATER: usize = 256;
+
+/// While alive, the sockets [`Encoded::send`] used on this thread are closed when it is
+/// dropped, together, instead of each after its transaction. Closing a netfilter socket
+/// waits for the kernel's pending destruction of deleted objects (an RCU grace period,
+/// 10-25 ms: docs/benchmarks.md, "DEL's floor"): a change that deletes elements in 100 pod
+/// netns would wait 100 grace periods one after another, and waits about one this way (the
+/// first close flushes all that is pending; the others find nothing to wait for). A socket
+/// keeps its netns after the thread has left it.
+pub struct CloseLater {
+    outer: Option<Vec<Socket>>,
+}
+
+impl CloseLater {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        CloseLater { outer: LATER.with(|l| l.replace(Some(Vec::new()))) }
+    }
+}
+
+impl Drop for CloseLater {
+    fn drop(&mut self) {
+        let put_off = LATER.with(|l| l.replace(self.outer.take()));
+        drop(put_off);
+    }
+}
+
+/// A transaction's socket, done with: closed now, or kept for the [`CloseLater`] of this
+/// thread.
+fn close_later(sock: Socket) {
+    LATER.with(|l| match l.borrow_mut().as_mut() {
+        Some(put_off) => {
+            if put_off.len() >= MAX_LATER {
+                put_off.clear();
+            }
+            put_off.push(sock);
+        }
+        None => drop(sock),
+    })
 }
 
 /// Deletes and adds set elements of the tables named `table` in the given families, all in
@@ -271,11 +321,16 @@ pub(crate) fn change_elements(table: &str, changes: &[(Family, Vec<ElementChange
     if changes.iter().all(|(_, c)| c.is_empty()) {
         return Ok(());
     }
+    encode_element_changes(table, changes).send()
+}
+
+/// The transaction of `change_elements`, encoded once (to be sent to many netns).
+pub(crate) fn encode_element_changes(table: &str, changes: &[(Family, Vec<ElementChange>)]) -> Encoded {
     let mut batch = render::Batch::default();
     for (family, c) in changes {
         batch.append(render::element_changes(*family, table, c));
     }
-    commit(&mut open()?, &batch)
+    Encoded(batch)
 }
 
 fn obj_request(table: &str) -> NfTablesMessage {
@@ -372,6 +427,11 @@ fn table_flags(sock: &mut Socket, family: Family, name: &str) -> Result<Option<u
         }
         _ => None,
     }))
+}
+
+/// Whether the current netns holds table `name` of `family` (one dump of the tables).
+pub fn table_exists(family: Family, name: &str) -> Result<bool> {
+    Ok(table_flags(&mut open()?, family, name)?.is_some())
 }
 
 /// What the kernel holds of table `name` in the current netns, or `None` if it has no such

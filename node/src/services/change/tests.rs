@@ -92,6 +92,13 @@ fn changes_equal_whole_snapshots(wrong: bool) -> Result<(), String> {
                 return Err(format!("step {step}: {f} differs"));
             }
         }
+        // Every change after the first takes the splice: the stored document is marked
+        // canonical, naming the source `layer.bin` was made from.
+        let source = da.stored_layer().unwrap().unwrap().source;
+        assert_eq!(
+            fs::read_to_string(a.join("services/snapshot.source")).unwrap(),
+            format!("{source:016x} canonical\n")
+        );
     }
     Ok(())
 }
@@ -147,4 +154,132 @@ fn refusals_name_their_reason_and_change_nothing() {
 #[test]
 fn the_comparison_catches_a_wrong_change_applier() {
     assert!(changes_equal_whole_snapshots(true).is_err());
+}
+
+/// The canonical form, as a reviewed string: what `snapshot.json` holds after a change.
+#[test]
+fn the_canonical_form_is_compact_and_in_the_schema_order() {
+    let s = snapshot::parse(
+        json!({"generation": 3, "mode": "count", "serviceRanges": ["10.96.0.0/16", "fd00:10:96::/108"],
+               "meshVIPs": ["10.96.9.9"], "services": [
+                 {"namespace": "a\"b", "name": "s", "vip": "fd00:10:96::1", "usableEndpoints": false,
+                  "ports": [{"protocol": "UDP", "port": 53}, {"port": 80, "protocol": "TCP"}]}]})
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(
+        String::from_utf8(render(&s)).unwrap(),
+        "{\"generation\":3,\"mode\":\"count\",\"serviceRanges\":[\"10.96.0.0/16\",\"fd00:10:96::/108\"],\
+         \"meshVIPs\":[\"10.96.9.9\"],\"dialledTimeoutSeconds\":3600,\"services\":[{\"namespace\":\"a\\\"b\",\
+         \"name\":\"s\",\"vip\":\"fd00:10:96::1\",\"ports\":[{\"port\":53,\"protocol\":\"UDP\"},\
+         {\"port\":80,\"protocol\":\"TCP\"}],\"usableEndpoints\":false}]}\n"
+    );
+}
+
+/// A random change that may well be refused: names that are not there, VIPs taken or out of
+/// range, ports twice, mesh VIPs that clash.
+fn wild_change(rng: &mut Rng, base: &Snapshot) -> Value {
+    let name = |rng: &mut Rng| match base.services.len() as u64 {
+        n if n > 0 && rng.next(4) != 0 => base.services[rng.next(n) as usize].name.clone(),
+        _ => format!("s{}", rng.next(60)),
+    };
+    let vip = |rng: &mut Rng| match rng.next(12) {
+        0 => "10.97.0.1".to_string(),
+        _ => format!("10.96.0.{}", 1 + rng.next(200)),
+    };
+    let mut c = json!({"baseGeneration": base.generation, "generation": base.generation + 1});
+    for _ in 0..1 + rng.next(2) {
+        let (key, item) = match rng.next(6) {
+            0 | 1 => {
+                let port = 80 + rng.next(2);
+                let second = if rng.next(6) == 0 { port } else { 443 };
+                let s = json!({"namespace": "ns", "name": name(rng), "vip": vip(rng), "usableEndpoints": rng.next(2) == 0,
+                               "ports": [{"protocol": "TCP", "port": port}, {"protocol": "TCP", "port": second}]});
+                ("servicesPut", s)
+            }
+            2 => ("servicesRemoved", json!({"namespace": "ns", "name": name(rng)})),
+            3 => ("endpoints", json!({"namespace": "ns", "name": name(rng), "usableEndpoints": rng.next(2) == 0})),
+            4 => ("meshVIPsAdded", json!(vip(rng))),
+            _ => match base.mesh_vips.first() {
+                Some(a) if rng.next(2) == 0 => ("meshVIPsRemoved", json!(a.to_string())),
+                _ => ("meshVIPsRemoved", json!(vip(rng))),
+            },
+        };
+        match c.get_mut(key).and_then(Value::as_array_mut) {
+            Some(list) => list.push(item),
+            None => c[key] = json!([item]),
+        }
+    }
+    if rng.next(8) == 0 {
+        c["mode"] = json!(["count", "refuse", "off"][rng.next(3) as usize]);
+    }
+    if rng.next(8) == 0 {
+        c["dialledTimeoutSeconds"] = json!(1 + rng.next(100));
+    }
+    c
+}
+
+/// What the splice made against what the full reading makes of the same change.
+fn same_as_full(s: &splice::Spliced, full: &Snapshot) -> Result<(), String> {
+    if s.text != render(full) {
+        return Err("the documents differ".into());
+    }
+    let layer = |l| crate::services::StoredLayer::new(full.generation, l, 0);
+    if layer(&s.layer) != layer(&full.layer(0)) {
+        return Err("the layers differ".into());
+    }
+    Ok(())
+}
+
+/// The splice accepts exactly what the full reading accepts (but new ranges, which it leaves
+/// to the full reading), and then stores the same bytes and the same layer; a change the
+/// full reading refuses it never accepts.
+fn splice_agrees_with_the_full_reading(wrong: bool) -> Result<(usize, usize), String> {
+    let mut base = snapshot::parse(
+        json!({"generation": 1, "mode": "refuse", "serviceRanges": ["10.96.0.0/24"], "meshVIPs": ["10.96.0.50"],
+               "services": (0..30).map(|i| svc(i, i % 3 == 0)).collect::<Vec<_>>()})
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    let mut rng = Rng(0x0dd_5eed);
+    let (mut accepted, mut refused) = (0, 0);
+    for step in 0..600 {
+        let c = parse(wild_change(&mut rng, &base).to_string().as_bytes()).map_err(|e| format!("{e:?}"))?;
+        let text = render(&base);
+        let stored = crate::services::StoredLayer::new(base.generation, &base.layer(0), 0);
+        let spliced = splice::splice(&text, &stored.layer, base.generation, &c);
+        let full = apply(&base, &c).ok().and_then(|n| snapshot::parse(&render(&n)).ok());
+        match (spliced, full) {
+            (Some(s), Some(mut full)) => {
+                if wrong {
+                    // The deliberately wrong expectation: one Service's endpoints flipped.
+                    if let Some(x) = full.services.first_mut() {
+                        x.usable_endpoints = !x.usable_endpoints;
+                    }
+                }
+                same_as_full(&s, &full).map_err(|e| format!("step {step}: {e}: {c:?}"))?;
+                accepted += 1;
+                base = full;
+            }
+            (None, None) => refused += 1,
+            (Some(_), None) => return Err(format!("step {step}: the splice accepts what is refused: {c:?}")),
+            (None, Some(_)) => return Err(format!("step {step}: the splice left an acceptable change: {c:?}")),
+        }
+    }
+    Ok((accepted, refused))
+}
+
+#[test]
+fn the_splice_stores_what_the_full_reading_stores_and_accepts_nothing_it_refuses() {
+    let (accepted, refused) = splice_agrees_with_the_full_reading(false).unwrap();
+    // Both kinds were tried, many times.
+    assert!(accepted > 50 && refused > 50, "accepted {accepted}, refused {refused}");
+}
+
+/// The negative control: a wrong expectation is caught by the comparison.
+#[test]
+fn the_splice_comparison_catches_a_difference() {
+    assert!(splice_agrees_with_the_full_reading(true).is_err());
 }
