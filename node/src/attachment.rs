@@ -167,6 +167,43 @@ pub fn attach(
     Ok(Attached { services_generation: generation })
 }
 
+/// The reconciler's capture of a running pod (`capture` policy): ADD's work, after the TCP
+/// connections conntrack already tracks in the netns are marked as established before the
+/// capture, so that it never diverts them (a pod whose conntrack was off has none: the
+/// ruleset marks its connections when it first sees them). Only in a netns that holds no
+/// capture yet: a connection opened under a capture stays captured. Marking is best effort:
+/// when it fails, the pod is captured all the same (a missed pod is the larger harm) and the
+/// failure is logged.
+pub fn attach_in_place(
+    conf: &NetConf,
+    target: Target,
+    pod: &PodIdentity,
+    netns_path: &str,
+    cfg: &CaptureConfig,
+) -> Result<Attached, AttachmentError> {
+    let netns = Netns::open_foreign(netns_path)?;
+    let marked = netns.run(|| -> aether_rules::Result<Option<usize>> {
+        for family in aether_rules::Family::ALL {
+            if aether_rules::nft::table_exists(family, capture::TABLE)? {
+                return Ok(None);
+            }
+        }
+        if crate::state::fails_here("mark-connections") {
+            return Err(aether_rules::Error::Conntrack {
+                op: "mark",
+                source: std::io::Error::other("injected failure at step mark-connections"),
+            });
+        }
+        aether_rules::conntrack::mark_tcp_flows(capture::PREEXISTING_CT_MARK).map(Some)
+    })?;
+    match marked {
+        Ok(Some(0)) | Ok(None) => {}
+        Ok(Some(n)) => info!(connections = n, "TCP connections conntrack tracked before the capture marked uncaptured"),
+        Err(e) => warn!("connections open before the capture are not marked, and will be reset: {e}"),
+    }
+    attach(conf, target, pod, netns_path, cfg)
+}
+
 /// DEL's work: undoes the attachment `target`, in the netns at `netns_path` when given (the
 /// runtime's), else in the one its record names. A namespace at the path that is not the one
 /// ADD programmed (a reused path or PID) is another pod's and left alone. A damaged record

@@ -28,6 +28,9 @@ pub enum Error {
     /// A policy-routing request (ip rule / ip route) failed in the kernel.
     #[error("policy routing {op} failed: {source}")]
     Route { op: &'static str, source: io::Error },
+    /// Reading or changing conntrack's table (ctnetlink) failed in the kernel.
+    #[error("conntrack {op} failed: {source}")]
+    Conntrack { op: &'static str, source: io::Error },
     /// A step was made to fail on purpose (tests of ADD's all-or-nothing guarantee).
     #[error("injected failure at step {0}")]
     Injected(crate::Step),
