@@ -3,7 +3,8 @@
 //! compared by `attachment::verify` (CHECK's comparison); a repair programs exactly the
 //! record's ruleset (ADD's `aether_rules::install`, which replaces the table in one
 //! transaction); a leftover is collected by `attachment::collect` (GC's, counts folded once);
-//! an in-place capture is `attachment::attach` (ADD's).
+//! an in-place capture is `attachment::attach_in_place` (ADD's, after marking the connections
+//! conntrack already tracks).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;

@@ -473,7 +473,8 @@ impl Pass<'_> {
                         m.change
                             .get_or_init(|| {
                                 let (from, to) = self.narrowed.get_or_init(|| narrowed(&prev.layer, &new.layer));
-                                let at = |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
+                                let at =
+                                    |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
                                 LayerChange::between(&at(from), &at(to)).ok().flatten()
                             })
                             .as_ref(),

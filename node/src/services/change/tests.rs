@@ -95,7 +95,10 @@ fn changes_equal_whole_snapshots(wrong: bool) -> Result<(), String> {
         // Every change after the first takes the splice: the stored document is marked
         // canonical, naming the source `layer.bin` was made from.
         let source = da.stored_layer().unwrap().unwrap().source;
-        assert_eq!(fs::read_to_string(a.join("services/snapshot.source")).unwrap(), format!("{source:016x} canonical\n"));
+        assert_eq!(
+            fs::read_to_string(a.join("services/snapshot.source")).unwrap(),
+            format!("{source:016x} canonical\n")
+        );
     }
     Ok(())
 }
