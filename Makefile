@@ -127,6 +127,7 @@ bench: deps build clients-deps
 	$(CARGO) bench -p aether-rules --bench services_apply
 	$(CARGO) bench -p aether-cni --bench services_scale
 	$(CARGO) bench -p aether-installer --bench repair
+	$(CARGO) bench -p aether-installer --bench reconcile_pass
 	@# cargo bench rebuilt target/release/aether-cni (dynamic, for CARGO_BIN_EXE): put the static one back
 	install -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
 

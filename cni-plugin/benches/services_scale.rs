@@ -690,9 +690,10 @@ fn main() {
     figs.push(fig("demand", &format!("demand, {PODS} pods"), &demand).before(6400.0).goal(100.0, "100 ms".into()));
     figs.push(fig("counters", &format!("counters, {PODS} pods"), &counters).before(250.0).goal(50.0, "50 ms".into()));
     figs.push(fig("verify", &format!("verify (read back every layer), {PODS} pods"), &verify));
-    for ((op, what), (plugin, floor)) in [("add", "a Service added"), ("flip", "a Service's endpoints flipped to none"), ("remove", "a Service removed")]
-        .into_iter()
-        .zip(&changes)
+    for ((op, what), (plugin, floor)) in
+        [("add", "a Service added"), ("flip", "a Service's endpoints flipped to none"), ("remove", "a Service removed")]
+            .into_iter()
+            .zip(&changes)
     {
         show(&format!("kernel floor: {what}, pre-encoded, sent to {PODS} pods"), floor);
         show(&format!("change document: {what}, {PODS} pods"), plugin);
@@ -700,7 +701,9 @@ fn main() {
         println!("  {:<62} {ratio:>9.2} x  (cpu {:.2} x)", "  / the floor", plugin.cpu_ms / floor.cpu_ms);
         let key = |k: &str| format!("{k}_{op}");
         figs.push(fig(&key("floor_change"), &format!("kernel floor: {what}, pre-encoded, sent to {PODS} pods"), floor));
-        figs.push(fig(&key("change"), &format!("change document: {what}, {PODS} pods"), plugin).goal(15.0, "15 ms".into()));
+        figs.push(
+            fig(&key("change"), &format!("change document: {what}, {PODS} pods"), plugin).goal(15.0, "15 ms".into()),
+        );
         figs.push(
             Figure::value(&key("change_ratio"), &format!("change document / kernel floor: {what}"), ratio, "x")
                 .goal(1.3, "1.3x the floor".into()),
@@ -711,8 +714,13 @@ fn main() {
         ms(slowest)
     );
     figs.push(
-        Figure::value("churn_cpu", &format!("churn, 10 changes/s for {churn_secs} s: CPU, % of one core"), churn_share, "%")
-            .goal(5.0, "5% of one core".into()),
+        Figure::value(
+            "churn_cpu",
+            &format!("churn, 10 changes/s for {churn_secs} s: CPU, % of one core"),
+            churn_share,
+            "%",
+        )
+        .goal(5.0, "5% of one core".into()),
     );
     figs.push(Figure::value("churn_slowest", "churn: the slowest change, wall", ms(slowest), "ms wall"));
 

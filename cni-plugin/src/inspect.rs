@@ -117,6 +117,11 @@ fn print_reconciler(state_dir: &Path) {
     if let Some(why) = pass["runtimeUnseen"].as_str() {
         println!("  missed pods cannot be seen: {why}");
     }
+    if let (Some(full), Some(unchanged)) = (pass["compared"]["full"].as_u64(), pass["compared"]["unchanged"].as_u64()) {
+        println!(
+            "  compared: {full} in full, {unchanged} unchanged since their last full comparison (nftables generation)"
+        );
+    }
     for p in pods.iter().filter(|p| p["held"].is_string()) {
         println!(
             "  {}  {}: {}",

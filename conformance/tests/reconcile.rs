@@ -891,3 +891,139 @@ impl Drop for Garbage {
         let _ = std::fs::remove_file(&self.path);
     }
 }
+
+/// A Service (TCP 80, with endpoints) in the Service range of the Service-layer test.
+const SVC_VIP: &str = "10.96.1.1";
+/// In the range, no Service owns it: the layer refuses it in mode `refuse`.
+const NO_SVC: &str = "10.96.200.7";
+
+/// `aether-cni services apply` of a snapshot in mode `refuse` with one Service (`shop/cart` at
+/// `SVC_VIP`, TCP 80), as the node agent runs it.
+fn apply_services(ctrd: &Containerd) {
+    let snapshot = json!({
+        "generation": 1,
+        "mode": "refuse",
+        "serviceRanges": ["10.96.0.0/16"],
+        "services": [{"namespace": "shop", "name": "cart", "vip": SVC_VIP,
+                      "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true}]
+    });
+    let mut child = Command::new(cni_bin())
+        .args(["services", "--state-dir"])
+        .arg(&ctrd.state_dir)
+        .arg("apply")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(snapshot.to_string().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "services apply: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// What a packet shows of the Service layer: a new TCP connection from inside the pod to
+/// `dst` reaches the transparent capture listener with its original destination (`Ok`: the
+/// layer let it through), or is refused (`Err`).
+fn service_packet(netns: &str, dst: &str) -> Result<SocketAddr, String> {
+    let dst: SocketAddr = format!("{dst}:80").parse().unwrap();
+    sock::in_netns(netns, move || {
+        let listener =
+            sock::tcp_listener(SocketAddr::from(([127, 0, 0, 1], 18001)), true).map_err(|e| e.to_string())?;
+        listener.set_nonblocking(true).unwrap();
+        let conn = sock::tcp_connect(dst, None, Duration::from_secs(2)).map_err(|e| format!("refused: {e}"))?;
+        let (accepted, _) =
+            listener.accept().map_err(|e| format!("connected, but not to the capture listener: {e}"))?;
+        drop(conn);
+        accepted.local_addr().map_err(|e| e.to_string())
+    })
+}
+
+/// The Service port element the tamper deletes.
+fn service_element_present(netns: &str) -> bool {
+    in_netns(netns, &["nft", "list", "set", "ip", "aether_services", "service_ports"]).contains(SVC_VIP)
+}
+
+fn delete_service_element(netns: &str) {
+    let element = format!("{{ {SVC_VIP} . tcp . 80 }}");
+    in_netns(netns, &["nft", "delete", "element", "ip", "aether_services", "service_ports", &element]);
+}
+
+/// A deleted Service-layer element in a running pod: found although the pod's netns had gone
+/// unchanged for passes (compared only by its nftables generation until the tamper committed),
+/// repaired within a pass to exactly the stored layer (ADD's code), shown by a packet that is
+/// refused while the element is missing and reaches the capture listener again after; the
+/// other pod, intact, gets nothing. Control: the reconciler off, the element stays missing
+/// and the connection stays refused.
+#[test]
+fn reconciler_repairs_a_service_layer_element_within_a_pass_and_without_it_it_stays_missing() {
+    let test = "reconciler_repairs_a_service_layer_element";
+    if !ready(test) {
+        return;
+    }
+    let mut ctrd = Containerd::new("rcsvc", &NET, false);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "services", std::slice::from_ref(&socket));
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let pod = ctrd.run_pod("shop", "api-0", None).unwrap();
+    let other = ctrd.run_pod("shop", "api-1", None).unwrap();
+    let netns = ctrd.sandbox(&pod).unwrap().netns;
+    apply_services(&ctrd);
+    assert!(service_element_present(&netns), "the apply gave the pod its layer");
+    let vip: SocketAddr = format!("{SVC_VIP}:80").parse().unwrap();
+    assert_eq!(service_packet(&netns, SVC_VIP), Ok(vip), "the Service is reached through the capture");
+    let refused = service_packet(&netns, NO_SVC);
+    assert!(refused.as_ref().is_err_and(|e| e.contains("refused")), "the layer refuses: {refused:?}");
+
+    // Passes with nothing changed compare by generation only.
+    let from = inst.mark() + 2;
+    let quiet = inst.wait_pass(from, "both pods unchanged since a full comparison", |p| {
+        state_of(p, "shop/api-0") == "captured"
+            && state_of(p, "shop/api-1") == "captured"
+            && p["compared"]["unchanged"] == 2
+    });
+    assert_eq!(quiet["compared"]["full"], 0, "{quiet:#}");
+
+    let from = inst.mark() + 1;
+    delete_service_element(&netns);
+    let pass = inst.wait_pass(from, "the Service layer repaired", |p| {
+        actions_on(p, "shop/api-0").iter().any(|a| a["kind"] == "repair-services" && a["outcome"] == "done")
+    });
+    assert!(service_element_present(&netns), "not repaired to the stored layer\n{pass:#}");
+    assert_eq!(service_packet(&netns, SVC_VIP), Ok(vip), "repaired, by packet");
+    assert!(service_packet(&netns, NO_SVC).is_err(), "still refusing what no Service serves");
+    let kinds: Vec<Value> = actions_on(&pass, "shop/api-0").iter().map(|a| a["kind"].clone()).collect();
+    assert_eq!(kinds, vec![json!("repair-services")], "the capture was intact: only the layer rebuilt\n{pass:#}");
+    assert!(actions_on(&pass, "shop/api-1").is_empty(), "the intact pod is left alone\n{pass:#}");
+    assert!(pass["compared"]["full"].as_u64().unwrap() >= 1, "the tamper's commit forced a full comparison\n{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair-services",outcome="done"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair",outcome="done"}"#), 0.0);
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg("--state-dir").arg(&ctrd.state_dir));
+    assert!(out.stdout.contains("compared: "), "inspect shows how pods were compared:\n{}", out.stdout);
+    let log = inst.stop();
+    assert!(
+        log.lines().any(|l| l.contains("shop/api-0")
+            && l.contains("Service layer drift repaired")
+            && l.contains("service_ports")),
+        "no log line naming the difference:\n{log}"
+    );
+
+    // Negative control: the reconciler off, the element stays missing and the Service refused.
+    let off = Installer::start(&ctrd, "services-off", &[socket, "--reconcile=false".into()]);
+    delete_service_element(&netns);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!service_element_present(&netns), "repaired with the reconciler off: the test cannot fail");
+    let broken = service_packet(&netns, SVC_VIP);
+    assert!(broken.as_ref().is_err_and(|e| e.contains("refused")), "with the element gone: {broken:?}");
+    off.stop();
+    for id in [&pod, &other] {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+    }
+}

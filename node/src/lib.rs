@@ -6,6 +6,8 @@
 //! - `state`: the node state directory (attachment records, the lock, the readiness marker);
 //! - `attachment`: a pod's capture as operations over (configuration, pod, netns): attach
 //!   (what ADD does), detach (DEL), verify (CHECK), collect (GC);
+//! - `drift`: a recorded pod's capture and Service layer compared again and again (the
+//!   installer's reconciler), cheaply while its netns's nftables generation stands still;
 //! - `services`: the Service layer's node side (the stored snapshot, `layer.bin`, apply to
 //!   every pod, the folded counts, counters/demand/verify reports);
 //! - `probe`: whether this kernel can hold the rulesets (STATUS, `doctor`, readiness).
@@ -16,6 +18,7 @@
 
 pub mod attachment;
 pub mod config;
+pub mod drift;
 pub mod probe;
 pub mod services;
 pub mod state;

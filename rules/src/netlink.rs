@@ -172,6 +172,27 @@ impl Socket {
         })
     }
 
+    /// Sends a request that the kernel answers with one message (a GET that is no dump) and
+    /// returns that message, raw; the kernel's refusal becomes the matching `io::Error`.
+    pub fn ask_raw<T: NetlinkSerializable>(&mut self, request: T) -> io::Result<Vec<u8>> {
+        let seq = self.request(request, 0)?;
+        let mut answer = None;
+        self.receive(|m| {
+            if m.seq != seq {
+                return Ok(false);
+            }
+            match m.kind {
+                NLMSG_ERROR | NLMSG_DONE if m.code() != 0 => Err(io::Error::from_raw_os_error(m.code())),
+                NLMSG_ERROR | NLMSG_DONE => Ok(false),
+                _ => {
+                    answer = Some(m.bytes.to_vec());
+                    Ok(true)
+                }
+            }
+        })?;
+        answer.ok_or_else(|| invalid("no answer"))
+    }
+
     /// Runs a dump and returns every message of the answer, raw; a dump that raced with a
     /// change (flagged `NLM_F_DUMP_INTR`, possibly inconsistent) is read again.
     pub fn dump_raw<T: NetlinkSerializable + Clone>(&mut self, request: T) -> io::Result<Vec<Vec<u8>>> {

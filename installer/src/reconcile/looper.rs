@@ -133,7 +133,8 @@ fn next(rx: &Receiver<Msg>, period: Duration, shared: &Shared) -> Option<&'stati
 }
 
 /// The pass as JSON: when, how long, whether the runtime was seen, each pod's state (and why
-/// nothing was done, where something was needed), and each action with its outcome.
+/// nothing was done, where something was needed), each action with its outcome, and how the
+/// recorded pods were compared (in full, or unchanged since their last full comparison).
 pub fn last_pass_json(report: &PassReport) -> serde_json::Value {
     let at = report.finished.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let pods: Vec<_> = report
@@ -171,6 +172,7 @@ pub fn last_pass_json(report: &PassReport) -> serde_json::Value {
         "recordsUnread": report.records_unread,
         "pods": pods,
         "actions": actions,
+        "compared": {"full": report.compared.full, "unchanged": report.compared.unchanged},
     })
 }
 

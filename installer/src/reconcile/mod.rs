@@ -3,8 +3,10 @@
 //!
 //! - missed pods (ready, wanting capture, no record) are restarted through the CRI, captured
 //!   in place, or reported, by policy, within the pass's limit and each pod's backoff;
-//! - drifted pods (their netns no longer holds what their record says) are repaired to exactly
-//!   the record's ruleset;
+//! - drifted pods (their netns no longer holds what their record says, or their Service layer
+//!   is not the stored one) are repaired to exactly the record's ruleset, and the stored
+//!   layer, with ADD's code; a pod whose netns had nothing committed since it was last found
+//!   intact costs no table comparison (see `aether_node::drift`);
 //! - leftovers (a record whose sandbox or netns is gone) are collected as GC collects them.
 //!
 //! The decisions are `plan`'s pure code. This module gathers their inputs through two small
@@ -25,8 +27,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use aether_cri::Sandbox;
 pub use plan::{
-    Action, Finding, Held, Leftover, Limits, Memory, MissedPolicy, Observation, PodNetwork, PodRef, PodState,
-    RecordView, Wants,
+    Action, Differences, Finding, Held, Leftover, Limits, Memory, MissedPolicy, Observation, PodNetwork, PodRef,
+    PodState, RecordView, Wants,
 };
 use plan::{Input, SandboxView};
 
@@ -51,14 +53,35 @@ pub trait NodeOps {
     fn recorded_sandboxes(&mut self) -> Result<HashSet<String>, Self::Error> {
         Ok(self.records()?.into_iter().map(|r| r.sandbox_id).collect())
     }
-    /// The record's netns compared with the record (CHECK's comparison).
+    /// The record's netns compared with the record (CHECK's comparison) and with the stored
+    /// Service layer.
     fn observe(&mut self, record: &RecordView) -> Observation;
+    /// `observe` of each of this pass's records, in order.
+    fn observe_all(&mut self, records: &[RecordView]) -> Vec<Observation> {
+        records.iter().map(|r| self.observe(r)).collect()
+    }
+    /// How the last `observe_all` compared the pods.
+    fn comparisons(&self) -> Comparisons {
+        Comparisons::default()
+    }
     /// Re-applies exactly the record's ruleset (ADD's code).
     fn repair(&mut self, record: &RecordView) -> Result<(), Self::Error>;
+    /// Rebuilds the pod's Service layer to exactly the stored one (ADD's code).
+    fn repair_services(&mut self, record: &RecordView) -> Result<(), Self::Error>;
     /// Collects the record as GC does (its Service counts folded once).
     fn collect(&mut self, record: &RecordView, why: &Leftover) -> Result<(), Self::Error>;
     /// Captures a missed pod in place, in its netns (ADD's code, for the pod's addresses).
     fn capture(&mut self, sandbox: &Sandbox, netns: &str, ips: &[String]) -> Result<(), Self::Error>;
+}
+
+/// How a pass compared the recorded pods with what they should hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Comparisons {
+    /// Tables dumped and compared in full.
+    pub full: usize,
+    /// Nothing committed in the netns since a full comparison found the pod intact: only
+    /// the policy rule and route read back.
+    pub unchanged: usize,
 }
 
 /// How an action went.
@@ -81,6 +104,7 @@ pub struct PassReport {
     pub records_unread: Option<String>,
     pub findings: Vec<Finding>,
     pub actions: Vec<(Action, Outcome)>,
+    pub compared: Comparisons,
 }
 
 impl PassReport {
@@ -95,6 +119,7 @@ pub fn action_kind(a: &Action) -> &'static str {
         Action::Restart { .. } => "restart",
         Action::Capture { .. } => "capture",
         Action::Repair { .. } => "repair",
+        Action::RepairServices { .. } => "repair-services",
         Action::Collect { .. } => "collect",
     }
 }
@@ -138,13 +163,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             Ok(r) => (r, None),
             Err(e) => (Vec::new(), Some(format!("cannot read the attachment records: {e}"))),
         };
-        let observed: Vec<(RecordView, Observation)> = records
-            .into_iter()
-            .map(|r| {
-                let o = self.node.observe(&r);
-                (r, o)
-            })
-            .collect();
+        let observations = self.node.observe_all(&records);
+        let observed: Vec<(RecordView, Observation)> = records.into_iter().zip(observations).collect();
         let listed = match self.runtime.as_mut() {
             None => Err("no CRI socket configured".to_string()),
             Some(rt) => rt.sandboxes().map_err(|e| e.to_string()),
@@ -186,7 +206,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             // A restart or capture counts whatever its outcome (the pod may come back
             // uncaptured); a repair only when it failed (drift again later is repaired again).
             let failed = matches!(outcome, Outcome::Failed(_));
-            if action.counts_as_attempt() && (failed || !matches!(action, Action::Repair { .. })) {
+            let repair = matches!(action, Action::Repair { .. } | Action::RepairServices { .. });
+            if action.counts_as_attempt() && (failed || !repair) {
                 self.memory.acted(action.pod(), Instant::now(), &self.limits);
             }
             log_action(&action, &outcome);
@@ -230,6 +251,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             records_unread,
             findings: plan.findings,
             actions,
+            compared: self.node.comparisons(),
         }
     }
 
@@ -304,6 +326,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Some(r) => done(self.node.repair(r).map_err(|e| e.to_string())),
                 None => Outcome::Failed(format!("record {record} is not in this pass's list")),
             },
+            Action::RepairServices { record, .. } => match records.get(record.as_str()) {
+                Some(r) => done(self.node.repair_services(r).map_err(|e| e.to_string())),
+                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
+            },
             Action::Collect { record, why, .. } => match records.get(record.as_str()) {
                 Some(r) => done(self.node.collect(r, why).map_err(|e| e.to_string())),
                 None => Outcome::Failed(format!("record {record} is not in this pass's list")),
@@ -331,6 +357,10 @@ fn log_action(action: &Action, outcome: &Outcome) {
         (Action::Repair { record, differences, .. }, None) => tracing::info!(
             pod = %pod, record = %record,
             "drift repaired to the record's ruleset: {}", differences.join("; ")
+        ),
+        (Action::RepairServices { record, differences, .. }, None) => tracing::info!(
+            pod = %pod, record = %record,
+            "Service layer drift repaired to the stored snapshot: {}", differences.join("; ")
         ),
         (Action::Collect { record, why, .. }, None) => tracing::info!(
             pod = %pod, record = %record, "leftover collected: {}", leftover_text(why)

@@ -1,10 +1,13 @@
 //! [`NodeOps`] over the node library: the very code of the CNI commands. What ADD would make
 //! of a pod is `config::effective` on the entry the runtime passes; a record's netns is
-//! compared by `attachment::verify` (CHECK's comparison); a repair programs exactly the
-//! record's ruleset (ADD's `aether_rules::install`, which replaces the table in one
-//! transaction); a leftover is collected by `attachment::collect` (GC's, counts folded once);
-//! an in-place capture is `attachment::attach_in_place` (ADD's, after marking the connections
-//! conntrack already tracks).
+//! compared by `aether_node::drift` (CHECK's comparison and `services verify`'s, skipped for a
+//! pod whose netns had no nftables commit since it was last found intact), all pods on one
+//! tour of their netns; a repair programs exactly the record's ruleset (ADD's
+//! `aether_rules::install`, which replaces the table in one transaction), a Service layer
+//! repair rebuilds the stored layer (ADD's `apply_current_snapshot_in_netns`); a leftover is
+//! collected by `attachment::collect` (GC's, counts folded once); an in-place capture is
+//! `attachment::attach_in_place` (ADD's, after marking the connections conntrack already
+//! tracks).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -12,10 +15,12 @@ use std::path::PathBuf;
 use aether_cri::Sandbox;
 use aether_node::attachment::{self, AttachmentError, Target};
 use aether_node::config::{self, NetConf};
+use aether_node::drift::{Compared, Drift, Look};
+use aether_node::services::{self, ServicesError};
 use aether_node::state::{PodIdentity, PodNetns, Record, StateDir, StateError};
 use serde_json::{json, Map, Value};
 
-use super::{Leftover, NodeOps, Observation, PodRef, RecordView, Wants};
+use super::{Comparisons, Differences, Leftover, NodeOps, Observation, PodRef, RecordView, Wants};
 use crate::chain;
 
 /// The interface the kubelet asks runtimes for (containerd's and CRI-O's default).
@@ -47,6 +52,8 @@ pub enum NodeOpsError {
     Netns(#[from] aether_netns::Error),
     #[error(transparent)]
     Rules(#[from] aether_rules::Error),
+    #[error("the Service layer: {0}")]
+    Services(#[from] ServicesError),
 }
 
 pub struct NodeLib {
@@ -61,6 +68,11 @@ pub struct NodeLib {
     standalone: Option<NetConf>,
     /// This pass's records, by key.
     records: HashMap<String, Record>,
+    /// What each pod's last full comparison found intact.
+    drift: Drift,
+    /// The stored Service layer's header, read at the start of this pass.
+    layer: Result<Option<(u64, u64)>, ServicesError>,
+    compared: Comparisons,
 }
 
 impl NodeLib {
@@ -80,7 +92,34 @@ impl NodeLib {
             conf: None,
             standalone,
             records: HashMap::new(),
+            drift: Drift::new(),
+            layer: Ok(None),
+            compared: Comparisons::default(),
         }
+    }
+
+    /// Every pass compares every pod in full (what a pass cost before the generation check:
+    /// `make bench`'s baseline).
+    pub fn always_full(mut self, yes: bool) -> Self {
+        self.drift = Drift::new().always_full(yes);
+        self
+    }
+
+    /// The record behind `view` as it is now, under the exclusive state lock (held as long as
+    /// the returned guard lives): no ADD or DEL (they hold it shared) runs meanwhile, and a
+    /// record that went or changed since this pass read it is left to whoever changed it.
+    fn locked_record(&self, view: &RecordView) -> Result<(Record, aether_node::state::Lock), NodeOpsError> {
+        let seen = self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
+        let state = StateDir::new(&self.state_dir);
+        let lock = state.lock(true)?;
+        let now = state
+            .read(&seen.network, &seen.container_id, &seen.ifname)
+            .map_err(|u| NodeOpsError::RecordUnreadable { key: view.key.clone(), why: u.why })?
+            .ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
+        if now != *seen {
+            return Err(NodeOpsError::RecordChanged(view.key.clone()));
+        }
+        Ok((now, lock))
     }
 
     /// The entry chained onto the node's primary, as the runtime passes it to the plugin.
@@ -121,10 +160,6 @@ impl NodeLib {
         c.name = record.network.clone();
         c.state_dir = self.state_dir.clone();
         Some(c)
-    }
-
-    fn target(record: &Record) -> Target<'_> {
-        Target { network: &record.network, container_id: &record.container_id, ifname: &record.ifname }
     }
 }
 
@@ -181,32 +216,45 @@ impl NodeOps for NodeLib {
         let Some(conf) = self.conf_for(record) else {
             return Observation::Unverifiable("the plugin refuses the node's network configuration".into());
         };
-        match record.open_netns() {
-            Err(e) => Observation::Unverifiable(e.to_string()),
-            Ok(PodNetns::Gone(why)) => Observation::NetnsGone(why),
-            Ok(PodNetns::Live(ns)) => {
-                match attachment::verify(&conf, Self::target(record), &ns, record.capture.as_ref()) {
-                    Ok(d) if d.is_empty() => Observation::Intact,
-                    Ok(d) => Observation::Drifted(d),
-                    Err(e) => Observation::Unverifiable(e.to_string()),
+        match self.drift.look(&conf, record, &self.layer) {
+            Look::Gone(why) => Observation::NetnsGone(why),
+            Look::Unverifiable(why) => Observation::Unverifiable(why),
+            Look::Seen { capture, services, compared } => {
+                match compared {
+                    Compared::Full => self.compared.full += 1,
+                    Compared::Unchanged => self.compared.unchanged += 1,
+                }
+                let d = Differences { capture, services };
+                if d.is_empty() {
+                    Observation::Intact
+                } else {
+                    Observation::Drifted(d)
                 }
             }
         }
     }
 
-    fn repair(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
-        let seen = self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
-        let state = StateDir::new(&self.state_dir);
-        // Exclusive, as GC: no ADD or DEL (they hold it shared) runs while the record is read
-        // again and its ruleset programmed.
-        let _lock = state.lock(true)?;
-        let now = state
-            .read(&seen.network, &seen.container_id, &seen.ifname)
-            .map_err(|u| NodeOpsError::RecordUnreadable { key: view.key.clone(), why: u.why })?
-            .ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
-        if now != *seen {
-            return Err(NodeOpsError::RecordChanged(view.key.clone()));
+    /// All pods on one tour of their netns, on this thread (no thread per pod), against the
+    /// stored Service layer as it is at the start of the pass.
+    fn observe_all(&mut self, views: &[RecordView]) -> Vec<Observation> {
+        self.compared = Comparisons::default();
+        self.layer = services::stored_header(&self.state_dir);
+        self.drift.retain(views.iter().map(|v| v.key.as_str()));
+        match aether_netns::tour_here(|| views.iter().map(|v| self.observe(v)).collect()) {
+            Ok(all) => all,
+            Err(e) => views.iter().map(|_| Observation::Unverifiable(e.to_string())).collect(),
         }
+    }
+
+    fn comparisons(&self) -> Comparisons {
+        self.compared
+    }
+
+    fn repair(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
+        self.drift.forget(&view.key);
+        // Exclusive, as GC: no ADD or DEL runs while the record is read again and its ruleset
+        // programmed.
+        let (now, _lock) = self.locked_record(view)?;
         let cfg = now.capture.as_ref().ok_or_else(|| NodeOpsError::NoCapture(view.key.clone()))?;
         let netns = match now.open_netns()? {
             PodNetns::Live(ns) => ns,
@@ -214,6 +262,20 @@ impl NodeOps for NodeLib {
         };
         let ruleset = aether_rules::capture::capture_ruleset(cfg)?;
         netns.run(|| aether_rules::install(&ruleset, None))??;
+        Ok(())
+    }
+
+    fn repair_services(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
+        self.drift.forget(&view.key);
+        let (now, _lock) = self.locked_record(view)?;
+        let netns = match now.open_netns()? {
+            PodNetns::Live(ns) => ns,
+            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
+        };
+        let mark = now.capture.as_ref().map(|c| c.divert_mark);
+        if services::repair_pod_layer(&self.state_dir, &netns, mark)?.is_empty() {
+            tracing::info!(record = %view.key, "the Service layer was found as stored when compared again (an apply or ADD had brought it there)");
+        }
         Ok(())
     }
 

@@ -139,12 +139,36 @@ pub struct RecordView {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observation {
     Intact,
-    /// Each difference as CHECK prints it.
-    Drifted(Vec<String>),
+    /// What differs (not both empty).
+    Drifted(Differences),
     /// The netns is gone, or is another namespace than the one ADD programmed.
     NetnsGone(String),
     /// It could not be compared (e.g. the netns could not be opened): nothing is done.
     Unverifiable(String),
+}
+
+/// A drifted pod's differences, each as CHECK (the capture: ruleset, policy rule and route,
+/// record) or `services verify` (the Service layer, against the stored snapshot) prints it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Differences {
+    pub capture: Vec<String>,
+    pub services: Vec<String>,
+}
+
+impl Differences {
+    /// Differences of the capture only.
+    pub fn capture(capture: Vec<String>) -> Self {
+        Differences { capture, services: Vec::new() }
+    }
+
+    /// Differences of the Service layer only.
+    pub fn services(services: Vec<String>) -> Self {
+        Differences { capture: Vec::new(), services }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.capture.is_empty() && self.services.is_empty()
+    }
 }
 
 /// A sandbox's network as the runtime reports it (its verbose status).
@@ -199,6 +223,8 @@ pub enum Action {
     Capture { sandbox_id: String, pod: PodRef, netns: String, ips: Vec<String> },
     /// Re-apply exactly the record's ruleset.
     Repair { record: String, pod: PodRef, differences: Vec<String> },
+    /// Rebuild the pod's Service layer to exactly the stored one (ADD's code).
+    RepairServices { record: String, pod: PodRef, differences: Vec<String> },
     /// Collect the record as GC does.
     Collect { record: String, pod: PodRef, why: Leftover },
 }
@@ -209,6 +235,7 @@ impl Action {
             Action::Restart { pod, .. }
             | Action::Capture { pod, .. }
             | Action::Repair { pod, .. }
+            | Action::RepairServices { pod, .. }
             | Action::Collect { pod, .. } => pod,
         }
     }
@@ -428,11 +455,18 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
             }
             (Observation::Drifted(differences), _) => {
                 let held = memory.held(&pod, input.now, limits);
-                if held.is_none() {
+                if held.is_none() && !differences.capture.is_empty() {
                     out.actions.push(Action::Repair {
                         record: record.key.clone(),
                         pod: pod.clone(),
-                        differences: differences.clone(),
+                        differences: differences.capture.clone(),
+                    });
+                }
+                if held.is_none() && !differences.services.is_empty() {
+                    out.actions.push(Action::RepairServices {
+                        record: record.key.clone(),
+                        pod: pod.clone(),
+                        differences: differences.services.clone(),
                     });
                 }
                 out.findings.push(finding(PodState::Drifted, held));

@@ -75,7 +75,15 @@ impl NodeOps for FakeNode {
         if self.fail_repair {
             return Err("netlink: EPERM".into());
         }
-        self.records.get_mut(&r.key).unwrap().1 = Observation::Intact;
+        self.cleared(&r.key, |d| d.capture.clear());
+        Ok(())
+    }
+    fn repair_services(&mut self, r: &RecordView) -> Result<(), String> {
+        self.calls.push(format!("repair-services {}", r.key));
+        if self.fail_repair {
+            return Err("netlink: EPERM".into());
+        }
+        self.cleared(&r.key, |d| d.services.clear());
         Ok(())
     }
     fn collect(&mut self, r: &RecordView, _: &Leftover) -> Result<(), String> {
@@ -93,6 +101,19 @@ impl NodeOps for FakeNode {
         };
         self.records.insert(r.key.clone(), (r, Observation::Intact));
         Ok(())
+    }
+}
+
+impl FakeNode {
+    /// A repair: the part it repairs cleared, intact once nothing is left.
+    fn cleared(&mut self, key: &str, part: impl FnOnce(&mut Differences)) {
+        let obs = &mut self.records.get_mut(key).unwrap().1;
+        if let Observation::Drifted(d) = obs {
+            part(d);
+            if d.is_empty() {
+                *obs = Observation::Intact;
+            }
+        }
     }
 }
 
@@ -210,7 +231,8 @@ fn report_changes_nothing() {
 
 #[test]
 fn drift_is_repaired_once_and_intact_pods_are_not_touched() {
-    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["policy rule removed".into()]));
+    let mut node =
+        node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["policy rule removed".into()])));
     let intact = node_with_record("b", "b", Observation::Intact);
     node.records.extend(intact.records);
     let rt = FakeRuntime {
@@ -225,14 +247,33 @@ fn drift_is_repaired_once_and_intact_pods_are_not_touched() {
     r.pass(Ok(()));
     assert_eq!(r.node.calls, ["repair net/a/eth0"], "repaired: nothing more to do");
     // Drift again right away: repaired again (a successful repair starts no backoff).
-    r.node.records.get_mut("net/a/eth0").unwrap().1 = Observation::Drifted(vec!["table deleted".into()]);
+    r.node.records.get_mut("net/a/eth0").unwrap().1 =
+        Observation::Drifted(Differences::capture(vec!["table deleted".into()]));
     r.pass(Ok(()));
     assert_eq!(r.node.calls, ["repair net/a/eth0", "repair net/a/eth0"]);
 }
 
 #[test]
+fn a_pod_whose_capture_and_service_layer_drifted_gets_both_repairs_in_one_pass() {
+    let both = Differences { capture: vec!["route missing".into()], services: vec!["Service layer: x".into()] };
+    let node = node_with_record("a", "a", Observation::Drifted(both));
+    let mut r = Reconciler::new(None::<FakeRuntime>, node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(r.node.calls, ["repair net/a/eth0", "repair-services net/a/eth0"]);
+    let kinds: Vec<&str> = report.actions.iter().map(|(a, _)| action_kind(a)).collect();
+    assert_eq!(kinds, ["repair", "repair-services"]);
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty() && report.count(PodState::Captured) == 1, "{:?}", report.actions);
+    // Only the layer again: only its repair.
+    r.node.records.get_mut("net/a/eth0").unwrap().1 = Observation::Drifted(Differences::services(vec!["y".into()]));
+    r.pass(Ok(()));
+    assert_eq!(r.node.calls.last().map(String::as_str), Some("repair-services net/a/eth0"));
+    assert_eq!(r.node.calls.len(), 3);
+}
+
+#[test]
 fn a_repair_that_fails_is_reported_and_backs_off() {
-    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    let mut node = node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["x".into()])));
     node.fail_repair = true;
     let mut r = Reconciler::new(None::<FakeRuntime>, node, Limits::default());
     let report = r.pass(Ok(()));
@@ -244,7 +285,7 @@ fn a_repair_that_fails_is_reported_and_backs_off() {
 
 #[test]
 fn without_the_runtime_drift_and_gone_netns_are_still_handled() {
-    let mut node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    let mut node = node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["x".into()])));
     let gone = node_with_record("g", "g", Observation::NetnsGone("no such file".into()));
     let old = node_with_record("o", "o", Observation::Intact);
     node.records.extend(gone.records);
@@ -260,7 +301,7 @@ fn without_the_runtime_drift_and_gone_netns_are_still_handled() {
     // The record of a pod the runtime cannot confirm or deny is kept.
     assert!(r.node.records.contains_key("net/o/eth0"));
     // No socket configured at all: the same.
-    let node = node_with_record("a", "a", Observation::Drifted(vec!["x".into()]));
+    let node = node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["x".into()])));
     let mut r = Reconciler::new(None::<FakeRuntime>, node, Limits::default());
     let report = r.pass(Ok(()));
     assert_eq!(r.node.calls, ["repair net/a/eth0"]);

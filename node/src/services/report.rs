@@ -222,6 +222,63 @@ fn verify_each(
     }
 }
 
+/// Which stored layer is in force: `layer.bin`'s (generation, source digest), `None` when
+/// there is none. Every apply that stores another layer changes it; reading it costs one
+/// small read, never the layer itself (the reconciler's signal that the stored layer is the
+/// one it last compared a pod with).
+pub fn stored_header(state_dir: &Path) -> Result<Option<(u64, u64)>, ServicesError> {
+    Ok(layer_file::read_header(&ServicesDir::new(state_dir).layer_path())?)
+}
+
+/// One pod's layer compared with the stored one (`services verify`'s comparison of one pod,
+/// nothing repaired): its differences (empty: intact), prefixed `Service layer:`, and the
+/// stored layer they were compared with ([`stored_header`]). Under the shared services lock:
+/// never halfway through an apply. `divert_mark`: the pod's capture's (else the node's).
+pub fn verify_pod_layer(
+    state_dir: &Path,
+    netns: &Netns,
+    divert_mark: Option<u32>,
+) -> Result<(Vec<String>, Option<(u64, u64)>), ServicesError> {
+    let dir = ServicesDir::new(state_dir);
+    let _lock = dir.read_lock()?;
+    let header = layer_file::read_header(&dir.layer_path())?;
+    let stored = dir.stored_layer()?;
+    let mark = divert_mark.unwrap_or_else(|| dir.divert_mark());
+    let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+    let diffs = flat(netns.run(|| layer::verify(&l)))?;
+    Ok((diffs.into_iter().map(|d| format!("Service layer: {d}")).collect(), header))
+}
+
+/// Repairs one pod's layer to exactly the stored one with ADD's code
+/// ([`apply_current_snapshot_in_netns`](super::apply_current_snapshot_in_netns): rebuilt,
+/// counters carried over), if it still differs when compared again (an apply or ADD may have
+/// brought it there since it was found different). With no snapshot stored, a layer the pod
+/// holds is removed (as `services verify` does). Returns the differences it repaired (empty:
+/// none were left). The caller holds the state lock, so no ADD or DEL of the pod runs.
+/// `divert_mark`: the pod's capture's (else the node's).
+pub fn repair_pod_layer(
+    state_dir: &Path,
+    netns: &Netns,
+    divert_mark: Option<u32>,
+) -> Result<Vec<String>, ServicesError> {
+    let (diffs, _) = verify_pod_layer(state_dir, netns, divert_mark)?;
+    if diffs.is_empty() {
+        return Ok(diffs);
+    }
+    let divert_mark = divert_mark.unwrap_or_else(|| ServicesDir::new(state_dir).divert_mark());
+    if super::apply_current_snapshot_in_netns(state_dir, netns, divert_mark)?.is_none() {
+        // No layer applied: none stored (then none belongs in the pod), or one that cannot be
+        // read (then the pod is left as it is, and the error said so).
+        let dir = ServicesDir::new(state_dir);
+        let _lock = dir.read_lock()?;
+        if dir.stored_layer()?.is_none() {
+            flat(netns.run(layer::remove))?;
+            dir.forget_pod(netns.path());
+        }
+    }
+    Ok(diffs)
+}
+
 /// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LayerVerdict {

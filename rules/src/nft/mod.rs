@@ -16,8 +16,8 @@ use std::io;
 
 use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NlasIterator};
 use netlink_packet_netfilter::nftables::{
-    GenMessage, NfTablesMessage, RuleAttribute, RuleMessage, SetAttribute, SetElementList, SetElementMessage,
-    SetMessage, TableAttribute, TableMessage,
+    GenAttribute, GenMessage, NfTablesMessage, RuleAttribute, RuleMessage, SetAttribute, SetElementList,
+    SetElementMessage, SetMessage, TableAttribute, TableMessage,
 };
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
 
@@ -190,6 +190,37 @@ pub(crate) fn program_tables_keeping(
             commit(&mut sock, &with_retired(render::tables_batch(&replace)))
         }
         other => other,
+    }
+}
+
+/// The current netns's nftables generation (`NFT_MSG_GETGEN`): the kernel adds one with every
+/// transaction committed in the netns (any table, any family, any writer), and with nothing
+/// else: dumps, counters counting and the datapath updating a dynamic set leave it as it was.
+/// An unchanged generation thus says that no table of the netns was changed since it was
+/// read. It is the netns's own (every netns starts again from its own first value), so it
+/// is only comparable within one netns: a caller keys it by the namespace's cookie.
+pub fn generation() -> Result<u32> {
+    let err = |source| Error::Nftables { op: "get generation", source };
+    let mut sock = open()?;
+    let request = NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+        NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+    );
+    let bytes = sock.ask_raw(request).map_err(err)?;
+    let invalid = |what: String| err(io::Error::new(io::ErrorKind::InvalidData, what));
+    let message = NetlinkMessage::<NetfilterMessage>::deserialize(&bytes).map_err(|e| invalid(e.to_string()))?;
+    match message.payload {
+        NetlinkPayload::InnerMessage(NetfilterMessage {
+            inner: NetfilterMessageInner::NfTables(NfTablesMessage::NewGen(GenMessage { attributes })),
+            ..
+        }) => attributes
+            .iter()
+            .find_map(|a| match a {
+                GenAttribute::Id(id) => Some(*id),
+                _ => None,
+            })
+            .ok_or_else(|| invalid("the generation answer has no id".into())),
+        _ => Err(invalid("the answer to GETGEN is not a generation".into())),
     }
 }
 
@@ -562,6 +593,39 @@ mod tests {
             assert!(remove(t.family, &t.name).unwrap());
             assert!(!remove(t.family, &t.name).unwrap());
             assert!(kernel_view(t.family, &t.name).unwrap().is_none());
+        })
+        .unwrap();
+    }
+
+    /// The generation moves with every committed transaction in the netns, whatever table or
+    /// family it changed, and with nothing that only reads; each netns has its own.
+    #[test]
+    fn the_generation_moves_with_each_commit_and_never_with_a_read() {
+        if !aether_testkit::root_or_skip("the_generation_moves_with_each_commit_and_never_with_a_read") {
+            return;
+        }
+        let tables = dual();
+        aether_netns::run_in_private(|| {
+            let start = generation().unwrap();
+            assert_eq!(generation().unwrap(), start, "asking again changes nothing");
+            program(&tables[0]).unwrap();
+            let programmed = generation().unwrap();
+            assert_ne!(programmed, start, "a commit moves it");
+            // Reads of every kind: the table, its counters, its sets' elements.
+            kernel_view(Family::Ipv4, &tables[0].name).unwrap().unwrap();
+            counters(Family::Ipv4, &tables[0].name).unwrap();
+            set_elements(Family::Ipv4, &tables[0].name, crate::capture::SET_EXCLUDED_NETS).unwrap();
+            assert_eq!(generation().unwrap(), programmed, "reads leave it");
+            // Another family's table, then a removal: each a commit.
+            program(&tables[1]).unwrap();
+            let both = generation().unwrap();
+            assert_ne!(both, programmed);
+            assert!(remove(Family::Ipv6, &tables[1].name).unwrap());
+            assert_ne!(generation().unwrap(), both);
+            // Another netns has a generation of its own, untouched by these commits.
+            let elsewhere = aether_netns::run_in_private(|| generation().unwrap()).unwrap();
+            let again = aether_netns::run_in_private(|| generation().unwrap()).unwrap();
+            assert_eq!(elsewhere, again, "two fresh netns start alike: the value alone names no netns");
         })
         .unwrap();
     }

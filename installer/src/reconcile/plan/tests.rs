@@ -201,7 +201,7 @@ fn drift_is_repaired_intact_pods_are_left_alone() {
     w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
     w.sandboxes.push(view(sandbox("b", "shop", "b", 2), Wants::Capture));
     w.records.push((record("a", "a"), Observation::Intact));
-    w.records.push((record("b", "b"), Observation::Drifted(vec!["rule removed: ...".into()])));
+    w.records.push((record("b", "b"), Observation::Drifted(Differences::capture(vec!["rule removed: ...".into()]))));
     let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
     assert_eq!(
         p.actions,
@@ -219,6 +219,43 @@ fn drift_is_repaired_intact_pods_are_left_alone() {
     let q = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
     assert_eq!(q.actions.len(), 1);
     assert!(matches!(q.actions[0], Action::Repair { .. }));
+}
+
+/// A Service layer that differs from the stored one is its own repair (ADD's layer code), and
+/// a pod whose capture and layer both differ gets both, capture first; a pod backing off gets
+/// neither.
+#[test]
+fn service_layer_drift_is_its_own_repair_and_comes_after_the_captures() {
+    let mut w = World::new();
+    w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
+    w.sandboxes.push(view(sandbox("b", "shop", "b", 2), Wants::Capture));
+    let layer = vec!["Service layer: set service_ports: element missing".to_string()];
+    w.records.push((record("a", "a"), Observation::Drifted(Differences::services(layer.clone()))));
+    let both = Differences { capture: vec!["table ip aether_capture is missing".into()], services: layer.clone() };
+    w.records.push((record("b", "b"), Observation::Drifted(both)));
+    let l = limits(MissedPolicy::Restart);
+    let p = w.plan(&l, &Memory::default());
+    let kinds: Vec<(&str, &str)> = p
+        .actions
+        .iter()
+        .map(|a| match a {
+            Action::Repair { record, .. } => ("repair", record.as_str()),
+            Action::RepairServices { record, differences, .. } => {
+                assert_eq!(differences, &layer);
+                ("repair-services", record.as_str())
+            }
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![("repair-services", "net/a/eth0"), ("repair", "net/b/eth0"), ("repair-services", "net/b/eth0")]
+    );
+    assert_eq!(World::state_of(&p, "a").0, PodState::Drifted);
+    let mut m = Memory::default();
+    m.acted(&PodRef::of(&w.sandboxes[0].sandbox), w.now, &l);
+    let q = w.plan(&l, &m);
+    assert!(q.actions.iter().all(|a| a.pod().name != "a"), "a pod backing off gets nothing: {:?}", q.actions);
 }
 
 #[test]
@@ -274,7 +311,7 @@ fn a_not_ready_sandbox_with_a_record_is_left_to_the_runtime() {
     let mut s = sandbox("a", "shop", "a", 1);
     s.state = SandboxState::NotReady;
     w.sandboxes.push(view(s, Wants::Capture));
-    w.records.push((record("a", "a"), Observation::Drifted(vec!["x".into()])));
+    w.records.push((record("a", "a"), Observation::Drifted(Differences::capture(vec!["x".into()]))));
     let p = w.plan(&limits(MissedPolicy::Restart), &Memory::default());
     assert!(p.actions.is_empty(), "{:?}", p.actions);
     assert_eq!(World::state_of(&p, "a").0, PodState::NotReady);
@@ -294,7 +331,7 @@ fn recorded_sandboxes_are_not_missed_and_unverifiable_records_are_kept() {
 fn a_repair_that_keeps_failing_backs_off() {
     let mut w = World::new();
     w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
-    w.records.push((record("a", "a"), Observation::Drifted(vec!["x".into()])));
+    w.records.push((record("a", "a"), Observation::Drifted(Differences::capture(vec!["x".into()]))));
     let l = limits(MissedPolicy::Restart);
     let mut m = Memory::default();
     m.acted(&w.records[0].0.pod, w.now, &l);

@@ -1,0 +1,258 @@
+//! A recorded pod's drift, looked at again and again (the installer's reconciler, every
+//! pass): its capture compared with its record (CHECK's comparison), and its Service layer
+//! compared with the stored one (`services verify`'s), each difference worded as those print
+//! it. Cheap when nothing changed.
+//!
+//! A full comparison dumps a pod's tables (for a Service layer of 10,000 Services, tens of
+//! thousands of set elements) and compares them element by element. Its result holds for as
+//! long as nothing is committed in the pod's netns: the kernel's nftables generation
+//! (`NFT_MSG_GETGEN`, [`aether_rules::nft::generation`]) moves with every committed
+//! transaction there, by any writer, and with nothing else. So once a full comparison found a
+//! pod intact, the generation read just before it is remembered, with the record and the
+//! stored Service layer it was compared with; a later look that finds the same record, the
+//! same stored layer and the same generation in the same netns (the record's netns cookie,
+//! checked on opening) skips both table comparisons. The policy rule and route are not
+//! nftables: they are read back every time (two small dumps per family).
+//!
+//! Any doubt is a full comparison: a record without a netns cookie, a generation that cannot
+//! be read, a record or stored layer other than remembered, a pod not found intact last time
+//! (a repair forgets it: the next look compares in full). A pod whose capture differs has its
+//! Service layer compared at the next look, after the capture's repair.
+
+use std::collections::HashMap;
+
+use aether_netns::Netns;
+
+use crate::attachment::{self, Target};
+use crate::config::NetConf;
+use crate::services::{self, ServicesError};
+use crate::state::{PodNetns, Record};
+
+/// How a pod was compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compared {
+    /// Both tables dumped and compared.
+    Full,
+    /// Nothing committed in the netns since a full comparison found the pod intact: the
+    /// policy rule and route only.
+    Unchanged,
+}
+
+/// What a look at one recorded pod found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Look {
+    /// The differences of its capture (CHECK's wording) and of its Service layer (`services
+    /// verify`'s, prefixed `Service layer:`); both empty: intact.
+    Seen { capture: Vec<String>, services: Vec<String>, compared: Compared },
+    /// The netns is gone, or is another namespace than the one ADD programmed.
+    Gone(String),
+    /// It could not be compared (the netns could not be opened, the kernel or the Service
+    /// state could not be read): why.
+    Unverifiable(String),
+}
+
+/// What was true at a pod's last full comparison that found it intact.
+#[derive(Debug, Clone)]
+struct Intact {
+    record: Record,
+    generation: u32,
+    layer: Option<(u64, u64)>,
+}
+
+/// The looks' memory, by record key.
+#[derive(Debug, Default)]
+pub struct Drift {
+    intact: HashMap<String, Intact>,
+    /// Off: every look compares in full (what a pass cost before; the bench's baseline).
+    always_full: bool,
+}
+
+impl Drift {
+    pub fn new() -> Self {
+        Drift::default()
+    }
+
+    /// Every look compares in full (for comparison: `make bench`).
+    pub fn always_full(mut self, yes: bool) -> Self {
+        self.always_full = yes;
+        self
+    }
+
+    /// Forgets a pod's last full comparison (after a repair, or when its record goes).
+    pub fn forget(&mut self, key: &str) {
+        self.intact.remove(key);
+    }
+
+    /// Forgets every pod but those of `keys` (the records of this pass).
+    pub fn retain<'a>(&mut self, keys: impl IntoIterator<Item = &'a str>) {
+        let keep: std::collections::HashSet<&str> = keys.into_iter().collect();
+        self.intact.retain(|k, _| keep.contains(k.as_str()));
+    }
+
+    /// Looks at `record`'s pod. `conf` names the record's network and the state directory;
+    /// `layer` is [`services::stored_header`] as read at the start of this pass (an `Err`:
+    /// compared in full). Run on a tour ([`aether_netns::tour_here`]), a look enters the
+    /// pod's netns in place.
+    pub fn look(&mut self, conf: &NetConf, record: &Record, layer: &Result<Option<(u64, u64)>, ServicesError>) -> Look {
+        let key = record.key();
+        let ns = match record.open_netns() {
+            Ok(PodNetns::Live(ns)) => ns,
+            Ok(PodNetns::Gone(why)) => {
+                self.forget(&key);
+                return Look::Gone(why);
+            }
+            Err(e) => return Look::Unverifiable(e.to_string()),
+        };
+        let cheap = match (&record.capture, record.netns_id.and_then(|id| id.cookie)) {
+            (Some(cfg), Some(_)) if !self.always_full => Some(cfg),
+            _ => None,
+        };
+        // The generation before anything is compared: a change committed during the
+        // comparison shows at the next look.
+        let unchanged = cheap.and_then(|cfg| {
+            let prs = cfg.policy_routes();
+            let (generation, routes) =
+                ns.run(|| (aether_rules::nft::generation(), aether_rules::verify_policy_routes(&prs))).ok()?;
+            let generation = generation.ok()?;
+            let same = self.intact.get(&key).is_some_and(|i| {
+                i.generation == generation && i.record == *record && layer.as_ref().is_ok_and(|l| *l == i.layer)
+            });
+            Some((generation, same.then_some(routes)))
+        });
+        match unchanged {
+            Some((_, Some(Ok(routes)))) => {
+                if !routes.is_empty() {
+                    // Drift: the next look compares in full (a repair changes the netns anyway).
+                    self.forget(&key);
+                }
+                Look::Seen { capture: routes, services: Vec::new(), compared: Compared::Unchanged }
+            }
+            Some((_, Some(Err(e)))) => Look::Unverifiable(e.to_string()),
+            Some((generation, None)) => self.full(conf, record, &ns, Some(generation)),
+            None => self.full(conf, record, &ns, None),
+        }
+    }
+
+    fn full(&mut self, conf: &NetConf, record: &Record, ns: &Netns, generation: Option<u32>) -> Look {
+        let key = record.key();
+        self.forget(&key);
+        let target = Target { network: &record.network, container_id: &record.container_id, ifname: &record.ifname };
+        let capture = match attachment::verify(conf, target, ns, record.capture.as_ref()) {
+            Ok(d) => d,
+            Err(e) => return Look::Unverifiable(e.to_string()),
+        };
+        if !capture.is_empty() {
+            // The capture first (a pod without it leaks): repaired this pass, without waiting for
+            // a comparison of a Service layer of perhaps 10,000 Services; the layer is compared
+            // at the next look (in full: nothing is remembered, and the repair commits).
+            return Look::Seen { capture, services: Vec::new(), compared: Compared::Full };
+        }
+        let mark = record.capture.as_ref().map(|c| c.divert_mark);
+        let (services, layer) = match services::verify_pod_layer(&conf.state_dir, ns, mark) {
+            Ok(found) => found,
+            Err(e) => return Look::Unverifiable(format!("the Service layer cannot be compared: {e}")),
+        };
+        if let Some(generation) = generation.filter(|_| capture.is_empty() && services.is_empty()) {
+            self.intact.insert(key, Intact { record: record.clone(), generation, layer });
+        }
+        Look::Seen { capture, services, compared: Compared::Full }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::services::{apply_document, repair_pod_layer, ServicesDir};
+    use crate::state::PodIdentity;
+    use aether_testkit::{root_or_skip, TestNetns};
+    use serde_json::json;
+
+    fn snapshot(generation: u64, port: u16) -> Vec<u8> {
+        json!({
+            "generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"],
+            "services": [{"namespace": "n", "name": "s", "vip": "10.96.1.1",
+                          "ports": [{"protocol": "TCP", "port": port}], "usableEndpoints": true}]
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    fn seen(look: &Look) -> (usize, usize, Compared) {
+        match look {
+            Look::Seen { capture, services, compared } => (capture.len(), services.len(), *compared),
+            other => panic!("not compared: {other:?}"),
+        }
+    }
+
+    /// A pod attached by ADD's code with the stored layer: compared in full once, then by its
+    /// generation only while nothing is committed; every commit in its netns (a tamper of the
+    /// layer, an unrelated table), a repair, and a new stored layer mean a full comparison
+    /// again; the policy route is read back every time, generation or not.
+    #[test]
+    fn a_look_compares_in_full_only_when_the_netns_or_the_stored_layer_changed() {
+        if !root_or_skip("a_look_compares_in_full_only_when_the_netns_or_the_stored_layer_changed") {
+            return;
+        }
+        let state = std::env::temp_dir().join(format!("aether-drift-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let ns = TestNetns::new("drift");
+        let conf = crate::config::parse(
+            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
+                   "stateDir": state, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let cfg = crate::config::effective(&conf, Some("shop")).unwrap().unwrap();
+        apply_document(&ServicesDir::new(&state), &snapshot(1, 80)).unwrap();
+        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
+        attachment::attach(&conf, target, &PodIdentity::default(), &ns.path(), &cfg).unwrap();
+        let record = crate::state::StateDir::new(&state).records().pop().unwrap();
+        assert!(record.netns_id.and_then(|i| i.cookie).is_some(), "the record has the netns cookie");
+        let header = || services::stored_header(&state);
+        let mut drift = Drift::new();
+        let look = |d: &mut Drift| d.look(&conf, &record, &header());
+
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full), "first: in full");
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+
+        // A deleted Service-layer element: a commit, so compared in full and found.
+        ns.exec("nft", &["delete", "element", "ip", "aether_services", "service_ports", "{ 10.96.1.1 . tcp . 80 }"]);
+        let found = look(&mut drift);
+        let Look::Seen { services: ref diffs, .. } = found else { panic!("{found:?}") };
+        assert!(diffs.iter().any(|d| d.starts_with("Service layer:") && d.contains("service_ports")), "{diffs:?}");
+        assert_eq!(seen(&found), (0, diffs.len(), Compared::Full));
+        assert_eq!(seen(&look(&mut drift)).1, diffs.len(), "drift is not remembered as intact");
+        let netns = Netns::open_foreign(ns.path()).unwrap();
+        assert_eq!(&repair_pod_layer(&state, &netns, Some(cfg.divert_mark)).unwrap(), diffs);
+        assert!(repair_pod_layer(&state, &netns, Some(cfg.divert_mark)).unwrap().is_empty(), "nothing left");
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full), "repaired: its commit moved the generation");
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+
+        // Any commit in the netns, even to another table: in full.
+        ns.exec("nft", &["add", "table", "ip", "someone_else"]);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full));
+        // The route is no nftables: read back while the generation stands still.
+        ns.exec("ip", &["-4", "route", "flush", "table", &cfg.route_table.to_string()]);
+        let (routes, _, how) = seen(&look(&mut drift));
+        assert_eq!((routes, how), (1, Compared::Unchanged), "the flushed route is found without a full comparison");
+        assert_eq!(seen(&look(&mut drift)), (1, 0, Compared::Full), "and then compared in full");
+        netns.run(|| aether_rules::install(&aether_rules::capture_ruleset(&cfg).unwrap(), None)).unwrap().unwrap();
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full));
+
+        // The same content stored under a new generation: no pod is touched, but the stored
+        // layer is another: in full, once.
+        apply_document(&ServicesDir::new(&state), &snapshot(2, 80)).unwrap();
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full));
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+
+        // The baseline: always in full.
+        let mut full = Drift::new().always_full(true);
+        for _ in 0..2 {
+            assert_eq!(seen(&look(&mut full)), (0, 0, Compared::Full));
+        }
+        drop(ns);
+        let _ = std::fs::remove_dir_all(&state);
+    }
+}
