@@ -1,9 +1,11 @@
 //! A pod's attachment: the capture ADD programs in the pod's netns, its record, and its Service
-//! layer, as four operations over (configuration, pod, netns) that know nothing of how they
+//! layer, as operations over (configuration, pod, netns) that know nothing of how they
 //! were asked for (a CNI command, or the installer's reconciler):
 //!
 //! - [`attach`]: program the capture, write the record, apply the stored Service layer; all
 //!   or nothing (a pod with rules but no record would escape GC and CHECK);
+//! - [`attach_in_place`]: the same in a running pod (the reconciler's `capture` policy), the
+//!   TCP connections conntrack already tracks there marked first, so that they stay uncaptured;
 //! - [`detach`]: remove exactly what the record says, fold the pod's counts, forget the record
 //!   last (a detach killed at any point leaves the record, so a retry finishes the job);
 //! - [`verify`]: every difference between the kernel, the record and the expected capture;

@@ -6,7 +6,8 @@
 //! `aether_rules::install`, which replaces the table in one transaction), a Service layer
 //! repair rebuilds the stored layer (ADD's `apply_current_snapshot_in_netns`); a leftover is
 //! collected by `attachment::collect` (GC's, counts folded once); an in-place capture is
-//! `attachment::attach` (ADD's).
+//! `attachment::attach_in_place` (ADD's, after marking the connections conntrack already
+//! tracks).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;

@@ -33,7 +33,8 @@ impl PodHolds {
     }
 
     pub(super) fn parse(text: &str) -> Option<Self> {
-        let mut f = text.split_whitespace();
+        // Written in place: a copy torn by a crash lacks the final newline, and is no file.
+        let mut f = text.strip_suffix('\n')?.split_whitespace();
         let held = PodHolds {
             generation: f.next()?.parse().ok()?,
             digest: u64::from_str_radix(f.next()?, 16).ok()?,

@@ -24,8 +24,7 @@ pub const MAX_CHANGED_ITEMS: usize = 10_000;
 /// byte search keeps the skim off whole snapshots; the skim settles it (the bytes may be
 /// inside a string).
 pub fn is_change(text: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"baseGeneration\"";
-    if !text.windows(KEY.len()).any(|w| w == KEY) {
+    if memchr::memmem::find(text, b"\"baseGeneration\"").is_none() {
         return false;
     }
     #[derive(serde::Deserialize)]

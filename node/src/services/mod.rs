@@ -236,7 +236,8 @@ impl ServicesDir {
         (held.netns == netns_key(ns)).then_some(held)
     }
 
-    /// Records what `ns` holds now. Losing this file costs a rebuild, never a wrong layer.
+    /// Records what `ns` holds now. Losing this file, or a torn copy, costs a rebuild, never a
+    /// wrong layer.
     fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), ServicesError> {
         let path = self.pod_path(ns.path());
         let pods = match self.pods.get() {
@@ -250,7 +251,8 @@ impl ServicesDir {
             }
         };
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        pods.write_atomic(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
+        // In place: a torn or empty file is no file (`PodHolds::parse` refuses it), a rebuild.
+        pods.overwrite(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
     }
 
     fn forget_pod(&self, netns: &Path) {

@@ -418,6 +418,57 @@ fn range(s: &str) -> Result<IpNet, String> {
     Ok(net)
 }
 
+/// The hasher of `relations`' maps: FxHash's mixing (a rotate, a xor and a multiply per
+/// 8 bytes), several times faster than the default SipHash on 10,000 names and VIPs. Not
+/// hardened against chosen collisions, which only the node agent (root) could choose.
+#[derive(Clone, Copy, Default)]
+struct Quick;
+
+impl std::hash::BuildHasher for Quick {
+    type Hasher = QuickHasher;
+    fn build_hasher(&self) -> QuickHasher {
+        QuickHasher(0)
+    }
+}
+
+struct QuickHasher(u64);
+
+impl QuickHasher {
+    fn mix(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7cc1_b727_220a_95);
+    }
+}
+
+impl std::hash::Hasher for QuickHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.mix(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut last = [0u8; 8];
+            last[..rest.len()].copy_from_slice(rest);
+            self.mix(u64::from_le_bytes(last) ^ ((rest.len() as u64) << 56));
+        }
+    }
+    fn write_u8(&mut self, i: u8) {
+        self.mix(i.into());
+    }
+    fn write_u32(&mut self, i: u32) {
+        self.mix(i.into());
+    }
+    fn write_u64(&mut self, i: u64) {
+        self.mix(i);
+    }
+    fn write_usize(&mut self, i: usize) {
+        self.mix(i as u64);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// What is wrong between the items of a snapshot whose items are each well formed:
 /// overlapping ranges, duplicates, VIPs outside the ranges or both mesh and Service, ports
 /// declared twice, too many ports in all.
@@ -430,7 +481,7 @@ fn relations(snap: &Snapshot) -> Vec<String> {
         }
     }
     let in_ranges = |a: &IpAddr| ranges.iter().any(|n| n.contains(a));
-    let mut mesh: HashMap<IpAddr, usize> = HashMap::with_capacity(snap.mesh_vips.len());
+    let mut mesh: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(snap.mesh_vips.len(), Quick);
     for (i, &a) in snap.mesh_vips.iter().enumerate() {
         if let Some(&j) = mesh.get(&a) {
             // IPv6 addresses are compared as addresses: fd00::1 and fd00:0::1 are one.
@@ -442,8 +493,8 @@ fn relations(snap: &Snapshot) -> Vec<String> {
             errs.push(format!("meshVIPs[{i}]: {a} is outside every Service range"));
         }
     }
-    let mut names: HashMap<(&str, &str), usize> = HashMap::with_capacity(snap.services.len());
-    let mut vips: HashMap<IpAddr, usize> = HashMap::with_capacity(snap.services.len());
+    let mut names: HashMap<(&str, &str), usize, Quick> = HashMap::with_capacity_and_hasher(snap.services.len(), Quick);
+    let mut vips: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(snap.services.len(), Quick);
     for (i, s) in snap.services.iter().enumerate() {
         if let Some(j) = names.insert((&s.namespace, &s.name), i) {
             errs.push(format!("services[{i}]: Service {}/{} duplicates services[{j}]", s.namespace, s.name));

@@ -174,6 +174,15 @@ impl Dir {
         })
     }
 
+    /// Writes `body` over `name` in place (created if absent): no temporary file, rename or
+    /// flush. Only for files whose loss, or a torn or empty copy left by a crash, costs
+    /// nothing but work (a pod's `services/pods/` file: a rebuild); a few system calls
+    /// fewer than `write_atomic` for each of an apply's 100 pods.
+    pub fn overwrite(&self, name: &str, body: &[u8]) -> std::io::Result<()> {
+        let mut f = self.openat(name, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, 0o600)?;
+        f.write_all(body)
+    }
+
     /// Removes `name`; `false` if it was not there.
     pub fn remove(&self, name: &str) -> std::io::Result<bool> {
         let c = cstr(OsStr::new(name))?;
