@@ -14,20 +14,10 @@
 //!
 //! No root needed: `services apply` with no pods recorded touches no namespace.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+mod schema_support;
 
+use schema_support::{apply_in_turn, load, schema_errors, testdata};
 use serde_json::{json, Value};
-
-fn testdata(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/services").join(name)
-}
-
-fn load(name: &str) -> Value {
-    let path = testdata(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
 
 fn validator() -> jsonschema::Validator {
     let change = load("change.schema.json");
@@ -47,39 +37,13 @@ fn validator() -> jsonschema::Validator {
         .unwrap_or_else(|e| panic!("change.schema.json does not compile: {e}"))
 }
 
-fn schema_errors(v: &jsonschema::Validator, doc: &Value) -> Vec<String> {
-    v.iter_errors(doc).map(|e| format!("{}: {e}", e.instance_path())).collect()
-}
-
 /// In a fresh `--state-dir`: `services apply` of the snapshot example, then of `change`:
-/// (exit code of the change, its stdout and stderr).
+/// (exit code of the change, its output).
 fn apply_after_example(change: &[u8]) -> (i32, String) {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let dir = std::env::temp_dir().join(format!("aether-change-schema-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let run = |doc: &[u8]| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_aether-cni"))
-            .args(["services", "--state-dir"])
-            .arg(&dir)
-            .arg("apply")
-            .env_remove("CNI_COMMAND")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn aether-cni");
-        std::io::Write::write_all(&mut child.stdin.take().unwrap(), doc).unwrap();
-        let out = child.wait_with_output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        (out.status.code().unwrap_or(-1), text)
-    };
     let example = std::fs::read(testdata("example.json")).unwrap();
-    let (code, said) = run(&example);
-    assert_eq!(code, 0, "the snapshot example is refused: {said}");
-    let outcome = run(change);
-    let _ = std::fs::remove_dir_all(&dir);
-    outcome
+    let mut outcomes = apply_in_turn(&[&example, change]);
+    assert_eq!(outcomes[0].0, 0, "the snapshot example is refused: {}", outcomes[0].1);
+    outcomes.remove(1)
 }
 
 fn example() -> Value {

@@ -13,20 +13,10 @@
 //!
 //! No root needed: `services apply` with no pods recorded touches no namespace.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+mod schema_support;
 
+use schema_support::{apply_in_turn, load, schema_errors};
 use serde_json::{json, Value};
-
-fn testdata(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/services").join(name)
-}
-
-fn load(name: &str) -> Value {
-    let path = testdata(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
 
 fn schema() -> Value {
     load("snapshot.schema.json")
@@ -38,31 +28,9 @@ fn validator() -> jsonschema::Validator {
     jsonschema::draft202012::new(&s).unwrap_or_else(|e| panic!("snapshot.schema.json does not compile: {e}"))
 }
 
-/// The schema's errors for `doc` (empty: valid).
-fn schema_errors(v: &jsonschema::Validator, doc: &Value) -> Vec<String> {
-    v.iter_errors(doc).map(|e| format!("{}: {e}", e.instance_path())).collect()
-}
-
-/// `aether-cni services --state-dir <fresh> apply` with `doc` on stdin: (exit code, stderr).
+/// `aether-cni services --state-dir <fresh> apply` with `doc` on stdin: (exit code, output).
 fn apply(doc: &[u8]) -> (i32, String) {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let dir = std::env::temp_dir().join(format!("aether-schema-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_aether-cni"))
-        .args(["services", "--state-dir"])
-        .arg(&dir)
-        .arg("apply")
-        .env_remove("CNI_COMMAND")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn aether-cni");
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), doc).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    apply_in_turn(&[doc]).remove(0)
 }
 
 /// The valid document of the snapshot unit tests (src/services/snapshot.rs `good()`).

@@ -19,25 +19,9 @@ use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aether_testkit::{root_or_skip, TestNetns};
+use aether_testkit::{root_or_skip, Rng, TestNetns};
 use common::{bin, conf, run_plugin};
 use serde_json::{json, Value};
-
-/// xorshift64*: enough randomness for kill moments, with a seed that can be replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 struct Slot {
     ns: TestNetns,
@@ -218,10 +202,8 @@ fn sigkill_at_random_moments_of_add_del_gc_and_apply_breaks_no_invariant() {
         return;
     }
     let want_kills: u64 = std::env::var("AETHER_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
-    let seed = std::env::var("AETHER_CRASH_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-    });
-    let mut rng = Rng(seed);
+    let mut rng = Rng::seeded("AETHER_CRASH_SEED", "crash trials");
+    let seed = rng.seed();
     let conf = conf("1.1.0", json!({}));
     let state = conf["stateDir"].as_str().unwrap().to_string();
     let slots: Vec<Slot> = (0..3)

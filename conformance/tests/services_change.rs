@@ -22,39 +22,11 @@ use std::time::{Duration, Instant};
 use aether_conformance::cni::cni_bin;
 use aether_conformance::layer::apply;
 use aether_conformance::{control, sa, Pod, Probe, Proxy, SimNode, VIP};
-use aether_testkit::root_or_skip;
+use aether_testkit::{root_or_skip, Rng};
 use serde_json::{json, Value};
 
 fn node(test: &str, tag: &str) -> Option<SimNode> {
     root_or_skip(test).then(|| SimNode::new(tag))
-}
-
-/// xorshift64*, seeded (printed; `AETHER_CHANGE_SEED` repeats a run).
-struct Rng(u64);
-
-impl Rng {
-    fn seeded(test: &str) -> Rng {
-        let seed = std::env::var("AETHER_CHANGE_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-        });
-        println!("{test}: seed {seed} (AETHER_CHANGE_SEED={seed} repeats it)");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn chance(&mut self, one_in: u64) -> bool {
-        self.below(one_in) == 0
-    }
 }
 
 /// The agent's view of the cluster: the whole snapshot it would send.
@@ -74,7 +46,7 @@ impl Cluster {
         let mut c =
             Cluster { generation: 1, mode: "count", mesh_vips: vec![], services: vec![], dialled: 3600, next_name: 0 };
         for _ in 0..6 {
-            let s = c.new_service(&mut Rng(7 + c.next_name));
+            let s = c.new_service(&mut Rng::new(7 + c.next_name));
             c.services.push(s);
         }
         c.mesh_vips.push("10.96.5.5".into());
@@ -281,7 +253,7 @@ fn random_changes_give_the_pods_the_sets_of_the_equivalent_whole_snapshots() {
     let test = "random_changes_give_the_pods_the_sets_of_the_equivalent_whole_snapshots";
     let Some(mut by_change) = node(test, "chgA") else { return };
     let mut by_whole = SimNode::new("chgB");
-    let mut rng = Rng::seeded(test);
+    let mut rng = Rng::seeded("AETHER_CHANGE_SEED", test);
     let early = by_change.add_pod("early");
     early.add(json!({}));
     let reference = by_whole.add_pod("ref");
@@ -448,7 +420,7 @@ fn refused_changes_name_their_reason_and_change_nothing() {
 fn a_change_killed_mid_apply_is_made_good_by_the_next_document() {
     let test = "a_change_killed_mid_apply_is_made_good_by_the_next_document";
     let Some(mut node) = node(test, "chgkill") else { return };
-    let mut rng = Rng::seeded(test);
+    let mut rng = Rng::seeded("AETHER_CHANGE_SEED", test);
     let pods: Vec<Pod> = (0..3)
         .map(|i| {
             let p = node.add_pod(&format!("p{i}"));

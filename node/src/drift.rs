@@ -25,7 +25,7 @@ use aether_netns::Netns;
 
 use crate::attachment::{self, Target};
 use crate::config::NetConf;
-use crate::services::{self, ServicesError};
+use crate::services::{self, LayerHeader, ServicesError};
 use crate::state::{PodNetns, Record};
 
 /// How a pod was compared.
@@ -56,7 +56,7 @@ pub enum Look {
 struct Intact {
     record: Record,
     generation: u32,
-    layer: Option<(u64, u64)>,
+    layer: Option<LayerHeader>,
 }
 
 /// The looks' memory, by record key.
@@ -93,7 +93,12 @@ impl Drift {
     /// `layer` is [`services::stored_header`] as read at the start of this pass (an `Err`:
     /// compared in full). Run on a tour ([`aether_netns::tour_here`]), a look enters the
     /// pod's netns in place.
-    pub fn look(&mut self, conf: &NetConf, record: &Record, layer: &Result<Option<(u64, u64)>, ServicesError>) -> Look {
+    pub fn look(
+        &mut self,
+        conf: &NetConf,
+        record: &Record,
+        layer: &Result<Option<LayerHeader>, ServicesError>,
+    ) -> Look {
         let key = record.key();
         let ns = match record.open_netns() {
             Ok(PodNetns::Live(ns)) => ns,

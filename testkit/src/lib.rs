@@ -133,3 +133,49 @@ pub fn assert_golden(name: &str, actual: &str) {
         panic!("{} differs from the kernel's output.\n--- expected\n{expected}\n--- actual\n{actual}", path.display());
     }
 }
+
+/// xorshift64*: randomness for tests that a printed seed replays (kill moments, random
+/// documents). Not for anything but tests.
+pub struct Rng {
+    state: u64,
+    seed: u64,
+}
+
+impl Rng {
+    /// Seeded from `$env_var` when set (to replay a run), else from the clock; the seed is
+    /// printed with `label`, with the variable that repeats it.
+    pub fn seeded(env_var: &str, label: &str) -> Rng {
+        let seed = std::env::var(env_var).ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+        });
+        println!("{label}: seed {seed} ({env_var}={seed} repeats it)");
+        Rng::new(seed)
+    }
+
+    /// From `seed` (0 would stay 0: it is made 1).
+    pub fn new(seed: u64) -> Rng {
+        Rng { state: seed.max(1), seed }
+    }
+
+    /// The seed it started from (for failure messages).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform enough below `n` (0 for `n` 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// True once in `one_in`, on average.
+    pub fn chance(&mut self, one_in: u64) -> bool {
+        self.below(one_in) == 0
+    }
+}

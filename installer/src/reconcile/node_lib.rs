@@ -71,7 +71,7 @@ pub struct NodeLib {
     /// What each pod's last full comparison found intact.
     drift: Drift,
     /// The stored Service layer's header, read at the start of this pass.
-    layer: Result<Option<(u64, u64)>, ServicesError>,
+    layer: Result<Option<services::LayerHeader>, ServicesError>,
     compared: Comparisons,
 }
 

@@ -222,11 +222,14 @@ fn verify_each(
     }
 }
 
+/// `layer.bin`'s (generation, source digest): which stored layer is in force.
+pub type LayerHeader = (u64, u64);
+
 /// Which stored layer is in force: `layer.bin`'s (generation, source digest), `None` when
 /// there is none. Every apply that stores another layer changes it; reading it costs one
 /// small read, never the layer itself (the reconciler's signal that the stored layer is the
 /// one it last compared a pod with).
-pub fn stored_header(state_dir: &Path) -> Result<Option<(u64, u64)>, ServicesError> {
+pub fn stored_header(state_dir: &Path) -> Result<Option<LayerHeader>, ServicesError> {
     Ok(layer_file::read_header(&ServicesDir::new(state_dir).layer_path())?)
 }
 
@@ -238,7 +241,7 @@ pub fn verify_pod_layer(
     state_dir: &Path,
     netns: &Netns,
     divert_mark: Option<u32>,
-) -> Result<(Vec<String>, Option<(u64, u64)>), ServicesError> {
+) -> Result<(Vec<String>, Option<LayerHeader>), ServicesError> {
     let dir = ServicesDir::new(state_dir);
     let _lock = dir.read_lock()?;
     let header = layer_file::read_header(&dir.layer_path())?;
