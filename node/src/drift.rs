@@ -16,10 +16,14 @@
 //!
 //! Any doubt is a full comparison: a record without a netns cookie, a generation that cannot
 //! be read, a record or stored layer other than remembered, a pod not found intact last time
-//! (a repair forgets it: the next look compares in full). A pod whose capture differs has its
+//! (a repair forgets it: the next look compares in full), a last full comparison older than
+//! [`FULL_AT_LEAST_EVERY`] (the kernel raises the generation a few instructions before it
+//! switches dumps to a commit's new state: a look whose read and dump both fell in between
+//! would take the old state for the new generation's; the periodic comparison bounds that). A pod whose capture differs has its
 //! Service layer compared at the next look, after the capture's repair.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use aether_netns::Netns;
 
@@ -57,14 +61,22 @@ struct Intact {
     record: Record,
     generation: u32,
     layer: Option<LayerHeader>,
+    /// When the pod is compared in full again whatever its generation says.
+    due: Instant,
 }
+
+/// How long a pod goes without a full comparison at most (each pod between half of it and all
+/// of it, spread by its key so that pods found intact together are not compared again
+/// together): the bound on the one window the generation leaves open (see `look`).
+pub const FULL_AT_LEAST_EVERY: Duration = Duration::from_secs(6 * 3600);
 
 /// The looks' memory, by record key.
 #[derive(Debug, Default)]
 pub struct Drift {
     intact: HashMap<String, Intact>,
-    /// Off: every look compares in full (what a pass cost before; the bench's baseline).
+    /// Every look compares in full (what a pass cost before; the bench's baseline).
     always_full: bool,
+    full_every: Option<Duration>,
 }
 
 impl Drift {
@@ -76,6 +88,20 @@ impl Drift {
     pub fn always_full(mut self, yes: bool) -> Self {
         self.always_full = yes;
         self
+    }
+
+    /// A pod is compared in full at least this often ([`FULL_AT_LEAST_EVERY`] unless set).
+    pub fn full_at_least_every(mut self, every: Duration) -> Self {
+        self.full_every = Some(every);
+        self
+    }
+
+    /// When a pod found intact now is due for a full comparison again.
+    fn due(&self, key: &str) -> Instant {
+        let every = self.full_every.unwrap_or(FULL_AT_LEAST_EVERY);
+        // FNV-1a of the key: a stable spread over [every / 2, every).
+        let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        Instant::now() + every / 2 + every.mul_f64((hash % 1024) as f64 / 2048.0)
     }
 
     /// Forgets a pod's last full comparison (after a repair, or when its record goes).
@@ -120,7 +146,10 @@ impl Drift {
                 ns.run(|| (aether_rules::nft::generation(), aether_rules::verify_policy_routes(&prs))).ok()?;
             let generation = generation.ok()?;
             let same = self.intact.get(&key).is_some_and(|i| {
-                i.generation == generation && i.record == *record && layer.as_ref().is_ok_and(|l| *l == i.layer)
+                i.generation == generation
+                    && i.record == *record
+                    && layer.as_ref().is_ok_and(|l| *l == i.layer)
+                    && Instant::now() < i.due
             });
             Some((generation, same.then_some(routes)))
         });
@@ -158,7 +187,8 @@ impl Drift {
             Err(e) => return Look::Unverifiable(format!("the Service layer cannot be compared: {e}")),
         };
         if let Some(generation) = generation.filter(|_| capture.is_empty() && services.is_empty()) {
-            self.intact.insert(key, Intact { record: record.clone(), generation, layer });
+            let due = self.due(&key);
+            self.intact.insert(key, Intact { record: record.clone(), generation, layer, due });
         }
         Look::Seen { capture, services, compared: Compared::Full }
     }
@@ -251,6 +281,20 @@ mod tests {
         apply_document(&ServicesDir::new(&state), &snapshot(2, 80)).unwrap();
         assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full));
         assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+
+        // A record without its netns cookie is a doubt: always in full.
+        let mut old = record.clone();
+        old.netns_id.as_mut().unwrap().cookie = None;
+        for _ in 0..2 {
+            assert_eq!(seen(&drift.look(&conf, &old, &header())), (0, 0, Compared::Full));
+        }
+        // A pod is compared in full again once its last full comparison is old enough.
+        let mut soon = Drift::new().full_at_least_every(Duration::from_millis(200));
+        assert_eq!(seen(&look(&mut soon)), (0, 0, Compared::Full));
+        assert_eq!(seen(&look(&mut soon)), (0, 0, Compared::Unchanged));
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(seen(&look(&mut soon)), (0, 0, Compared::Full), "due again");
+        assert_eq!(seen(&look(&mut soon)), (0, 0, Compared::Unchanged));
 
         // The baseline: always in full.
         let mut full = Drift::new().always_full(true);
