@@ -135,7 +135,6 @@ pub fn splice(text: &[u8], stored: &ServiceLayer, stored_generation: u64, c: &Ch
             None => return None,
         }
     }
-    drop(lookup);
     for i in removed {
         touched[i].new = None;
     }
