@@ -830,6 +830,9 @@ fn write_results(started: &str, figs: &[Figure], load: &str) {
         "# Service layer at scale: `make bench` output\n\nWritten by `cni-plugin/benches/services_scale.rs`; not edited by hand.\n\n\
          - date: {started}\n- machine: {} ({} CPUs, {} KiB), {}, kernel {}\n- {}, {}, aether-cni {}\n\
          - load average (1, 5, 15 min; before -> after the run): {}\n\
+         - the machine is shared (other engineers build on it during the run): wall times move \
+         with their load; CPU time is the process's own work; each ratio to a kernel floor is of \
+         two measures taken side by side in this run\n\
          - {SERVICES} Services ({} ports), {PODS} pods, medians of {} rounds; goals hold wall time; CPU \
          time is user + sys of the process (the kernel's work on its netlink messages included), \
          what the work costs whatever else the machine runs\n\n\

@@ -90,6 +90,12 @@ impl Socket {
         Ok(Socket { sock, buf: Vec::with_capacity(RECV_BUF), next_seq: 0 })
     }
 
+    /// The bare socket, its receive buffer freed: for closing later (`nft::CloseLater`),
+    /// when nothing more is read from it.
+    pub fn into_bare(self) -> netlink_sys::Socket {
+        self.sock
+    }
+
     /// A fresh sequence number (a run of `n` of them, for a batch): the first one.
     pub fn take_seqs(&mut self, n: u32) -> u32 {
         let first = self.next_seq + 1;

@@ -270,7 +270,7 @@ impl Encoded {
 
 thread_local! {
     /// The netfilter sockets whose closing a [`CloseLater`] of this thread puts off.
-    static LATER: std::cell::RefCell<Option<Vec<Socket>>> = const { std::cell::RefCell::new(None) };
+    static LATER: std::cell::RefCell<Option<Vec<netlink_sys::Socket>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The most sockets put off at once (descriptors); then they are closed together.
@@ -284,7 +284,7 @@ const MAX_LATER: usize = 256;
 /// first close flushes all that is pending; the others find nothing to wait for). A socket
 /// keeps its netns after the thread has left it.
 pub struct CloseLater {
-    outer: Option<Vec<Socket>>,
+    outer: Option<Vec<netlink_sys::Socket>>,
 }
 
 impl CloseLater {
@@ -301,15 +301,15 @@ impl Drop for CloseLater {
     }
 }
 
-/// A transaction's socket, done with: closed now, or kept for the [`CloseLater`] of this
-/// thread.
+/// A transaction's socket, done with: closed now, or kept (without its receive buffer) for
+/// the [`CloseLater`] of this thread.
 fn close_later(sock: Socket) {
     LATER.with(|l| match l.borrow_mut().as_mut() {
         Some(put_off) => {
             if put_off.len() >= MAX_LATER {
                 put_off.clear();
             }
-            put_off.push(sock);
+            put_off.push(sock.into_bare());
         }
         None => drop(sock),
     })
