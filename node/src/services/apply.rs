@@ -146,11 +146,16 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
     let made_from_it = |stored: Option<StoredLayer>| stored.filter(|s| s.source == source);
     let stored_header = layer_file::read_header(&dir.layer_path()).ok().flatten();
     let stored_source = stored_header.map(|(_, source)| source);
+    // A look without the lock, to spare the reading; made again under it, where the stored
+    // files are what the last finished apply left (one killed midway leaves no
+    // `snapshot.source`), before it is trusted.
     let regenerated = match stored_header {
-        Some(header @ (_, stored_source)) if stored_source != source => dir.stored_with_new_generation(text, header),
-        _ => None,
+        Some(header @ (_, stored_source)) if stored_source != source => {
+            dir.stored_with_new_generation(text, header).is_some()
+        }
+        _ => false,
     };
-    let mut parsed = if stored_source == Some(source) || regenerated.is_some() {
+    let mut parsed = if stored_source == Some(source) || regenerated {
         None
     } else {
         Some(snapshot::parse(text).map_err(refused)?)
@@ -163,11 +168,11 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
-    // The stored content under a new generation: still what `layer.bin` holds (an apply
-    // may have stored another document since the look above, without the lock).
-    let renamed = regenerated.and_then(|(generation, from)| {
-        let prev = previous.as_ref().filter(|p| p.source == from)?;
-        Some(StoredLayer { generation, source, ..prev.clone() })
+    // The stored content under a new generation, looked at again under the lock (an apply
+    // may have stored another document since the look above, or been killed midway).
+    let renamed = previous.as_ref().filter(|_| regenerated).and_then(|prev| {
+        let (generation, from) = dir.stored_with_new_generation(text, (prev.generation, prev.source))?;
+        (from == prev.source).then(|| StoredLayer { generation, source, ..prev.clone() })
     });
     let new = match made_from_it(previous.clone()).or(renamed) {
         Some(same) => same,
