@@ -155,11 +155,8 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
         }
         _ => false,
     };
-    let mut parsed = if stored_source == Some(source) || regenerated {
-        None
-    } else {
-        Some(snapshot::parse(text).map_err(refused)?)
-    };
+    let mut parsed =
+        if stored_source == Some(source) || regenerated { None } else { Some(snapshot::parse(text).map_err(refused)?) };
     let _lock = dir.lock(true)?;
     let mut warnings = Vec::new();
     // A stored layer that no longer reads (a damaged file, another format) must not lock the

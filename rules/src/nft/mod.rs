@@ -4,6 +4,7 @@
 
 mod expr;
 pub mod key;
+mod notation;
 pub mod read;
 mod reg;
 mod render;
