@@ -236,16 +236,15 @@ fn stored_content(node: &SimNode) -> Value {
 }
 
 fn content(doc: &Value) -> Value {
-    let mut services: Vec<Value> = doc["services"].as_array().cloned().unwrap_or_default();
+    // Every document compared here has every member (the canonical form writes them all, and
+    // so do the test's whole snapshots): a missing one is a difference, never an empty list.
+    let list = |key: &str| doc[key].as_array().cloned().unwrap_or_else(|| panic!("no {key} list in {doc}"));
+    let mut services = list("services");
     services.sort_by_key(|s| format!("{}/{}", s["namespace"], s["name"]));
-    let mut mesh: Vec<String> = doc["meshVIPs"]
-        .as_array()
-        .map(|a| a.iter().map(|v| v.as_str().unwrap().to_string()).collect())
-        .unwrap_or_default();
+    let mut mesh: Vec<String> = list("meshVIPs").iter().map(|v| v.as_str().unwrap().to_string()).collect();
     mesh.sort();
     json!({"generation": doc["generation"], "mode": doc["mode"], "serviceRanges": doc["serviceRanges"],
-           "meshVIPs": mesh, "services": services,
-           "dialledTimeoutSeconds": doc.get("dialledTimeoutSeconds").cloned().unwrap_or(json!(3600))})
+           "meshVIPs": mesh, "services": services, "dialledTimeoutSeconds": doc["dialledTimeoutSeconds"]})
 }
 
 #[test]
