@@ -16,6 +16,8 @@
 //! missed pods cannot be seen.
 
 pub mod cri;
+#[cfg(test)]
+mod fixtures;
 pub mod looper;
 pub mod metrics;
 pub mod node_lib;

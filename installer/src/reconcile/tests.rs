@@ -122,16 +122,8 @@ fn pod_network(netns: &str) -> PodNetwork {
 }
 
 fn sandbox(id: &str, ns: &str, name: &str, annotations: &[(&str, &str)]) -> Sandbox {
-    Sandbox {
-        id: id.into(),
-        namespace: ns.into(),
-        name: name.into(),
-        uid: format!("uid-{name}"),
-        attempt: 0,
-        state: SandboxState::Ready,
-        created_at: 0,
-        annotations: annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-    }
+    let annotations = annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    Sandbox { annotations, ..super::fixtures::sandbox(id, ns, name) }
 }
 
 fn node_with_record(id: &str, name: &str, obs: Observation) -> FakeNode {

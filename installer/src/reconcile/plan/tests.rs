@@ -1,17 +1,7 @@
 use super::*;
-use std::collections::BTreeMap;
 
 fn sandbox(id: &str, ns: &str, name: &str, created_at: i64) -> Sandbox {
-    Sandbox {
-        id: id.into(),
-        namespace: ns.into(),
-        name: name.into(),
-        uid: format!("uid-{name}"),
-        attempt: 0,
-        state: SandboxState::Ready,
-        created_at,
-        annotations: BTreeMap::new(),
-    }
+    Sandbox { created_at, ..crate::reconcile::fixtures::sandbox(id, ns, name) }
 }
 
 fn view(s: Sandbox, wants: Wants) -> SandboxView {
