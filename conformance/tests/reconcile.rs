@@ -98,6 +98,20 @@ impl Installer {
         Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
     }
 
+    /// Waits (up to 20 s) for `/readyz` to answer 200: the installer's first install runs beside
+    /// the reconciler's first pass, so a pass can be written while the node still says `starting`.
+    fn wait_ready(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (code, body) = self.get("/readyz").unwrap_or((0, "no answer".into()));
+            if code == 200 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: /readyz answers {code}: {body}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn metric(&self, series: &str) -> f64 {
         let (_, body) = self.get("/metrics").expect("/metrics");
         body.lines()
@@ -656,9 +670,11 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
         assert!(packet_captured(&netns).is_ok(), "{tag}: repaired, by packet");
         assert!(pass["runtimeUnseen"].as_str().is_some_and(|w| w.contains("CRI socket")), "{tag}: {pass:#}");
         assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0, "{tag}");
-        assert_eq!(inst.get("/readyz").unwrap().0, 200, "{tag}: the node stays ready:\n{}", inst.log());
+        inst.wait_ready(tag);
         let from = inst.mark() + 1;
         inst.wait_pass(from, &format!("{tag}: another pass"), |_| true);
+        let (code, body) = inst.get("/readyz").unwrap();
+        assert_eq!(code, 200, "{tag}: the node stays ready while the runtime cannot be seen: {body}\n{}", inst.log());
         let log = inst.stop();
         let said = log.lines().filter(|l| l.contains("missed pods cannot be seen")).count();
         assert_eq!(said, 1, "{tag}: said once why missed pods cannot be seen:\n{log}");
