@@ -24,6 +24,7 @@
 //!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
 pub mod apply;
+pub mod applier;
 pub mod change;
 pub mod fold;
 pub mod layer_file;
@@ -38,6 +39,7 @@ use aether_netns::Netns;
 
 use crate::state::{self, Record};
 use crate::PodError;
+pub use applier::Applier;
 pub use apply::{apply_change, apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
 use apply::{generation_value, leading_generation, netns_key, PodHolds};
 pub use fold::{end_stale_fold, retire_layer, Retired};
