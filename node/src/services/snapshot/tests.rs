@@ -289,3 +289,22 @@ fn a_member_given_twice_is_refused_not_read_as_the_last() {
     // Control: the document itself is accepted.
     assert!(parse(text.as_bytes()).is_ok());
 }
+
+/// `relations`' maps index by a hash's low bits: the VIPs of one range, which differ only in
+/// their last octets, must spread over them (the multiply alone left their low 16 bits
+/// equal, and 10,000 VIPs in one chain). Control: the same VIPs before the final fold.
+#[test]
+fn the_quick_hash_spreads_the_vips_of_one_range_over_its_low_bits() {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let vips = (0..4096u32).map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x0a60_0000 + i)));
+    let (mut folded, mut unfolded) = (std::collections::BTreeSet::new(), std::collections::BTreeSet::new());
+    for vip in vips {
+        let mut h = Quick.build_hasher();
+        vip.hash(&mut h);
+        folded.insert(h.finish() & 0xfff);
+        unfolded.insert(h.0 & 0xfff);
+    }
+    // 4096 keys in 4096 buckets: a random hash fills about 63% of them.
+    assert!(folded.len() > 2400, "{} of 4096 buckets used", folded.len());
+    assert!(unfolded.len() < 16, "control: {} of 4096 buckets used", unfolded.len());
+}
