@@ -167,6 +167,7 @@ pub(super) fn apply_document_with(
     let mut parsed =
         if stored_source == Some(source) || regenerated { None } else { Some(snapshot::parse(text).map_err(refused)?) };
     let _lock = dir.lock(true)?;
+    reach.locked(dir);
     let mut warnings = Vec::new();
     // A stored layer that no longer reads (a damaged file, another format) must not lock the
     // agent out: the new, valid one replaces it.
@@ -230,6 +231,9 @@ fn store_and_apply(
     reach.apply_to_pods(dir, &new, previous.as_ref(), warnings)
 }
 
+/// A stored document's text (kept, or read for the occasion) and its layer.
+pub(super) type StoredText<'a> = (std::borrow::Cow<'a, [u8]>, StoredLayer);
+
 /// How an apply reaches the pods once the new layer is stored, and what it may keep of the
 /// stored document between applies.
 pub(super) trait PodReach {
@@ -242,10 +246,13 @@ pub(super) trait PodReach {
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError>;
 
+    /// Told that the exclusive lock is taken: what was kept may be checked now.
+    fn locked(&mut self, _dir: &ServicesDir) {}
+
     /// The stored document, when canonical, and its layer (`ServicesDir::canonical_stored`);
     /// called under the exclusive lock.
-    fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
-        dir.canonical_stored()
+    fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
+        Ok(dir.canonical_stored()?.map(|(text, layer)| (std::borrow::Cow::Owned(text), layer)))
     }
 
     /// Told, under the lock, what was just stored (the files are written).
@@ -296,6 +303,7 @@ pub(super) fn apply_change_with(
 ) -> Result<ApplyReport, ServicesError> {
     let c = change::parse(text).map_err(|reasons| ServicesError::Refused { reasons })?;
     let _lock = dir.lock(true)?;
+    reach.locked(dir);
     if let Some((stored_text, prev)) = reach.canonical_stored(dir)? {
         if prev.generation != c.base_generation {
             return Err(ServicesError::StaleBase { base: c.base_generation, stored: prev.generation });
@@ -388,7 +396,7 @@ impl ServicesDir {
 /// change from `previous` if its file says it holds that, nothing if it holds `new`, a
 /// rebuild otherwise. Runs on a tour (`aether_netns::tour`: one thread entering each pod's
 /// netns in turn), as a thread per pod cost more than the change it sends.
-fn apply_to_pods(
+pub(super) fn apply_to_pods(
     dir: &ServicesDir,
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
@@ -457,7 +465,10 @@ fn apply_to_pods(
 /// layers is the change between the whole ones (a VIP's elements in every set depend on its
 /// own ports alone; ranges, and what follows from them, are kept whole), and costs what
 /// changed, not 10,000 Services' sets built and compared twice.
-fn narrowed(old: &layer::ServiceLayer, new: &layer::ServiceLayer) -> (layer::ServiceLayer, layer::ServiceLayer) {
+pub(super) fn narrowed(
+    old: &layer::ServiceLayer,
+    new: &layer::ServiceLayer,
+) -> (layer::ServiceLayer, layer::ServiceLayer) {
     let (gone, came) = sorted_difference(&old.ports, &new.ports);
     let mut vips: Vec<std::net::IpAddr> = gone.iter().chain(&came).map(|p| p.vip).collect();
     vips.sort_unstable();
@@ -500,7 +511,7 @@ fn sorted_difference<T: Ord + Copy>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
 
 /// A record's netns, if it is still the pod's (a path reused by another namespace, a file
 /// or a directory is not: the pod is skipped as gone).
-fn open_pod(r: &Record) -> Result<Netns, PodError> {
+pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
     match r.open_netns() {
         Ok(PodNetns::Live(ns)) => Ok(ns),
         Ok(PodNetns::Gone(why)) => Err(PodError::Gone(why)),
