@@ -9,6 +9,7 @@
 //! | random changes give the pods (one attached before, one after) the sets of the equivalent whole snapshots | `random_changes_...` | a change with one item dropped (a wrong applier) is caught by the same comparison |
 //! | every refusal names its reason and changes nothing: stored files, the pod's table, `services verify` intact | `refused_changes_...` | a good change afterwards is accepted and does change the pod's sets |
 //! | SIGKILL at random moments of a change: the next document (change, or whole after a stale base) brings every pod to the stored generation | `a_change_killed_...` | a pod whose set is changed by hand is found by the same check |
+//! | a pod changed by an apply killed before its file was written gets the old content when it comes back | `a_pod_changed_by_...` | the same steps with the killed apply's mark removed leave the pod wrong |
 //! | a flip to no usable endpoints refuses at once in refuse mode; the flip back passes | `an_endpoint_flip_...` | the same connection before the flip reaches the listener |
 //!
 //! Root only: without root each test skips with a loud line; with
@@ -20,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_conformance::cni::cni_bin;
-use aether_conformance::layer::apply;
+use aether_conformance::layer::{apply, listing as layer_listing};
 use aether_conformance::{control, sa, Pod, Probe, Proxy, SimNode, VIP};
 use aether_testkit::{root_or_skip, Rng};
 use serde_json::{json, Value};
@@ -169,50 +170,6 @@ impl Cluster {
         }
         doc
     }
-}
-
-/// The pod's Service layer as the kernel lists it, made comparable: counter values dropped,
-/// each set's elements sorted. Empty when the pod has no layer.
-fn layer_listing(pod: &Pod) -> String {
-    if !pod.nft(&["list", "tables"]).contains("aether_services") {
-        return String::new();
-    }
-    let text = pod.nft(&["list", "table", "ip", "aether_services"]);
-    let mut out = Vec::new();
-    let mut elements: Option<String> = None;
-    for line in text.lines() {
-        let line = line.trim();
-        if let Some(acc) = elements.as_mut() {
-            acc.push_str(line);
-        } else if let Some(rest) = line.strip_prefix("elements = {") {
-            elements = Some(rest.to_string());
-        } else {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            let mut kept = Vec::new();
-            let mut i = 0;
-            while i < words.len() {
-                // `packets N bytes M`: what traffic did, not what was written.
-                if (words[i] == "packets" || words[i] == "bytes") && i + 1 < words.len() {
-                    i += 2;
-                    continue;
-                }
-                kept.push(words[i]);
-                i += 1;
-            }
-            out.push(kept.join(" "));
-            continue;
-        }
-        let acc = elements.as_ref().unwrap();
-        if acc.trim_end().ends_with('}') {
-            let inner = acc.trim_end().trim_end_matches('}');
-            let mut items: Vec<String> =
-                inner.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
-            items.sort();
-            out.push(format!("elements = {{ {} }}", items.join(", ")));
-            elements = None;
-        }
-    }
-    out.join("\n")
 }
 
 /// What `services verify` says of each pod (by container ID), and the stored generation.
@@ -505,6 +462,63 @@ fn a_change_killed_mid_apply_is_made_good_by_the_next_document() {
         format!("{verified:?}"),
     );
     println!("{test}: {kills} SIGKILLs in {trials} trials ({stale} next changes refused as stale, then whole); every pod at the stored generation after the next document");
+}
+
+/// A pod sent a change and the apply killed before the pod's file said so: the pod holds the
+/// new layer while its file names the old one. The next document bringing the old content
+/// back must not find the pod "already there".
+#[test]
+fn a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_back() {
+    let test = "a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_back";
+    let Some(mut node) = node(test, "chgback") else { return };
+    let pods: Vec<Pod> = (0..2)
+        .map(|i| {
+            let p = node.add_pod(&format!("p{i}"));
+            p.add(json!({}));
+            p
+        })
+        .collect();
+    let state = node.state_dir().display().to_string();
+    let mut cluster = Cluster::new();
+    let flip = |c: &mut Cluster, usable: bool| {
+        c.generation += 1;
+        c.services[0]["usableEndpoints"] = json!(usable);
+    };
+    // Returns what `services verify` says of each pod after: A, then B killed after its first
+    // pod's send, then A again under a new generation; `forget_marker` removes what the killed
+    // apply left to say it was stopped (as a plugin without it would leave the directory).
+    let mut trial = |forget_marker: bool| -> Vec<(String, String)> {
+        flip(&mut cluster, true);
+        apply(&node, &cluster.whole());
+        let before = cluster.clone();
+        flip(&mut cluster, false);
+        let out = Command::new(cni_bin())
+            .args(["services", "--state-dir", &state, "apply", "-f", "-"])
+            .env_clear()
+            .env("AETHER_CNI_CRASH_AT", "services-pod-sent")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                child.stdin.take().unwrap().write_all(&cluster.whole())?;
+                child.wait_with_output()
+            })
+            .unwrap();
+        assert!(!out.status.success(), "the apply was not killed: {}", String::from_utf8_lossy(&out.stdout));
+        assert_ne!(layer_listing(&pods[0]), layer_listing(&pods[1]), "the killed apply changed no pod, or both");
+        if forget_marker {
+            std::fs::remove_file(node.state_dir().join("services/applying")).expect("the killed apply's mark");
+        }
+        cluster = Cluster { generation: cluster.generation + 1, ..before };
+        apply(&node, &cluster.whole());
+        verify(&node).1
+    };
+    let verified = trial(false);
+    assert!(verified.iter().all(|(_, r)| r == "intact"), "a pod was left with the killed apply's layer: {verified:?}");
+    // Control: the same steps without the mark leave the first pod wrong, and verify sees it.
+    let verified = trial(true);
+    control(verified.iter().any(|(_, r)| r != "intact"), "the killed apply's mark removed", format!("{verified:?}"));
 }
 
 /// The change from `from` to `to` as the agent sends it: Services that differ put whole,

@@ -500,6 +500,15 @@ impl LayerChange {
         nft::encode_element_changes(TABLE, &self.changes)
     }
 
+    /// `send`, already encoded (`encode`), on a socket kept in the pod's netns.
+    pub fn send_encoded_on(&self, encoded: &nft::Encoded, sock: &mut nft::KeptSocket) -> Result<Applied> {
+        if self.is_empty() {
+            return Ok(Applied::Unchanged);
+        }
+        encoded.send_on(sock)?;
+        Ok(Applied::Elements { added: self.added(), removed: self.removed() })
+    }
+
     /// Sends the change to the layer in the current netns, in one transaction, without
     /// reading anything back. The kernel refuses all of it if the layer does not hold what
     /// the change starts from where it matters (a table or a deleted element missing): the

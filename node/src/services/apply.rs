@@ -139,6 +139,15 @@ pub(super) fn describe(a: &Applied) -> String {
 /// back; a pod that already holds this content is not touched; any other pod (new, behind by
 /// more than one generation, or whose change the kernel refused) is rebuilt.
 pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
+    apply_document_with(dir, text, &mut Tour)
+}
+
+/// `apply_document`, reaching the pods through `reach`.
+pub(super) fn apply_document_with(
+    dir: &ServicesDir,
+    text: &[u8],
+    reach: &mut dyn PodReach,
+) -> Result<ApplyReport, ServicesError> {
     // The very document already stored (the agent sending it again) is not parsed again:
     // `layer.bin` records which document it was made from. Nor is the stored document with
     // only its generation changed (an agent resyncing without news).
@@ -158,6 +167,7 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
     let mut parsed =
         if stored_source == Some(source) || regenerated { None } else { Some(snapshot::parse(text).map_err(refused)?) };
     let _lock = dir.lock(true)?;
+    reach.locked(dir);
     let mut warnings = Vec::new();
     // A stored layer that no longer reads (a damaged file, another format) must not lock the
     // agent out: the new, valid one replaces it.
@@ -182,7 +192,7 @@ pub fn apply_document(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Ser
             StoredLayer::new(snap.generation, &snap.layer(0), source)
         }
     };
-    store_and_apply(dir, text, new, previous, warnings, false)
+    store_and_apply(dir, text, new, previous, warnings, false, reach)
 }
 
 /// The end of an apply, under the exclusive lock, once the document `text` is checked and
@@ -195,6 +205,7 @@ fn store_and_apply(
     previous: Option<StoredLayer>,
     mut warnings: Vec<String>,
     canonical: bool,
+    reach: &mut dyn PodReach,
 ) -> Result<ApplyReport, ServicesError> {
     let source = new.source;
     if let Some(old) = &previous {
@@ -216,13 +227,58 @@ fn store_and_apply(
             warnings.push(format!("{e}; the next apply reads the stored snapshot in full"));
         }
     }
-    aether_netns::tour(|| {
-        // One grace period for all the pods' sockets, not one per pod (a change that deletes
-        // elements makes the kernel wait one at each close).
-        let _later = aether_rules::nft::CloseLater::new();
-        apply_to_pods(dir, &new, previous.as_ref(), warnings)
-    })
-    .map_err(ServicesError::Tour)?
+    reach.stored(dir, text, &new, canonical);
+    reach.apply_to_pods(dir, &new, previous.as_ref(), warnings)
+}
+
+/// A stored document's text (kept, or read for the occasion) and its layer.
+pub(super) type StoredText<'a> = (std::borrow::Cow<'a, [u8]>, StoredLayer);
+
+/// How an apply reaches the pods once the new layer is stored, and what it may keep of the
+/// stored document between applies.
+pub(super) trait PodReach {
+    /// Brings every recorded pod to `new` (`previous`: what was stored before).
+    fn apply_to_pods(
+        &mut self,
+        dir: &ServicesDir,
+        new: &StoredLayer,
+        previous: Option<&StoredLayer>,
+        warnings: Vec<String>,
+    ) -> Result<ApplyReport, ServicesError>;
+
+    /// Told that the exclusive lock is taken: what was kept may be checked now.
+    fn locked(&mut self, _dir: &ServicesDir) {}
+
+    /// The stored document, when canonical, and its layer (`ServicesDir::canonical_stored`);
+    /// called under the exclusive lock.
+    fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
+        Ok(dir.canonical_stored()?.map(|(text, layer)| (std::borrow::Cow::Owned(text), layer)))
+    }
+
+    /// Told, under the lock, what was just stored (the files are written).
+    fn stored(&mut self, _dir: &ServicesDir, _text: &[u8], _layer: &StoredLayer, _canonical: bool) {}
+}
+
+/// A one-shot process's reach: one thread enters each pod's netns in turn, opening a socket
+/// there for each transaction.
+pub(super) struct Tour;
+
+impl PodReach for Tour {
+    fn apply_to_pods(
+        &mut self,
+        dir: &ServicesDir,
+        new: &StoredLayer,
+        previous: Option<&StoredLayer>,
+        warnings: Vec<String>,
+    ) -> Result<ApplyReport, ServicesError> {
+        aether_netns::tour(|| {
+            // One grace period for all the pods' sockets, not one per pod (a change that
+            // deletes elements makes the kernel wait one at each close).
+            let _later = aether_rules::nft::CloseLater::new();
+            apply_to_pods(dir, new, previous, warnings)
+        })
+        .map_err(ServicesError::Tour)?
+    }
 }
 
 /// `services apply` with a change document: refused unless its base is the stored
@@ -236,16 +292,26 @@ fn store_and_apply(
 /// (`change::splice`), without reading either as a whole snapshot; otherwise, or when that
 /// path cannot vouch for the result, the stored snapshot is read in full.
 pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, ServicesError> {
+    apply_change_with(dir, text, &mut Tour)
+}
+
+/// `apply_change`, reaching the pods through `reach`.
+pub(super) fn apply_change_with(
+    dir: &ServicesDir,
+    text: &[u8],
+    reach: &mut dyn PodReach,
+) -> Result<ApplyReport, ServicesError> {
     let c = change::parse(text).map_err(|reasons| ServicesError::Refused { reasons })?;
     let _lock = dir.lock(true)?;
-    if let Some((stored_text, prev)) = dir.canonical_stored()? {
+    reach.locked(dir);
+    if let Some((stored_text, prev)) = reach.canonical_stored(dir)? {
         if prev.generation != c.base_generation {
             return Err(ServicesError::StaleBase { base: c.base_generation, stored: prev.generation });
         }
         if let Some(s) = change::splice::splice(&stored_text, &prev.layer, prev.generation, &c) {
             drop(stored_text);
             let new = StoredLayer::new(c.generation, &s.layer, layer_file::source_digest(&s.text));
-            return store_and_apply(dir, &s.text, new, Some(prev), Vec::new(), true);
+            return store_and_apply(dir, &s.text, new, Some(prev), Vec::new(), true, reach);
         }
     }
     let path = dir.root.join("snapshot.json");
@@ -267,7 +333,36 @@ pub fn apply_change(dir: &ServicesDir, text: &[u8]) -> Result<ApplyReport, Servi
         None
     });
     let new = StoredLayer::new(next.generation, &next.layer(0), layer_file::source_digest(&whole));
-    store_and_apply(dir, &whole, new, previous, warnings, true)
+    store_and_apply(dir, &whole, new, previous, warnings, true, reach)
+}
+
+/// Present while an apply changes pods: written before the first pod is visited and removed
+/// after the last. Found by the next apply, it says one was stopped midway, when a pod may
+/// hold a layer its `pods/` file does not name (sent, then killed before the file was
+/// written); trusting that file could leave the pod wrong for good (a later document with
+/// the file's content would find nothing to do), so that apply trusts no file and rebuilds
+/// every pod. One file per apply instead of a second write per pod.
+pub(super) const APPLYING: &str = "applying";
+
+impl ServicesDir {
+    /// Marks an apply's visit of the pods as begun; whether the last one was stopped midway.
+    pub(super) fn begin_pods(&self, new: &StoredLayer, warnings: &mut Vec<String>) -> Result<bool, ServicesError> {
+        let interrupted = !matches!(self.read(APPLYING), Ok(None));
+        if interrupted {
+            warnings.push(
+                "the last apply was stopped before it reached every pod: every pod's layer is rebuilt".to_string(),
+            );
+        }
+        let dir = self.open(true)?.expect("created");
+        dir.overwrite(APPLYING, format!("{}\n", new.generation).as_bytes())
+            .map_err(|source| ServicesError::Write { path: self.root.join(APPLYING), source })?;
+        Ok(interrupted)
+    }
+
+    /// Marks an apply's visit of the pods as finished.
+    pub(super) fn end_pods(&self) -> Result<(), ServicesError> {
+        self.remove(APPLYING)
+    }
 }
 
 /// Names the stored `snapshot.json` by the source digest `layer.bin` carries, and says
@@ -287,7 +382,7 @@ impl ServicesDir {
 
     /// The stored document and its layer when the document is canonical and the one the
     /// layer was made from; `None` otherwise.
-    fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
+    pub(super) fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
         let Some((named, true)) = self.source_marker() else { return Ok(None) };
         let Ok(Some(layer)) = layer_file::read(&self.layer_path()) else { return Ok(None) };
         if layer.source != named {
@@ -301,7 +396,7 @@ impl ServicesDir {
 /// change from `previous` if its file says it holds that, nothing if it holds `new`, a
 /// rebuild otherwise. Runs on a tour (`aether_netns::tour`: one thread entering each pod's
 /// netns in turn), as a thread per pod cost more than the change it sends.
-fn apply_to_pods(
+pub(super) fn apply_to_pods(
     dir: &ServicesDir,
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
@@ -350,12 +445,14 @@ fn apply_to_pods(
     for r in &records {
         marks.entry(mark_of(r)).or_insert_with(|| ForMark::new(new, mark_of(r)));
     }
-    let pass = Pass { dir, new, previous, marks: &marks, narrowed: Default::default() };
+    let interrupted = dir.begin_pods(new, &mut warnings)?;
+    let pass = Pass { dir, new, previous, marks: &marks, narrowed: Default::default(), distrust: interrupted };
     let mut out = Visited::default();
     let pods = records.iter().map(|r| pass.visit(r, mark_of(r), &mut out)).collect();
     let Visited { warnings: more, mut removed_keys } = out;
     warnings.extend(more);
     dir.prune_pods(&records);
+    dir.end_pods()?;
     if off {
         removed_keys.retain(|k| folded_keys.contains(k));
         dir.end_folding(&removed_keys)?;
@@ -368,7 +465,10 @@ fn apply_to_pods(
 /// layers is the change between the whole ones (a VIP's elements in every set depend on its
 /// own ports alone; ranges, and what follows from them, are kept whole), and costs what
 /// changed, not 10,000 Services' sets built and compared twice.
-fn narrowed(old: &layer::ServiceLayer, new: &layer::ServiceLayer) -> (layer::ServiceLayer, layer::ServiceLayer) {
+pub(super) fn narrowed(
+    old: &layer::ServiceLayer,
+    new: &layer::ServiceLayer,
+) -> (layer::ServiceLayer, layer::ServiceLayer) {
     let (gone, came) = sorted_difference(&old.ports, &new.ports);
     let mut vips: Vec<std::net::IpAddr> = gone.iter().chain(&came).map(|p| p.vip).collect();
     vips.sort_unstable();
@@ -411,7 +511,7 @@ fn sorted_difference<T: Ord + Copy>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
 
 /// A record's netns, if it is still the pod's (a path reused by another namespace, a file
 /// or a directory is not: the pod is skipped as gone).
-fn open_pod(r: &Record) -> Result<Netns, PodError> {
+pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
     match r.open_netns() {
         Ok(PodNetns::Live(ns)) => Ok(ns),
         Ok(PodNetns::Gone(why)) => Err(PodError::Gone(why)),
@@ -441,6 +541,8 @@ struct Pass<'a> {
     marks: &'a BTreeMap<u32, ForMark>,
     /// The previous and the new layer cut down to where they differ (`narrowed`).
     narrowed: std::sync::OnceLock<(layer::ServiceLayer, layer::ServiceLayer)>,
+    /// The last apply was stopped midway: no pod's file is trusted, every pod is rebuilt.
+    distrust: bool,
 }
 
 /// What the pods' visits gathered besides their outcomes: warnings, and the attachments
@@ -469,7 +571,7 @@ impl Pass<'_> {
                 outcome
             }
             Ok(ns) => {
-                let held = dir.pod_holds(&ns);
+                let held = if self.distrust { None } else { dir.pod_holds(&ns) };
                 let change = match (&held, self.previous) {
                     (Some(h), _) if h.is(new, mark) => None,
                     (Some(h), Some(prev)) if h.is(prev, mark) => Some(
@@ -493,6 +595,7 @@ impl Pass<'_> {
                         None => flat(ns.run(|| layer::rebuild(l))),
                     },
                 };
+                crate::state::crash_point("services-pod-sent");
                 if outcome.is_ok() && held.is_none_or(|h| !h.is(new, mark)) {
                     if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(new, &ns, mark)) {
                         out.warnings.push(e.to_string());
@@ -535,6 +638,9 @@ pub fn apply_current_snapshot_in_netns(
         }
     };
     let l = stored.for_pod(divert_mark);
+    // The file goes first: killed after the rebuild, a file naming an older layer would be
+    // trusted by the next apply (one sending that older content again would leave the pod).
+    dir.forget_pod(netns.path());
     flat(netns.run(|| layer::rebuild(&l)))?;
     if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
         // Costs the pod a rebuild at the next apply instead of a change; nothing more.

@@ -12,6 +12,8 @@
 //! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
 //!   a pod that holds the previous generation only the change, without reading its sets back,
 //!   and rebuilds any other (a missed generation, a crash, a new pod);
+//! - `applying`: present while an apply visits the pods; found by the next apply (one was
+//!   killed midway), no `pods/` file is trusted (see `apply::APPLYING`);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
@@ -23,8 +25,8 @@
 //!   while they fold a pod's counts, remove its layer and forget its record
 //!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
 
-pub mod apply;
 pub mod applier;
+pub mod apply;
 pub mod change;
 pub mod fold;
 pub mod layer_file;

@@ -207,6 +207,8 @@ fn verify_each(
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
+        // Forgotten before a repair may change the pod, written again after (see `APPLYING`).
+        dir.forget_pod(ns.path());
         let result = flat(ns.run(|| {
             let diffs = layer::verify(&l)?;
             let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };

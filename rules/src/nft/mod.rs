@@ -267,6 +267,31 @@ impl Encoded {
         close_later(sock);
         result
     }
+
+    /// Sends the transaction on `sock` (in the netns it was opened in) and waits for the
+    /// kernel's verdict.
+    pub fn send_on(&self, sock: &mut KeptSocket) -> Result<()> {
+        commit(&mut sock.0, &self.0)
+    }
+}
+
+/// A netfilter socket opened in one netns and kept open for many transactions there (a
+/// socket stays in the netns it was opened in, whichever netns its user is in later), so a
+/// long-lived process sends to a pod netns without entering it or opening a socket. While
+/// open it keeps that netns alive: its owner closes it when the pod goes.
+pub struct KeptSocket(Socket);
+
+impl KeptSocket {
+    /// A socket in the current netns.
+    pub fn open() -> Result<Self> {
+        open().map(KeptSocket)
+    }
+}
+
+impl std::fmt::Debug for KeptSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeptSocket")
+    }
 }
 
 thread_local! {

@@ -1,0 +1,257 @@
+use std::path::PathBuf;
+
+use aether_testkit::{root_or_skip, Rng, TestNetns};
+use serde_json::{json, Value};
+
+use super::*;
+use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document};
+use crate::state::{NetnsIdentity, RECORD_VERSION};
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("aether-applier-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// A pod as ADD leaves it: a record naming its netns, and the stored layer applied.
+fn add_pod(state: &Path, cid: &str) -> TestNetns {
+    let ns = TestNetns::new("applier");
+    let opened = Netns::open_foreign(ns.path()).unwrap();
+    let r = Record {
+        version: RECORD_VERSION,
+        network: "k8s-pod-network".into(),
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        netns: ns.path(),
+        netns_id: Some(NetnsIdentity::of(&opened)),
+        pod_namespace: Some("shop".into()),
+        pod_name: Some(cid.into()),
+        pod_uid: None,
+        config_digest: "0".into(),
+        capture: None,
+        defaulted: Vec::new(),
+    };
+    StateDir::new(state).write(&r).unwrap();
+    apply_current_snapshot_in_netns(state, &opened, 0xae71).unwrap();
+    ns
+}
+
+fn remove_record(state: &Path, cid: &str) {
+    StateDir::new(state).remove("k8s-pod-network", cid, "eth0").unwrap();
+}
+
+/// The agent's view: Services by name, and the documents it sends.
+struct Cluster {
+    generation: u64,
+    services: BTreeMap<String, Value>,
+    next: u32,
+}
+
+impl Cluster {
+    fn service(&mut self) -> Value {
+        self.next += 1;
+        let n = self.next;
+        json!({"namespace": "shop", "name": format!("s{n}"), "vip": format!("10.96.{}.{}", n / 200, n % 200 + 1),
+               "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "UDP", "port": 5000 + n}], "usableEndpoints": true})
+    }
+
+    fn whole(&self) -> Vec<u8> {
+        json!({"generation": self.generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"],
+               "services": self.services.values().collect::<Vec<_>>()})
+        .to_string()
+        .into_bytes()
+    }
+
+    /// One random step as a change document (the cluster moved to its next generation).
+    fn random_change(&mut self, rng: &mut Rng) -> Vec<u8> {
+        let base = self.generation;
+        self.generation += 1;
+        let names: Vec<String> = self.services.keys().cloned().collect();
+        let pick = |rng: &mut Rng| names[rng.below(names.len() as u64) as usize].clone();
+        let mut doc = json!({"baseGeneration": base, "generation": self.generation});
+        match rng.below(4) {
+            0 => {
+                let s = self.service();
+                self.services.insert(s["name"].as_str().unwrap().into(), s.clone());
+                doc["servicesPut"] = json!([s]);
+            }
+            1 if names.len() > 2 => {
+                let name = pick(rng);
+                self.services.remove(&name);
+                doc["servicesRemoved"] = json!([{"namespace": "shop", "name": name}]);
+            }
+            2 => {
+                let name = pick(rng);
+                let s = self.services.get_mut(&name).unwrap();
+                s["ports"][0]["port"] = json!(80 + rng.below(100));
+                doc["servicesPut"] = json!([s.clone()]);
+            }
+            _ => {
+                let name = pick(rng);
+                let s = self.services.get_mut(&name).unwrap();
+                let usable = !s["usableEndpoints"].as_bool().unwrap();
+                s["usableEndpoints"] = json!(usable);
+                doc["endpoints"] = json!([{"namespace": "shop", "name": name, "usableEndpoints": usable}]);
+            }
+        }
+        doc.to_string().into_bytes()
+    }
+}
+
+fn outcomes(report: &ApplyReport) -> Vec<(String, String)> {
+    report
+        .pods
+        .iter()
+        .map(|p| {
+            (p.container_id.clone(), p.result.as_ref().map_or_else(|e| e.to_string(), super::super::apply::describe))
+        })
+        .collect()
+}
+
+fn files(state: &Path) -> (Vec<u8>, Vec<u8>) {
+    let read = |f: &str| std::fs::read(state.join("services").join(f)).unwrap();
+    (read("snapshot.json"), read("layer.bin"))
+}
+
+/// Every pod's layer read back from the kernel and compared with the stored one.
+fn drift(state: &Path, pods: &BTreeMap<String, TestNetns>) -> Vec<String> {
+    let stored = ServicesDir::new(state).stored_layer().unwrap().unwrap().for_pod(0xae71);
+    pods.iter()
+        .filter_map(|(cid, ns)| {
+            let diffs = Netns::open_foreign(ns.path()).unwrap().run(|| layer::verify(&stored)).unwrap().unwrap();
+            (!diffs.is_empty()).then(|| format!("{cid}: {diffs:?}"))
+        })
+        .collect()
+}
+
+/// Random documents (changes mostly, some whole) to two nodes: one through an `Applier` kept
+/// between documents, one by the one-shot functions `services apply` calls. At every step the
+/// stored files, each pod's outcome and each pod's kernel sets agree, also when pods come and
+/// go and another writer (`services apply`) stores a document between the applier's.
+#[test]
+fn the_applier_leaves_what_the_one_shot_apply_leaves() {
+    if !root_or_skip("the_applier_leaves_what_the_one_shot_apply_leaves") {
+        return;
+    }
+    let (kept_state, once_state) = (tmp("kept"), tmp("once"));
+    let (kept_dir, once_dir) = (ServicesDir::new(&kept_state), ServicesDir::new(&once_state));
+    let mut rng = Rng::seeded("AETHER_APPLIER_SEED", "the_applier_leaves_what_the_one_shot_apply_leaves");
+    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
+    for _ in 0..30 {
+        let s = cluster.service();
+        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
+    }
+    let mut applier = Applier::new(&kept_state);
+    let (mut kept_pods, mut once_pods) = (BTreeMap::new(), BTreeMap::new());
+    for cid in ["a", "b", "c"] {
+        kept_pods.insert(cid.to_string(), add_pod(&kept_state, cid));
+        once_pods.insert(cid.to_string(), add_pod(&once_state, cid));
+    }
+    applier.apply(&cluster.whole()).unwrap();
+    apply_document(&once_dir, &cluster.whole()).unwrap();
+    for step in 1..=40 {
+        match step {
+            10 => {
+                // A pod started meanwhile (ADD) on each node.
+                kept_pods.insert("d".into(), add_pod(&kept_state, "d"));
+                once_pods.insert("d".into(), add_pod(&once_state, "d"));
+            }
+            20 => {
+                // Another writer between two of the applier's documents.
+                cluster.generation += 1;
+                apply_document(&kept_dir, &cluster.whole()).unwrap();
+                apply_document(&once_dir, &cluster.whole()).unwrap();
+            }
+            30 => {
+                // A pod gone (its record removed, as DEL does).
+                remove_record(&kept_state, "b");
+                remove_record(&once_state, "b");
+                kept_pods.remove("b");
+                once_pods.remove("b");
+            }
+            _ => {}
+        }
+        let doc = if rng.chance(4) {
+            cluster.generation += 1;
+            cluster.whole()
+        } else {
+            cluster.random_change(&mut rng)
+        };
+        let once =
+            if change::is_change(&doc) { apply_change(&once_dir, &doc) } else { apply_document(&once_dir, &doc) };
+        let (kept, once) = (applier.apply(&doc).unwrap(), once.unwrap());
+        let when = format!("step {step}: {}", String::from_utf8_lossy(&doc));
+        assert_eq!(outcomes(&kept), outcomes(&once), "{when}");
+        assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
+        assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
+        assert_eq!(applier.kept_pods(), kept_pods.len(), "{when}: a socket per pod is kept");
+    }
+    // Control: the same comparison sees a pod whose set was changed by hand.
+    let vip = cluster.services.values().next().unwrap()["vip"].as_str().unwrap().to_string();
+    kept_pods["a"].exec("nft", &["delete", "element", "ip", "aether_services", "service_vips", "{", &vip, "}"]);
+    assert!(!drift(&kept_state, &kept_pods).is_empty(), "RIG BROKEN: a VIP deleted by hand is not seen");
+    let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
+}
+
+/// Whether the interface `name` is still in the netns `ns` (its peer's netns not yet gone).
+fn has_link(ns: &TestNetns, name: &str) -> bool {
+    ns.try_exec("ip", &["link", "show", name]).0
+}
+
+/// Waits up to 5 s for `cond`.
+fn eventually(cond: impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    cond()
+}
+
+/// A kept socket keeps its pod's netns alive: `tidy` lets go of it once the record is gone, so
+/// the netns is freed (seen by the veth peer it takes with it).
+#[test]
+fn tidy_lets_a_gone_pods_netns_be_freed() {
+    if !root_or_skip("tidy_lets_a_gone_pods_netns_be_freed") {
+        return;
+    }
+    let state = tmp("tidy");
+    let mut applier = Applier::new(&state);
+    // A layer stored first: the pods below get changes, on kept sockets.
+    let first = json!({"generation": 1, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []});
+    applier.apply(first.to_string().as_bytes()).unwrap();
+    let peer = TestNetns::new("applier-peer");
+    let pass = |applier: &mut Applier, cid: &str, tidy: bool| -> bool {
+        let pod = add_pod(&state, cid);
+        pod.exec("ip", &["link", "add", "pod0", "type", "veth", "peer", "name", "peer0", "netns", &peer.name]);
+        let generation = ServicesDir::new(&state).stored_layer().unwrap().map_or(1, |s| s.generation + 1);
+        applier
+            .apply(
+                &json!({"generation": generation, "mode": "count", "serviceRanges": ["10.96.0.0/16"],
+                              "services": []})
+                .to_string()
+                .into_bytes(),
+            )
+            .unwrap();
+        assert_eq!(applier.kept_pods(), 1);
+        remove_record(&state, cid);
+        drop(pod);
+        if tidy {
+            applier.tidy();
+        }
+        eventually(|| !has_link(&peer, "peer0"))
+    };
+    // Control: without tidy the socket pins the netns, and its veth stays.
+    assert!(
+        !pass(&mut applier, "pinned", false),
+        "RIG BROKEN: the pod's netns went although the applier holds a socket in it"
+    );
+    applier.tidy();
+    assert_eq!(applier.kept_pods(), 0);
+    assert!(eventually(|| !has_link(&peer, "peer0")), "the netns was not freed after tidy");
+    assert!(pass(&mut applier, "freed", true), "the pod's netns stayed after tidy");
+    assert_eq!(applier.kept_pods(), 0);
+    let _ = std::fs::remove_dir_all(&state);
+}
