@@ -197,14 +197,7 @@ fn typed(text: &[u8]) -> Option<Snapshot> {
         let ports = s.ports.iter().map(|p| Some((proto(&p.protocol)?, port(p.port)?))).collect::<Option<Vec<_>>>()?;
         services.push(typed_service(s.namespace, s.name, &s.vip, ports, s.usable_endpoints)?);
     }
-    checked(
-        doc.generation,
-        &doc.mode,
-        &doc.service_ranges,
-        &doc.mesh_vips,
-        services,
-        doc.dialled_timeout_seconds,
-    )
+    checked(doc.generation, &doc.mode, &doc.service_ranges, &doc.mesh_vips, services, doc.dialled_timeout_seconds)
 }
 
 /// A port's protocol, as the typed readings take it.

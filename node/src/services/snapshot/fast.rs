@@ -195,7 +195,10 @@ impl<'a> Reader<'a> {
 
     fn strings(&mut self) -> Option<Vec<&'a str>> {
         let mut out = Vec::new();
-        self.array(|r| Some(out.push(r.string()?)))?;
+        self.array(|r| {
+            out.push(r.string()?);
+            Some(())
+        })?;
         Some(out)
     }
 
@@ -205,7 +208,8 @@ impl<'a> Reader<'a> {
             if out.len() == MAX_SERVICES {
                 return None;
             }
-            Some(out.push(r.service()?))
+            out.push(r.service()?);
+            Some(())
         })?;
         Some(out)
     }
@@ -235,7 +239,8 @@ impl<'a> Reader<'a> {
                 b"port" => once(&mut number, r.number()?),
                 _ => None,
             })?;
-            Some(out.push((proto(protocol?)?, port(number?)?)))
+            out.push((proto(protocol?)?, port(number?)?));
+            Some(())
         })?;
         Some(out)
     }

@@ -328,13 +328,33 @@ impl Rng {
 #[test]
 fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
     const EDITS: [&str; 24] = [
-        " ", "\n", "\t", "\r", ",", ":", "\"", "\\", "\\u0061", "\u{e9}", "\u{7f}", "\u{1}", "0", "00", "-", ".0",
-        "e1", "null", "true", "{}", "[]", "\"x\":1", "\"generation\":9,", "18446744073709551616",
+        " ",
+        "\n",
+        "\t",
+        "\r",
+        ",",
+        ":",
+        "\"",
+        "\\",
+        "\\u0061",
+        "\u{e9}",
+        "\u{7f}",
+        "\u{1}",
+        "0",
+        "00",
+        "-",
+        ".0",
+        "e1",
+        "null",
+        "true",
+        "{}",
+        "[]",
+        "\"x\":1",
+        "\"generation\":9,",
+        "18446744073709551616",
     ];
-    let docs: Vec<String> = [good(), dual()]
-        .iter()
-        .flat_map(|v| [v.to_string(), serde_json::to_string_pretty(v).unwrap()])
-        .collect();
+    let docs: Vec<String> =
+        [good(), dual()].iter().flat_map(|v| [v.to_string(), serde_json::to_string_pretty(v).unwrap()]).collect();
     let mut rng = Rng(0x5eed_1234_abcd_0001);
     let (mut read_fast, mut left_to_serde_and_read) = (0, 0);
     for round in 0..8000 {
@@ -373,7 +393,10 @@ fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
         assert_eq!(fast::read(text.as_bytes()), typed(text.as_bytes()));
         assert!(fast::read(text.as_bytes()).is_some(), "control: the plain form is read by the scanner");
     }
-    assert!(read_fast > 500 && left_to_serde_and_read > 200, "{read_fast} read fast, {left_to_serde_and_read} by serde");
+    assert!(
+        read_fast > 500 && left_to_serde_and_read > 200,
+        "{read_fast} read fast, {left_to_serde_and_read} by serde"
+    );
     // A name with an escape: left to serde, which reads it as the name it spells.
     let escaped = good().to_string().replace("\"cart\"", "\"c\\u0061rt\"");
     assert_eq!(fast::read(escaped.as_bytes()), None);
