@@ -110,6 +110,16 @@ pub fn parse(text: &[u8]) -> Result<Snapshot, Refused> {
     read(text).map_err(|reasons| Refused { reasons })
 }
 
+/// `parse`, and the snapshot's layer (divert mark 0): what `apply` stores. The plain form
+/// agents write goes from the text to the layer without the Services' own strings and lists
+/// (`fast::read_layer`); anything else, and every refusal, is `parse`'s.
+pub fn parse_layer(text: &[u8]) -> Result<(u64, ServiceLayer), Refused> {
+    if let Some(read) = (text.len() <= MAX_SNAPSHOT_BYTES).then(|| fast::read_layer(text)).flatten() {
+        return Ok(read);
+    }
+    parse(text).map(|s| (s.generation, s.layer(0)))
+}
+
 fn read(text: &[u8]) -> Result<Snapshot, Vec<String>> {
     if text.len() > MAX_SNAPSHOT_BYTES {
         return Err(vec![too_large()]);
@@ -222,16 +232,24 @@ fn typed_service(
     ports: Vec<(Proto, u16)>,
     usable_endpoints: bool,
 ) -> Option<Service> {
+    let vip = item(&namespace, &name, vip, &ports)?.vip;
+    Some(Service { namespace: namespace.into_owned(), name: name.into_owned(), vip, ports, usable_endpoints })
+}
+
+/// A Service as `relations` looks at it, borrowed from a `Service` or from the text.
+pub(super) struct Item<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    vip: IpAddr,
+    ports: &'a [(Proto, u16)],
+}
+
+/// A Service of the typed readings checked alone, borrowed.
+fn item<'a>(namespace: &'a str, name: &'a str, vip: &str, ports: &'a [(Proto, u16)]) -> Option<Item<'a>> {
     if namespace.is_empty() || name.is_empty() || ports.is_empty() || ports.len() > MAX_PORTS_PER_SERVICE {
         return None;
     }
-    Some(Service {
-        namespace: namespace.into_owned(),
-        name: name.into_owned(),
-        vip: parse_addr(vip)?,
-        ports,
-        usable_endpoints,
-    })
+    Some(Item { namespace, name, vip: parse_addr(vip)?, ports })
 }
 
 /// The typed readings' document from its members, checked (its Services each checked by
@@ -517,16 +535,25 @@ impl std::hash::Hasher for QuickHasher {
 /// overlapping ranges, duplicates, VIPs outside the ranges or both mesh and Service, ports
 /// declared twice, too many ports in all.
 fn relations(snap: &Snapshot) -> Vec<String> {
+    let items: Vec<Item> = snap
+        .services
+        .iter()
+        .map(|s| Item { namespace: &s.namespace, name: &s.name, vip: s.vip, ports: &s.ports })
+        .collect();
+    relations_of(&snap.service_ranges, &snap.mesh_vips, &items)
+}
+
+/// `relations` of the parts of a snapshot.
+fn relations_of(ranges: &[IpNet], mesh_vips: &[IpAddr], services: &[Item]) -> Vec<String> {
     let mut errs = Vec::new();
-    let ranges = &snap.service_ranges;
     for (i, net) in ranges.iter().enumerate() {
         if let Some(j) = ranges[..i].iter().position(|o| o.contains(&net.network()) || net.contains(&o.network())) {
             errs.push(format!("serviceRanges[{i}]: {:?} overlaps serviceRanges[{j}] ({})", net.to_string(), ranges[j]));
         }
     }
     let in_ranges = |a: &IpAddr| ranges.iter().any(|n| n.contains(a));
-    let mut mesh: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(snap.mesh_vips.len(), Quick);
-    for (i, &a) in snap.mesh_vips.iter().enumerate() {
+    let mut mesh: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(mesh_vips.len(), Quick);
+    for (i, &a) in mesh_vips.iter().enumerate() {
         if let Some(&j) = mesh.get(&a) {
             // IPv6 addresses are compared as addresses: fd00::1 and fd00:0::1 are one.
             errs.push(format!("meshVIPs[{i}]: {a} duplicates meshVIPs[{j}]"));
@@ -537,10 +564,10 @@ fn relations(snap: &Snapshot) -> Vec<String> {
             errs.push(format!("meshVIPs[{i}]: {a} is outside every Service range"));
         }
     }
-    let mut names: HashMap<(&str, &str), usize, Quick> = HashMap::with_capacity_and_hasher(snap.services.len(), Quick);
-    let mut vips: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(snap.services.len(), Quick);
-    for (i, s) in snap.services.iter().enumerate() {
-        if let Some(j) = names.insert((&s.namespace, &s.name), i) {
+    let mut names: HashMap<(&str, &str), usize, Quick> = HashMap::with_capacity_and_hasher(services.len(), Quick);
+    let mut vips: HashMap<IpAddr, usize, Quick> = HashMap::with_capacity_and_hasher(services.len(), Quick);
+    for (i, s) in services.iter().enumerate() {
+        if let Some(j) = names.insert((s.namespace, s.name), i) {
             errs.push(format!("services[{i}]: Service {}/{} duplicates services[{j}]", s.namespace, s.name));
         }
         if let Some(j) = vips.insert(s.vip, i) {
@@ -561,7 +588,7 @@ fn relations(snap: &Snapshot) -> Vec<String> {
             }
         }
     }
-    let ports: usize = snap.services.iter().map(|s| s.ports.len()).sum();
+    let ports: usize = services.iter().map(|s| s.ports.len()).sum();
     errs.extend(over_limit("services", "Service ports in all", ports, MAX_SERVICE_PORTS));
     errs
 }

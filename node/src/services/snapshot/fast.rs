@@ -10,23 +10,92 @@
 //! (tests compare the two on random documents). Members are checked by the same functions.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use aether_rules::model::Proto;
+use aether_rules::services::{ServiceLayer, ServicePort};
 
-use super::{checked, port, proto, typed_service, Service, Snapshot, MAX_PORTS_PER_SERVICE, MAX_SERVICES};
+use super::{checked, item, port, proto, relations_of, typed_service, Snapshot, MAX_PORTS_PER_SERVICE, MAX_SERVICES};
 
 /// The document, when it is in the plain form and passes the typed checks; `None` otherwise
 /// (the caller asks serde).
 pub(super) fn read(text: &[u8]) -> Option<Snapshot> {
+    let doc = scan(text)?;
+    let services = doc
+        .services
+        .iter()
+        .map(|s| {
+            let ports = doc.ports[s.ports.clone()].to_vec();
+            typed_service(Cow::Borrowed(s.namespace), Cow::Borrowed(s.name), s.vip, ports, s.usable_endpoints)
+        })
+        .collect::<Option<Vec<_>>>()?;
+    checked(doc.generation, doc.mode, &doc.ranges, &doc.mesh, services, doc.timeout)
+}
+
+/// `read` and then `relations` and `Snapshot::layer(0)`, without the Services' own strings
+/// and lists in between: the generation and the layer, when the document is in the plain
+/// form and passes every check; `None` otherwise (the caller asks `parse`).
+pub(super) fn read_layer(text: &[u8]) -> Option<(u64, ServiceLayer)> {
+    let doc = scan(text)?;
+    let items = doc
+        .services
+        .iter()
+        .map(|s| item(s.namespace, s.name, s.vip, &doc.ports[s.ports.clone()]))
+        .collect::<Option<Vec<_>>>()?;
+    let top = checked(doc.generation, doc.mode, &doc.ranges, &doc.mesh, Vec::new(), doc.timeout)?;
+    if !relations_of(&top.service_ranges, &top.mesh_vips, &items).is_empty() {
+        return None;
+    }
+    let mut layer = top.layer(0);
+    layer.ports = items
+        .iter()
+        .zip(&doc.services)
+        .flat_map(|(item, s)| {
+            item.ports.iter().map(|&(proto, port)| ServicePort {
+                vip: item.vip,
+                proto,
+                port,
+                has_endpoints: s.usable_endpoints,
+            })
+        })
+        .collect();
+    Some((top.generation, layer))
+}
+
+/// A document's members as the scanner found them, borrowing the text.
+struct Scanned<'a> {
+    generation: u64,
+    mode: &'a str,
+    ranges: Vec<&'a str>,
+    mesh: Vec<&'a str>,
+    timeout: u64,
+    services: Vec<ScannedService<'a>>,
+    /// Every Service's ports, one Service's after another's.
+    ports: Vec<(Proto, u16)>,
+}
+
+struct ScannedService<'a> {
+    namespace: &'a str,
+    name: &'a str,
+    vip: &'a str,
+    /// Where its ports are in `Scanned::ports`.
+    ports: Range<usize>,
+    usable_endpoints: bool,
+}
+
+/// The document's members, when it is in the plain form (each port's protocol and number
+/// checked on the way); `None` otherwise.
+fn scan(text: &[u8]) -> Option<Scanned<'_>> {
     let mut r = Reader { t: text, i: 0 };
     let (mut generation, mut mode, mut ranges, mut mesh, mut services, mut timeout) =
         (None, None, None, None, None, None);
+    let mut ports = Vec::new();
     r.object(|r, key| match key {
         b"generation" => once(&mut generation, r.number()?),
         b"mode" => once(&mut mode, r.string()?),
         b"serviceRanges" => once(&mut ranges, r.strings()?),
         b"meshVIPs" => once(&mut mesh, r.strings()?),
-        b"services" => once(&mut services, r.services()?),
+        b"services" => once(&mut services, r.services(&mut ports)?),
         b"dialledTimeoutSeconds" => once(&mut timeout, r.number()?),
         _ => None,
     })?;
@@ -34,14 +103,15 @@ pub(super) fn read(text: &[u8]) -> Option<Snapshot> {
     if r.i != text.len() {
         return None;
     }
-    checked(
-        generation?,
-        mode?,
-        &ranges?,
-        &mesh.unwrap_or_default(),
-        services?,
-        timeout.unwrap_or_else(super::default_timeout),
-    )
+    Some(Scanned {
+        generation: generation?,
+        mode: mode?,
+        ranges: ranges?,
+        mesh: mesh.unwrap_or_default(),
+        timeout: timeout.unwrap_or_else(super::default_timeout),
+        services: services?,
+        ports,
+    })
 }
 
 /// A member's value, unless the member was given before (serde refuses a member twice).
@@ -224,35 +294,37 @@ impl<'a> Reader<'a> {
         Some(out)
     }
 
-    fn services(&mut self) -> Option<Vec<Service>> {
+    /// The Services, their ports appended to `ports`.
+    fn services(&mut self, ports: &mut Vec<(Proto, u16)>) -> Option<Vec<ScannedService<'a>>> {
         let mut out = Vec::new();
         self.array(|r| {
             if out.len() == MAX_SERVICES {
                 return None;
             }
-            out.push(r.service()?);
+            out.push(r.service(ports)?);
             Some(())
         })?;
         Some(out)
     }
 
-    fn service(&mut self) -> Option<Service> {
-        let (mut namespace, mut name, mut vip, mut ports, mut usable) = (None, None, None, None, None);
+    fn service(&mut self, ports: &mut Vec<(Proto, u16)>) -> Option<ScannedService<'a>> {
+        let (mut namespace, mut name, mut vip, mut at, mut usable) = (None, None, None, None, None);
         self.object(|r, key| match key {
             b"namespace" => once(&mut namespace, r.string()?),
             b"name" => once(&mut name, r.string()?),
             b"vip" => once(&mut vip, r.string()?),
-            b"ports" => once(&mut ports, r.ports()?),
+            b"ports" => once(&mut at, r.ports(ports)?),
             b"usableEndpoints" => once(&mut usable, r.boolean()?),
             _ => None,
         })?;
-        typed_service(Cow::Borrowed(namespace?), Cow::Borrowed(name?), vip?, ports?, usable?)
+        Some(ScannedService { namespace: namespace?, name: name?, vip: vip?, ports: at?, usable_endpoints: usable? })
     }
 
-    fn ports(&mut self) -> Option<Vec<(Proto, u16)>> {
-        let mut out = Vec::new();
+    /// A Service's ports, appended to `out`: where they are.
+    fn ports(&mut self, out: &mut Vec<(Proto, u16)>) -> Option<Range<usize>> {
+        let start = out.len();
         self.array(|r| {
-            if out.len() == MAX_PORTS_PER_SERVICE {
+            if out.len() - start == MAX_PORTS_PER_SERVICE {
                 return None;
             }
             let (mut protocol, mut number) = (None, None);
@@ -264,7 +336,7 @@ impl<'a> Reader<'a> {
             out.push((proto(protocol?)?, port(number?)?));
             Some(())
         })?;
-        Some(out)
+        Some(start..out.len())
     }
 }
 

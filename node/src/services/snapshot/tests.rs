@@ -324,7 +324,9 @@ impl Rng {
 /// of good documents (whitespace, escapes, non-ASCII text, numbers written otherwise, members
 /// twice or unknown, cut or doubled bytes), whenever it reads a document, serde reads the same
 /// snapshot from it. Controls: it does read the plain ones (the comparison is not empty), and
-/// leaves to serde what it does not read (serde reads escapes it gives up on).
+/// leaves to serde what it does not read (serde reads escapes it gives up on). The same for
+/// the layer it reads straight from the text: `parse`'s, only where `parse` accepts (control:
+/// documents it scans but refuses between their items, a VIP twice, say).
 #[test]
 fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
     const EDITS: [&str; 24] = [
@@ -356,13 +358,16 @@ fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
     let docs: Vec<String> =
         [good(), dual()].iter().flat_map(|v| [v.to_string(), serde_json::to_string_pretty(v).unwrap()]).collect();
     let mut rng = Rng(0x5eed_1234_abcd_0001);
-    let (mut read_fast, mut left_to_serde_and_read) = (0, 0);
+    let (mut read_fast, mut left_to_serde_and_read, mut layered, mut refused_between_items) = (0, 0, 0, 0);
     for round in 0..8000 {
         let mut text = docs[rng.next(docs.len())].clone().into_bytes();
         for _ in 0..1 + rng.next(3) {
             let at = rng.next(text.len() + 1);
-            match rng.next(6) {
+            match rng.next(7) {
                 0 => drop(text.splice(at..at, EDITS[rng.next(EDITS.len())].bytes())),
+                // Still the plain form, often refused between items: a VIP twice or outside
+                // the ranges, a port declared twice, a Service twice.
+                6 if text.get(at).is_some_and(u8::is_ascii_digit) => text[at] = b'0' + rng.next(10) as u8,
                 // Valid JSON kept: a letter as an escape (the same string, or no longer a
                 // keyword), whitespace after punctuation.
                 4 if text.get(at).is_some_and(u8::is_ascii_lowercase) => {
@@ -388,7 +393,19 @@ fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
         } else if typed.is_some() {
             left_to_serde_and_read += 1;
         }
+        // The layer read straight from the text is `parse`'s, and only ever when `parse`
+        // accepts.
+        let parsed = parse(&text).ok().map(|s| (s.generation, s.layer(0)));
+        match fast::read_layer(&text) {
+            Some(layer) => {
+                layered += 1;
+                assert_eq!(Some(layer), parsed, "round {round}: {}", String::from_utf8_lossy(&text));
+            }
+            None if fast.is_some() && parsed.is_none() => refused_between_items += 1,
+            None => {}
+        }
     }
+    assert!(layered > 300 && refused_between_items > 40, "{layered} layers, {refused_between_items} refused");
     for text in &docs {
         assert_eq!(fast::read(text.as_bytes()), typed(text.as_bytes()));
         assert!(fast::read(text.as_bytes()).is_some(), "control: the plain form is read by the scanner");
