@@ -32,7 +32,7 @@ use aether_node::services::snapshot::{too_large, MAX_SNAPSHOT_BYTES};
 use aether_node::services::{change, Applier, ApplyReport, ServicesError};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use serde_json::{json, Value};
 
 /// The only path served.
@@ -113,6 +113,8 @@ impl Bound {
 pub struct ServicesMetrics {
     pub applies: IntCounterVec,
     pub apply_seconds: HistogramVec,
+    /// Pods whose netfilter socket the applier keeps (each pins its pod's netns until `tidy`).
+    pub kept_pods: IntGauge,
 }
 
 /// Every outcome an apply through the socket can have, as its metric label.
@@ -144,12 +146,18 @@ impl ServicesMetrics {
             apply_seconds.with_label_values(&[kind]);
         }
         applies.with_label_values(&["unread", "too-large"]);
-        ServicesMetrics { applies, apply_seconds }
+        let kept_pods = IntGauge::new(
+            "aether_cni_installer_services_kept_pods",
+            "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
+        )
+        .unwrap();
+        ServicesMetrics { applies, apply_seconds, kept_pods }
     }
 
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.applies.clone()))?;
-        registry.register(Box::new(self.apply_seconds.clone()))
+        registry.register(Box::new(self.apply_seconds.clone()))?;
+        registry.register(Box::new(self.kept_pods.clone()))
     }
 }
 
@@ -214,6 +222,7 @@ fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMet
         match rx.recv_timeout(next_tidy.saturating_duration_since(Instant::now())) {
             Ok(job) => {
                 let answer = apply_one(&mut applier, state_dir, &job.body, metrics);
+                metrics.kept_pods.set(applier.kept_pods() as i64);
                 // The client may have gone (deadline, hung up): the document stays applied.
                 let _ = job.reply.send(answer);
             }
@@ -229,6 +238,7 @@ fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMet
                 );
                 applier = Applier::new(state_dir);
             }
+            metrics.kept_pods.set(applier.kept_pods() as i64);
             next_tidy = Instant::now() + TIDY_PERIOD;
         }
     }
