@@ -129,10 +129,12 @@ impl StoredLayer {
     }
 }
 
-fn octets(a: IpAddr) -> Vec<u8> {
+/// Appends an address's bytes (without a `Vec` per address: 20,000 of them at 10,000
+/// Services).
+fn put_octets(b: &mut Vec<u8>, a: IpAddr) {
     match a {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
+        IpAddr::V4(a) => b.extend_from_slice(&a.octets()),
+        IpAddr::V6(a) => b.extend_from_slice(&a.octets()),
     }
 }
 
@@ -161,25 +163,23 @@ fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
     for n in [v4_ranges, v6_ranges, v4_mesh, v6_mesh, v4_ports, v6_ports] {
         b.extend_from_slice(&(n as u32).to_be_bytes());
     }
-    let v4_first = |a: &IpAddr| a.is_ipv6();
-    let mut ranges = l.ranges.clone();
-    ranges.sort_by_key(|r| v4_first(&r.addr()));
-    for r in &ranges {
-        b.extend_from_slice(&octets(r.addr()));
-        b.push(r.prefix_len());
+    // Each family's items together, IPv4 first, in the lists' order: two passes, no copy.
+    for v6 in [false, true] {
+        for r in l.ranges.iter().filter(|r| r.addr().is_ipv6() == v6) {
+            put_octets(&mut b, r.addr());
+            b.push(r.prefix_len());
+        }
     }
-    let mut mesh = l.mesh_vips.clone();
-    mesh.sort_by_key(v4_first);
-    for v in &mesh {
-        b.extend_from_slice(&octets(*v));
+    for v6 in [false, true] {
+        for &v in l.mesh_vips.iter().filter(|a| a.is_ipv6() == v6) {
+            put_octets(&mut b, v);
+        }
     }
-    let mut ports = l.ports.clone();
-    ports.sort_by_key(|p| v4_first(&p.vip));
-    for p in &ports {
-        b.extend_from_slice(&octets(p.vip));
-        b.push(p.proto.number());
-        b.extend_from_slice(&p.port.to_be_bytes());
-        b.push(p.has_endpoints as u8);
+    for v6 in [false, true] {
+        for p in l.ports.iter().filter(|p| p.vip.is_ipv6() == v6) {
+            put_octets(&mut b, p.vip);
+            b.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8]);
+        }
     }
     debug_assert_eq!(b.len() + TRAILER, size);
     let sum = fnv1a(&b);
@@ -457,14 +457,14 @@ mod tests {
             b.extend_from_slice(&(n as u32).to_be_bytes());
         }
         for r in &l.ranges {
-            b.extend_from_slice(&octets(r.addr()));
+            put_octets(&mut b, r.addr());
             b.push(r.prefix_len());
         }
         for v in &l.mesh_vips {
-            b.extend_from_slice(&octets(*v));
+            put_octets(&mut b, *v);
         }
         for p in &l.ports {
-            b.extend_from_slice(&octets(p.vip));
+            put_octets(&mut b, p.vip);
             b.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8]);
         }
         let sum = fnv1a(&b);
