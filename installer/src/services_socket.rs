@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_node::services::snapshot::{too_large, MAX_SNAPSHOT_BYTES};
-use aether_node::services::{change, Applier, ApplyReport, ServicesError};
+use aether_node::services::{change, Applier, ServicesError};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
@@ -262,7 +262,8 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
     let ms = took.as_secs_f64() * 1e3;
     let (outcome, answer) = match applied {
         Ok(Ok(report)) => {
-            let pods = pods_by_result(&report);
+            let json = report.to_json();
+            let pods = pods_by_result(&json);
             let failed = report.failed();
             if failed {
                 tracing::warn!(generation = report.generation, kind, %pods, "applied with some pod failed in {ms:.1} ms");
@@ -272,7 +273,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
             } else {
                 tracing::info!(generation = report.generation, kind, %pods, "applied in {ms:.1} ms");
             }
-            let text = report_text(&report);
+            let text = json_text(&json);
             if failed {
                 ("pods-failed", Answer { status: 500, body: text })
             } else {
@@ -307,11 +308,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
     answer
 }
 
-/// What `services apply` prints for a report (and the socket answers), newline included.
-pub fn report_text(report: &ApplyReport) -> String {
-    json_text(&report.to_json())
-}
-
+/// Pretty JSON and a newline: what `services apply` prints for its report.
 fn json_text(v: &Value) -> String {
     let mut s = serde_json::to_string_pretty(v).expect("JSON values serialize");
     s.push('\n');
@@ -332,9 +329,9 @@ fn stored_generation(e: &ServicesError) -> Value {
 }
 
 /// `rebuilt=2 elements=98` and so on: the pods by the word their result starts with.
-fn pods_by_result(report: &ApplyReport) -> String {
+fn pods_by_result(report: &Value) -> String {
     let mut by: std::collections::BTreeMap<String, usize> = Default::default();
-    if let Some(pods) = report.to_json()["pods"].as_array() {
+    if let Some(pods) = report["pods"].as_array() {
         for p in pods {
             let word = p["result"].as_str().and_then(|r| r.split_whitespace().next()).unwrap_or("?");
             *by.entry(word.to_string()).or_default() += 1;
