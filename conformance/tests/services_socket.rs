@@ -8,6 +8,7 @@
 //! | a stale base answers 409 naming the stored generation and changes nothing; an older generation 409; an invalid document 400; 404/405; the CLI's exit codes | `refusals_through_the_socket_...` | a good change afterwards answers 200 and changes the files and the pod's sets |
 //! | the in-process CLI and the socket interleaved on one node: every document sees the other's, every pod at the stored generation | `the_cli_and_the_socket_interleaved_...` | a change based on a generation the other one replaced answers 409 |
 //! | a body over the cap answers 413 naming the cap (declared length, and a chunked body), nothing changed | `a_body_over_the_cap_...` | the same chunked client with a body under the cap gets 200 |
+//! | the applier, idle, lets go of a gone pod's socket (and netns) within seconds, and goes on with the others | `the_applier_lets_go_...` | before the pod goes, the installer holds a socket for each pod (the counts the test watches fall) |
 //! | the socket is 0600, gone after SIGTERM; a SIGKILLed installer's socket is replaced at restart; something else at the path is refused and left | `the_socket_is_root_only_...` | after SIGKILL the socket file is still there (nobody else removes it) and refuses connections |
 //!
 //! Root only: without root each test skips with a loud line; with
@@ -558,4 +559,55 @@ fn the_socket_is_root_only_removed_on_sigterm_and_replaced_after_sigkill() {
     }
     assert!(!off.socket.exists(), "--services-socket= made a socket");
     assert!(off.stop().success());
+}
+
+/// The installer's open sockets (netlink, HTTP, its listeners).
+fn open_sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .count()
+}
+
+#[test]
+fn the_applier_lets_go_of_a_gone_pod_when_idle() {
+    let test = "the_applier_lets_go_of_a_gone_pod_when_idle";
+    let Some(mut node) = node(test, "socktidy") else { return };
+    let gone = node.add_pod("gone");
+    let conf = gone.add(json!({}));
+    let stays = node.add_pod("stays");
+    stays.add(json!({}));
+    let inst = Installer::start(&node, "tidy");
+    let pid = inst.child.id();
+    let kept = r#"aether_cni_installer_services_kept_pods"#;
+    assert_eq!(post(&inst.socket, &whole(1, &[service("cart", "10.96.1.1", 80, true)], &[], "count")).0, 200);
+    let flip = |g: u64, usable: bool| {
+        json!({"baseGeneration": g, "generation": g + 1,
+               "endpoints": [{"namespace": "shop", "name": "cart", "usableEndpoints": usable}]})
+        .to_string()
+    };
+    assert_eq!(post(&inst.socket, flip(1, false).as_bytes()).0, 200);
+    std::thread::sleep(Duration::from_millis(200));
+    let sockets = open_sockets(pid);
+    // Control: the applier keeps a socket per pod (what the rest of the test sees go).
+    let held = inst.metric(kept);
+    control(held == 2.0, "the applier keeps a socket for each pod", held);
+    // The pod goes: DEL forgets its record, then its netns is deleted.
+    gone.del(&conf);
+    drop(gone);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while inst.metric(kept) != 1.0 {
+        assert!(Instant::now() < deadline, "the applier still keeps the gone pod after 10 s idle:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let now = open_sockets(pid);
+    assert!(now < sockets, "the installer holds {now} sockets, {sockets} before the pod went");
+    let (status, body) = post(&inst.socket, flip(2, true).as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let report: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["pods"].as_array().unwrap().len(), 1, "{body}");
+    assert!(listing(&stays).contains("10.96.1.1 . tcp . 80"), "{}", listing(&stays));
+    println!("{test}: {sockets} sockets with both pods kept, {now} after the gone pod was let go");
 }

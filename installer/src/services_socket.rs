@@ -29,10 +29,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aether_node::services::snapshot::{too_large, MAX_SNAPSHOT_BYTES};
-use aether_node::services::{change, Applier, ApplyReport, ServicesError};
+use aether_node::services::{change, Applier, ServicesError};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use serde_json::{json, Value};
 
 /// The only path served.
@@ -113,6 +113,8 @@ impl Bound {
 pub struct ServicesMetrics {
     pub applies: IntCounterVec,
     pub apply_seconds: HistogramVec,
+    /// Pods whose netfilter socket the applier keeps (each pins its pod's netns until `tidy`).
+    pub kept_pods: IntGauge,
 }
 
 /// Every outcome an apply through the socket can have, as its metric label.
@@ -144,12 +146,18 @@ impl ServicesMetrics {
             apply_seconds.with_label_values(&[kind]);
         }
         applies.with_label_values(&["unread", "too-large"]);
-        ServicesMetrics { applies, apply_seconds }
+        let kept_pods = IntGauge::new(
+            "aether_cni_installer_services_kept_pods",
+            "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
+        )
+        .unwrap();
+        ServicesMetrics { applies, apply_seconds, kept_pods }
     }
 
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.applies.clone()))?;
-        registry.register(Box::new(self.apply_seconds.clone()))
+        registry.register(Box::new(self.apply_seconds.clone()))?;
+        registry.register(Box::new(self.kept_pods.clone()))
     }
 }
 
@@ -214,6 +222,7 @@ fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMet
         match rx.recv_timeout(next_tidy.saturating_duration_since(Instant::now())) {
             Ok(job) => {
                 let answer = apply_one(&mut applier, state_dir, &job.body, metrics);
+                metrics.kept_pods.set(applier.kept_pods() as i64);
                 // The client may have gone (deadline, hung up): the document stays applied.
                 let _ = job.reply.send(answer);
             }
@@ -229,6 +238,7 @@ fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMet
                 );
                 applier = Applier::new(state_dir);
             }
+            metrics.kept_pods.set(applier.kept_pods() as i64);
             next_tidy = Instant::now() + TIDY_PERIOD;
         }
     }
@@ -252,7 +262,8 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
     let ms = took.as_secs_f64() * 1e3;
     let (outcome, answer) = match applied {
         Ok(Ok(report)) => {
-            let pods = pods_by_result(&report);
+            let json = report.to_json();
+            let pods = pods_by_result(&json);
             let failed = report.failed();
             if failed {
                 tracing::warn!(generation = report.generation, kind, %pods, "applied with some pod failed in {ms:.1} ms");
@@ -262,7 +273,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
             } else {
                 tracing::info!(generation = report.generation, kind, %pods, "applied in {ms:.1} ms");
             }
-            let text = report_text(&report);
+            let text = json_text(&json);
             if failed {
                 ("pods-failed", Answer { status: 500, body: text })
             } else {
@@ -297,11 +308,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
     answer
 }
 
-/// What `services apply` prints for a report (and the socket answers), newline included.
-pub fn report_text(report: &ApplyReport) -> String {
-    json_text(&report.to_json())
-}
-
+/// Pretty JSON and a newline: what `services apply` prints for its report.
 fn json_text(v: &Value) -> String {
     let mut s = serde_json::to_string_pretty(v).expect("JSON values serialize");
     s.push('\n');
@@ -322,9 +329,9 @@ fn stored_generation(e: &ServicesError) -> Value {
 }
 
 /// `rebuilt=2 elements=98` and so on: the pods by the word their result starts with.
-fn pods_by_result(report: &ApplyReport) -> String {
+fn pods_by_result(report: &Value) -> String {
     let mut by: std::collections::BTreeMap<String, usize> = Default::default();
-    if let Some(pods) = report.to_json()["pods"].as_array() {
+    if let Some(pods) = report["pods"].as_array() {
         for p in pods {
             let word = p["result"].as_str().and_then(|r| r.split_whitespace().next()).unwrap_or("?");
             *by.entry(word.to_string()).or_default() += 1;
