@@ -129,11 +129,22 @@ impl StoredLayer {
     }
 }
 
-fn octets(a: IpAddr) -> Vec<u8> {
+fn put_octets(b: &mut Vec<u8>, a: IpAddr) {
     match a {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
+        IpAddr::V4(a) => b.extend_from_slice(&a.octets()),
+        IpAddr::V6(a) => b.extend_from_slice(&a.octets()),
     }
+}
+
+/// `items` with IPv4 first, borrowed as they are when they already are (sorted lists are:
+/// `IpAddr` orders IPv4 before IPv6), so encoding 20,000 ports copies none of them.
+fn v4_first<T: Clone>(items: &[T], addr: impl Fn(&T) -> IpAddr) -> std::borrow::Cow<'_, [T]> {
+    if items.is_sorted_by_key(|i| addr(i).is_ipv6()) {
+        return std::borrow::Cow::Borrowed(items);
+    }
+    let mut owned = items.to_vec();
+    owned.sort_by_key(|i| addr(i).is_ipv6());
+    std::borrow::Cow::Owned(owned)
 }
 
 /// `l`'s lists are sorted, so each family's items are together, IPv4 first.
@@ -161,22 +172,15 @@ fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
     for n in [v4_ranges, v6_ranges, v4_mesh, v6_mesh, v4_ports, v6_ports] {
         b.extend_from_slice(&(n as u32).to_be_bytes());
     }
-    let v4_first = |a: &IpAddr| a.is_ipv6();
-    let mut ranges = l.ranges.clone();
-    ranges.sort_by_key(|r| v4_first(&r.addr()));
-    for r in &ranges {
-        b.extend_from_slice(&octets(r.addr()));
+    for r in v4_first(&l.ranges, |r| r.addr()).iter() {
+        put_octets(&mut b, r.addr());
         b.push(r.prefix_len());
     }
-    let mut mesh = l.mesh_vips.clone();
-    mesh.sort_by_key(v4_first);
-    for v in &mesh {
-        b.extend_from_slice(&octets(*v));
+    for v in v4_first(&l.mesh_vips, |a| *a).iter() {
+        put_octets(&mut b, *v);
     }
-    let mut ports = l.ports.clone();
-    ports.sort_by_key(|p| v4_first(&p.vip));
-    for p in &ports {
-        b.extend_from_slice(&octets(p.vip));
+    for p in v4_first(&l.ports, |p| p.vip).iter() {
+        put_octets(&mut b, p.vip);
         b.push(p.proto.number());
         b.extend_from_slice(&p.port.to_be_bytes());
         b.push(p.has_endpoints as u8);
@@ -457,14 +461,14 @@ mod tests {
             b.extend_from_slice(&(n as u32).to_be_bytes());
         }
         for r in &l.ranges {
-            b.extend_from_slice(&octets(r.addr()));
+            put_octets(&mut b, r.addr());
             b.push(r.prefix_len());
         }
         for v in &l.mesh_vips {
-            b.extend_from_slice(&octets(*v));
+            put_octets(&mut b, *v);
         }
         for p in &l.ports {
-            b.extend_from_slice(&octets(p.vip));
+            put_octets(&mut b, p.vip);
             b.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8]);
         }
         let sum = fnv1a(&b);
