@@ -33,6 +33,7 @@ K3S = {
     },
     "metrics": {"enabled": False},
     "reconciler": {"enabled": False},
+    "servicesSocket": {"enabled": False},
     "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
 # Every plugin setting given.
@@ -135,6 +136,7 @@ def test_defaults():
         "--reconcile-backoff-seconds=30",
         "--reconcile-attempts=3",
         "--leftover-grace-seconds=60",
+        "--services-socket=/var/run/aether-cni/agent/services.sock",
     ]
     assert c["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
     assert c["ports"] == [
@@ -183,7 +185,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     }
     ds = daemonset(values)
     c = container(ds)
-    assert c["args"][9:] == [
+    assert c["args"][9:-1] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
         "--missed-pods=capture",
         "--reconcile-period-seconds=3",
@@ -209,6 +211,26 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     assert out.returncode != 0 and '"delete" is not a missed-pod policy' in out.stderr, out.stderr
 
 
+def test_the_services_socket_is_in_the_state_directory_and_can_be_turned_off():
+    c = container(daemonset({"hostPaths": {"stateDir": "/run/aether"}}))
+    assert c["args"][-1] == "--services-socket=/run/aether/agent/services.sock"
+    # The installer's state mount holds the socket's directory: nothing else is mounted for it.
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/run/aether" in mounts and not any(m.startswith("/run/aether/") for m in mounts)
+    _, notes = render({"hostPaths": {"stateDir": "/run/aether"}})
+    assert "--socket /run/aether/agent/services.sock" in notes
+    c = container(daemonset({"servicesSocket": {"enabled": False}}))
+    assert c["args"][-1] == "--services-socket=", "off: the binary is told no socket"
+    _, notes = render({"servicesSocket": {"enabled": False}})
+    assert "services.sock" not in notes
+    # Without the pods' network namespaces the socket could reach no pod: refused, naming both.
+    with pytest.raises(Exception, match="servicesSocket.enabled needs hostPaths.netnsDir"):
+        render({"hostPaths": {"netnsDir": ""}})
+    # The binary accepts both forms.
+    for enabled in (True, False):
+        entry_from_args({"servicesSocket": {"enabled": enabled}})
+
+
 def test_k3s_paths_port_and_uninstall_on_stop():
     ds = daemonset(K3S)
     spec = ds["spec"]["template"]["spec"]
@@ -224,7 +246,8 @@ def test_k3s_paths_port_and_uninstall_on_stop():
         "--http-max-connections=64",
         "--resync-seconds=3",
         "--reconcile=false",
-    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket"
+        "--services-socket=",
+    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket; no Service-layer socket"
     assert c["ports"] == [{"name": "probes", "containerPort": 19095, "protocol": "TCP"}]
     assert [m["mountPath"] for m in c["volumeMounts"]] == [
         "/host/var/lib/rancher/k3s/data/cni",
@@ -245,7 +268,7 @@ def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:-7] == [
+    assert c["args"][9:-8] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",

@@ -29,6 +29,11 @@ enum ServicesCommand {
         /// The snapshot file; `-` is stdin. Without -f, stdin is read unless it is a terminal.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
         file: Option<PathBuf>,
+        /// Send the document to the installer's Service-layer socket (`aether-cni install
+        /// --services-socket`, by default <state-dir>/agent/services.sock) instead of
+        /// applying it in this process: the same checks, output and exit codes.
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
     },
     /// Print node totals and per-pod counters.
     Counters {
@@ -84,14 +89,67 @@ fn print_result(text: &str) {
     }
 }
 
+/// How long `apply --socket` waits for the installer's answer: the socket's own deadline
+/// for a connection, and a little more.
+const SOCKET_TIMEOUT: std::time::Duration =
+    aether_installer::services_socket::CONNECTION_DEADLINE.saturating_add(std::time::Duration::from_secs(10));
+
+/// `services apply --socket`: the document sent to the installer; its answer printed as the
+/// in-process apply prints its outcome (the report on stdout; each reason on stderr) with the
+/// same exit codes (0; 1 some pod failed, the document stored; 2 not applied).
+fn apply_through(socket: &Path, text: &[u8]) -> ExitCode {
+    let fail = |why: &str| {
+        eprintln!("aether-cni services apply: {why}");
+        ExitCode::from(2)
+    };
+    let (status, body) = match aether_installer::services_socket::post_apply(socket, text, SOCKET_TIMEOUT) {
+        Ok(answer) => answer,
+        Err(e) => return fail(&e),
+    };
+    let parsed: Option<serde_json::Value> = serde_json::from_slice(&body).ok();
+    let is_report = parsed.as_ref().is_some_and(|v| v.get("pods").is_some() && v.get("generation").is_some());
+    match (status, parsed) {
+        (200 | 500, Some(_)) if is_report => {
+            print!("{}", String::from_utf8_lossy(&body));
+            if status == 200 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        (_, Some(v)) if v["reasons"].is_array() => {
+            for r in v["reasons"].as_array().into_iter().flatten() {
+                eprintln!("aether-cni services apply: {}", r.as_str().unwrap_or_default());
+            }
+            ExitCode::from(2)
+        }
+        _ => {
+            let text = String::from_utf8_lossy(&body);
+            let shown: String = text.chars().take(500).collect();
+            fail(&format!("the installer answered {status}: {shown}"))
+        }
+    }
+}
+
 pub fn run(args: ServicesArgs) -> ExitCode {
+    // Through the socket the installer works on its state directory: the agent's pod need
+    // not mount it.
+    if let ServicesCommand::Apply { file, socket: Some(socket) } = &args.command {
+        return match read_snapshot(file.as_deref()) {
+            Ok(text) => apply_through(socket, &text),
+            Err(e) => {
+                eprintln!("aether-cni services apply: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     if let Some(why) = state::unusable_reason(&args.state_dir) {
         eprintln!("aether-cni services: state directory {} {why}", args.state_dir.display());
         return ExitCode::FAILURE;
     }
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
-        ServicesCommand::Apply { file } => {
+        ServicesCommand::Apply { file, socket: _ } => {
             let text = match read_snapshot(file.as_deref()) {
                 Ok(text) => text,
                 Err(e) => {

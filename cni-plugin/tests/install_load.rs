@@ -24,9 +24,10 @@ use load::{assert_answered, eventually, sample, usage, Usage};
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
 
 /// Threads of an idle installer: main (waiting for signals), the reconcile loop, inotify,
-/// the HTTP runtime and the pod reconciler's; a scrape adds the one blocking thread that reads
-/// the node counters, and its netns tour's thread.
-const IDLE_THREADS: u64 = 5;
+/// the HTTP runtime, the pod reconciler's and the Service layer's applier (its socket); a
+/// scrape adds the one blocking thread that reads the node counters, and its netns tour's
+/// thread.
+const IDLE_THREADS: u64 = 6;
 const MAX_THREADS: u64 = IDLE_THREADS + 2;
 /// What the load may add to the installer's RSS (connections are tasks with small buffers).
 const MAX_RSS_GROWTH_KIB: u64 = 16 * 1024;

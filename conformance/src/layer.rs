@@ -66,3 +66,47 @@ pub fn delta(before: &Counts, after: &Counts) -> Counts {
 pub fn sum(a: &Counts, b: &Counts) -> Counts {
     CLASSES.iter().map(|c| (c.to_string(), a.get(*c).copied().unwrap_or(0) + b.get(*c).copied().unwrap_or(0))).collect()
 }
+
+/// The pod's Service layer as the kernel lists it, made comparable: counter values dropped,
+/// each set's elements sorted. Empty when the pod has no layer.
+pub fn listing(pod: &Pod) -> String {
+    if !pod.nft(&["list", "tables"]).contains("aether_services") {
+        return String::new();
+    }
+    let text = pod.nft(&["list", "table", "ip", "aether_services"]);
+    let mut out = Vec::new();
+    let mut elements: Option<String> = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(acc) = elements.as_mut() {
+            acc.push_str(line);
+        } else if let Some(rest) = line.strip_prefix("elements = {") {
+            elements = Some(rest.to_string());
+        } else {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let mut kept = Vec::new();
+            let mut i = 0;
+            while i < words.len() {
+                // `packets N bytes M`: what traffic did, not what was written.
+                if (words[i] == "packets" || words[i] == "bytes") && i + 1 < words.len() {
+                    i += 2;
+                    continue;
+                }
+                kept.push(words[i]);
+                i += 1;
+            }
+            out.push(kept.join(" "));
+            continue;
+        }
+        let acc = elements.as_ref().unwrap();
+        if acc.trim_end().ends_with('}') {
+            let inner = acc.trim_end().trim_end_matches('}');
+            let mut items: Vec<String> =
+                inner.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
+            items.sort();
+            out.push(format!("elements = {{ {} }}", items.join(", ")));
+            elements = None;
+        }
+    }
+    out.join("\n")
+}

@@ -21,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_conformance::cni::cni_bin;
-use aether_conformance::layer::apply;
+use aether_conformance::layer::{apply, listing as layer_listing};
 use aether_conformance::{control, sa, Pod, Probe, Proxy, SimNode, VIP};
 use aether_testkit::{root_or_skip, Rng};
 use serde_json::{json, Value};
@@ -170,50 +170,6 @@ impl Cluster {
         }
         doc
     }
-}
-
-/// The pod's Service layer as the kernel lists it, made comparable: counter values dropped,
-/// each set's elements sorted. Empty when the pod has no layer.
-fn layer_listing(pod: &Pod) -> String {
-    if !pod.nft(&["list", "tables"]).contains("aether_services") {
-        return String::new();
-    }
-    let text = pod.nft(&["list", "table", "ip", "aether_services"]);
-    let mut out = Vec::new();
-    let mut elements: Option<String> = None;
-    for line in text.lines() {
-        let line = line.trim();
-        if let Some(acc) = elements.as_mut() {
-            acc.push_str(line);
-        } else if let Some(rest) = line.strip_prefix("elements = {") {
-            elements = Some(rest.to_string());
-        } else {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            let mut kept = Vec::new();
-            let mut i = 0;
-            while i < words.len() {
-                // `packets N bytes M`: what traffic did, not what was written.
-                if (words[i] == "packets" || words[i] == "bytes") && i + 1 < words.len() {
-                    i += 2;
-                    continue;
-                }
-                kept.push(words[i]);
-                i += 1;
-            }
-            out.push(kept.join(" "));
-            continue;
-        }
-        let acc = elements.as_ref().unwrap();
-        if acc.trim_end().ends_with('}') {
-            let inner = acc.trim_end().trim_end_matches('}');
-            let mut items: Vec<String> =
-                inner.split(',').map(|e| e.trim().to_string()).filter(|e| !e.is_empty()).collect();
-            items.sort();
-            out.push(format!("elements = {{ {} }}", items.join(", ")));
-            elements = None;
-        }
-    }
-    out.join("\n")
 }
 
 /// What `services verify` says of each pod (by container ID), and the stored generation.

@@ -40,6 +40,12 @@ pub struct InstallArgs {
     /// the new one is closed at once.
     #[arg(long, default_value = "256", value_name = "N")]
     pub http_max_connections: usize,
+    /// The Service layer's unix socket for the node agent (`POST /services/apply`: what
+    /// `aether-cni services apply` does, without a process per document). Default:
+    /// `<state-dir>/agent/services.sock` (the agent's pod mounts `<state-dir>/agent`, not the
+    /// state directory). Empty (`--services-socket=`): not served.
+    #[arg(long, env = "AETHER_CNI_SERVICES_SOCKET", value_name = "PATH")]
+    pub services_socket: Option<String>,
     /// Keep the binary and the entry when stopped (an upgrade: the next installer takes
     /// over). Also honoured when `<state-dir>/installer-upgrade` exists at stop time.
     #[arg(long, env = "AETHER_CNI_UPGRADE", value_parser = clap::builder::BoolishValueParser::new(), default_value = "false", num_args = 0..=1, default_missing_value = "true")]
@@ -188,6 +194,19 @@ impl InstallArgs {
             probes: self.listen,
             metrics: self.metrics_listen,
             max_connections: self.http_max_connections,
+            services_socket: self.services_socket(),
+            state_dir: self.state_dir.clone(),
+        }
+    }
+
+    /// The Service layer's socket, unless turned off with an empty path.
+    pub fn services_socket(&self) -> Option<PathBuf> {
+        match &self.services_socket {
+            None => Some(
+                self.state_dir.join(crate::services_socket::DEFAULT_DIR).join(crate::services_socket::DEFAULT_NAME),
+            ),
+            Some(p) if p.trim().is_empty() => None,
+            Some(p) => Some(PathBuf::from(p)),
         }
     }
 
@@ -318,6 +337,19 @@ mod tests {
         assert_eq!(parse(&["--cri-socket=/x/y.sock"]).unwrap().args.cri_socket(), Some(PathBuf::from("/x/y.sock")));
         let e = parse(&["--missed-pods=delete"]).err().unwrap().to_string();
         assert!(e.contains("\"delete\" is not a missed-pod policy"), "{e}");
+    }
+
+    #[test]
+    fn services_socket_is_in_the_state_directory_unless_told() {
+        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("install").chain(flags.iter().copied()));
+        let a = parse(&["--state-dir=/s"]).unwrap().args;
+        assert_eq!(a.services_socket(), Some(PathBuf::from("/s/agent/services.sock")));
+        assert_eq!(a.http().services_socket, a.services_socket());
+        assert_eq!(parse(&["--services-socket="]).unwrap().args.services_socket(), None, "empty: off");
+        assert_eq!(
+            parse(&["--services-socket=/run/x.sock"]).unwrap().args.services_socket(),
+            Some(PathBuf::from("/run/x.sock"))
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod files;
 pub mod reconcile;
 pub mod runtime;
 pub mod serve;
+pub mod services_socket;
 
 use std::fs;
 use std::net::SocketAddr;
@@ -120,6 +121,8 @@ pub enum Error {
     ReadSelf { path: PathBuf, source: std::io::Error },
     #[error("cannot serve HTTP on {addr}: {why}")]
     Listen { addr: SocketAddr, why: String },
+    #[error("cannot serve the Service layer on the socket {}: {why}", path.display())]
+    ServicesSocket { path: PathBuf, why: String },
     #[error("cannot watch for changes: {0}")]
     Watch(std::io::Error),
     #[error("cannot handle signals: {0}")]
@@ -541,6 +544,11 @@ impl Running {
         self.server.addr
     }
 
+    /// The Service layer's socket, if it is served.
+    pub fn services_socket(&self) -> Option<&Path> {
+        self.server.services_socket()
+    }
+
     /// The metrics-only listener's address, if there is one.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.server.metrics_addr
@@ -637,6 +645,9 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     );
     if let Some(addr) = running.metrics_addr() {
         tracing::info!("serving /metrics on {addr}");
+    }
+    if let Some(path) = running.services_socket() {
+        tracing::info!("serving POST {} on {}", services_socket::APPLY_PATH, path.display());
     }
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();

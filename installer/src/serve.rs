@@ -110,6 +110,8 @@ pub struct Metrics {
     pub http_limited: IntCounterVec,
     /// Failed accepts (out of file descriptors, aborted connections...), by listener.
     pub http_accept_errors: IntCounterVec,
+    /// The Service layer's socket (registered here, observed by its applier thread).
+    pub services: crate::services_socket::ServicesMetrics,
 }
 
 impl Metrics {
@@ -212,7 +214,9 @@ impl Metrics {
         }
         let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
         reconcile.register(&registry).unwrap();
-        for face in [Face::Probes, Face::Metrics] {
+        let services = crate::services_socket::ServicesMetrics::new();
+        services.register(&registry).unwrap();
+        for face in Face::ALL {
             http_connections.with_label_values(&[face.name()]);
             http_accept_errors.with_label_values(&[face.name()]);
             for how in ["refused", "evicted"] {
@@ -233,6 +237,7 @@ impl Metrics {
             http_connections,
             http_limited,
             http_accept_errors,
+            services,
         }
     }
 
@@ -304,6 +309,8 @@ const EVICTION_GRACE: Duration = Duration::from_millis(250);
 /// File descriptors kept out of the connection limits, for the installer's own files,
 /// watches, and the netns a scrape opens.
 const RESERVED_FDS: u64 = 64;
+/// The Service layer's socket's connection limit (root only, one agent).
+const SOCKET_CONNECTIONS: usize = crate::services_socket::MAX_CONNECTIONS;
 /// No listener's limit is set below this, whatever the file-descriptor limit.
 const MIN_CONNECTIONS: usize = 8;
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
@@ -318,13 +325,18 @@ pub enum Face {
     Probes,
     /// `/metrics` only (the node's address: Prometheus).
     Metrics,
+    /// `POST /services/apply` (the node agent, on a unix socket: `services_socket`).
+    Services,
 }
 
 impl Face {
+    pub const ALL: [Face; 3] = [Face::Probes, Face::Metrics, Face::Services];
+
     pub fn name(self) -> &'static str {
         match self {
             Face::Probes => "probes",
             Face::Metrics => "metrics",
+            Face::Services => "services",
         }
     }
 }
@@ -338,6 +350,10 @@ pub struct Config {
     pub metrics: Option<SocketAddr>,
     /// Open connections per listener (lowered to fit the file-descriptor limit).
     pub max_connections: usize,
+    /// The Service layer's unix socket for the agent, if it is served.
+    pub services_socket: Option<std::path::PathBuf>,
+    /// The node state directory the socket's applies work on.
+    pub state_dir: std::path::PathBuf,
 }
 
 impl Config {
@@ -345,7 +361,8 @@ impl Config {
     /// `RESERVED_FDS` of the soft file-descriptor limit free (never below `MIN_CONNECTIONS`).
     pub fn connection_limit(&self) -> usize {
         let listeners = 1 + u64::from(self.metrics.is_some());
-        let fit = open_files_limit().map_or(u64::MAX, |n| n.saturating_sub(RESERVED_FDS) / listeners);
+        let reserved = RESERVED_FDS + if self.services_socket.is_some() { SOCKET_CONNECTIONS as u64 } else { 0 };
+        let fit = open_files_limit().map_or(u64::MAX, |n| n.saturating_sub(reserved) / listeners);
         self.max_connections.min(usize::try_from(fit).unwrap_or(usize::MAX)).max(MIN_CONNECTIONS)
     }
 }
@@ -377,6 +394,8 @@ pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, o
         .map_err(listen_err(config.probes))?;
     let limit = config.connection_limit();
     let mut listeners = Vec::new();
+    let mut addrs = Vec::new();
+    let mut socket = None;
     {
         let _entered = runtime.enter();
         for (face, addr) in
@@ -384,11 +403,34 @@ pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, o
         {
             let tcp = bind(addr).map_err(listen_err(addr))?;
             let addr = tcp.local_addr().map_err(listen_err(addr))?;
-            listeners.push(Listener { face, tcp, addr, limit });
+            addrs.push(addr);
+            listeners.push(Listener { face, socket: Socket::Tcp(tcp), name: addr.to_string(), limit });
+        }
+        if let Some(path) = &config.services_socket {
+            let socket_err = |why: String| Error::ServicesSocket { path: path.clone(), why };
+            let (unix, bound) = crate::services_socket::bind(path).map_err(socket_err)?;
+            let unix = tokio::net::UnixListener::from_std(unix).map_err(|e| socket_err(e.to_string()))?;
+            let name = path.display().to_string();
+            listeners.push(Listener {
+                face: Face::Services,
+                socket: Socket::Unix(unix),
+                name,
+                limit: SOCKET_CONNECTIONS,
+            });
+            socket = Some(bound);
         }
     }
-    let (addr, metrics_addr) = (listeners[0].addr, listeners.get(1).map(|l| l.addr));
-    let app = Arc::new(App { shared, hooks, scrapes: Scrapes::default() });
+    let (addr, metrics_addr) = (addrs[0], addrs.get(1).copied());
+    let (services, applier) = match &socket {
+        Some(bound) => {
+            let started = crate::services_socket::start_applier(&config.state_dir, shared.clone());
+            let (applying, thread) =
+                started.map_err(|e| Error::ServicesSocket { path: bound.path.clone(), why: e.to_string() })?;
+            (Some(applying), Some(thread))
+        }
+        None => (None, None),
+    };
+    let app = Arc::new(App { shared, hooks, scrapes: Scrapes::default(), services });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let thread = std::thread::Builder::new()
         .name("installer-http".into())
@@ -407,7 +449,7 @@ pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, o
             on_end(why);
         })
         .map_err(listen_err(config.probes))?;
-    Ok(Server { stop: stop_tx, thread: Some(thread), addr, metrics_addr, connection_limit: limit })
+    Ok(Server { stop: stop_tx, thread: Some(thread), addr, metrics_addr, connection_limit: limit, socket, applier })
 }
 
 /// A listening socket with SO_REUSEADDR (a restarted installer binds at once while the old
@@ -429,9 +471,29 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 struct Listener {
     face: Face,
-    tcp: tokio::net::TcpListener,
-    addr: SocketAddr,
+    socket: Socket,
+    /// Its address or path, for log lines.
+    name: String,
     limit: usize,
+}
+
+enum Socket {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener),
+}
+
+enum Stream {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl Socket {
+    async fn accept(&self) -> std::io::Result<Stream> {
+        match self {
+            Socket::Tcp(l) => l.accept().await.map(|(s, _)| Stream::Tcp(s)),
+            Socket::Unix(l) => l.accept().await.map(|(s, _)| Stream::Unix(s)),
+        }
+    }
 }
 
 /// What every connection's task shares.
@@ -439,6 +501,8 @@ struct App {
     shared: Arc<Shared>,
     hooks: Arc<dyn NodeChecks>,
     scrapes: Scrapes,
+    /// The Service layer's applier, when its socket is served.
+    services: Option<crate::services_socket::Applying>,
 }
 
 /// Every accept loop, until `stop` changes (Ok) or a loop ends (Err: why).
@@ -450,7 +514,7 @@ async fn serve(
     let mut loops = tokio::task::JoinSet::new();
     let mut names = BTreeMap::new();
     for l in listeners {
-        let name = format!("the accept loop of {} ({})", l.addr, l.face.name());
+        let name = format!("the accept loop of {} ({})", l.name, l.face.name());
         names.insert(loops.spawn(accept_loop(l, app.clone())).id(), name);
     }
     tokio::select! {
@@ -515,8 +579,8 @@ async fn accept_loop(l: Listener, app: Arc<App>) -> String {
     let (mut accept_log, mut limit_log) = (RateLimited::default(), RateLimited::default());
     let mut backoff = ACCEPT_BACKOFF_MIN;
     loop {
-        let stream = match l.tcp.accept().await {
-            Ok((stream, _)) => {
+        let stream = match l.socket.accept().await {
+            Ok(stream) => {
                 backoff = ACCEPT_BACKOFF_MIN;
                 stream
             }
@@ -530,7 +594,7 @@ async fn accept_loop(l: Listener, app: Arc<App>) -> String {
                 let wait = if out_of_resources && !evicted { backoff } else { Duration::ZERO };
                 accept_log.log(|held_back| {
                     tracing::warn!(
-                        listener = %l.addr,
+                        listener = %l.name,
                         held_back,
                         "cannot accept an HTTP connection: {e}; retrying in {} ms{}",
                         wait.as_millis(),
@@ -561,7 +625,7 @@ async fn accept_loop(l: Listener, app: Arc<App>) -> String {
                 metrics.http_limited.with_label_values(&[name, "refused"]).inc();
                 limit_log.log(|held_back| {
                     tracing::warn!(
-                        listener = %l.addr,
+                        listener = %l.name,
                         limit = l.limit,
                         held_back,
                         "HTTP connection limit reached and every connection is answering or just arrived: a new one closed"
@@ -571,7 +635,13 @@ async fn accept_loop(l: Listener, app: Arc<App>) -> String {
             }
         }
         let head_read = Arc::new(AtomicBool::new(false));
-        let task = tokio::spawn(serve_connection(stream, l.face, app.clone(), head_read.clone()));
+        let task = match stream {
+            Stream::Tcp(tcp) => {
+                let _ = tcp.set_nodelay(true);
+                tokio::spawn(serve_connection(tcp, l.face, app.clone(), head_read.clone()))
+            }
+            Stream::Unix(unix) => tokio::spawn(serve_connection(unix, l.face, app.clone(), head_read.clone())),
+        };
         open.push_back(Conn { since: Instant::now(), head_read, task: task.abort_handle() });
         // Let the new connection read what it has sent before the next one is accepted.
         tokio::task::yield_now().await;
@@ -596,26 +666,38 @@ impl Drop for Counted {
     }
 }
 
-/// One request (keep-alive is off: a probe or a scrape, then close), within the head's
-/// size and time limits and the connection's deadline.
-async fn serve_connection(stream: tokio::net::TcpStream, face: Face, app: Arc<App>, head_read: Arc<AtomicBool>) {
+/// One request (keep-alive is off: a probe, a scrape or a document, then close), within the
+/// head's size and time limits and the connection's deadline.
+async fn serve_connection<S>(stream: S, face: Face, app: Arc<App>, head_read: Arc<AtomicBool>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let gauge = app.shared.metrics.http_connections.with_label_values(&[face.name()]);
     gauge.inc();
     let _counted = Counted(gauge);
-    let _ = stream.set_nodelay(true);
     let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
         head_read.store(true, Ordering::Relaxed);
         let app = app.clone();
-        async move { Ok::<_, Infallible>(app.respond(face, request.uri().path()).await) }
+        async move {
+            Ok::<_, Infallible>(match (face, &app.services) {
+                (Face::Services, Some(services)) => services.respond(request).await,
+                _ => app.respond(face, request.uri().path()).await,
+            })
+        }
     });
+    let (buffer, deadline) = match face {
+        // A document's body is read through it: larger reads (the head's limit stays).
+        Face::Services => (64 * 1024, crate::services_socket::CONNECTION_DEADLINE),
+        _ => (MAX_HEAD_BYTES, CONNECTION_DEADLINE),
+    };
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
-        .max_buf_size(MAX_HEAD_BYTES)
+        .max_buf_size(buffer)
         .max_header_size(MAX_HEAD_BYTES)
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), service);
-    let _ = tokio::time::timeout(CONNECTION_DEADLINE, connection).await;
+    let _ = tokio::time::timeout(deadline, connection).await;
 }
 
 const TEXT: &str = "text/plain; charset=utf-8";
@@ -645,6 +727,7 @@ impl App {
             (Face::Metrics, _) => {
                 answer(404, TEXT, "not found: this address serves /metrics (the probes listen on loopback)\n".into())
             }
+            (Face::Services, _) => answer(500, TEXT, "the Service layer's applier is not running\n".into()),
         }
     }
 
@@ -721,6 +804,16 @@ pub struct Server {
     pub metrics_addr: Option<SocketAddr>,
     /// Open connections allowed per listener.
     pub connection_limit: usize,
+    /// The Service layer's socket, removed when serving stops.
+    socket: Option<crate::services_socket::Bound>,
+    applier: Option<crate::services_socket::ApplierThread>,
+}
+
+impl Server {
+    /// The Service layer's socket, when it is served.
+    pub fn services_socket(&self) -> Option<&std::path::Path> {
+        self.socket.as_ref().map(|b| b.path.as_path())
+    }
 }
 
 impl Drop for Server {
@@ -728,6 +821,13 @@ impl Drop for Server {
         let _ = self.stop.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        // No new document can come: the socket goes, then the applier ends its document.
+        if let Some(b) = self.socket.take() {
+            b.remove();
+        }
+        if let Some(a) = self.applier.take() {
+            a.join();
         }
     }
 }

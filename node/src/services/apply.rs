@@ -165,8 +165,11 @@ pub(super) fn apply_document_with(
         }
         _ => false,
     };
-    let mut parsed =
-        if stored_source == Some(source) || regenerated { None } else { Some(snapshot::parse(text).map_err(refused)?) };
+    let mut parsed = if stored_source == Some(source) || regenerated {
+        None
+    } else {
+        Some(snapshot::parse_layer(text).map_err(refused)?)
+    };
     let _lock = dir.lock(true)?;
     reach.locked(dir);
     let mut warnings = Vec::new();
@@ -185,12 +188,12 @@ pub(super) fn apply_document_with(
     let new = match made_from_it(previous.clone()).or(renamed) {
         Some(same) => same,
         None => {
-            let snap = match parsed.take() {
-                Some(s) => s,
+            let (generation, layer) = match parsed.take() {
+                Some(read) => read,
                 // Stored by a racing apply and replaced since the look above.
-                None => snapshot::parse(text).map_err(refused)?,
+                None => snapshot::parse_layer(text).map_err(refused)?,
             };
-            StoredLayer::new(snap.generation, &snap.layer(0), source)
+            StoredLayer::new(generation, &layer, source)
         }
     };
     store_and_apply(dir, Cow::Borrowed(text), new, previous, warnings, false, reach)

@@ -289,3 +289,133 @@ fn a_member_given_twice_is_refused_not_read_as_the_last() {
     // Control: the document itself is accepted.
     assert!(parse(text.as_bytes()).is_ok());
 }
+
+/// `relations`' maps index by a hash's low bits: the VIPs of one range, which differ only in
+/// their last octets, must spread over them (the multiply alone left their low 16 bits
+/// equal, and 10,000 VIPs in one chain). Control: the same VIPs before the final fold.
+#[test]
+fn the_quick_hash_spreads_the_vips_of_one_range_over_its_low_bits() {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let vips = (0..4096u32).map(|i| IpAddr::from(std::net::Ipv4Addr::from(0x0a60_0000 + i)));
+    let (mut folded, mut unfolded) = (std::collections::BTreeSet::new(), std::collections::BTreeSet::new());
+    for vip in vips {
+        let mut h = Quick.build_hasher();
+        vip.hash(&mut h);
+        folded.insert(h.finish() & 0xfff);
+        unfolded.insert(h.0 & 0xfff);
+    }
+    // 4096 keys in 4096 buckets: a random hash fills about 63% of them.
+    assert!(folded.len() > 2400, "{} of 4096 buckets used", folded.len());
+    assert!(unfolded.len() < 16, "control: {} of 4096 buckets used", unfolded.len());
+}
+
+/// A small xorshift: a failure's documents are reproducible from the seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// `fast`'s scanner answers only what serde's typed reading answers: on 8,000 random edits
+/// of good documents (whitespace, escapes, non-ASCII text, numbers written otherwise, members
+/// twice or unknown, cut or doubled bytes), whenever it reads a document, serde reads the same
+/// snapshot from it. Controls: it does read the plain ones (the comparison is not empty), and
+/// leaves to serde what it does not read (serde reads escapes it gives up on). The same for
+/// the layer it reads straight from the text: `parse`'s, only where `parse` accepts (control:
+/// documents it scans but refuses between their items, a VIP twice, say).
+#[test]
+fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
+    const EDITS: [&str; 24] = [
+        " ",
+        "\n",
+        "\t",
+        "\r",
+        ",",
+        ":",
+        "\"",
+        "\\",
+        "\\u0061",
+        "\u{e9}",
+        "\u{7f}",
+        "\u{1}",
+        "0",
+        "00",
+        "-",
+        ".0",
+        "e1",
+        "null",
+        "true",
+        "{}",
+        "[]",
+        "\"x\":1",
+        "\"generation\":9,",
+        "18446744073709551616",
+    ];
+    let docs: Vec<String> =
+        [good(), dual()].iter().flat_map(|v| [v.to_string(), serde_json::to_string_pretty(v).unwrap()]).collect();
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let (mut read_fast, mut left_to_serde_and_read, mut layered, mut refused_between_items) = (0, 0, 0, 0);
+    for round in 0..8000 {
+        let mut text = docs[rng.next(docs.len())].clone().into_bytes();
+        for _ in 0..1 + rng.next(3) {
+            let at = rng.next(text.len() + 1);
+            match rng.next(7) {
+                0 => drop(text.splice(at..at, EDITS[rng.next(EDITS.len())].bytes())),
+                // Still the plain form, often refused between items: a VIP twice or outside
+                // the ranges, a port declared twice, a Service twice.
+                6 if text.get(at).is_some_and(u8::is_ascii_digit) => text[at] = b'0' + rng.next(10) as u8,
+                // Valid JSON kept: a letter as an escape (the same string, or no longer a
+                // keyword), whitespace after punctuation.
+                4 if text.get(at).is_some_and(u8::is_ascii_lowercase) => {
+                    let escape = format!("\\u{:04x}", text[at]);
+                    drop(text.splice(at..=at, escape.bytes()));
+                }
+                5 if text.get(at).is_some_and(|b| b",:[{".contains(b)) => {
+                    drop(text.splice(at + 1..at + 1, [b' ', b'\n', b'\t', b'\r'][rng.next(4)..].iter().copied()))
+                }
+                1 if at < text.len() => drop(text.remove(at)),
+                2 if at + 1 < text.len() => text.swap(at, at + 1),
+                _ => {
+                    let end = (at + 1 + rng.next(12)).min(text.len());
+                    let copy = text[at..end].to_vec();
+                    drop(text.splice(at..at, copy));
+                }
+            }
+        }
+        let (fast, typed) = (fast::read(&text), typed(&text));
+        if fast.is_some() {
+            read_fast += 1;
+            assert_eq!(fast, typed, "round {round}: {}", String::from_utf8_lossy(&text));
+        } else if typed.is_some() {
+            left_to_serde_and_read += 1;
+        }
+        // The layer read straight from the text is `parse`'s, and only ever when `parse`
+        // accepts.
+        let parsed = parse(&text).ok().map(|s| (s.generation, s.layer(0)));
+        match fast::read_layer(&text) {
+            Some(layer) => {
+                layered += 1;
+                assert_eq!(Some(layer), parsed, "round {round}: {}", String::from_utf8_lossy(&text));
+            }
+            None if fast.is_some() && parsed.is_none() => refused_between_items += 1,
+            None => {}
+        }
+    }
+    assert!(layered > 300 && refused_between_items > 40, "{layered} layers, {refused_between_items} refused");
+    for text in &docs {
+        assert_eq!(fast::read(text.as_bytes()), typed(text.as_bytes()));
+        assert!(fast::read(text.as_bytes()).is_some(), "control: the plain form is read by the scanner");
+    }
+    assert!(
+        read_fast > 500 && left_to_serde_and_read > 200,
+        "{read_fast} read fast, {left_to_serde_and_read} by serde"
+    );
+    // A name with an escape: left to serde, which reads it as the name it spells.
+    let escaped = good().to_string().replace("\"cart\"", "\"c\\u0061rt\"");
+    assert_eq!(fast::read(escaped.as_bytes()), None);
+    assert_eq!(parse(escaped.as_bytes()), parse(good().to_string().as_bytes()));
+}

@@ -1,0 +1,444 @@
+//! The Service layer served to the node agent: `POST /services/apply` on a unix socket
+//! (`--services-socket`), what `aether-cni services apply` does, without a process per
+//! document. The installer is long-lived, so `aether_node::services::Applier` keeps between
+//! documents what a one-shot apply pays for each time.
+//!
+//! - The socket: created with mode 0600 in a 0700 directory (root only; the agent runs
+//!   privileged), a socket file left at its path (an installer that was killed) replaced,
+//!   removed on shutdown if it is still this installer's. Anything else at the path is an
+//!   error, never removed.
+//! - The HTTP face (`serve`'s listener `services`, HTTP/1.1 on hyper, one request per
+//!   connection, the same head limits) reads one body at a time, at most
+//!   `MAX_SNAPSHOT_BYTES` (over it: 413 naming the cap), and hands it to the applier thread.
+//! - The applier thread owns the `Applier`: documents are applied one at a time, never on the
+//!   runtime's thread; between them, about once a second, it lets go of pods that went
+//!   (`tidy`). A panic in an apply is answered 500 and the applier is made anew.
+//!
+//! Answers (the body is what `services apply` prints, or `{"error", "reasons"}`):
+//! 200 every pod has the document; 500 with the report when some pod failed (the document
+//! was stored); 409 when the agent must send a whole snapshot or a newer one (an older or
+//! reused generation, a change whose base is not the stored one, or no base stored; the
+//! body adds `storedGeneration`); 400 refused; 413 over the cap; 500 any other error;
+//! 404/405 for anything but `POST /services/apply`.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_node::services::snapshot::{too_large, MAX_SNAPSHOT_BYTES};
+use aether_node::services::{change, Applier, ServicesError};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Bytes;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use serde_json::{json, Value};
+
+/// The only path served.
+pub const APPLY_PATH: &str = "/services/apply";
+/// The socket's file name in the default directory, `<state-dir>/agent/`.
+pub const DEFAULT_DIR: &str = "agent";
+pub const DEFAULT_NAME: &str = "services.sock";
+/// Open connections on the socket: the agent sends one document at a time (a retry may
+/// overlap a request it gave up on); only root can connect.
+pub const MAX_CONNECTIONS: usize = 16;
+/// A connection's whole life: its body waits its turn behind the document being applied,
+/// and a whole snapshot to every pod can take seconds.
+pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(120);
+/// How often the idle applier lets go of pods that went.
+const TIDY_PERIOD: Duration = Duration::from_secs(1);
+
+/// The socket's identity, to remove on shutdown only the file this installer made.
+pub struct Bound {
+    pub path: PathBuf,
+    /// Device, inode and change time: an inode number freed by an unlink may be reused at once.
+    identity: (u64, u64, i64, i64),
+}
+
+fn identity(m: &std::fs::Metadata) -> (u64, u64, i64, i64) {
+    (m.dev(), m.ino(), m.ctime(), m.ctime_nsec())
+}
+
+/// Binds the socket at `path` (non-blocking, for tokio): the directory made 0700 if
+/// missing, a socket file already there replaced, the new one chmod 0600.
+pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, Bound), String> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("cannot create its directory {}: {e}", dir.display()))?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            // A socket nobody removed: an installer that was killed (or one still running
+            // during a surge rollout: the newest takes over; the old one will not remove it).
+            std::fs::remove_file(path).map_err(|e| format!("cannot remove the socket left there: {e}"))?;
+            tracing::info!(socket = %path.display(), "replaced the socket left by an earlier installer");
+        }
+        Ok(m) => {
+            return Err(format!(
+                "something that is not a socket is there ({}); not removed",
+                if m.is_dir() { "a directory" } else { "a file" }
+            ))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let listener = std::os::unix::net::UnixListener::bind(path).map_err(|e| e.to_string())?;
+    // The directory is 0700 already: nobody but root could connect in between.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| e.to_string())?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let m = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;
+    Ok((listener, Bound { path: path.to_path_buf(), identity: identity(&m) }))
+}
+
+impl Bound {
+    /// Removes the socket file if it is still the one bound here (a newer installer may have
+    /// replaced it).
+    pub fn remove(&self) {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if identity(&m) == self.identity => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    tracing::warn!(socket = %self.path.display(), "cannot remove the Service layer's socket: {e}");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Applies by kind (`change`, `whole`; `unread` for a body over the cap) and outcome, and
+/// their duration on the applier thread.
+pub struct ServicesMetrics {
+    pub applies: IntCounterVec,
+    pub apply_seconds: HistogramVec,
+    /// Pods whose netfilter socket the applier keeps (each pins its pod's netns until `tidy`).
+    pub kept_pods: IntGauge,
+}
+
+/// Every outcome an apply through the socket can have, as its metric label.
+pub const OUTCOMES: [&str; 6] = ["applied", "pods-failed", "conflict", "refused", "error", "too-large"];
+
+impl ServicesMetrics {
+    pub fn new() -> Self {
+        let applies = IntCounterVec::new(
+            Opts::new(
+                "aether_cni_installer_services_applies_total",
+                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; error; too-large).",
+            ),
+            &["kind", "outcome"],
+        )
+        .unwrap();
+        let apply_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "aether_cni_installer_services_apply_seconds",
+                "Wall time of one apply through the socket on the applier thread (from the document read to its report), by kind.",
+            )
+            .buckets(vec![0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]),
+            &["kind"],
+        )
+        .unwrap();
+        for kind in ["change", "whole"] {
+            for outcome in &OUTCOMES[..5] {
+                applies.with_label_values(&[kind, outcome]);
+            }
+            apply_seconds.with_label_values(&[kind]);
+        }
+        applies.with_label_values(&["unread", "too-large"]);
+        let kept_pods = IntGauge::new(
+            "aether_cni_installer_services_kept_pods",
+            "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
+        )
+        .unwrap();
+        ServicesMetrics { applies, apply_seconds, kept_pods }
+    }
+
+    pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.applies.clone()))?;
+        registry.register(Box::new(self.apply_seconds.clone()))?;
+        registry.register(Box::new(self.kept_pods.clone()))
+    }
+}
+
+impl Default for ServicesMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// An HTTP answer: status and JSON body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+struct Job {
+    body: Bytes,
+    reply: tokio::sync::oneshot::Sender<Answer>,
+}
+
+/// The applier thread, and the way to it.
+pub struct Applying {
+    jobs: mpsc::Sender<Job>,
+    /// One body read and applied at a time: the installer's memory holds one document.
+    turn: Arc<tokio::sync::Semaphore>,
+    /// For the documents refused before they reach the thread (over the cap).
+    applies: IntCounterVec,
+}
+
+pub struct ApplierThread(Option<std::thread::JoinHandle<()>>);
+
+impl ApplierThread {
+    /// Waits for the applier to end (its document finished): call after every `Applying` is
+    /// dropped.
+    pub fn join(mut self) {
+        if let Some(t) = self.0.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts the applier thread on `state_dir`.
+pub fn start_applier(
+    state_dir: &Path,
+    shared: Arc<crate::serve::Shared>,
+) -> std::io::Result<(Applying, ApplierThread)> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    let state_dir = state_dir.to_path_buf();
+    let applies = shared.metrics.services.applies.clone();
+    let thread = std::thread::Builder::new()
+        .name("installer-services".into())
+        .spawn(move || applier_loop(&state_dir, rx, &shared.metrics.services))?;
+    let applying = Applying { jobs: tx, turn: Arc::new(tokio::sync::Semaphore::new(1)), applies };
+    Ok((applying, ApplierThread(Some(thread))))
+}
+
+fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMetrics) {
+    let mut applier = Applier::new(state_dir);
+    let mut next_tidy = Instant::now() + TIDY_PERIOD;
+    loop {
+        match rx.recv_timeout(next_tidy.saturating_duration_since(Instant::now())) {
+            Ok(job) => {
+                let answer = apply_one(&mut applier, state_dir, &job.body, metrics);
+                metrics.kept_pods.set(applier.kept_pods() as i64);
+                // The client may have gone (deadline, hung up): the document stays applied.
+                let _ = job.reply.send(answer);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        // Also under a steady stream of documents, between two of them.
+        if Instant::now() >= next_tidy {
+            if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| applier.tidy())) {
+                tracing::error!(
+                    "the Service layer's applier panicked while tidying: {}; made anew",
+                    panic_text(&*panic)
+                );
+                applier = Applier::new(state_dir);
+            }
+            metrics.kept_pods.set(applier.kept_pods() as i64);
+            next_tidy = Instant::now() + TIDY_PERIOD;
+        }
+    }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// One document through the applier: the answer, the metrics and the log line.
+fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &ServicesMetrics) -> Answer {
+    let kind = if change::is_change(body) { "change" } else { "whole" };
+    let started = Instant::now();
+    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| applier.apply(body)));
+    let took = started.elapsed();
+    metrics.apply_seconds.with_label_values(&[kind]).observe(took.as_secs_f64());
+    let ms = took.as_secs_f64() * 1e3;
+    let (outcome, answer) = match applied {
+        Ok(Ok(report)) => {
+            let json = report.to_json();
+            let pods = pods_by_result(&json);
+            let failed = report.failed();
+            if failed {
+                tracing::warn!(generation = report.generation, kind, %pods, "applied with some pod failed in {ms:.1} ms");
+            } else if kind == "change" {
+                // Up to several a second: at info, every endpoint flip would be a line.
+                tracing::debug!(generation = report.generation, kind, %pods, "applied in {ms:.1} ms");
+            } else {
+                tracing::info!(generation = report.generation, kind, %pods, "applied in {ms:.1} ms");
+            }
+            let text = json_text(&json);
+            if failed {
+                ("pods-failed", Answer { status: 500, body: text })
+            } else {
+                ("applied", Answer { status: 200, body: text })
+            }
+        }
+        Ok(Err(e)) => {
+            let (outcome, status) = match &e {
+                ServicesError::OlderGeneration { .. }
+                | ServicesError::StaleBase { .. }
+                | ServicesError::NoBase { .. }
+                | ServicesError::GenerationReused(_) => ("conflict", 409),
+                ServicesError::Refused { .. } => ("refused", 400),
+                _ => ("error", 500),
+            };
+            let line = one_line(&e.to_string());
+            tracing::warn!(kind, status, "not applied in {ms:.1} ms: {line}");
+            let mut v = json!({"error": line, "reasons": e.reasons()});
+            if status == 409 {
+                v["storedGeneration"] = stored_generation(&e);
+            }
+            (outcome, Answer { status, body: json_text(&v) })
+        }
+        Err(panic) => {
+            let why = format!("the applier panicked: {}", panic_text(&*panic));
+            tracing::error!(kind, "{why}; made anew (the stored files are the truth)");
+            *applier = Applier::new(state_dir);
+            ("error", Answer { status: 500, body: json_text(&json!({"error": why, "reasons": [why]})) })
+        }
+    };
+    metrics.applies.with_label_values(&[kind, outcome]).inc();
+    answer
+}
+
+/// Pretty JSON and a newline: what `services apply` prints for its report.
+fn json_text(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).expect("JSON values serialize");
+    s.push('\n');
+    s
+}
+
+fn one_line(s: &str) -> String {
+    s.replace('\n', " ")
+}
+
+/// The stored generation a conflict names (null: none stored).
+fn stored_generation(e: &ServicesError) -> Value {
+    match e {
+        ServicesError::OlderGeneration { stored, .. } | ServicesError::StaleBase { stored, .. } => json!(stored),
+        ServicesError::GenerationReused(g) => json!(g),
+        _ => Value::Null,
+    }
+}
+
+/// `rebuilt=2 elements=98` and so on: the pods by the word their result starts with.
+fn pods_by_result(report: &Value) -> String {
+    let mut by: std::collections::BTreeMap<String, usize> = Default::default();
+    if let Some(pods) = report["pods"].as_array() {
+        for p in pods {
+            let word = p["result"].as_str().and_then(|r| r.split_whitespace().next()).unwrap_or("?");
+            *by.entry(word.to_string()).or_default() += 1;
+        }
+    }
+    if by.is_empty() {
+        return "none".into();
+    }
+    by.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
+}
+
+fn answer(status: u16, body: String) -> hyper::Response<Full<Bytes>> {
+    let mut r = hyper::Response::builder().status(status).header(hyper::header::CONTENT_TYPE, "application/json");
+    if status == 405 {
+        r = r.header(hyper::header::ALLOW, "POST");
+    }
+    r.body(Full::new(Bytes::from(body))).expect("a valid status and header")
+}
+
+fn error_answer(status: u16, why: &str) -> hyper::Response<Full<Bytes>> {
+    answer(status, json_text(&json!({"error": why, "reasons": [why]})))
+}
+
+impl Applying {
+    /// Answers one request of the socket.
+    pub async fn respond(&self, request: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
+        if request.uri().path() != APPLY_PATH {
+            return error_answer(404, &format!("not found: this socket serves POST {APPLY_PATH}"));
+        }
+        if request.method() != hyper::Method::POST {
+            return error_answer(
+                405,
+                &format!("{} is not allowed: POST the document to {APPLY_PATH}", request.method()),
+            );
+        }
+        let declared = request
+            .headers()
+            .get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_SNAPSHOT_BYTES as u64) {
+            return self.too_large();
+        }
+        // One body in memory at a time: the next is read once this one is applied.
+        let Ok(_turn) = self.turn.acquire().await else {
+            return error_answer(500, "the Service layer's applier is stopping");
+        };
+        let body = match Limited::new(request.into_body(), MAX_SNAPSHOT_BYTES).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return self.too_large(),
+            Err(e) => return error_answer(400, &format!("cannot read the document: {e}")),
+        };
+        let (reply, answered) = tokio::sync::oneshot::channel();
+        if self.jobs.send(Job { body, reply }).is_err() {
+            return error_answer(500, "the Service layer's applier has stopped");
+        }
+        match answered.await {
+            Ok(a) => answer(a.status, a.body),
+            Err(_) => error_answer(500, "the Service layer's applier stopped before it answered"),
+        }
+    }
+
+    fn too_large(&self) -> hyper::Response<Full<Bytes>> {
+        tracing::warn!("a document over the limit of {MAX_SNAPSHOT_BYTES} bytes was sent to the socket: 413");
+        self.applies.with_label_values(&["unread", "too-large"]).inc();
+        error_answer(413, &too_large())
+    }
+}
+
+/// A client of the socket (the CLI's `services apply --socket`): one blocking HTTP/1.1 POST
+/// of `body`, the answer read to its end. Status and body.
+pub fn post_apply(socket: &Path, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .map_err(|e| format!("cannot connect to the installer's socket {}: {e}", socket.display()))?;
+    s.set_read_timeout(Some(timeout)).and_then(|_| s.set_write_timeout(Some(timeout))).map_err(|e| e.to_string())?;
+    let head = format!(
+        "POST {APPLY_PATH} HTTP/1.1\r\nHost: aether-cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let sent = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body));
+    // The installer may answer before it read everything (413): its answer is still there.
+    let mut text = Vec::new();
+    let read = s.read_to_end(&mut text);
+    let lost = |what: &str| {
+        format!(
+            "{what} from the installer's socket {}; the document may or may not have been applied",
+            socket.display()
+        )
+    };
+    if text.is_empty() {
+        let why = read.err().or(sent.err()).map_or("the connection was closed".into(), |e| e.to_string());
+        return Err(lost(&format!("no answer ({why})")));
+    }
+    let split = text.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| lost("a truncated answer"))?;
+    let head = String::from_utf8_lossy(&text[..split]).to_string();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| lost("an answer that is not HTTP"))?;
+    let body = text[split + 4..].to_vec();
+    let length = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok()).flatten()
+    });
+    if length.is_some_and(|n| n != body.len()) {
+        return Err(lost("a truncated answer"));
+    }
+    Ok((status, body))
+}
