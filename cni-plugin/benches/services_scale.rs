@@ -155,6 +155,18 @@ fn change_floor(pods: &[TestNetns], change: &services::LayerChange) -> Sample {
     .unwrap()
 }
 
+/// The kernel's floor for an element change in every pod on sockets already open in each
+/// pod's netns (as the long-lived applier keeps them): only the transaction sent and its
+/// verdict read, on one thread.
+fn change_floor_kept(sockets: &mut [aether_rules::nft::KeptSocket], change: &services::LayerChange) -> Sample {
+    let encoded = change.encode();
+    let (t, c) = (Instant::now(), thread_cpu());
+    for s in sockets.iter_mut() {
+        encoded.send_on(s).unwrap();
+    }
+    Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
+}
+
 /// A process's wall time, CPU time (user + sys), max RSS (KiB, from `wait4`), success and
 /// stdout.
 struct Ran {
@@ -644,6 +656,62 @@ fn main() {
         (cpu, slowest, sent) = (cpu + r.cpu, slowest.max(r.wall), sent + 1);
     }
     let churn_share = cpu.as_secs_f64() / start.elapsed().as_secs_f64() * 100.0;
+
+    // The same changes through the long-lived applier the installer serves the agent on its
+    // socket (`aether_node::services::Applier`), here in this process: its CPU is this
+    // thread's (the kernel's work on its messages included). Beside each, the kernel's floor
+    // on sockets kept in the pods' netns (nothing entered or opened per change).
+    let mut applier = aether_node::services::Applier::new(node);
+    let mut kept = |mut doc: Value| -> (Sample, String) {
+        doc["baseGeneration"] = json!(g);
+        g += 1;
+        doc["generation"] = json!(g);
+        let text = serde_json::to_vec(&doc).unwrap();
+        let (t, c) = (Instant::now(), thread_cpu());
+        let report = applier.apply(&text).unwrap();
+        let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 };
+        (sample, report.to_json().to_string())
+    };
+    let expect_kept = |(sample, out): (Sample, String), result: &str| {
+        assert_eq!(out.matches(&format!("\"{result}\"")).count(), PODS, "{out}");
+        sample
+    };
+    // The first reads what the one-shot applies left (and opens the pods' sockets).
+    expect_kept(kept(json!({"servicesPut": [churn_service(0, true)]})), "elements +2 -0");
+    expect_kept(kept(json!({"servicesRemoved": [named(0)]})), "elements +0 -2");
+    let mut sockets: Vec<aether_rules::nft::KeptSocket> = pods
+        .iter()
+        .map(|p| Netns::open_foreign(p.path()).unwrap().run(aether_rules::nft::KeptSocket::open).unwrap().unwrap())
+        .collect();
+    let mut kept_by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
+    for k in 1..=rounds() as u32 {
+        let k = 2000 + k;
+        kept_by_op[0].0.push(expect_kept(kept(json!({"servicesPut": [churn_service(k, true)]})), "elements +2 -0"));
+        kept_by_op[1].0.push(expect_kept(kept(json!({"endpoints": [flipped(k)]})), "elements +1 -1"));
+        kept_by_op[2].0.push(expect_kept(kept(json!({"servicesRemoved": [named(k)]})), "elements +0 -2"));
+        for (op, c) in floor_changes.iter().enumerate() {
+            kept_by_op[op].1.push(change_floor_kept(&mut sockets, c));
+        }
+    }
+    drop(sockets);
+    let kept_changes: Vec<(Sample, Sample)> = kept_by_op.into_iter().map(|(p, f)| (medians(p), medians(f))).collect();
+    let (start, mut kept_cpu, mut kept_slowest, mut kept_sent) = (Instant::now(), 0.0, 0.0f64, 0u32);
+    while start.elapsed() < Duration::from_secs(churn_secs) {
+        let due = start + Duration::from_millis(100 * u64::from(kept_sent));
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let k = 5000 + kept_sent / 3;
+        let (r, out) = match kept_sent % 3 {
+            0 => kept(json!({"servicesPut": [churn_service(k, true)]})),
+            1 => kept(json!({"endpoints": [flipped(k)]})),
+            _ => kept(json!({"servicesRemoved": [named(k)]})),
+        };
+        assert!(!out.contains("\"failed\"") && !out.contains("\"rebuilt\""), "{out}");
+        (kept_cpu, kept_slowest, kept_sent) = (kept_cpu + r.cpu_ms, kept_slowest.max(r.wall_ms), kept_sent + 1);
+    }
+    let kept_churn_share = kept_cpu / 1e3 / start.elapsed().as_secs_f64() * 100.0;
+    drop(applier);
     for (i, p) in pods.iter().enumerate() {
         cni("DEL", node, &p.path(), &format!("pod-{i}"));
     }
@@ -709,6 +777,62 @@ fn main() {
                 .goal(1.3, "1.3x the floor".into()),
         );
     }
+    for ((op, what), (applied, floor)) in
+        [("add", "a Service added"), ("flip", "a Service's endpoints flipped to none"), ("remove", "a Service removed")]
+            .into_iter()
+            .zip(&kept_changes)
+    {
+        show(&format!("kernel floor on kept sockets: {what}, {PODS} pods"), floor);
+        show(&format!("change document, long-lived applier: {what}, {PODS} pods"), applied);
+        let key = |k: &str| format!("{k}_{op}");
+        let (_, one_shot_floor) = changes[["add", "flip", "remove"].iter().position(|o| *o == op).unwrap()];
+        let ratio = applied.wall_ms / one_shot_floor.wall_ms;
+        println!("  {:<62} {ratio:>9.2} x  (cpu {:.2} x)", "  / the floor", applied.cpu_ms / one_shot_floor.cpu_ms);
+        let kept_ratio = applied.wall_ms / floor.wall_ms;
+        println!(
+            "  {:<62} {kept_ratio:>9.2} x  (cpu {:.2} x)",
+            "  / the floor on kept sockets",
+            applied.cpu_ms / floor.cpu_ms
+        );
+        figs.push(fig(&key("kept_floor_change"), &format!("kernel floor on kept sockets: {what}, {PODS} pods"), floor));
+        figs.push(
+            fig(&key("kept_change"), &format!("change document, long-lived applier: {what}, {PODS} pods"), applied)
+                .goal(15.0, "15 ms".into()),
+        );
+        figs.push(
+            Figure::value(
+                &key("kept_change_ratio"),
+                &format!("change document, long-lived applier / kernel floor: {what}"),
+                ratio,
+                "x",
+            )
+            .goal(1.3, "1.3x the floor".into()),
+        );
+        figs.push(Figure::value(
+            &key("kept_change_kept_ratio"),
+            &format!("change document, long-lived applier / kernel floor on kept sockets: {what}"),
+            kept_ratio,
+            "x",
+        ));
+    }
+    println!(
+        "  churn, long-lived applier: {kept_sent} changes at 10/s over {churn_secs} s: CPU {kept_churn_share:.2}% of one core, slowest {kept_slowest:.1} ms"
+    );
+    figs.push(
+        Figure::value(
+            "kept_churn_cpu",
+            &format!("churn, long-lived applier, 10 changes/s for {churn_secs} s: CPU, % of one core"),
+            kept_churn_share,
+            "%",
+        )
+        .goal(5.0, "5% of one core".into()),
+    );
+    figs.push(Figure::value(
+        "kept_churn_slowest",
+        "churn, long-lived applier: the slowest change, wall",
+        kept_slowest,
+        "ms wall",
+    ));
     println!(
         "  churn: {sent} changes at 10/s over {churn_secs} s: the node's CPU {churn_share:.2}% of one core, slowest {:.1} ms",
         ms(slowest)

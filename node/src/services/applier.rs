@@ -106,7 +106,7 @@ struct KeptStored {
 /// The attachment records as last read, with the directory's identity then.
 struct KeptRecords {
     dir: Option<FileId>,
-    records: Vec<Record>,
+    records: std::sync::Arc<Vec<Record>>,
     unreadable: Vec<String>,
 }
 
@@ -118,8 +118,9 @@ impl KeptRecords {
 
 /// A pod reached without entering it.
 struct Link {
-    /// The netns path of the record it was opened for.
+    /// The netns path and identity of the record it was opened for.
     path: String,
+    recorded: Option<crate::state::NetnsIdentity>,
     ns: Netns,
     sock: KeptSocket,
     /// The layer the pod holds, as this applier last sent it or read it from the pod's file;
@@ -133,7 +134,7 @@ impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), ns, sock, holds: None, reread: true })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true })
     }
 
     /// Whether the record's path still names the netns this link is in.
@@ -164,7 +165,7 @@ impl Kept {
                 .iter()
                 .map(|u| format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why))
                 .collect();
-            self.records = Some(KeptRecords { dir: now, records: scan.records, unreadable });
+            self.records = Some(KeptRecords { dir: now, records: scan.records.into(), unreadable });
         }
         self.records.as_ref().expect("just read")
     }
@@ -198,11 +199,13 @@ impl Kept {
         let mut marks: BTreeMap<u32, Mark> = BTreeMap::new();
         let mut cut: Option<(layer::ServiceLayer, layer::ServiceLayer)> = None;
         let mut pods = Vec::with_capacity(records.len());
-        for r in &records {
+        for r in records.iter() {
             let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
             let m = marks.entry(mark).or_insert_with(|| Mark::new(new, mark));
             let key = r.key();
-            if self.links.get(&key).is_some_and(|l| l.path != r.netns || !r.owns(&l.ns)) {
+            // Opened for this very record (`Link::open` checked the netns was its); a socket
+            // pins its netns, so what was checked then still holds.
+            if self.links.get(&key).is_some_and(|l| l.path != r.netns || l.recorded != r.netns_id) {
                 self.links.remove(&key);
             }
             let mut link = match self.links.entry(key) {
@@ -319,11 +322,11 @@ impl PodReach for Kept {
         Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
     }
 
-    fn stored(&mut self, dir: &ServicesDir, text: &[u8], layer: &StoredLayer, canonical: bool) {
+    fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: &StoredLayer, canonical: bool) {
         self.layer_bin = FileId::of(&dir.layer_path());
         // Kept only when the marker vouches for the document (it names the layer's source).
         self.stored = (canonical && dir.source_marker() == Some((layer.source, true))).then(|| KeptStored {
-            text: text.to_vec(),
+            text: text.into_owned(),
             layer: layer.clone(),
             files: stored_ids(dir),
         });

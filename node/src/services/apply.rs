@@ -2,6 +2,7 @@
 //! new pod (ADD). Which layer each pod netns holds is kept in `pods/`, so a pod one
 //! generation behind gets only the element change, sent without reading its sets back.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -195,7 +196,7 @@ pub(super) fn apply_document_with(
             StoredLayer::new(generation, &layer, source)
         }
     };
-    store_and_apply(dir, text, new, previous, warnings, false, reach)
+    store_and_apply(dir, Cow::Borrowed(text), new, previous, warnings, false, reach)
 }
 
 /// The end of an apply, under the exclusive lock, once the document `text` is checked and
@@ -203,7 +204,7 @@ pub(super) fn apply_document_with(
 /// layer, and brings every pod to it.
 fn store_and_apply(
     dir: &ServicesDir,
-    text: &[u8],
+    text: Cow<'_, [u8]>,
     new: StoredLayer,
     previous: Option<StoredLayer>,
     mut warnings: Vec<String>,
@@ -223,7 +224,7 @@ fn store_and_apply(
         // The marker goes before the document changes, and comes back only once the layer
         // matches it: killed in between, the next apply reads the stored document in full.
         dir.remove(SOURCE)?;
-        dir.write_atomic("snapshot.json", text)?;
+        dir.write_atomic("snapshot.json", &text)?;
         dir.write_atomic("layer.bin", &new.encode())?;
         let form = if canonical { "canonical" } else { "as-sent" };
         if let Err(e) = dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
@@ -235,7 +236,7 @@ fn store_and_apply(
 }
 
 /// A stored document's text (kept, or read for the occasion) and its layer.
-pub(super) type StoredText<'a> = (std::borrow::Cow<'a, [u8]>, StoredLayer);
+pub(super) type StoredText<'a> = (Cow<'a, [u8]>, StoredLayer);
 
 /// How an apply reaches the pods once the new layer is stored, and what it may keep of the
 /// stored document between applies.
@@ -255,11 +256,12 @@ pub(super) trait PodReach {
     /// The stored document, when canonical, and its layer (`ServicesDir::canonical_stored`);
     /// called under the exclusive lock.
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        Ok(dir.canonical_stored()?.map(|(text, layer)| (std::borrow::Cow::Owned(text), layer)))
+        Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
     }
 
     /// Told, under the lock, what was just stored (the files are written).
-    fn stored(&mut self, _dir: &ServicesDir, _text: &[u8], _layer: &StoredLayer, _canonical: bool) {}
+    /// (`text` is handed over: a kept copy costs no copy of a 1.5 MB document.)
+    fn stored(&mut self, _dir: &ServicesDir, _text: Cow<'_, [u8]>, _layer: &StoredLayer, _canonical: bool) {}
 }
 
 /// A one-shot process's reach: one thread enters each pod's netns in turn, opening a socket
@@ -314,7 +316,7 @@ pub(super) fn apply_change_with(
         if let Some(s) = change::splice::splice(&stored_text, &prev.layer, prev.generation, &c) {
             drop(stored_text);
             let new = StoredLayer::new(c.generation, &s.layer, layer_file::source_digest(&s.text));
-            return store_and_apply(dir, &s.text, new, Some(prev), Vec::new(), true, reach);
+            return store_and_apply(dir, Cow::Owned(s.text), new, Some(prev), Vec::new(), true, reach);
         }
     }
     let path = dir.root.join("snapshot.json");
@@ -336,7 +338,7 @@ pub(super) fn apply_change_with(
         None
     });
     let new = StoredLayer::new(next.generation, &next.layer(0), layer_file::source_digest(&whole));
-    store_and_apply(dir, &whole, new, previous, warnings, true, reach)
+    store_and_apply(dir, Cow::Owned(whole), new, previous, warnings, true, reach)
 }
 
 /// Present while an apply changes pods: written before the first pod is visited and removed
