@@ -1,8 +1,9 @@
 //! The snapshot in the plain form agents write, read by a scanner of its own: each member at
 //! most once, strings of printable ASCII without escapes, whole numbers in plain digits, no
-//! `null`. At 10,000 Services it costs about half of serde's instructions, the Services
-//! built included (35 M against 65 M): no UTF-8 check per string, no identifier visitor per
-//! key, no list of ports per Service to copy; `apply` reads the whole 1.5 MB document each
+//! `null`. At 10,000 Services the scan costs 19 M instructions where serde's typed reading
+//! and the Services it built cost 65 M: no UTF-8 check per string, no identifier visitor per
+//! key (keys are compared in place), no list of ports per Service; `read_layer` then builds
+//! the layer without any Service's own strings. `apply` reads the whole 1.5 MB document each
 //! time its content changes.
 //!
 //! It only ever answers what the serde reading (`typed`) answers: any byte outside the plain
