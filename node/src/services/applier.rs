@@ -325,11 +325,8 @@ impl PodReach for Kept {
     fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: &StoredLayer, canonical: bool) {
         self.layer_bin = FileId::of(&dir.layer_path());
         // Kept only when the marker vouches for the document (it names the layer's source).
-        self.stored = (canonical && dir.source_marker() == Some((layer.source, true))).then(|| KeptStored {
-            text: text.into_owned(),
-            layer: layer.clone(),
-            files: stored_ids(dir),
-        });
+        self.stored =
+            canonical.then(|| KeptStored { text: text.into_owned(), layer: layer.clone(), files: stored_ids(dir) });
     }
 
     fn apply_to_pods(
