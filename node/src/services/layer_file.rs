@@ -4,25 +4,28 @@
 //! read by ADD, by the next apply (the generation it changes from) and by
 //! `counters`/`inspect` (the header only).
 //!
-//! Layout (version 2), integers big-endian:
+//! Layout (version 3), integers big-endian:
 //!
 //! | bytes | field |
 //! | --- | --- |
 //! | 8 | magic `AETHSVL\n` |
 //! | 4 | format version |
 //! | 8 | generation |
-//! | 8 | FNV-1a 64 of the JSON document it was made from |
+//! | 8 | `source_digest` of the JSON document it was made from |
 //! | 1 + 3 | mode (0 off, 1 count, 2 refuse), 3 zero bytes |
 //! | 4 | dialled timeout, seconds |
 //! | 6 x 4 | number of IPv4 ranges, IPv6 ranges, IPv4 mesh VIPs, IPv6 mesh VIPs, IPv4 Service ports, IPv6 Service ports |
 //! | 5 / 17 each | ranges: address, prefix length (IPv4 ones, then IPv6 ones) |
 //! | 4 / 16 each | mesh VIPs (IPv4, then IPv6) |
 //! | 8 / 20 each | Service ports: VIP, protocol number, port, has endpoints (0/1) (IPv4, then IPv6) |
-//! | 8 | FNV-1a 64 of every byte before it |
+//! | 8 | `quick_digest` of every byte before it |
 //!
-//! Version 1 (an earlier release's, IPv4 only) had three counts (ranges, mesh VIPs, ports)
-//! and the IPv4 sections alone; it is still read, so pods start with the layer across an
-//! upgrade, and the next apply writes version 2.
+//! Older versions are still read, so pods start with the layer across an upgrade, and the
+//! next apply writes version 3. Version 2 is laid out as version 3, with FNV-1a 64 as its
+//! checksum and the four-lane FNV-1a of an earlier `source_digest` as its source digest
+//! (which no document's digest now matches: the next apply reads its document in full).
+//! Version 1 (IPv4 only) had three counts (ranges, mesh VIPs, ports) and the IPv4 sections
+//! alone, and FNV-1a too.
 //!
 //! Ranges, mesh VIPs and ports are sorted, so equal content gives equal bytes after the
 //! generation: that part's digest tells whether a pod already holds a layer.
@@ -38,7 +41,9 @@ use ipnet::IpNet;
 use super::snapshot::{MAX_MESH_VIPS, MAX_SERVICE_PORTS, MAX_SERVICE_RANGES};
 
 const MAGIC: &[u8; 8] = b"AETHSVL\n";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
+/// Version 3 with the FNV-1a checksum: read, never written.
+const VERSION_2: u32 = 2;
 /// The IPv4-only format of the first release with `layer.bin`: read, never written.
 const VERSION_1: u32 = 1;
 /// Everything up to the counts: magic, version, generation, source digest, mode, timeout.
@@ -65,7 +70,7 @@ pub enum LayerFileError {
     TooLarge { path: PathBuf, max: usize },
     #[error("{path} is not a Service layer file")]
     NotALayerFile { path: PathBuf },
-    #[error("{path} has format version {found}; this plugin reads versions {VERSION_1} and {VERSION}")]
+    #[error("{path} has format version {found}; this plugin reads versions {VERSION_1} to {VERSION}")]
     Version { path: PathBuf, found: u32 },
     #[error("{path} is damaged: {what}")]
     Damaged { path: PathBuf, what: &'static str },
@@ -83,27 +88,38 @@ pub struct StoredLayer {
     pub source: u64,
 }
 
-/// The digest `StoredLayer::source` holds for a document: FNV-1a 64 in four interleaved
-/// lanes (byte `i` goes to lane `i % 4`), the lanes and the length then folded by FNV-1a.
-/// Every byte is mixed as FNV-1a mixes it, at about four times the speed of one lane (whose
-/// multiplications each wait for the last): every apply hashes the whole document, 1.5 MB
-/// at 10,000 Services.
+/// The digest `StoredLayer::source` holds for a document: `quick_digest`. Every apply
+/// hashes the whole document, 1.5 MB at 10,000 Services.
 pub fn source_digest(text: &[u8]) -> u64 {
-    let mut lanes = [FNV_OFFSET; 4];
-    let mut quads = text.chunks_exact(4);
-    for q in &mut quads {
-        for (lane, &b) in lanes.iter_mut().zip(q) {
-            *lane = (*lane ^ u64::from(b)).wrapping_mul(FNV_PRIME);
-        }
+    quick_digest(text)
+}
+
+/// A 64-bit digest, eight bytes at a time in four interleaved lanes (word `i` to lane
+/// `i % 4`, the last 0-31 bytes zero-padded), each word mixed in by a xor, a multiply and a
+/// rotate; the lanes then folded into the length the same way, and finished by MurmurHash3's
+/// mix. Each step is a bijection of its lane, so two inputs of one length that differ within
+/// one word never get one digest. About 0.6 instructions a byte, against 3.4 for FNV-1a in
+/// four lanes (each byte its own multiply). A checksum against torn or damaged files and a
+/// name for a document, not a defence against tampering (the state directory is root's).
+pub fn quick_digest(bytes: &[u8]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mix = |lane: u64, word: u64| (lane ^ word).wrapping_mul(K).rotate_left(29);
+    let mut lanes = [FNV_OFFSET, FNV_OFFSET ^ 1, FNV_OFFSET ^ 2, FNV_OFFSET ^ 3];
+    let mut blocks = bytes.chunks_exact(32);
+    let mut tail = [0u8; 32];
+    tail[..blocks.remainder().len()].copy_from_slice(blocks.remainder());
+    let mut add = |block: &[u8]| {
+        let word = |i: usize| u64::from_le_bytes(block[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        lanes = [mix(lanes[0], word(0)), mix(lanes[1], word(1)), mix(lanes[2], word(2)), mix(lanes[3], word(3))];
+    };
+    for block in &mut blocks {
+        add(block);
     }
-    for (lane, &b) in lanes.iter_mut().zip(quads.remainder()) {
-        *lane = (*lane ^ u64::from(b)).wrapping_mul(FNV_PRIME);
-    }
-    let mut folded = Vec::with_capacity(5 * 8);
-    for v in lanes.iter().chain([&(text.len() as u64)]) {
-        folded.extend_from_slice(&v.to_be_bytes());
-    }
-    fnv1a(&folded)
+    add(&tail);
+    let h = lanes.into_iter().fold(bytes.len() as u64, mix);
+    let h = (h ^ (h >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    let h = (h ^ (h >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
 }
 
 impl StoredLayer {
@@ -188,7 +204,7 @@ fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
         }
     }
     debug_assert_eq!(b.len() + TRAILER, size);
-    let sum = fnv1a(&b);
+    let sum = quick_digest(&b);
     b.extend_from_slice(&sum.to_be_bytes());
     b
 }
@@ -201,8 +217,8 @@ fn mode_byte(m: LayerMode) -> u8 {
     }
 }
 
-/// FNV-1a, 64 bits: a checksum against torn or damaged files, not against tampering (the
-/// state directory is root's alone).
+/// FNV-1a, 64 bits: the content's digest (`StoredLayer::digest`, which the pods' files
+/// record, so it stays across format versions) and the checksum of versions 1 and 2.
 fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h = FNV_OFFSET;
     for &b in bytes {
@@ -236,7 +252,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     let version = be32(b, 8);
     // (IPv4, IPv6) counts of ranges, mesh VIPs and ports; version 1 has IPv4 ones only.
     let header = match version {
-        VERSION => HEADER,
+        VERSION | VERSION_2 => HEADER,
         VERSION_1 => FIXED + 3 * 4,
         found => return Err(LayerFileError::Version { path: path.to_path_buf(), found }),
     };
@@ -245,7 +261,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     }
     let count = |i: usize| be32(b, FIXED + 4 * i) as usize;
     let [(r4, r6), (m4, m6), (p4, p6)] = match version {
-        VERSION => [(count(0), count(1)), (count(2), count(3)), (count(4), count(5))],
+        VERSION | VERSION_2 => [(count(0), count(1)), (count(2), count(3)), (count(4), count(5))],
         _ => [(count(0), 0), (count(1), 0), (count(2), 0)],
     };
     if r4 + r6 > MAX_SERVICE_RANGES || m4 + m6 > MAX_MESH_VIPS || p4 + p6 > MAX_SERVICE_PORTS {
@@ -255,7 +271,8 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     if b.len() != end + TRAILER {
         return Err(damaged("its length does not match its counts"));
     }
-    if fnv1a(&b[..end]).to_be_bytes() != b[end..] {
+    let checksum = if version == VERSION { quick_digest(&b[..end]) } else { fnv1a(&b[..end]) };
+    if checksum.to_be_bytes() != b[end..] {
         return Err(damaged("checksum mismatch"));
     }
     let generation = u64::from_be_bytes(b[12..20].try_into().unwrap());
@@ -338,7 +355,7 @@ pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
     if &head[..8] != MAGIC {
         return Err(LayerFileError::NotALayerFile { path: path.to_path_buf() });
     }
-    if ![VERSION, VERSION_1].contains(&be32(&head, 8)) {
+    if ![VERSION, VERSION_2, VERSION_1].contains(&be32(&head, 8)) {
         return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(&head, 8) });
     }
     let word = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().unwrap());
@@ -415,9 +432,9 @@ mod tests {
         assert_eq!(msg(&flipped), "layer.bin is damaged: checksum mismatch");
         assert_eq!(msg(&good[..good.len() - 1]), "layer.bin is damaged: its length does not match its counts");
         assert_eq!(msg(b"{\"generation\": 1}"), "layer.bin is not a Service layer file");
-        let mut v3 = good.clone();
-        v3[11] = 3;
-        assert_eq!(msg(&v3), "layer.bin has format version 3; this plugin reads versions 1 and 2");
+        let mut v4 = good.clone();
+        v4[11] = 4;
+        assert_eq!(msg(&v4), "layer.bin has format version 4; this plugin reads versions 1 to 3");
         let mut huge = good.clone();
         huge[44..48].copy_from_slice(&u32::MAX.to_be_bytes());
         assert_eq!(msg(&huge), "layer.bin is damaged: counts beyond the snapshot limits");
@@ -445,6 +462,32 @@ mod tests {
         assert_eq!(counts, [2, 2, 1, 1, 2, 1]);
         assert_eq!(bytes.len(), HEADER + 2 * 5 + 2 * 17 + 4 + 16 + 2 * 8 + 20 + TRAILER);
         assert_ne!(a.digest, StoredLayer::new(9, &layer(), 3).digest);
+    }
+
+    /// A version 2 file (version 3 with FNV-1a's checksum) still loads, with the same
+    /// content digest; its checksum is FNV-1a's (control: version 3's in it is damage).
+    #[test]
+    fn a_version_2_file_still_loads() {
+        let p = Path::new("layer.bin");
+        let v3 = StoredLayer::new(7, &dual(), 1);
+        let mut b = v3.encode();
+        b[8..12].copy_from_slice(&2u32.to_be_bytes());
+        let end = b.len() - TRAILER;
+        let fnv = fnv1a(&b[..end]);
+        b[end..].copy_from_slice(&fnv.to_be_bytes());
+        assert_eq!(decode(p, &b).unwrap(), v3);
+        assert_eq!(read_header_of(&b), Some((7, 1)));
+        let quick = quick_digest(&b[..end]);
+        b[end..].copy_from_slice(&quick.to_be_bytes());
+        assert_eq!(decode(p, &b).unwrap_err().to_string(), "layer.bin is damaged: checksum mismatch");
+    }
+
+    fn read_header_of(bytes: &[u8]) -> Option<(u64, u64)> {
+        let path = std::env::temp_dir().join(format!("aether-layer-header-{}", std::process::id()));
+        std::fs::write(&path, bytes).unwrap();
+        let header = read_header(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        header
     }
 
     /// A version 1 file (the IPv4-only format of the release before) still loads, with the
