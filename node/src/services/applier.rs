@@ -128,13 +128,34 @@ struct Link {
     holds: Option<PodHolds>,
     /// `holds` is to be read again from the pod's file before it is used.
     reread: bool,
+    /// The pod's file under `pods/`, kept open: written in place with one system call while
+    /// it is still the file at its name (anyone who replaces it unlinks this one first).
+    file: Option<std::fs::File>,
+}
+
+impl Link {
+    /// Writes what the pod holds into its file: in place while the kept one is still linked,
+    /// else as `set_pod_holds` does, and the new file kept.
+    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds) -> Result<(), ServicesError> {
+        let body = held.to_string();
+        if let Some(f) = &self.file {
+            if let Some(m) = f.metadata().ok().filter(|m| m.nlink() > 0) {
+                if state::overwrite_file(f, body.as_bytes(), m.len()).is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        dir.set_pod_holds(&self.ns, held)?;
+        self.file = dir.open_pod_holds(&self.ns);
+        Ok(())
+    }
 }
 
 impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
     }
 
     /// Whether the record's path still names the netns this link is in.
@@ -239,7 +260,7 @@ impl Kept {
                         Ok(_) if link.holds.as_ref().is_some_and(|h| h.is(new, mark)) => {}
                         Ok(_) => {
                             let held = PodHolds::new(new, &link.ns, mark);
-                            match dir.set_pod_holds(&link.ns, &held) {
+                            match link.write_holds(dir, &held) {
                                 Ok(()) => link.holds = Some(held),
                                 Err(e) => {
                                     warnings.push(e.to_string());
@@ -249,7 +270,7 @@ impl Kept {
                         }
                         Err(_) => {
                             dir.forget_pod(link.ns.path());
-                            link.holds = None;
+                            (link.holds, link.file) = (None, None);
                         }
                     }
                     outcome
@@ -325,11 +346,8 @@ impl PodReach for Kept {
     fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: &StoredLayer, canonical: bool) {
         self.layer_bin = FileId::of(&dir.layer_path());
         // Kept only when the marker vouches for the document (it names the layer's source).
-        self.stored = (canonical && dir.source_marker() == Some((layer.source, true))).then(|| KeptStored {
-            text: text.into_owned(),
-            layer: layer.clone(),
-            files: stored_ids(dir),
-        });
+        self.stored =
+            canonical.then(|| KeptStored { text: text.into_owned(), layer: layer.clone(), files: stored_ids(dir) });
     }
 
     fn apply_to_pods(

@@ -186,26 +186,27 @@ pub(super) fn apply_document_with(
         (from == prev.source).then(|| StoredLayer { generation, source, ..prev.clone() })
     });
     let new = match made_from_it(previous.clone()).or(renamed) {
-        Some(same) => same,
+        Some(same) => (same, None),
         None => {
             let (generation, layer) = match parsed.take() {
                 Some(read) => read,
                 // Stored by a racing apply and replaced since the look above.
                 None => snapshot::parse_layer(text).map_err(refused)?,
             };
-            StoredLayer::new(generation, &layer, source)
+            let (new, file) = StoredLayer::with_file(generation, &layer, source);
+            (new, Some(file))
         }
     };
     store_and_apply(dir, Cow::Borrowed(text), new, previous, warnings, false, reach)
 }
 
 /// The end of an apply, under the exclusive lock, once the document `text` is checked and
-/// `new` is its layer: refuses an older or reused generation, stores the document and its
-/// layer, and brings every pod to it.
+/// `new` is its layer (with `layer.bin`'s bytes when already encoded): refuses an older or
+/// reused generation, stores the document and its layer, and brings every pod to it.
 fn store_and_apply(
     dir: &ServicesDir,
     text: Cow<'_, [u8]>,
-    new: StoredLayer,
+    (new, file): (StoredLayer, Option<Vec<u8>>),
     previous: Option<StoredLayer>,
     mut warnings: Vec<String>,
     canonical: bool,
@@ -220,18 +221,25 @@ fn store_and_apply(
             return Err(ServicesError::GenerationReused(new.generation));
         }
     }
-    if previous.as_ref().is_none_or(|old| old.source != source) {
+    // Whether `snapshot.source` names `text` as the canonical document `new` was made from.
+    let canonical_vouched = if previous.as_ref().is_none_or(|old| old.source != source) {
         // The marker goes before the document changes, and comes back only once the layer
         // matches it: killed in between, the next apply reads the stored document in full.
         dir.remove(SOURCE)?;
         dir.write_atomic("snapshot.json", &text)?;
-        dir.write_atomic("layer.bin", &new.encode())?;
+        dir.write_atomic("layer.bin", &file.unwrap_or_else(|| new.encode()))?;
         let form = if canonical { "canonical" } else { "as-sent" };
-        if let Err(e) = dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
-            warnings.push(format!("{e}; the next apply reads the stored snapshot in full"));
+        match dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
+            Ok(()) => canonical,
+            Err(e) => {
+                warnings.push(format!("{e}; the next apply reads the stored snapshot in full"));
+                false
+            }
         }
-    }
-    reach.stored(dir, text, &new, canonical);
+    } else {
+        canonical && dir.source_marker() == Some((source, true))
+    };
+    reach.stored(dir, text, &new, canonical_vouched);
     reach.apply_to_pods(dir, &new, previous.as_ref(), warnings)
 }
 
@@ -259,8 +267,9 @@ pub(super) trait PodReach {
         Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
     }
 
-    /// Told, under the lock, what was just stored (the files are written).
-    /// (`text` is handed over: a kept copy costs no copy of a 1.5 MB document.)
+    /// Told, under the lock, what was just stored (the files are written); `canonical`: the
+    /// stored marker vouches for `text` as the canonical document of `layer`. (`text` is
+    /// handed over: a kept copy costs no copy of a 1.5 MB document.)
     fn stored(&mut self, _dir: &ServicesDir, _text: Cow<'_, [u8]>, _layer: &StoredLayer, _canonical: bool) {}
 }
 
@@ -315,8 +324,8 @@ pub(super) fn apply_change_with(
         }
         if let Some(s) = change::splice::splice(&stored_text, &prev.layer, prev.generation, &c) {
             drop(stored_text);
-            let new = StoredLayer::new(c.generation, &s.layer, layer_file::source_digest(&s.text));
-            return store_and_apply(dir, Cow::Owned(s.text), new, Some(prev), Vec::new(), true, reach);
+            let (new, file) = StoredLayer::with_file(c.generation, &s.layer, layer_file::source_digest(&s.text));
+            return store_and_apply(dir, Cow::Owned(s.text), (new, Some(file)), Some(prev), Vec::new(), true, reach);
         }
     }
     let path = dir.root.join("snapshot.json");
@@ -337,8 +346,8 @@ pub(super) fn apply_change_with(
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
-    let new = StoredLayer::new(next.generation, &next.layer(0), layer_file::source_digest(&whole));
-    store_and_apply(dir, Cow::Owned(whole), new, previous, warnings, true, reach)
+    let (new, file) = StoredLayer::with_file(next.generation, &next.layer(0), layer_file::source_digest(&whole));
+    store_and_apply(dir, Cow::Owned(whole), (new, Some(file)), previous, warnings, true, reach)
 }
 
 /// Present while an apply changes pods: written before the first pod is visited and removed

@@ -126,13 +126,19 @@ impl StoredLayer {
     /// The stored form of `layer` at `generation` (lists sorted, IPv4 before IPv6, the mark
     /// dropped).
     pub fn new(generation: u64, layer: &ServiceLayer, source: u64) -> StoredLayer {
+        StoredLayer::with_file(generation, layer, source).0
+    }
+
+    /// `new`, and the bytes `layer.bin` holds for it (`encode`): encoded once for both.
+    pub fn with_file(generation: u64, layer: &ServiceLayer, source: u64) -> (StoredLayer, Vec<u8>) {
         let mut layer = layer.clone();
         layer.ranges.sort();
         layer.mesh_vips.sort();
         layer.ports.sort();
         layer.divert_mark = 0;
         let bytes = encode_parts(generation, source, &layer);
-        StoredLayer { generation, digest: fnv1a(&bytes[CONTENT..bytes.len() - TRAILER]), source, layer }
+        let digest = fnv1a(&bytes[CONTENT..bytes.len() - TRAILER]);
+        (StoredLayer { generation, digest, source, layer }, bytes)
     }
 
     /// The layer for a pod whose capture diverts with `divert_mark`.

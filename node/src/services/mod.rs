@@ -259,6 +259,12 @@ impl ServicesDir {
         pods.overwrite(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
     }
 
+    /// The pod's file opened for writing, to be kept (`None`: not there, or no `pods/` yet).
+    fn open_pod_holds(&self, ns: &Netns) -> Option<fs::File> {
+        let path = self.pod_path(ns.path());
+        self.pods.get()?.open_for_overwrite(&path.file_name()?.to_string_lossy()).ok()
+    }
+
     fn forget_pod(&self, netns: &Path) {
         let _ = fs::remove_file(self.pod_path(netns));
     }

@@ -183,13 +183,13 @@ impl Dir {
     /// disk when closed (its guard for files replaced by truncation), which cost an apply more
     /// than its 100 pods' transactions. Cut to length only when its length changed.
     pub fn overwrite(&self, name: &str, body: &[u8]) -> std::io::Result<()> {
-        use std::os::unix::fs::FileExt;
         let f = self.openat(name, libc::O_WRONLY | libc::O_CREAT, 0o600)?;
-        f.write_all_at(body, 0)?;
-        if f.metadata()?.len() != body.len() as u64 {
-            f.set_len(body.len() as u64)?;
-        }
-        Ok(())
+        overwrite_file(&f, body, f.metadata()?.len())
+    }
+
+    /// `name` opened for `overwrite_file`, kept by a caller that writes it again and again.
+    pub fn open_for_overwrite(&self, name: &str) -> std::io::Result<File> {
+        self.openat(name, libc::O_WRONLY, 0)
     }
 
     /// Removes `name`; `false` if it was not there.
@@ -266,6 +266,16 @@ fn flock(f: File, exclusive: bool, timeout: Option<Duration>) -> std::io::Result
             Err(e) => return Err(e),
         }
     }
+}
+
+/// `body` written over the open file `f` (now `len` bytes long) in place, as `Dir::overwrite`.
+pub fn overwrite_file(f: &File, body: &[u8], len: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(body, 0)?;
+    if len != body.len() as u64 {
+        f.set_len(body.len() as u64)?;
+    }
+    Ok(())
 }
 
 /// Reads `path`, at most `cap` bytes (see [`Dir::read`]); `None` if it does not exist.

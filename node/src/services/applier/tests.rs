@@ -113,6 +113,19 @@ fn files(state: &Path) -> (Vec<u8>, Vec<u8>) {
     (read("snapshot.json"), read("layer.bin"))
 }
 
+/// What each pod's file under `pods/` says it holds: (generation, digest), sorted.
+fn holds_files(state: &Path) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(state.join("services/pods"))
+        .unwrap()
+        .map(|e| {
+            let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+            text.split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// Every pod's layer read back from the kernel and compared with the stored one.
 fn drift(state: &Path, pods: &BTreeMap<String, TestNetns>) -> Vec<String> {
     let stored = ServicesDir::new(state).stored_layer().unwrap().unwrap().for_pod(0xae71);
@@ -162,6 +175,13 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
                 apply_document(&kept_dir, &cluster.whole()).unwrap();
                 apply_document(&once_dir, &cluster.whole()).unwrap();
             }
+            25 => {
+                // A re-ADD of a pod (its file replaced, not rewritten in place).
+                for (state, pods) in [(&kept_state, &kept_pods), (&once_state, &once_pods)] {
+                    let ns = Netns::open_foreign(pods["a"].path()).unwrap();
+                    apply_current_snapshot_in_netns(state, &ns, 0xae71).unwrap();
+                }
+            }
             30 => {
                 // A pod gone (its record removed, as DEL does).
                 remove_record(&kept_state, "b");
@@ -185,6 +205,7 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
         assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(applier.kept_pods(), kept_pods.len(), "{when}: a socket per pod is kept");
+        assert_eq!(holds_files(&kept_state), holds_files(&once_state), "{when}: the pods' files differ");
     }
     // Control: the same comparison sees a pod whose set was changed by hand.
     let vip = cluster.services.values().next().unwrap()["vip"].as_str().unwrap().to_string();
