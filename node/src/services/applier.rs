@@ -99,7 +99,8 @@ fn stored_ids(dir: &ServicesDir) -> [Option<FileId>; 3] {
 /// The canonical stored document and its layer as this applier stored them.
 struct KeptStored {
     text: Vec<u8>,
-    layer: StoredLayer,
+    /// Handed to the apply that uses it (`None` then: the next one reads the files).
+    layer: Option<StoredLayer>,
     files: [Option<FileId>; 3],
 }
 
@@ -289,20 +290,23 @@ impl Kept {
 }
 
 /// What a visit makes once per divert mark in use (in practice one), on first need.
-struct Mark {
-    layer: layer::ServiceLayer,
+struct Mark<'a> {
+    stored: &'a StoredLayer,
+    mark: u32,
+    /// The whole layer for this mark, made on first need (a rebuild): a copy of 20,000 ports.
+    layer: Option<layer::ServiceLayer>,
     change: Option<Option<(LayerChange, Encoded)>>,
     prepared: Option<Option<layer::Prepared>>,
 }
 
-impl Mark {
-    fn new(stored: &StoredLayer, mark: u32) -> Self {
-        Mark { layer: stored.for_pod(mark), change: None, prepared: None }
+impl<'a> Mark<'a> {
+    fn new(stored: &'a StoredLayer, mark: u32) -> Self {
+        Mark { stored, mark, layer: None, change: None, prepared: None }
     }
 
     /// The element change between the cut layers for this mark, encoded once.
     fn change(&mut self, from: &layer::ServiceLayer, to: &layer::ServiceLayer) -> Option<&(LayerChange, Encoded)> {
-        let mark = self.layer.divert_mark;
+        let mark = self.mark;
         self.change
             .get_or_insert_with(|| {
                 let at = |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
@@ -315,7 +319,8 @@ impl Mark {
 
     /// The pod's layer rebuilt, in its netns (entered in place: the caller is on a tour).
     fn rebuild(&mut self, ns: &Netns) -> Result<Applied, PodError> {
-        let l = &self.layer;
+        let (stored, mark) = (self.stored, self.mark);
+        let l = self.layer.get_or_insert_with(|| stored.for_pod(mark));
         match self.prepared.get_or_insert_with(|| layer::Prepared::new(l).ok().flatten()) {
             Some(p) => flat(ns.run(|| p.rebuild())),
             None => flat(ns.run(|| layer::rebuild(l))),
@@ -335,19 +340,20 @@ impl PodReach for Kept {
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        if self.stored.as_ref().is_some_and(|k| k.files == stored_ids(dir)) {
-            let k = self.stored.as_ref().expect("checked");
-            return Ok(Some((Cow::Borrowed(&k.text[..]), k.layer.clone())));
+        if self.stored.as_ref().is_some_and(|k| k.layer.is_some() && k.files == stored_ids(dir)) {
+            let k = self.stored.as_mut().expect("checked");
+            let layer = k.layer.take().expect("checked");
+            return Ok(Some((Cow::Borrowed(&k.text[..]), layer)));
         }
         self.stored = None;
         Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
     }
 
-    fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: &StoredLayer, canonical: bool) {
+    fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: StoredLayer, canonical: bool) {
         self.layer_bin = FileId::of(&dir.layer_path());
         // Kept only when the marker vouches for the document (it names the layer's source).
         self.stored =
-            canonical.then(|| KeptStored { text: text.into_owned(), layer: layer.clone(), files: stored_ids(dir) });
+            canonical.then(|| KeptStored { text: text.into_owned(), layer: Some(layer), files: stored_ids(dir) });
     }
 
     fn apply_to_pods(

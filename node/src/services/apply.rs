@@ -193,7 +193,7 @@ pub(super) fn apply_document_with(
                 // Stored by a racing apply and replaced since the look above.
                 None => snapshot::parse_layer(text).map_err(refused)?,
             };
-            let (new, file) = StoredLayer::with_file(generation, &layer, source);
+            let (new, file) = StoredLayer::with_file(generation, layer, source);
             (new, Some(file))
         }
     };
@@ -239,8 +239,9 @@ fn store_and_apply(
     } else {
         canonical && dir.source_marker() == Some((source, true))
     };
-    reach.stored(dir, text, &new, canonical_vouched);
-    reach.apply_to_pods(dir, &new, previous.as_ref(), warnings)
+    let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
+    reach.stored(dir, text, new, canonical_vouched);
+    report
 }
 
 /// A stored document's text (kept, or read for the occasion) and its layer.
@@ -267,10 +268,10 @@ pub(super) trait PodReach {
         Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
     }
 
-    /// Told, under the lock, what was just stored (the files are written); `canonical`: the
-    /// stored marker vouches for `text` as the canonical document of `layer`. (`text` is
-    /// handed over: a kept copy costs no copy of a 1.5 MB document.)
-    fn stored(&mut self, _dir: &ServicesDir, _text: Cow<'_, [u8]>, _layer: &StoredLayer, _canonical: bool) {}
+    /// Told, under the lock, what was just stored (the files are written, the pods visited);
+    /// `canonical`: the stored marker vouches for `text` as the canonical document of
+    /// `layer`. (Both handed over: a kept copy costs no copy of a 1.5 MB document.)
+    fn stored(&mut self, _dir: &ServicesDir, _text: Cow<'_, [u8]>, _layer: StoredLayer, _canonical: bool) {}
 }
 
 /// A one-shot process's reach: one thread enters each pod's netns in turn, opening a socket
@@ -324,7 +325,8 @@ pub(super) fn apply_change_with(
         }
         if let Some(s) = change::splice::splice(&stored_text, &prev.layer, prev.generation, &c) {
             drop(stored_text);
-            let (new, file) = StoredLayer::with_file(c.generation, &s.layer, layer_file::source_digest(&s.text));
+            let source = layer_file::source_digest(&s.text);
+            let (new, file) = StoredLayer::with_file(c.generation, s.layer, source);
             return store_and_apply(dir, Cow::Owned(s.text), (new, Some(file)), Some(prev), Vec::new(), true, reach);
         }
     }
@@ -346,7 +348,7 @@ pub(super) fn apply_change_with(
         warnings.push(format!("{e}; replaced by this snapshot"));
         None
     });
-    let (new, file) = StoredLayer::with_file(next.generation, &next.layer(0), layer_file::source_digest(&whole));
+    let (new, file) = StoredLayer::with_file(next.generation, next.layer(0), layer_file::source_digest(&whole));
     store_and_apply(dir, Cow::Owned(whole), (new, Some(file)), previous, warnings, true, reach)
 }
 

@@ -126,12 +126,12 @@ impl StoredLayer {
     /// The stored form of `layer` at `generation` (lists sorted, IPv4 before IPv6, the mark
     /// dropped).
     pub fn new(generation: u64, layer: &ServiceLayer, source: u64) -> StoredLayer {
-        StoredLayer::with_file(generation, layer, source).0
+        StoredLayer::with_file(generation, layer.clone(), source).0
     }
 
-    /// `new`, and the bytes `layer.bin` holds for it (`encode`): encoded once for both.
-    pub fn with_file(generation: u64, layer: &ServiceLayer, source: u64) -> (StoredLayer, Vec<u8>) {
-        let mut layer = layer.clone();
+    /// `new` of a layer handed over, and the bytes `layer.bin` holds for it (`encode`):
+    /// encoded once for both.
+    pub fn with_file(generation: u64, mut layer: ServiceLayer, source: u64) -> (StoredLayer, Vec<u8>) {
         layer.ranges.sort();
         layer.mesh_vips.sort();
         layer.ports.sort();
