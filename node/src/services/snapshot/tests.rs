@@ -419,3 +419,27 @@ fn the_fast_reading_answers_only_what_the_typed_reading_answers() {
     assert_eq!(fast::read(escaped.as_bytes()), None);
     assert_eq!(parse(escaped.as_bytes()), parse(good().to_string().as_bytes()));
 }
+
+/// `parse_layer` is `parse` and its layer: for the plain form (read by the scanner), for a
+/// document the scanner leaves to serde (an escape), and in a refusal's every reason (one
+/// between items, one of an item).
+#[test]
+fn parse_layer_is_parse_and_its_layer() {
+    let plain = good().to_string();
+    let escaped = plain.replace("\"cart\"", "\"c\\u0061rt\"");
+    assert!(fast::read_layer(plain.as_bytes()).is_some() && fast::read_layer(escaped.as_bytes()).is_none());
+    for text in [&plain, &escaped] {
+        let s = super::parse(text.as_bytes()).unwrap();
+        assert_eq!(parse_layer(text.as_bytes()).unwrap(), (s.generation, s.layer(0)));
+    }
+    let mut vip_twice = good();
+    vip_twice["services"][1]["vip"] = json!("10.96.0.1");
+    let mut bad_mode = good();
+    bad_mode["mode"] = json!("x");
+    for v in [vip_twice, bad_mode] {
+        let text = v.to_string();
+        let refused = parse_layer(text.as_bytes()).unwrap_err();
+        assert!(!refused.reasons.is_empty());
+        assert_eq!(refused, super::parse(text.as_bytes()).unwrap_err());
+    }
+}
