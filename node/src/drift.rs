@@ -130,6 +130,16 @@ impl Drift {
             Ok(PodNetns::Live(ns)) => ns,
             Ok(PodNetns::Gone(why)) => {
                 self.forget(&key);
+                // A path whose directory this process cannot see says nothing of the pod: an
+                // installer without the runtime's netns directory mounted would otherwise
+                // collect every live pod's record as a leftover.
+                if let Some(dir) = std::path::Path::new(&record.netns).parent().filter(|d| !d.is_dir()) {
+                    return Look::Unverifiable(format!(
+                        "{why}; its directory {} is not visible to this process (the installer needs the \
+                         runtime's netns directory mounted: the chart's hostPaths.netnsDir)",
+                        dir.display()
+                    ));
+                }
                 return Look::Gone(why);
             }
             Err(e) => return Look::Unverifiable(e.to_string()),
@@ -217,6 +227,43 @@ mod tests {
             Look::Seen { capture, services, compared } => (capture.len(), services.len(), *compared),
             other => panic!("not compared: {other:?}"),
         }
+    }
+
+    /// A record whose netns file is gone from a directory this process sees is gone; one
+    /// whose netns directory it cannot see at all (an installer without the runtime's netns
+    /// directory mounted) cannot be judged, and is never taken for gone.
+    #[test]
+    fn a_netns_is_gone_only_where_its_directory_is_visible() {
+        let dir = std::env::temp_dir().join(format!("aether-drift-gone-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = crate::config::parse(
+            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
+                   "stateDir": dir, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let record = |netns: &std::path::Path| Record {
+            version: crate::state::RECORD_VERSION,
+            network: "net".into(),
+            container_id: "c1".into(),
+            ifname: "eth0".into(),
+            netns: netns.display().to_string(),
+            netns_id: None,
+            pod_namespace: None,
+            pod_name: None,
+            pod_uid: None,
+            config_digest: String::new(),
+            capture: None,
+            defaulted: Vec::new(),
+        };
+        let mut drift = Drift::new();
+        let gone = drift.look(&conf, &record(&dir.join("cni-1234")), &Ok(None));
+        assert!(matches!(gone, Look::Gone(_)), "a missing netns file in a visible directory: {gone:?}");
+        let unseen = drift.look(&conf, &record(&dir.join("not-mounted/cni-1234")), &Ok(None));
+        let Look::Unverifiable(why) = unseen else { panic!("a netns directory not visible here: {unseen:?}") };
+        assert!(why.contains("not-mounted") && why.contains("hostPaths.netnsDir"), "{why}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A pod attached by ADD's code with the stored layer: compared in full once, then by its
