@@ -155,13 +155,28 @@ impl Drift {
             let (generation, routes) =
                 ns.run(|| (aether_rules::nft::generation(), aether_rules::verify_policy_routes(&prs))).ok()?;
             let generation = generation.ok()?;
-            let same = self.intact.get(&key).is_some_and(|i| {
-                i.generation == generation
-                    && i.record == *record
-                    && layer.as_ref().is_ok_and(|l| *l == i.layer)
-                    && Instant::now() < i.due
-            });
-            Some((generation, same.then_some(routes)))
+            let Some(i) = self.intact.get_mut(&key).filter(|i| i.record == *record && Instant::now() < i.due) else {
+                return Some((generation, None));
+            };
+            let same = i.generation == generation && layer.as_ref().is_ok_and(|l| *l == i.layer);
+            // Moved only by the applier's element changes since that comparison, and brought
+            // to the stored layer by them: still intact (its capture untouched, its Service
+            // layer changed exactly as the stored one did).
+            let carried = !same
+                && match (layer, services::applied_run(&conf.state_dir, &ns)) {
+                    (Ok(Some((stored, _))), Some(run)) => {
+                        run.layer_generation == *stored
+                            && run.divert_mark == cfg.divert_mark
+                            && run.first <= i.generation
+                            && i.generation <= run.last
+                            && run.last == generation
+                    }
+                    _ => false,
+                };
+            if carried {
+                (i.generation, i.layer) = (generation, layer.as_ref().ok().cloned().flatten());
+            }
+            Some((generation, (same || carried).then_some(routes)))
         });
         match unchanged {
             Some((_, Some(Ok(routes)))) => {
@@ -227,6 +242,79 @@ mod tests {
             Look::Seen { capture, services, compared } => (capture.len(), services.len(), *compared),
             other => panic!("not compared: {other:?}"),
         }
+    }
+
+    /// Changes sent by the long-lived applier move the pod's generation, and the stored layer
+    /// with them: the look carries the pod's intact state over them instead of comparing its
+    /// tables again, as long as nothing else was committed in its netns and the pod got the
+    /// stored layer. Anything else (another commit before or after the applier's, a change
+    /// by the one-shot apply, a tamper after the applier's change) is compared in full.
+    #[test]
+    fn a_look_carries_a_pod_intact_over_the_applier_s_changes_and_nothing_else() {
+        if !root_or_skip("a_look_carries_a_pod_intact_over_the_applier_s_changes_and_nothing_else") {
+            return;
+        }
+        let state = std::env::temp_dir().join(format!("aether-drift-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let ns = TestNetns::new("drift-run");
+        let conf = crate::config::parse(
+            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
+                   "stateDir": state, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let cfg = crate::config::effective(&conf, Some("shop")).unwrap().unwrap();
+        apply_document(&ServicesDir::new(&state), &snapshot(1, 80)).unwrap();
+        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
+        attachment::attach(&conf, target, &PodIdentity::default(), &ns.path(), &cfg).unwrap();
+        let record = crate::state::StateDir::new(&state).records().pop().unwrap();
+        let mut applier = crate::services::Applier::new(&state);
+        let mut drift = Drift::new();
+        let look = |d: &mut Drift| d.look(&conf, &record, &services::stored_header(&state));
+        let port = std::cell::Cell::new(80u16);
+        // The next generation, one Service port more each (an element change in the pod).
+        let doc = || {
+            port.set(port.get() + 1);
+            snapshot(u64::from(port.get()) - 79, port.get())
+        };
+        let next = |applier: &mut crate::services::Applier| {
+            applier.apply(&doc()).unwrap();
+        };
+
+        next(&mut applier);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full), "first: in full");
+        for round in 0..3 {
+            next(&mut applier);
+            assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged), "the applier's change {round}: carried");
+        }
+        // Two changes of the applier's between looks: carried too.
+        next(&mut applier);
+        next(&mut applier);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged), "two changes: carried");
+
+        // Another commit before the applier's change: in full.
+        ns.exec("nft", &["add", "table", "ip", "someone_else"]);
+        next(&mut applier);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full), "another commit before: in full");
+        next(&mut applier);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged), "and carried again after");
+
+        // The one-shot apply's change: in full (it does not follow the generation).
+        apply_document(&ServicesDir::new(&state), &doc()).unwrap();
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Full), "the one-shot apply: in full");
+        next(&mut applier);
+        assert_eq!(seen(&look(&mut drift)), (0, 0, Compared::Unchanged));
+
+        // A tamper right after the applier's change: in full, and found.
+        next(&mut applier);
+        ns.exec("nft", &["delete", "element", "ip", "aether_services", "service_vips", "{ 10.96.1.1 }"]);
+        let found = look(&mut drift);
+        let Look::Seen { services: ref diffs, compared, .. } = found else { panic!("{found:?}") };
+        assert_eq!(compared, Compared::Full, "a tamper after the applier's change: in full");
+        assert!(!diffs.is_empty(), "the tamper is found: {found:?}");
+        drop(ns);
+        let _ = std::fs::remove_dir_all(&state);
     }
 
     /// A record whose netns file is gone from a directory this process sees is gone; one

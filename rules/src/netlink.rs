@@ -247,14 +247,20 @@ impl Socket {
     /// error the kernel reported for the batch, as (sequence number, errno), in order, once
     /// the fence's answer (which comes after every answer to the batch) has arrived. The
     /// kernel goes on through a batch after an error, so each refused message is answered.
-    pub fn batch_errors(&mut self, fence: u32) -> io::Result<Vec<(u32, i32)>> {
+    /// And the fence's answer itself (its whole message: a GETGEN fence's says the ruleset
+    /// generation the batch left).
+    pub fn batch_errors_and_fence(&mut self, fence: u32) -> io::Result<(Vec<(u32, i32)>, Vec<u8>)> {
         let mut errors = Vec::new();
+        let mut answer = Vec::new();
         self.receive(|m| {
             if m.seq == fence {
                 return match m.kind {
                     NLMSG_ERROR if m.code() != 0 => Err(io::Error::from_raw_os_error(m.code())),
                     NLMSG_ERROR => Ok(false),
-                    _ => Ok(true),
+                    _ => {
+                        answer = m.bytes.to_vec();
+                        Ok(true)
+                    }
                 };
             }
             if m.kind == NLMSG_ERROR && m.code() != 0 {
@@ -262,6 +268,6 @@ impl Socket {
             }
             Ok(false)
         })?;
-        Ok(errors)
+        Ok((errors, answer))
     }
 }

@@ -500,13 +500,19 @@ impl LayerChange {
         nft::encode_element_changes(TABLE, &self.changes)
     }
 
-    /// `send`, already encoded (`encode`), on a socket kept in the pod's netns.
-    pub fn send_encoded_on(&self, encoded: &nft::Encoded, sock: &mut nft::KeptSocket) -> Result<Applied> {
+    /// `send`, already encoded (`encode`), on a socket kept in the pod's netns; with the
+    /// netns's ruleset generation right after the transaction, when read (`None` too when
+    /// nothing was sent).
+    pub fn send_encoded_on(
+        &self,
+        encoded: &nft::Encoded,
+        sock: &mut nft::KeptSocket,
+    ) -> Result<(Applied, Option<u32>)> {
         if self.is_empty() {
-            return Ok(Applied::Unchanged);
+            return Ok((Applied::Unchanged, None));
         }
-        encoded.send_on(sock)?;
-        Ok(Applied::Elements { added: self.added(), removed: self.removed() })
+        let generation = encoded.send_on(sock)?;
+        Ok((Applied::Elements { added: self.added(), removed: self.removed() }, generation))
     }
 
     /// Sends the change to the layer in the current netns, in one transaction, without

@@ -244,13 +244,29 @@ impl Kept {
             let result = match link {
                 Err(e) => Err(e),
                 Ok(link) => {
+                    // What this visit committed in the pod's netns: nothing, an element change
+                    // (with the generation its fence read), or a rebuild.
+                    let mut sent = Sent::Rebuild;
                     let outcome = match &link.holds {
                         Some(h) if h.is(new, mark) => Ok(Applied::Unchanged),
                         Some(h) if h.is(previous, mark) => {
                             let (from, to) = cut.get_or_insert_with(|| narrowed(&previous.layer, &new.layer));
+                            // Without a run to extend, the generation just before the change, so
+                            // that one can start at it (one more request, only then).
+                            let at = match link.holds.as_ref().and_then(|h| h.applied_run) {
+                                Some(_) => None,
+                                None => link.sock.generation().ok(),
+                            };
                             // Refused (the pod's layer is not what it was believed to hold): rebuilt.
                             match m.change(from, to).map(|(c, encoded)| c.send_encoded_on(encoded, &mut link.sock)) {
-                                Some(Ok(applied)) => Ok(applied),
+                                Some(Ok((Applied::Unchanged, _))) => {
+                                    sent = Sent::Nothing;
+                                    Ok(Applied::Unchanged)
+                                }
+                                Some(Ok((applied, generation))) => {
+                                    sent = Sent::Change { before: at, after: generation };
+                                    Ok(applied)
+                                }
                                 _ => m.rebuild(&link.ns),
                             }
                         }
@@ -260,7 +276,8 @@ impl Kept {
                     match &outcome {
                         Ok(_) if link.holds.as_ref().is_some_and(|h| h.is(new, mark)) => {}
                         Ok(_) => {
-                            let held = PodHolds::new(new, &link.ns, mark);
+                            let before = link.holds.as_ref().and_then(|h| h.applied_run);
+                            let held = PodHolds { applied_run: sent.run(before), ..PodHolds::new(new, &link.ns, mark) };
                             match link.write_holds(dir, &held) {
                                 Ok(()) => link.holds = Some(held),
                                 Err(e) => {
@@ -286,6 +303,40 @@ impl Kept {
         }
         dir.end_pods()?;
         Ok(ApplyReport { generation: new.generation, pods, warnings })
+    }
+}
+
+/// What a visit committed in a pod's netns.
+enum Sent {
+    /// Nothing (the change had no element for it): its generation did not move.
+    Nothing,
+    /// The element change: the generation read just before it (when read), and the one its
+    /// transaction's fence read.
+    Change { before: Option<u32>, after: Option<u32> },
+    /// A rebuild (its generation is not followed).
+    Rebuild,
+}
+
+impl Sent {
+    /// The pod's run of generations made by this applier's element changes alone, after this
+    /// visit, from the one before it (`PodHolds::applied_run`). A change whose fence read one
+    /// past the run's last extends it, and one past the generation read just before it
+    /// starts one there: nothing else was committed in between (any commit moves the
+    /// generation by one). Any other change starts a run at its own generation: what came
+    /// before it (another commit, even one between the transaction and its fence) is not
+    /// claimed.
+    fn run(&self, run: Option<(u32, u32)>) -> Option<(u32, u32)> {
+        match (self, run) {
+            (Sent::Nothing, run) => run,
+            (Sent::Change { after: Some(after), .. }, Some((first, last))) if last.wrapping_add(1) == *after => {
+                Some((first, *after))
+            }
+            (Sent::Change { before: Some(before), after: Some(after) }, _) if before.wrapping_add(1) == *after => {
+                Some((*before, *after))
+            }
+            (Sent::Change { after: Some(after), .. }, _) => Some((*after, *after)),
+            (Sent::Change { after: None, .. }, _) | (Sent::Rebuild, _) => None,
+        }
     }
 }
 

@@ -18,7 +18,8 @@ fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
 }
 
-/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line.
+/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line, and
+/// `first last` when the long-lived applier sent it (see `applied_run`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct PodHolds {
     pub(super) generation: u64,
@@ -26,22 +27,37 @@ pub(super) struct PodHolds {
     /// `Netns::id()` of the netns it was written for.
     pub(super) netns: String,
     pub(super) divert_mark: u32,
+    /// The netns's nftables generations from `first` to `last` were all made by the applier's
+    /// element changes of the Service layer, one after another (each transaction's fence read
+    /// the generation one past the last), and `last` is where this layer was sent. The
+    /// reconciler carries a pod's intact state over them instead of comparing it again.
+    pub(super) applied_run: Option<(u32, u32)>,
 }
 
 impl PodHolds {
     pub(super) fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
-        PodHolds { generation: stored.generation, digest: stored.digest, netns: netns_key(ns), divert_mark }
+        PodHolds {
+            generation: stored.generation,
+            digest: stored.digest,
+            netns: netns_key(ns),
+            divert_mark,
+            applied_run: None,
+        }
     }
 
     pub(super) fn parse(text: &str) -> Option<Self> {
         // Written in place: a copy torn by a crash lacks the final newline, and is no file.
         let mut f = text.strip_suffix('\n')?.split_whitespace();
-        let held = PodHolds {
+        let mut held = PodHolds {
             generation: f.next()?.parse().ok()?,
             digest: u64::from_str_radix(f.next()?, 16).ok()?,
             netns: f.next()?.to_string(),
             divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
+            applied_run: None,
         };
+        if let Some(first) = f.next() {
+            held.applied_run = Some((first.parse().ok()?, f.next()?.parse().ok()?));
+        }
         f.next().is_none().then_some(held)
     }
 
@@ -58,7 +74,11 @@ pub(super) fn netns_key(ns: &Netns) -> String {
 
 impl std::fmt::Display for PodHolds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)
+        write!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)?;
+        if let Some((first, last)) = self.applied_run {
+            write!(f, " {first} {last}")?;
+        }
+        writeln!(f)
     }
 }
 

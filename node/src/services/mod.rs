@@ -47,8 +47,8 @@ use apply::{generation_value, leading_generation, netns_key, PodHolds};
 pub use fold::{end_stale_fold, retire_layer, Retired};
 pub use layer_file::{LayerFileError, StoredLayer};
 pub use report::{
-    describe_pod_layer, node_counters, node_demand, repair_pod_layer, stored_header, verify_pod_layer, verify_pods,
-    LayerHeader, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
+    applied_run, describe_pod_layer, node_counters, node_demand, repair_pod_layer, stored_header, verify_pod_layer,
+    verify_pods, AppliedRun, LayerHeader, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
 };
 
 /// Why the Service layer's node state cannot do what was asked.

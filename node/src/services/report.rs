@@ -224,6 +224,25 @@ fn verify_each(
     }
 }
 
+/// What the long-lived applier's file says of a pod it sent changes to: the stored generation
+/// it brought the pod to, for which divert mark, and the run of the netns's nftables
+/// generations its element changes alone made (`first` to `last`, where it sent that layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppliedRun {
+    pub layer_generation: u64,
+    pub divert_mark: u32,
+    pub first: u32,
+    pub last: u32,
+}
+
+/// The pod's `AppliedRun`, if its file under `pods/` has one (read without the lock: a torn
+/// or absent file is none).
+pub fn applied_run(state_dir: &Path, netns: &Netns) -> Option<AppliedRun> {
+    let held = ServicesDir::new(state_dir).pod_holds(netns)?;
+    let (first, last) = held.applied_run?;
+    Some(AppliedRun { layer_generation: held.generation, divert_mark: held.divert_mark, first, last })
+}
+
 /// `layer.bin`'s (generation, source digest): which stored layer is in force.
 pub type LayerHeader = (u64, u64);
 

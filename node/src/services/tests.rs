@@ -283,3 +283,23 @@ fn del_folds_final_counts_into_the_node_total() {
     assert_eq!(node_counters(&dir).unwrap().totals, before);
     let _ = fs::remove_dir_all(&state);
 }
+
+/// A pod's file reads back as written, with and without the applier's run of generations;
+/// a torn or extended line is no file (a rebuild).
+#[test]
+fn a_pods_file_reads_back_and_a_torn_one_is_none() {
+    let held =
+        PodHolds { generation: 7, digest: 0xabc, netns: "4:4026532000".into(), divert_mark: 0xae71, applied_run: None };
+    assert_eq!(PodHolds::parse(&held.to_string()), Some(held.clone()));
+    let run = PodHolds { applied_run: Some((41, 44)), ..held.clone() };
+    assert_eq!(run.to_string(), "7 0000000000000abc 4:4026532000 0xae71 41 44\n");
+    assert_eq!(PodHolds::parse(&run.to_string()), Some(run));
+    for torn in [
+        "7 0000000000000abc 4:4026532000 0xae71 41 44",
+        "7 0000000000000abc 4:4026532000 0xae71 41\n",
+        "7 0000000000000abc 4:4026532000 0xae71 41 44 45\n",
+        "7 0000000000000abc 4:4026532000 0xae71 x 44\n",
+    ] {
+        assert_eq!(PodHolds::parse(torn), None, "{torn:?}");
+    }
+}

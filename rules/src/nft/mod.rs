@@ -41,6 +41,12 @@ fn open() -> Result<Socket> {
 /// an ACK (errors are reported anyway); a GETGEN request after the batch is the fence: its
 /// answer comes after every answer to the batch. An error names the refused object.
 fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
+    commit_at(sock, batch).map(drop)
+}
+
+/// `commit`, and the netns's ruleset generation its fence read right after it (`None` if
+/// that answer could not be read: the transaction's verdict stands).
+fn commit_at(sock: &mut Socket, batch: &Batch) -> Result<Option<u32>> {
     let nft = |op| move |source| Error::Nftables { op, source };
     sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
     let first = sock.take_seqs(batch.seq_count());
@@ -50,9 +56,9 @@ fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
         NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
     );
     let fence = sock.request(gen, 0).map_err(nft("send generation fence"))?;
-    let errors = sock.batch_errors(fence).map_err(nft("generation fence"))?;
+    let (errors, answer) = sock.batch_errors_and_fence(fence).map_err(nft("generation fence"))?;
     let Some(&(seq, code)) = errors.first() else {
-        return Ok(());
+        return Ok(generation_of(&answer).ok());
     };
     let index = |seq: u32| seq.checked_sub(first + 1).map(|i| i as usize);
     let what = index(seq).and_then(|i| batch.labels.get(i)).map(String::as_str).unwrap_or("the transaction");
@@ -208,8 +214,14 @@ pub fn generation() -> Result<u32> {
         NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
     );
     let bytes = sock.ask_raw(request).map_err(err)?;
+    generation_of(&bytes)
+}
+
+/// The generation in an answer to GETGEN.
+fn generation_of(bytes: &[u8]) -> Result<u32> {
+    let err = |source| Error::Nftables { op: "get generation", source };
     let invalid = |what: String| err(io::Error::new(io::ErrorKind::InvalidData, what));
-    let message = NetlinkMessage::<NetfilterMessage>::deserialize(&bytes).map_err(|e| invalid(e.to_string()))?;
+    let message = NetlinkMessage::<NetfilterMessage>::deserialize(bytes).map_err(|e| invalid(e.to_string()))?;
     match message.payload {
         NetlinkPayload::InnerMessage(NetfilterMessage {
             inner: NetfilterMessageInner::NfTables(NfTablesMessage::NewGen(GenMessage { attributes })),
@@ -269,9 +281,9 @@ impl Encoded {
     }
 
     /// Sends the transaction on `sock` (in the netns it was opened in) and waits for the
-    /// kernel's verdict.
-    pub fn send_on(&self, sock: &mut KeptSocket) -> Result<()> {
-        commit(&mut sock.0, &self.0)
+    /// kernel's verdict; the netns's ruleset generation right after it, when read.
+    pub fn send_on(&self, sock: &mut KeptSocket) -> Result<Option<u32>> {
+        commit_at(&mut sock.0, &self.0)
     }
 }
 
@@ -285,6 +297,18 @@ impl KeptSocket {
     /// A socket in the current netns.
     pub fn open() -> Result<Self> {
         open().map(KeptSocket)
+    }
+}
+
+impl KeptSocket {
+    /// The ruleset generation of the socket's netns (GETGEN).
+    pub fn generation(&mut self) -> Result<u32> {
+        let request = NetfilterMessage::new(
+            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+            NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+        );
+        let bytes = self.0.ask_raw(request).map_err(|source| Error::Nftables { op: "get generation", source })?;
+        generation_of(&bytes)
     }
 }
 
