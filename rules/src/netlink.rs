@@ -27,6 +27,10 @@ pub(crate) struct Socket {
     next_seq: u32,
 }
 
+/// What a batch's fence brought: the errors, as (sequence number, errno), and the fence's own
+/// answer (its whole message).
+pub type BatchAnswers = (Vec<(u32, i32)>, Vec<u8>);
+
 /// One message as received: header fields and the whole message's bytes.
 pub(crate) struct Received<'a> {
     pub kind: u16,
@@ -249,7 +253,7 @@ impl Socket {
     /// kernel goes on through a batch after an error, so each refused message is answered.
     /// And the fence's answer itself (its whole message: a GETGEN fence's says the ruleset
     /// generation the batch left).
-    pub fn batch_errors_and_fence(&mut self, fence: u32) -> io::Result<(Vec<(u32, i32)>, Vec<u8>)> {
+    pub fn batch_errors_and_fence(&mut self, fence: u32) -> io::Result<BatchAnswers> {
         let mut errors = Vec::new();
         let mut answer = Vec::new();
         self.receive(|m| {
