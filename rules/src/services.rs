@@ -31,6 +31,9 @@ use crate::model::*;
 use crate::nft;
 
 pub const TABLE: &str = "aether_services";
+
+mod change;
+pub use change::LayerChange;
 pub const CHAIN_EGRESS: &str = "egress_classify";
 pub const CHAIN_CLASSIFY: &str = "classify";
 pub const CHAIN_REFUSE: &str = "refuse";
@@ -431,133 +434,6 @@ impl Prepared {
     pub fn rebuild(&self) -> Result<Applied> {
         rebuild_tables(&self.tables, Some(&self.create))
     }
-}
-
-/// The set elements that turn the layer for `old` into the layer for `new`, computed from the
-/// models alone (no kernel involved), once per apply for every pod that holds `old`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct LayerChange {
-    changes: Vec<(Family, Vec<nft::ElementChange>)>,
-}
-
-impl LayerChange {
-    /// The change between two layers, or `None` when more than the elements of hash sets
-    /// differ (a new range, family, timeout or mark, a mode `off`): those pods are rebuilt.
-    pub fn between(old: &ServiceLayer, new: &ServiceLayer) -> Result<Option<LayerChange>> {
-        let (old, new) = (services_tables(old)?, services_tables(new)?);
-        let families = |t: &[Table]| t.iter().map(|t| t.family).collect::<Vec<_>>();
-        if old.is_empty() || families(&old) != families(&new) {
-            return Ok(None);
-        }
-        let bare = |t: &Table| {
-            let mut t = t.clone();
-            t.sets.iter_mut().for_each(|s| s.elements.clear());
-            t
-        };
-        let mut out = Vec::new();
-        for (old, new) in old.iter().zip(&new) {
-            if bare(old) != bare(new) {
-                return Ok(None);
-            }
-            let mut changes = Vec::new();
-            for (o, n) in old.sets.iter().zip(&new.sets) {
-                if o.timeout_secs.is_some() || o.elements == n.elements {
-                    continue;
-                }
-                if o.interval {
-                    return Ok(None);
-                }
-                // Both sorted and without duplicates (built from ordered sets).
-                let (delete, add) = sorted_difference(&o.elements, &n.elements);
-                changes.push(nft::ElementChange {
-                    set: o.name.clone(),
-                    delete: nft::set_keys(o, &delete),
-                    add: nft::set_keys(n, &add),
-                });
-            }
-            if !changes.is_empty() {
-                out.push((old.family, changes));
-            }
-        }
-        Ok(Some(LayerChange { changes: out }))
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.changes.is_empty()
-    }
-
-    pub fn added(&self) -> usize {
-        self.changes.iter().flat_map(|(_, c)| c).map(|c| c.add.len()).sum()
-    }
-
-    pub fn removed(&self) -> usize {
-        self.changes.iter().flat_map(|(_, c)| c).map(|c| c.delete.len()).sum()
-    }
-
-    /// The change's transaction, encoded once: what a minimal sender (the bench's floor)
-    /// sends to each netns.
-    pub fn encode(&self) -> nft::Encoded {
-        nft::encode_element_changes(TABLE, &self.changes)
-    }
-
-    /// `send`, already encoded (`encode`), on a socket kept in the pod's netns; with the
-    /// netns's ruleset generation right after the transaction, when read (`None` too when
-    /// nothing was sent).
-    pub fn send_encoded_on(
-        &self,
-        encoded: &nft::Encoded,
-        sock: &mut nft::KeptSocket,
-    ) -> Result<(Applied, Option<u32>)> {
-        if self.is_empty() {
-            return Ok((Applied::Unchanged, None));
-        }
-        let generation = encoded.send_on(sock)?;
-        Ok((Applied::Elements { added: self.added(), removed: self.removed() }, generation))
-    }
-
-    /// Sends the change to the layer in the current netns, in one transaction, without
-    /// reading anything back. The kernel refuses all of it if the layer does not hold what
-    /// the change starts from where it matters (a table or a deleted element missing): the
-    /// caller then rebuilds.
-    pub fn send(&self) -> Result<Applied> {
-        if self.is_empty() {
-            return Ok(Applied::Unchanged);
-        }
-        nft::change_elements(TABLE, &self.changes)?;
-        Ok(Applied::Elements { added: self.added(), removed: self.removed() })
-    }
-}
-
-/// (in `a` only, in `b` only) of two sorted lists without duplicates.
-fn sorted_difference<T: Ord + Clone>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
-    let (mut only_a, mut only_b) = (Vec::new(), Vec::new());
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() || j < b.len() {
-        match (a.get(i), b.get(j)) {
-            (Some(x), Some(y)) if x == y => {
-                i += 1;
-                j += 1;
-            }
-            (Some(x), Some(y)) if x < y => {
-                only_a.push(x.clone());
-                i += 1;
-            }
-            (Some(_), Some(y)) => {
-                only_b.push(y.clone());
-                j += 1;
-            }
-            (Some(x), None) => {
-                only_a.push(x.clone());
-                i += 1;
-            }
-            (None, Some(y)) => {
-                only_b.push(y.clone());
-                j += 1;
-            }
-            (None, None) => unreachable!(),
-        }
-    }
-    (only_a, only_b)
 }
 
 /// The element changes that turn `actual` into `expected`, or `None` when more than
