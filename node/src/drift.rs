@@ -237,6 +237,33 @@ mod tests {
         .into_bytes()
     }
 
+    /// The tests' network configuration, its state directory `state`.
+    fn node_conf(state: &std::path::Path) -> NetConf {
+        crate::config::parse(
+            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
+                   "stateDir": state, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    /// A pod attached by ADD's code in a netns of its own, on a node whose state (a fresh
+    /// directory named after `tag`) holds one Service: the state, the netns, the network
+    /// configuration, the pod's capture and its record.
+    fn attached(tag: &str) -> (std::path::PathBuf, TestNetns, NetConf, aether_rules::CaptureConfig, Record) {
+        let state = std::env::temp_dir().join(format!("aether-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let ns = TestNetns::new(tag);
+        let conf = node_conf(&state);
+        let cfg = crate::config::effective(&conf, Some("shop")).unwrap().unwrap();
+        apply_document(&ServicesDir::new(&state), &snapshot(1, 80)).unwrap();
+        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
+        attachment::attach(&conf, target, &PodIdentity::default(), &ns.path(), &cfg).unwrap();
+        let record = crate::state::StateDir::new(&state).records().pop().unwrap();
+        (state, ns, conf, cfg, record)
+    }
+
     fn seen(look: &Look) -> (usize, usize, Compared) {
         match look {
             Look::Seen { capture, services, compared } => (capture.len(), services.len(), *compared),
@@ -254,21 +281,7 @@ mod tests {
         if !root_or_skip("a_look_carries_a_pod_intact_over_the_applier_s_changes_and_nothing_else") {
             return;
         }
-        let state = std::env::temp_dir().join(format!("aether-drift-run-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&state);
-        let ns = TestNetns::new("drift-run");
-        let conf = crate::config::parse(
-            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
-                   "stateDir": state, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
-            .to_string()
-            .as_bytes(),
-        )
-        .unwrap();
-        let cfg = crate::config::effective(&conf, Some("shop")).unwrap().unwrap();
-        apply_document(&ServicesDir::new(&state), &snapshot(1, 80)).unwrap();
-        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
-        attachment::attach(&conf, target, &PodIdentity::default(), &ns.path(), &cfg).unwrap();
-        let record = crate::state::StateDir::new(&state).records().pop().unwrap();
+        let (state, ns, conf, _, record) = attached("drift-run");
         let mut applier = crate::services::Applier::new(&state);
         let mut drift = Drift::new();
         let look = |d: &mut Drift| d.look(&conf, &record, &services::stored_header(&state));
@@ -324,13 +337,7 @@ mod tests {
     fn a_netns_is_gone_only_where_its_directory_is_visible() {
         let dir = std::env::temp_dir().join(format!("aether-drift-gone-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let conf = crate::config::parse(
-            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
-                   "stateDir": dir, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
-            .to_string()
-            .as_bytes(),
-        )
-        .unwrap();
+        let conf = node_conf(&dir);
         let record = |netns: &std::path::Path| Record {
             version: crate::state::RECORD_VERSION,
             network: "net".into(),
@@ -363,21 +370,7 @@ mod tests {
         if !root_or_skip("a_look_compares_in_full_only_when_the_netns_or_the_stored_layer_changed") {
             return;
         }
-        let state = std::env::temp_dir().join(format!("aether-drift-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&state);
-        let ns = TestNetns::new("drift");
-        let conf = crate::config::parse(
-            json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
-                   "stateDir": state, "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}]}})
-            .to_string()
-            .as_bytes(),
-        )
-        .unwrap();
-        let cfg = crate::config::effective(&conf, Some("shop")).unwrap().unwrap();
-        apply_document(&ServicesDir::new(&state), &snapshot(1, 80)).unwrap();
-        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
-        attachment::attach(&conf, target, &PodIdentity::default(), &ns.path(), &cfg).unwrap();
-        let record = crate::state::StateDir::new(&state).records().pop().unwrap();
+        let (state, ns, conf, cfg, record) = attached("drift");
         assert!(record.netns_id.and_then(|i| i.cookie).is_some(), "the record has the netns cookie");
         let header = || services::stored_header(&state);
         let mut drift = Drift::new();
