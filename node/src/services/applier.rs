@@ -159,9 +159,12 @@ impl Link {
         Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
     }
 
-    /// Whether the record's path still names the netns this link is in.
+    /// Whether the record's path still names the netns this link is in. A stat, not an open
+    /// (this runs for every pod once a second): the kept socket pins the netns, so no other
+    /// netns can show its (device, inode) while the link lives.
     fn still_there(&self) -> bool {
-        Netns::open_foreign(&self.path).is_ok_and(|now| now.id() == self.ns.id())
+        let id = self.ns.id();
+        std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == id.dev && m.ino() == id.ino)
     }
 }
 

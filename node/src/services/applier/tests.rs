@@ -276,3 +276,34 @@ fn tidy_lets_a_gone_pods_netns_be_freed() {
     assert_eq!(applier.kept_pods(), 0);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+/// A pod whose netns path went while its record stayed (the runtime removed the netns and
+/// no DEL came): `tidy` sees the path no longer names the kept netns and lets go of it.
+#[test]
+fn tidy_lets_go_of_a_pod_whose_netns_path_is_gone() {
+    if !root_or_skip("tidy_lets_go_of_a_pod_whose_netns_path_is_gone") {
+        return;
+    }
+    let state = tmp("tidy-path");
+    let mut applier = Applier::new(&state);
+    let doc = |generation: u64| {
+        json!({"generation": generation, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []})
+            .to_string()
+            .into_bytes()
+    };
+    applier.apply(&doc(1)).unwrap();
+    let peer = TestNetns::new("applier-peer2");
+    let pod = add_pod(&state, "kept");
+    pod.exec("ip", &["link", "add", "pod0", "type", "veth", "peer", "name", "peer0", "netns", &peer.name]);
+    applier.apply(&doc(2)).unwrap();
+    assert_eq!(applier.kept_pods(), 1);
+    // Still there: tidy keeps it.
+    applier.tidy();
+    assert_eq!(applier.kept_pods(), 1, "tidy let go of a pod whose netns path still names it");
+    drop(pod);
+    assert!(has_link(&peer, "peer0"), "RIG BROKEN: the pod's netns went although the applier holds a socket in it");
+    applier.tidy();
+    assert_eq!(applier.kept_pods(), 0, "tidy kept a pod whose netns path is gone");
+    assert!(eventually(|| !has_link(&peer, "peer0")), "the netns was not freed after tidy");
+    let _ = std::fs::remove_dir_all(&state);
+}
