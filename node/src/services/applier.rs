@@ -176,6 +176,8 @@ struct Kept {
     /// `layer.bin`'s identity after this applier last wrote or checked it: the links'
     /// beliefs hold only while no one else has stored a layer since.
     layer_bin: Option<FileId>,
+    /// The spare files `snapshot.json` and `layer.bin` are written through.
+    spares: BTreeMap<String, state::Spare>,
 }
 
 impl Kept {
@@ -391,6 +393,10 @@ impl PodReach for Kept {
             self.stored = None;
             self.forget_beliefs();
         }
+    }
+
+    fn write_stored(&mut self, dir: &ServicesDir, name: &str, body: &[u8]) -> Result<(), ServicesError> {
+        dir.replace_via_spare(name, body, self.spares.entry(name.to_string()).or_default())
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {

@@ -246,8 +246,8 @@ fn store_and_apply(
         // The marker goes before the document changes, and comes back only once the layer
         // matches it: killed in between, the next apply reads the stored document in full.
         dir.remove(SOURCE)?;
-        dir.write_atomic("snapshot.json", &text)?;
-        dir.write_atomic("layer.bin", &file.unwrap_or_else(|| new.encode()))?;
+        reach.write_stored(dir, "snapshot.json", &text)?;
+        reach.write_stored(dir, "layer.bin", &file.unwrap_or_else(|| new.encode()))?;
         let form = if canonical { "canonical" } else { "as-sent" };
         match dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
             Ok(()) => canonical,
@@ -278,6 +278,12 @@ pub(super) trait PodReach {
         previous: Option<&StoredLayer>,
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError>;
+
+    /// Writes one of the stored files, as `write_atomic` does (a long-lived applier reuses
+    /// a spare file's pages).
+    fn write_stored(&mut self, dir: &ServicesDir, name: &str, body: &[u8]) -> Result<(), ServicesError> {
+        dir.write_atomic(name, body)
+    }
 
     /// Told that the exclusive lock is taken: what was kept may be checked now.
     fn locked(&mut self, _dir: &ServicesDir) {}

@@ -149,6 +149,13 @@ impl ServicesDir {
         dir.write_atomic(name, body).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
     }
 
+    /// `write_atomic` through a spare kept between writes (`Dir::replace_via_spare`).
+    fn replace_via_spare(&self, name: &str, body: &[u8], spare: &mut crate::state::Spare) -> Result<(), ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.replace_via_spare(name, body, spare)
+            .map_err(|source| ServicesError::Write { path: self.root.join(name), source })
+    }
+
     /// Removes a file of the directory, if there.
     fn remove(&self, name: &str) -> Result<(), ServicesError> {
         let dir = self.open(true)?.expect("created");

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dir::is_stale_temp;
-pub use dir::{overwrite_file, read_capped, Dir, Lock};
+pub use dir::{overwrite_file, read_capped, Dir, Lock, Spare};
 pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError};
 
 use crate::text::clip;

@@ -262,3 +262,64 @@ fn gc_is_not_starved_by_overlapping_shared_holders_and_its_wait_is_bounded() {
     drop(stuck);
     fs::remove_dir_all(&d).unwrap();
 }
+
+/// `replace_via_spare`: each write leaves the whole body at the name, after the first two
+/// writes the same two files take turns (nothing allocated anew), and a file a reader holds
+/// open is never written over, however many writes follow.
+#[test]
+fn replace_via_spare_reuses_two_files_and_spares_an_open_one() {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let d = tmpdir("spare");
+    let dir = Dir::open(&d, true).unwrap().unwrap();
+    let mut spare = Spare::default();
+    let body = |i: usize| format!("{i}:").repeat(1 + i % 7 * 1000).into_bytes();
+    let ino = || fs::metadata(d.join("doc")).unwrap().ino();
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        dir.replace_via_spare("doc", &body(i), &mut spare).unwrap();
+        assert!(fs::read(d.join("doc")).unwrap() == body(i), "write {i}: the name does not hold its body");
+        if i >= 2 {
+            seen.insert(ino());
+        }
+    }
+    assert_eq!(seen.len(), 2, "the writes did not take turns between two files: {seen:?}");
+    assert_eq!(fs::metadata(d.join("doc")).unwrap().permissions().mode() & 0o777, 0o600);
+
+    // A reader holds the file at the name open across later writes: its copy stays whole.
+    let mut reader = File::open(d.join("doc")).unwrap();
+    let held = fs::read(d.join("doc")).unwrap();
+    let held_ino = ino();
+    for i in 12..16 {
+        dir.replace_via_spare("doc", &body(i), &mut spare).unwrap();
+        assert!(fs::read(d.join("doc")).unwrap() == body(i), "write {i}: the name does not hold its body");
+    }
+    let mut got = Vec::new();
+    reader.read_to_end(&mut got).unwrap();
+    let head = |b: &[u8]| String::from_utf8_lossy(&b[..b.len().min(12)]).into_owned();
+    assert!(
+        got == held,
+        "a file held open by a reader was written over: {} bytes starting {:?}, was {} starting {:?}",
+        got.len(),
+        head(&got),
+        held.len(),
+        head(&held)
+    );
+    // Let go of, it is the spare again.
+    drop(reader);
+    let mut after = std::collections::BTreeSet::new();
+    for i in 16..20 {
+        dir.replace_via_spare("doc", &body(i), &mut spare).unwrap();
+        after.insert(ino());
+    }
+    assert!(after.contains(&held_ino), "the file let go of was not reused: {after:?} vs {held_ino}");
+
+    // The spare removed, or replaced by another file, behind the writer's back.
+    fs::remove_file(d.join(".doc.spare")).unwrap();
+    dir.replace_via_spare("doc", &body(20), &mut spare).unwrap();
+    fs::write(d.join("other"), b"someone else's").unwrap();
+    fs::rename(d.join("other"), d.join(".doc.spare")).unwrap();
+    dir.replace_via_spare("doc", &body(21), &mut spare).unwrap();
+    assert!(fs::read(d.join("doc")).unwrap() == body(21), "the last write is not at the name");
+    fs::remove_dir_all(&d).unwrap();
+}
