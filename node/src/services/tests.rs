@@ -303,3 +303,67 @@ fn a_pods_file_reads_back_and_a_torn_one_is_none() {
         assert_eq!(PodHolds::parse(torn), None, "{torn:?}");
     }
 }
+
+/// `narrowed` keeps, of each layer, every port of each VIP whose ports differ between them and
+/// nothing else: against the plain definition, on random layers with several ports per VIP in
+/// both families.
+#[test]
+fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
+    use aether_rules::model::Proto;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move |m: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % m
+    };
+    let vip = |i: u64| -> IpAddr {
+        if i % 2 == 0 {
+            IpAddr::V4(Ipv4Addr::from(0x0a60_0000 + i as u32))
+        } else {
+            IpAddr::V6(Ipv6Addr::from(0xfd00_0000_0000_0000_0000_0000_0000_0000u128 + u128::from(i)))
+        }
+    };
+    for round in 0..200 {
+        let mut old = Vec::new();
+        for i in 0..40 {
+            for k in 0..1 + next(4) {
+                let proto = if k % 2 == 0 { Proto::Tcp } else { Proto::Udp };
+                old.push(layer::ServicePort { vip: vip(i), proto, port: 80 + k as u16, has_endpoints: true });
+            }
+        }
+        let mut new = old.clone();
+        for _ in 0..1 + next(3) {
+            match next(4) {
+                0 => {
+                    let at = next(new.len() as u64) as usize;
+                    new.remove(at);
+                }
+                1 => {
+                    let at = next(new.len() as u64) as usize;
+                    new[at].has_endpoints = !new[at].has_endpoints;
+                }
+                2 => {
+                    let v = vip(next(40));
+                    new.retain(|p| p.vip != v);
+                }
+                _ => new.push(layer::ServicePort {
+                    vip: vip(next(60)),
+                    proto: Proto::Tcp,
+                    port: 1000 + next(3) as u16,
+                    has_endpoints: true,
+                }),
+            }
+        }
+        old.sort();
+        new.sort();
+        new.dedup();
+        let of = |l: &[layer::ServicePort], v: IpAddr| l.iter().filter(|p| p.vip == v).copied().collect::<Vec<_>>();
+        let differ: Vec<IpAddr> =
+            old.iter().chain(&new).map(|p| p.vip).filter(|&v| of(&old, v) != of(&new, v)).collect();
+        let want = |l: &[layer::ServicePort]| l.iter().filter(|p| differ.contains(&p.vip)).copied().collect::<Vec<_>>();
+        let at = |ports: Vec<layer::ServicePort>| layer::ServiceLayer { ports, ..Default::default() };
+        let (a, b) = apply::narrowed(&at(old.clone()), &at(new.clone()));
+        assert_eq!(a.ports, want(&old), "round {round}: the old layer's cut");
+        assert_eq!(b.ports, want(&new), "round {round}: the new layer's cut");
+    }
+}
