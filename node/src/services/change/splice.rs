@@ -225,20 +225,61 @@ pub fn splice(text: &[u8], stored: &ServiceLayer, stored_generation: u64, c: &Ch
     // The layer: the touched Services' stored ports out, their new ones in.
     let mut gone: Vec<IpAddr> = touched.iter().map(|t| t.old.vip).collect();
     gone.sort_unstable();
-    let mut layer = stored.clone();
-    layer.mode = head.mode;
-    layer.dialled_timeout_secs = head.dialled_timeout_secs;
-    layer.mesh_vips = head.mesh_vips.clone();
-    layer.ports.retain(|p| gone.binary_search(&p.vip).is_err());
-    for s in &finals {
-        layer.ports.extend(s.ports.iter().map(|&(proto, port)| ServicePort {
-            vip: s.vip,
-            proto,
-            port,
-            has_endpoints: s.usable_endpoints,
-        }));
-    }
+    gone.dedup();
+    let mut came: Vec<ServicePort> = finals
+        .iter()
+        .flat_map(|s| {
+            s.ports.iter().map(|&(proto, port)| ServicePort {
+                vip: s.vip,
+                proto,
+                port,
+                has_endpoints: s.usable_endpoints,
+            })
+        })
+        .collect();
+    came.sort_unstable();
+    let layer = ServiceLayer {
+        mode: head.mode,
+        ranges: stored.ranges.clone(),
+        mesh_vips: head.mesh_vips.clone(),
+        ports: spliced_ports(&stored.ports, &gone, &came),
+        dialled_timeout_secs: head.dialled_timeout_secs,
+        divert_mark: stored.divert_mark,
+    };
     Some(Spliced { text: out, layer })
+}
+
+/// The sorted `ports` without every port of the VIPs in `gone`, with `came` merged in (both
+/// sorted; none of `came` among the ports kept): sorted, in one pass of copies rather than a
+/// copy, a filter and a sort of 20,000 ports.
+fn spliced_ports(ports: &[ServicePort], gone: &[IpAddr], came: &[ServicePort]) -> Vec<ServicePort> {
+    let mut out = Vec::with_capacity(ports.len() + came.len());
+    let mut came = came.iter().copied().peekable();
+    let mut from = 0;
+    // The runs kept between the gone VIPs' runs (each VIP's ports are together: VIP first).
+    let mut kept = Vec::with_capacity(gone.len() + 1);
+    for v in gone {
+        let start = from + ports[from..].partition_point(|p| p.vip < *v);
+        let end = start + ports[start..].partition_point(|p| p.vip == *v);
+        kept.push(&ports[from..start]);
+        from = end;
+    }
+    kept.push(&ports[from..]);
+    for mut run in kept {
+        while let Some(&next) = came.peek() {
+            let at = run.partition_point(|p| *p < next);
+            if at == run.len() {
+                break;
+            }
+            out.extend_from_slice(&run[..at]);
+            out.push(next);
+            came.next();
+            run = &run[at..];
+        }
+        out.extend_from_slice(run);
+    }
+    out.extend(came);
+    out
 }
 
 /// The Service `ns`/`name` in the Services of a canonical document: where its object is,

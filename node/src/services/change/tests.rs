@@ -225,6 +225,9 @@ fn same_as_full(s: &splice::Spliced, full: &Snapshot) -> Result<(), String> {
     if s.text != render(full) {
         return Err("the documents differ".into());
     }
+    if !s.layer.ports.is_sorted() {
+        return Err("the spliced layer's ports are not sorted".into());
+    }
     let layer = |l| crate::services::StoredLayer::new(full.generation, l, 0);
     if layer(&s.layer) != layer(&full.layer(0)) {
         return Err("the layers differ".into());
