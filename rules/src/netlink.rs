@@ -84,6 +84,21 @@ pub(crate) fn encode<T: NetlinkSerializable>(payload: T, flags: u16, seq: u32) -
     out
 }
 
+/// Adds `first` to the sequence number of every message in `buf` (messages encoded from 0):
+/// a batch encoded once is sent on many sockets, each numbering its own requests.
+pub(crate) fn renumber(buf: &mut [u8], first: u32) {
+    let mut at = 0;
+    while let Some(header) = buf.get_mut(at..at + 16) {
+        let len = u32::from_ne_bytes(header[0..4].try_into().expect("4 bytes")) as usize;
+        let seq = u32::from_ne_bytes(header[8..12].try_into().expect("4 bytes"));
+        header[8..12].copy_from_slice(&seq.wrapping_add(first).to_ne_bytes());
+        if len < 16 {
+            return;
+        }
+        at += len.div_ceil(4) * 4;
+    }
+}
+
 impl Socket {
     pub fn open(protocol: isize) -> io::Result<Self> {
         let mut sock = netlink_sys::Socket::new(protocol)?;
@@ -273,5 +288,35 @@ impl Socket {
             Ok(false)
         })?;
         Ok((errors, answer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_netfilter::nftables::{GenMessage, NfTablesMessage};
+    use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
+
+    /// Messages encoded from 0 and renumbered read back with their new numbers, one after
+    /// another, and nothing else changed.
+    #[test]
+    fn renumber_shifts_every_message_s_sequence_number_and_nothing_else() {
+        let gen = || {
+            NetfilterMessage::new(
+                NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+                NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+            )
+        };
+        let mut at_zero = encode(gen(), 0, 0);
+        at_zero.extend(encode(gen(), 0, 1));
+        at_zero.extend(encode(gen(), 0, 2));
+        let mut want = encode(gen(), 0, 40);
+        want.extend(encode(gen(), 0, 41));
+        want.extend(encode(gen(), 0, 42));
+        let mut got = at_zero.clone();
+        renumber(&mut got, 40);
+        assert_eq!(got, want);
+        let seqs: Vec<u32> = split(&got).unwrap().iter().map(|m| m.seq).collect();
+        assert_eq!(seqs, [40, 41, 42]);
     }
 }

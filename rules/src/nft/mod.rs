@@ -47,15 +47,29 @@ fn commit(sock: &mut Socket, batch: &Batch) -> Result<()> {
 /// `commit`, and the netns's ruleset generation its fence read right after it (`None` if
 /// that answer could not be read: the transaction's verdict stands).
 fn commit_at(sock: &mut Socket, batch: &Batch) -> Result<Option<u32>> {
+    let first = sock.take_seqs(batch.seq_count());
+    commit_bytes(sock, batch, batch.encode(first), first)
+}
+
+/// `commit_at` of `batch` encoded from sequence number 0 (`bytes_at_zero`), renumbered for
+/// this socket: a change sent to 100 pods is encoded once.
+fn commit_encoded(sock: &mut Socket, batch: &Batch, bytes_at_zero: &[u8]) -> Result<Option<u32>> {
+    let first = sock.take_seqs(batch.seq_count());
+    let mut bytes = bytes_at_zero.to_vec();
+    crate::netlink::renumber(&mut bytes, first);
+    commit_bytes(sock, batch, bytes, first)
+}
+
+/// Sends the encoded `batch` (its first sequence number `first`), then the fence.
+fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) -> Result<Option<u32>> {
     let nft = |op| move |source| Error::Nftables { op, source };
     sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
-    let first = sock.take_seqs(batch.seq_count());
-    sock.send(&batch.encode(first)).map_err(nft("send transaction"))?;
-    let gen = NetfilterMessage::new(
-        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
-        NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
-    );
-    let fence = sock.request(gen, 0).map_err(nft("send generation fence"))?;
+    sock.send(&bytes).map_err(nft("send transaction"))?;
+    drop(bytes);
+    let fence = sock.take_seqs(1);
+    let mut request = generation_request().to_vec();
+    crate::netlink::renumber(&mut request, fence);
+    sock.send(&request).map_err(nft("send generation fence"))?;
     let (errors, answer) = sock.batch_errors_and_fence(fence).map_err(nft("generation fence"))?;
     let Some(&(seq, code)) = errors.first() else {
         return Ok(generation_of(&answer).ok());
@@ -79,6 +93,18 @@ fn commit_at(sock: &mut Socket, batch: &Batch) -> Result<Option<u32>> {
         return Err(Error::Transaction { object: what.to_string(), source });
     }
     Err(Error::MissingFeature { object: what.to_string(), missing, release: kernel.release, source })
+}
+
+/// A GETGEN request, encoded once (sequence number 0).
+fn generation_request() -> &'static [u8] {
+    static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    BYTES.get_or_init(|| {
+        let gen = NetfilterMessage::new(
+            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+            NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+        );
+        crate::netlink::encode(gen, 0, 0)
+    })
 }
 
 /// Runs a dump and parses its messages. A message that does not parse is skipped when it
@@ -259,7 +285,7 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
 
 /// The transaction that creates `table` (which must not exist yet), encoded once, so that a
 /// benchmark can time the kernel's own work alone: the floor any ADD of it pays.
-pub struct Encoded(Batch);
+pub struct Encoded(Batch, std::sync::OnceLock<Vec<u8>>);
 
 pub fn encode(table: &Table) -> Encoded {
     encode_tables(&[table])
@@ -268,14 +294,29 @@ pub fn encode(table: &Table) -> Encoded {
 /// The transaction that creates all of `tables` (none may exist yet), encoded once.
 pub fn encode_tables(tables: &[&Table]) -> Encoded {
     let none = Counts::new();
-    Encoded(render::tables_batch(&tables.iter().map(|t| (*t, &none, Existing::Refuse)).collect::<Vec<_>>()))
+    Encoded::new(render::tables_batch(&tables.iter().map(|t| (*t, &none, Existing::Refuse)).collect::<Vec<_>>()))
 }
 
 impl Encoded {
+    fn new(batch: Batch) -> Self {
+        Encoded(batch, std::sync::OnceLock::new())
+    }
+
+    /// The batch's bytes from sequence number 0, encoded on first use and kept (for a
+    /// change sent to many pods' kept sockets).
+    fn bytes(&self) -> &[u8] {
+        self.1.get_or_init(|| self.0.encode(0))
+    }
+
     /// Sends the transaction in the current netns and waits for the kernel's verdict.
     pub fn send(&self) -> Result<()> {
         let mut sock = open()?;
-        let result = commit(&mut sock, &self.0);
+        // Encoded anew unless already kept: a whole layer's batch, sent once, is not kept
+        // as bytes beside itself (ADD's memory).
+        let result = match self.1.get() {
+            Some(bytes) => commit_encoded(&mut sock, &self.0, bytes).map(drop),
+            None => commit(&mut sock, &self.0),
+        };
         close_later(sock);
         result
     }
@@ -283,7 +324,7 @@ impl Encoded {
     /// Sends the transaction on `sock` (in the netns it was opened in) and waits for the
     /// kernel's verdict; the netns's ruleset generation right after it, when read.
     pub fn send_on(&self, sock: &mut KeptSocket) -> Result<Option<u32>> {
-        commit_at(&mut sock.0, &self.0)
+        commit_encoded(&mut sock.0, &self.0, self.bytes())
     }
 }
 
@@ -380,7 +421,7 @@ pub(crate) fn encode_element_changes(table: &str, changes: &[(Family, Vec<Elemen
     for (family, c) in changes {
         batch.append(render::element_changes(*family, table, c));
     }
-    Encoded(batch)
+    Encoded::new(batch)
 }
 
 fn obj_request(table: &str) -> NfTablesMessage {
