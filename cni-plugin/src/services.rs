@@ -165,7 +165,7 @@ pub fn run(args: ServicesArgs) -> ExitCode {
             };
             match applied {
                 Ok(report) => {
-                    println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());
+                    println!("{}", report.to_pretty_text());
                     return if report.failed() { ExitCode::FAILURE } else { ExitCode::SUCCESS };
                 }
                 Err(refused) => {

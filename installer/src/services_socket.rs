@@ -262,8 +262,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
     let ms = took.as_secs_f64() * 1e3;
     let (outcome, answer) = match applied {
         Ok(Ok(report)) => {
-            let json = report.to_json();
-            let pods = pods_by_result(&json);
+            let pods = report.pods_by_result();
             let failed = report.failed();
             if failed {
                 tracing::warn!(generation = report.generation, kind, %pods, "applied with some pod failed in {ms:.1} ms");
@@ -273,7 +272,8 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
             } else {
                 tracing::info!(generation = report.generation, kind, %pods, "applied in {ms:.1} ms");
             }
-            let text = json_text(&json);
+            let mut text = report.to_pretty_text();
+            text.push('\n');
             if failed {
                 ("pods-failed", Answer { status: 500, body: text })
             } else {
@@ -326,21 +326,6 @@ fn stored_generation(e: &ServicesError) -> Value {
         ServicesError::GenerationReused(g) => json!(g),
         _ => Value::Null,
     }
-}
-
-/// `rebuilt=2 elements=98` and so on: the pods by the word their result starts with.
-fn pods_by_result(report: &Value) -> String {
-    let mut by: std::collections::BTreeMap<String, usize> = Default::default();
-    if let Some(pods) = report["pods"].as_array() {
-        for p in pods {
-            let word = p["result"].as_str().and_then(|r| r.split_whitespace().next()).unwrap_or("?");
-            *by.entry(word.to_string()).or_default() += 1;
-        }
-    }
-    if by.is_empty() {
-        return "none".into();
-    }
-    by.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
 }
 
 fn answer(status: u16, body: String) -> hyper::Response<Full<Bytes>> {

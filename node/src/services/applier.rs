@@ -132,13 +132,17 @@ struct Link {
     /// The pod's file under `pods/`, kept open: written in place with one system call while
     /// it is still the file at its name (anyone who replaces it unlinks this one first).
     file: Option<std::fs::File>,
+    /// `netns_key` of `ns`, made once.
+    key: String,
 }
 
 impl Link {
     /// Writes what the pod holds into its file: in place while the kept one is still linked,
     /// else as `set_pod_holds` does, and the new file kept.
-    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds) -> Result<(), ServicesError> {
-        let body = held.to_string();
+    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds, body: &mut String) -> Result<(), ServicesError> {
+        use std::fmt::Write;
+        body.clear();
+        write!(body, "{held}").expect("a String takes any text");
         if let Some(f) = &self.file {
             if let Some(m) = f.metadata().ok().filter(|m| m.nlink() > 0) {
                 if state::overwrite_file(f, body.as_bytes(), m.len()).is_ok() {
@@ -156,7 +160,8 @@ impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
+        let key = super::apply::netns_key(&ns);
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None, key })
     }
 
     /// Whether the record's path still names the netns this link is in. A stat, not an open
@@ -226,6 +231,8 @@ impl Kept {
         let mut marks: BTreeMap<u32, Mark> = BTreeMap::new();
         let mut cut: Option<(layer::ServiceLayer, layer::ServiceLayer)> = None;
         let mut pods = Vec::with_capacity(records.len());
+        // A pod's file's text, made in one buffer for all.
+        let mut body = String::with_capacity(96);
         for r in records.iter() {
             let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
             let m = marks.entry(mark).or_insert_with(|| Mark::new(new, mark));
@@ -282,8 +289,14 @@ impl Kept {
                         Ok(_) if link.holds.as_ref().is_some_and(|h| h.is(new, mark)) => {}
                         Ok(_) => {
                             let before = link.holds.as_ref().and_then(|h| h.applied_run);
-                            let held = PodHolds { applied_run: sent.run(before), ..PodHolds::new(new, &link.ns, mark) };
-                            match link.write_holds(dir, &held) {
+                            let held = PodHolds {
+                                generation: new.generation,
+                                digest: new.digest,
+                                netns: link.key.clone(),
+                                divert_mark: mark,
+                                applied_run: sent.run(before),
+                            };
+                            match link.write_holds(dir, &held, &mut body) {
                                 Ok(()) => link.holds = Some(held),
                                 Err(e) => {
                                     warnings.push(e.to_string());

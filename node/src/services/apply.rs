@@ -8,7 +8,7 @@ use std::path::Path;
 
 use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied, LayerChange};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
@@ -114,30 +114,80 @@ impl ApplyReport {
     }
 
     pub fn to_json(&self) -> Value {
-        let pods: Vec<Value> = self
+        serde_json::to_value(self.view()).expect("a report serializes")
+    }
+
+    /// `to_json` as pretty text (what `services apply` prints), written without building
+    /// the JSON value first (the installer answers one for every change).
+    pub fn to_pretty_text(&self) -> String {
+        serde_json::to_string_pretty(&self.view()).expect("a report serializes")
+    }
+
+    /// The pods by the first word of their result, `elements=98 rebuilt=2`; `none`.
+    pub fn pods_by_result(&self) -> String {
+        let mut by: std::collections::BTreeMap<&str, usize> = Default::default();
+        for p in &self.pods {
+            let word = match &p.result {
+                Ok(a) => describe_word(a),
+                Err(_) if p.vanished() => "skipped",
+                Err(_) => "failed",
+            };
+            *by.entry(word).or_default() += 1;
+        }
+        if by.is_empty() {
+            return "none".into();
+        }
+        by.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
+    }
+
+    fn view(&self) -> ReportView<'_> {
+        let pods = self
             .pods
             .iter()
             .map(|p| {
-                let mut v = json!({"containerID": p.container_id, "ifname": p.ifname, "netns": p.netns});
-                match &p.result {
-                    Ok(a) => v["result"] = json!(describe(a)),
-                    Err(e) if p.vanished() => {
-                        v["result"] = json!("skipped");
-                        v["reason"] = json!(e.to_string());
-                    }
-                    Err(e) => {
-                        v["result"] = json!("failed");
-                        v["error"] = json!(e.to_string());
-                    }
-                }
-                v
+                let (result, reason, error) = match &p.result {
+                    Ok(a) => (describe(a), None, None),
+                    Err(e) if p.vanished() => ("skipped".into(), Some(e.to_string()), None),
+                    Err(e) => ("failed".into(), None, Some(e.to_string())),
+                };
+                PodView { container_id: &p.container_id, error, ifname: &p.ifname, netns: &p.netns, reason, result }
             })
             .collect();
-        let mut v = json!({"generation": self.generation, "pods": pods});
-        if !self.warnings.is_empty() {
-            v["warnings"] = json!(self.warnings);
-        }
-        v
+        ReportView { generation: self.generation, pods, warnings: &self.warnings }
+    }
+}
+
+/// The report as JSON. Members in the order a JSON object value keeps them (by name), so
+/// the text is the same whether written from this or from `to_json`'s value.
+#[derive(serde::Serialize)]
+struct ReportView<'a> {
+    generation: u64,
+    pods: Vec<PodView<'a>>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    warnings: &'a [String],
+}
+
+#[derive(serde::Serialize)]
+struct PodView<'a> {
+    #[serde(rename = "containerID")]
+    container_id: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    ifname: &'a str,
+    netns: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    result: String,
+}
+
+/// The first word of `describe`, without making the text.
+fn describe_word(a: &Applied) -> &'static str {
+    match a {
+        Applied::Rebuilt => "rebuilt",
+        Applied::Elements { .. } => "elements",
+        Applied::Unchanged => "unchanged",
+        Applied::Removed(true) => "removed",
+        Applied::Removed(false) => "off",
     }
 }
 

@@ -367,3 +367,40 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
         assert_eq!(b.ports, want(&new), "round {round}: the new layer's cut");
     }
 }
+
+/// The report's text, written straight from the report, is byte for byte the pretty text of
+/// its JSON value (members by name, as a JSON object keeps them), for every kind of outcome.
+#[test]
+fn a_report_s_text_is_its_json_value_s_text() {
+    use aether_rules::services::Applied;
+    let pod = |cid: &str, result| apply::PodOutcome {
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        netns: format!("/var/run/netns/{cid}"),
+        result,
+    };
+    let gone = || Err(crate::PodError::Gone("the netns \"x\" is gone".into()));
+    let failed = || {
+        Err(crate::PodError::Netns(aether_netns::Error::NotFound { path: std::path::PathBuf::from("/run/netns/y") }))
+    };
+    for warnings in [vec![], vec!["a stored snapshot no longer reads; replaced".to_string()]] {
+        let report = apply::ApplyReport {
+            generation: 42,
+            pods: vec![
+                pod("a", Ok(Applied::Elements { added: 2, removed: 1 })),
+                pod("b", Ok(Applied::Rebuilt)),
+                pod("c", Ok(Applied::Unchanged)),
+                pod("d", Ok(Applied::Removed(true))),
+                pod("e", Ok(Applied::Removed(false))),
+                pod("f", gone()),
+                pod("g", failed()),
+            ],
+            warnings,
+        };
+        assert_eq!(report.to_pretty_text(), serde_json::to_string_pretty(&report.to_json()).unwrap());
+        assert_eq!(report.pods_by_result(), "elements=1 failed=1 off=1 rebuilt=1 removed=1 skipped=1 unchanged=1");
+    }
+    let empty = apply::ApplyReport { generation: 1, pods: vec![], warnings: vec![] };
+    assert_eq!(empty.to_pretty_text(), "{\n  \"generation\": 1,\n  \"pods\": []\n}");
+    assert_eq!(empty.pods_by_result(), "none");
+}
