@@ -99,8 +99,7 @@ fn stored_ids(dir: &ServicesDir) -> [Option<FileId>; 3] {
 /// The canonical stored document and its layer as this applier stored them.
 struct KeptStored {
     text: Vec<u8>,
-    /// Handed to the apply that uses it (`None` then: the next one reads the files).
-    layer: Option<StoredLayer>,
+    layer: StoredLayer,
     files: [Option<FileId>; 3],
 }
 
@@ -413,10 +412,11 @@ impl PodReach for Kept {
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        if self.stored.as_ref().is_some_and(|k| k.layer.is_some() && k.files == stored_ids(dir)) {
-            let k = self.stored.as_mut().expect("checked");
-            let layer = k.layer.take().expect("checked");
-            return Ok(Some((Cow::Borrowed(&k.text[..]), layer)));
+        if self.stored.as_ref().is_some_and(|k| k.files == stored_ids(dir)) {
+            // Handed over whole: a change edits the text in place, and `stored` keeps what
+            // it becomes (an apply that stops before then leaves the next to read the files).
+            let k = self.stored.take().expect("checked");
+            return Ok(Some((Cow::Owned(k.text), k.layer)));
         }
         self.stored = None;
         Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
@@ -425,8 +425,7 @@ impl PodReach for Kept {
     fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: StoredLayer, canonical: bool) {
         self.layer_bin = FileId::of(&dir.layer_path());
         // Kept only when the marker vouches for the document (it names the layer's source).
-        self.stored =
-            canonical.then(|| KeptStored { text: text.into_owned(), layer: Some(layer), files: stored_ids(dir) });
+        self.stored = canonical.then(|| KeptStored { text: text.into_owned(), layer, files: stored_ids(dir) });
     }
 
     fn apply_to_pods(

@@ -399,8 +399,7 @@ pub(super) fn apply_change_with(
         if prev.generation != c.base_generation {
             return Err(ServicesError::StaleBase { base: c.base_generation, stored: prev.generation });
         }
-        if let Some(s) = change::splice::splice(&stored_text, &prev.layer, prev.generation, &c) {
-            drop(stored_text);
+        if let Some(s) = change::splice::splice(stored_text, &prev.layer, prev.generation, &c) {
             let source = layer_file::source_digest(&s.text);
             let (new, file) = StoredLayer::with_file(c.generation, s.layer, source);
             return store_and_apply(dir, Cow::Owned(s.text), (new, Some(file)), Some(prev), Vec::new(), true, reach);

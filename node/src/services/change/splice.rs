@@ -10,6 +10,7 @@
 //! reading (`change::apply`, `snapshot::parse`) decides, with its messages. What it accepts
 //! is byte for byte what the full reading stores (checked by tests).
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::ops::Range;
@@ -45,7 +46,13 @@ enum Slot {
 
 /// `c` applied to `text`, the canonical document `stored` (its layer, lists sorted) was made
 /// from; `None` when the full reading must decide.
-pub fn splice(text: &[u8], stored: &ServiceLayer, stored_generation: u64, c: &Change) -> Option<Spliced> {
+pub fn splice(
+    stored_text: Cow<'_, [u8]>,
+    stored: &ServiceLayer,
+    stored_generation: u64,
+    c: &Change,
+) -> Option<Spliced> {
+    let text: &[u8] = &stored_text;
     if c.service_ranges.is_some() {
         // Every VIP is to be checked against new ranges, and the pods rebuilt: the full path.
         return None;
@@ -185,42 +192,39 @@ pub fn splice(text: &[u8], stored: &ServiceLayer, stored_generation: u64, c: &Ch
         return None;
     }
 
-    // The document: the stored bytes between touched Services kept as they are.
-    let mut out = render_head(&head);
-    out.reserve(text.len() + added.len() * 128);
-    let mut first = true;
-    let mut item = |bytes: &[u8], out: &mut Vec<u8>| {
-        if !bytes.is_empty() {
-            if !first {
-                out.push(b',');
-            }
-            first = false;
-            out.extend_from_slice(bytes);
-        }
-    };
-    let trim = |r: Range<usize>| {
-        let b = &text[r];
-        let b = b.strip_prefix(b",").unwrap_or(b);
-        b.strip_suffix(b",").unwrap_or(b)
-    };
-    let mut from = body_start;
+    // The document, edited in place from its end (an edit moves only what follows it; the
+    // stored bytes between touched Services stay as they are). A removed Service takes a
+    // comma beside it with it: the one after it, or else the one before.
+    let mut out = stored_text.into_owned();
+    let mut body_end = body_end;
     let mut one = Vec::with_capacity(256);
-    for t in &touched {
-        item(trim(from..t.span.start), &mut out);
-        if let Some(s) = &t.new {
-            one.clear();
-            render_service(s, &mut one);
-            item(&one, &mut out);
+    for t in touched.iter().rev() {
+        let old_len = out.len();
+        match &t.new {
+            Some(s) => {
+                one.clear();
+                render_service(s, &mut one);
+                out.splice(t.span.clone(), one.iter().copied());
+            }
+            None if out.get(t.span.end) == Some(&b',') => drop(out.drain(t.span.start..t.span.end + 1)),
+            None if t.span.start > body_start && out[t.span.start - 1] == b',' => {
+                drop(out.drain(t.span.start - 1..t.span.end))
+            }
+            None => drop(out.drain(t.span.clone())),
         }
-        from = t.span.end;
+        body_end = body_end + out.len() - old_len;
     }
-    item(trim(from..body_end), &mut out);
-    for s in &added {
-        one.clear();
-        render_service(s, &mut one);
-        item(&one, &mut out);
+    if !added.is_empty() {
+        let mut tail = Vec::with_capacity(added.len() * 160);
+        for s in &added {
+            if body_end > body_start || !tail.is_empty() {
+                tail.push(b',');
+            }
+            render_service(s, &mut tail);
+        }
+        out.splice(body_end..body_end, tail);
     }
-    out.extend_from_slice(SERVICES_END);
+    out.splice(..body_start, render_head(&head));
 
     // The layer: the touched Services' stored ports out, their new ones in.
     let mut gone: Vec<IpAddr> = touched.iter().map(|t| t.old.vip).collect();

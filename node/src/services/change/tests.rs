@@ -252,7 +252,7 @@ fn splice_agrees_with_the_full_reading(wrong: bool) -> Result<(usize, usize), St
         let c = parse(wild_change(&mut rng, &base).to_string().as_bytes()).map_err(|e| format!("{e:?}"))?;
         let text = render(&base);
         let stored = crate::services::StoredLayer::new(base.generation, &base.layer(0), 0);
-        let spliced = splice::splice(&text, &stored.layer, base.generation, &c);
+        let spliced = splice::splice(std::borrow::Cow::Borrowed(&text), &stored.layer, base.generation, &c);
         let full = apply(&base, &c).ok().and_then(|n| snapshot::parse(&render(&n)).ok());
         match (spliced, full) {
             (Some(s), Some(mut full)) => {
