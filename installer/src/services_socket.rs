@@ -328,6 +328,23 @@ fn stored_generation(e: &ServicesError) -> Value {
     }
 }
 
+/// The body in one buffer, at most the snapshot cap, sized by its declared length when there
+/// is one: gathered in chunks and then copied into one buffer, a 64 MiB document would be
+/// held twice at once.
+async fn read_body(
+    body: hyper::body::Incoming,
+    declared: Option<u64>,
+) -> Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>> {
+    let mut body = Limited::new(body, MAX_SNAPSHOT_BYTES);
+    let mut out = Vec::with_capacity(declared.map_or(0, |n| n as usize));
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            out.extend_from_slice(&data);
+        }
+    }
+    Ok(out)
+}
+
 fn answer(status: u16, body: String) -> hyper::Response<Full<Bytes>> {
     let mut r = hyper::Response::builder().status(status).header(hyper::header::CONTENT_TYPE, "application/json");
     if status == 405 {
@@ -364,8 +381,8 @@ impl Applying {
         let Ok(_turn) = self.turn.acquire().await else {
             return error_answer(500, "the Service layer's applier is stopping");
         };
-        let body = match Limited::new(request.into_body(), MAX_SNAPSHOT_BYTES).collect().await {
-            Ok(b) => b.to_bytes(),
+        let body = match read_body(request.into_body(), declared).await {
+            Ok(b) => Bytes::from(b),
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return self.too_large(),
             Err(e) => return error_answer(400, &format!("cannot read the document: {e}")),
         };

@@ -416,8 +416,7 @@ pub(super) fn apply_change_with(
     if base.generation != c.base_generation {
         return Err(ServicesError::StaleBase { base: c.base_generation, stored: base.generation });
     }
-    let next = change::apply(&base, &c).map_err(|reasons| ServicesError::Refused { reasons })?;
-    drop(base);
+    let next = change::apply(base, &c).map_err(|reasons| ServicesError::Refused { reasons })?;
     let whole = change::render(&next);
     drop(next);
     // The result checked as a whole snapshot is, read straight into its layer.

@@ -212,9 +212,11 @@ fn names(
 /// What the change makes of `base` (the stored snapshot): the new snapshot, still to be
 /// checked whole. Refuses what the change names but `base` does not have, and what it adds
 /// twice, each naming the change's place.
-pub fn apply(base: &Snapshot, c: &Change) -> Result<Snapshot, Vec<String>> {
+pub fn apply(base: Snapshot, c: &Change) -> Result<Snapshot, Vec<String>> {
     let mut errs = Vec::new();
-    let mut next = base.clone();
+    let base_generation = base.generation;
+    // Made from `base` itself, not a copy: at 100,000 Services a copy is tens of megabytes.
+    let mut next = base;
     next.generation = c.generation;
     if let Some(m) = c.mode {
         next.mode = m;
@@ -231,8 +233,7 @@ pub fn apply(base: &Snapshot, c: &Change) -> Result<Snapshot, Vec<String>> {
                 next.mesh_vips.remove(at);
             }
             None => errs.push(format!(
-                "meshVIPsRemoved[{i}]: {a} is not a mesh VIP of the stored generation {}",
-                base.generation
+                "meshVIPsRemoved[{i}]: {a} is not a mesh VIP of the stored generation {base_generation}"
             )),
         }
     }
@@ -250,8 +251,7 @@ pub fn apply(base: &Snapshot, c: &Change) -> Result<Snapshot, Vec<String>> {
         match at.remove(&(ns.clone(), name.clone())) {
             Some(j) => gone[j] = true,
             None => errs.push(format!(
-                "servicesRemoved[{i}]: Service {ns}/{name} is not in the stored generation {}",
-                base.generation
+                "servicesRemoved[{i}]: Service {ns}/{name} is not in the stored generation {base_generation}"
             )),
         }
     }

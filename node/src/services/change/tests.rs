@@ -84,7 +84,7 @@ fn changes_equal_whole_snapshots(wrong: bool) -> Result<(), String> {
         }
         apply_change(&da, sent.to_string().as_bytes()).map_err(|e| format!("step {step}: {e}"))?;
         // The whole snapshot the agent would have sent: the change applied to its view.
-        let whole = apply(&stored, &parse(c.to_string().as_bytes()).unwrap()).unwrap();
+        let whole = apply(stored.clone(), &parse(c.to_string().as_bytes()).unwrap()).unwrap();
         let whole_text = render(&whole);
         apply_document(&db, &whole_text).unwrap();
         for f in ["snapshot.json", "layer.bin"] {
@@ -253,7 +253,7 @@ fn splice_agrees_with_the_full_reading(wrong: bool) -> Result<(usize, usize), St
         let text = render(&base);
         let stored = crate::services::StoredLayer::new(base.generation, &base.layer(0), 0);
         let spliced = splice::splice(std::borrow::Cow::Borrowed(&text), &stored.layer, base.generation, &c);
-        let full = apply(&base, &c).ok().and_then(|n| snapshot::parse(&render(&n)).ok());
+        let full = apply(base.clone(), &c).ok().and_then(|n| snapshot::parse(&render(&n)).ok());
         match (spliced, full) {
             (Some(s), Some(mut full)) => {
                 if wrong {
