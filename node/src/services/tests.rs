@@ -317,7 +317,7 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
         (seed >> 33) % m
     };
     let vip = |i: u64| -> IpAddr {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             IpAddr::V4(Ipv4Addr::from(0x0a60_0000 + i as u32))
         } else {
             IpAddr::V6(Ipv6Addr::from(0xfd00_0000_0000_0000_0000_0000_0000_0000u128 + u128::from(i)))
