@@ -73,6 +73,18 @@ pub struct Service {
     pub usable_endpoints: bool,
 }
 
+impl Service {
+    /// The Service's ports as the layer holds them.
+    pub fn layer_ports(&self) -> impl Iterator<Item = ServicePort> + '_ {
+        self.ports.iter().map(|&(proto, port)| ServicePort {
+            vip: self.vip,
+            proto,
+            port,
+            has_endpoints: self.usable_endpoints,
+        })
+    }
+}
+
 impl Snapshot {
     /// The layer for one pod, given capture's divert mark.
     pub fn layer(&self, divert_mark: u32) -> ServiceLayer {
@@ -81,18 +93,7 @@ impl Snapshot {
         l.ranges = self.service_ranges.clone();
         l.mesh_vips = self.mesh_vips.clone();
         l.dialled_timeout_secs = self.dialled_timeout_secs;
-        l.ports = self
-            .services
-            .iter()
-            .flat_map(|s| {
-                s.ports.iter().map(|&(proto, port)| ServicePort {
-                    vip: s.vip,
-                    proto,
-                    port,
-                    has_endpoints: s.usable_endpoints,
-                })
-            })
-            .collect();
+        l.ports = self.services.iter().flat_map(Service::layer_ports).collect();
         l
     }
 }

@@ -230,17 +230,7 @@ pub fn splice(
     let mut gone: Vec<IpAddr> = touched.iter().map(|t| t.old.vip).collect();
     gone.sort_unstable();
     gone.dedup();
-    let mut came: Vec<ServicePort> = finals
-        .iter()
-        .flat_map(|s| {
-            s.ports.iter().map(|&(proto, port)| ServicePort {
-                vip: s.vip,
-                proto,
-                port,
-                has_endpoints: s.usable_endpoints,
-            })
-        })
-        .collect();
+    let mut came: Vec<ServicePort> = finals.iter().flat_map(|s| s.layer_ports()).collect();
     came.sort_unstable();
     let layer = ServiceLayer {
         mode: head.mode,
