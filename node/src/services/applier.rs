@@ -289,11 +289,8 @@ impl Kept {
                         Ok(_) => {
                             let before = link.holds.as_ref().and_then(|h| h.applied_run);
                             let held = PodHolds {
-                                generation: new.generation,
-                                digest: new.digest,
-                                netns: link.key.clone(),
-                                divert_mark: mark,
                                 applied_run: sent.run(before),
+                                ..PodHolds::for_key(new, link.key.clone(), mark)
                             };
                             match link.write_holds(dir, &held, &mut body) {
                                 Ok(()) => link.holds = Some(held),

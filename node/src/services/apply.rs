@@ -36,13 +36,12 @@ pub(super) struct PodHolds {
 
 impl PodHolds {
     pub(super) fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
-        PodHolds {
-            generation: stored.generation,
-            digest: stored.digest,
-            netns: netns_key(ns),
-            divert_mark,
-            applied_run: None,
-        }
+        PodHolds::for_key(stored, netns_key(ns), divert_mark)
+    }
+
+    /// `new` for the netns whose `netns_key` is `netns`.
+    pub(super) fn for_key(stored: &StoredLayer, netns: String, divert_mark: u32) -> Self {
+        PodHolds { generation: stored.generation, digest: stored.digest, netns, divert_mark, applied_run: None }
     }
 
     pub(super) fn parse(text: &str) -> Option<Self> {
@@ -180,7 +179,7 @@ struct PodView<'a> {
     result: String,
 }
 
-/// The first word of `describe`, without making the text.
+/// The first word of `describe` (all of it but for an element change), without making text.
 fn describe_word(a: &Applied) -> &'static str {
     match a {
         Applied::Rebuilt => "rebuilt",
@@ -193,11 +192,8 @@ fn describe_word(a: &Applied) -> &'static str {
 
 pub(super) fn describe(a: &Applied) -> String {
     match a {
-        Applied::Rebuilt => "rebuilt".into(),
         Applied::Elements { added, removed } => format!("elements +{added} -{removed}"),
-        Applied::Unchanged => "unchanged".into(),
-        Applied::Removed(true) => "removed".into(),
-        Applied::Removed(false) => "off".into(),
+        a => describe_word(a).into(),
     }
 }
 
