@@ -98,13 +98,15 @@ fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) ->
 /// A GETGEN request, encoded once (sequence number 0).
 fn generation_request() -> &'static [u8] {
     static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    BYTES.get_or_init(|| {
-        let gen = NetfilterMessage::new(
-            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
-            NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
-        );
-        crate::netlink::encode(gen, 0, 0)
-    })
+    BYTES.get_or_init(|| crate::netlink::encode(generation_message(), 0, 0))
+}
+
+/// A GETGEN request.
+fn generation_message() -> NetfilterMessage {
+    NetfilterMessage::new(
+        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
+        NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
+    )
 }
 
 /// Runs a dump and parses its messages. A message that does not parse is skipped when it
@@ -233,14 +235,7 @@ pub(crate) fn program_tables_keeping(
 /// read. It is the netns's own (every netns starts again from its own first value), so it
 /// is only comparable within one netns: a caller keys it by the namespace's cookie.
 pub fn generation() -> Result<u32> {
-    let err = |source| Error::Nftables { op: "get generation", source };
-    let mut sock = open()?;
-    let request = NetfilterMessage::new(
-        NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
-        NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
-    );
-    let bytes = sock.ask_raw(request).map_err(err)?;
-    generation_of(&bytes)
+    KeptSocket::open()?.generation()
 }
 
 /// The generation in an answer to GETGEN.
@@ -311,12 +306,9 @@ impl Encoded {
     /// Sends the transaction in the current netns and waits for the kernel's verdict.
     pub fn send(&self) -> Result<()> {
         let mut sock = open()?;
-        // Encoded anew unless already kept: a whole layer's batch, sent once, is not kept
-        // as bytes beside itself (ADD's memory).
-        let result = match self.1.get() {
-            Some(bytes) => commit_encoded(&mut sock, &self.0, bytes).map(drop),
-            None => commit(&mut sock, &self.0),
-        };
+        // Encoded for this send: a whole layer's batch, sent once, is not kept as bytes
+        // beside itself (ADD's memory).
+        let result = commit(&mut sock, &self.0);
         close_later(sock);
         result
     }
@@ -344,11 +336,8 @@ impl KeptSocket {
 impl KeptSocket {
     /// The ruleset generation of the socket's netns (GETGEN).
     pub fn generation(&mut self) -> Result<u32> {
-        let request = NetfilterMessage::new(
-            NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0),
-            NfTablesMessage::GetGen(GenMessage { attributes: vec![] }),
-        );
-        let bytes = self.0.ask_raw(request).map_err(|source| Error::Nftables { op: "get generation", source })?;
+        let bytes =
+            self.0.ask_raw(generation_message()).map_err(|source| Error::Nftables { op: "get generation", source })?;
         generation_of(&bytes)
     }
 }
