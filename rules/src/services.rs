@@ -90,6 +90,13 @@ pub struct ServicePort {
     pub has_endpoints: bool,
 }
 
+/// Where `vip`'s ports are in `ports`, sorted (a port sorts by its VIP first, so one VIP's
+/// ports are together): found by two binary searches; empty where it has none.
+pub fn ports_of(ports: &[ServicePort], vip: IpAddr) -> std::ops::Range<usize> {
+    let start = ports.partition_point(|p| p.vip < vip);
+    start..start + ports[start..].partition_point(|p| p.vip == vip)
+}
+
 /// The node snapshot as the layer needs it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ServiceLayer {

@@ -572,15 +572,7 @@ pub(super) fn narrowed(
         mode: l.mode,
         ranges: l.ranges.clone(),
         mesh_vips: l.mesh_vips.iter().filter(|a| mesh.binary_search(a).is_ok()).copied().collect(),
-        // The ports are sorted by VIP first: each VIP's are one run, found by two searches.
-        ports: vips
-            .iter()
-            .flat_map(|v| {
-                let from = l.ports.partition_point(|p| p.vip < *v);
-                let to = from + l.ports[from..].partition_point(|p| p.vip == *v);
-                l.ports[from..to].iter().copied()
-            })
-            .collect(),
+        ports: vips.iter().flat_map(|&v| l.ports[layer::ports_of(&l.ports, v)].iter().copied()).collect(),
         dialled_timeout_secs: l.dialled_timeout_secs,
         divert_mark: l.divert_mark,
     };

@@ -252,11 +252,10 @@ fn spliced_ports(ports: &[ServicePort], gone: &[IpAddr], came: &[ServicePort]) -
     let mut from = 0;
     // The runs kept between the gone VIPs' runs (each VIP's ports are together: VIP first).
     let mut kept = Vec::with_capacity(gone.len() + 1);
-    for v in gone {
-        let start = from + ports[from..].partition_point(|p| p.vip < *v);
-        let end = start + ports[start..].partition_point(|p| p.vip == *v);
-        kept.push(&ports[from..start]);
-        from = end;
+    for &v in gone {
+        let run = aether_rules::services::ports_of(&ports[from..], v);
+        kept.push(&ports[from..from + run.start]);
+        from += run.end;
     }
     kept.push(&ports[from..]);
     for mut run in kept {
