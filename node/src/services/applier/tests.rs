@@ -231,6 +231,21 @@ fn eventually(cond: impl Fn() -> bool) -> bool {
     cond()
 }
 
+/// An empty layer (mode count) at `generation`.
+fn empty_layer(generation: u64) -> Vec<u8> {
+    json!({"generation": generation, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []})
+        .to_string()
+        .into_bytes()
+}
+
+/// A recorded pod with a veth whose peer end, `peer0`, is in `peer`: the peer end goes when
+/// the pod's netns is freed.
+fn pod_tied_to(state: &Path, cid: &str, peer: &TestNetns) -> TestNetns {
+    let pod = add_pod(state, cid);
+    pod.exec("ip", &["link", "add", "pod0", "type", "veth", "peer", "name", "peer0", "netns", &peer.name]);
+    pod
+}
+
 /// A kept socket keeps its pod's netns alive: `tidy` lets go of it once the record is gone, so
 /// the netns is freed (seen by the veth peer it takes with it).
 #[test]
@@ -241,21 +256,12 @@ fn tidy_lets_a_gone_pods_netns_be_freed() {
     let state = tmp("tidy");
     let mut applier = Applier::new(&state);
     // A layer stored first: the pods below get changes, on kept sockets.
-    let first = json!({"generation": 1, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []});
-    applier.apply(first.to_string().as_bytes()).unwrap();
+    applier.apply(&empty_layer(1)).unwrap();
     let peer = TestNetns::new("applier-peer");
     let pass = |applier: &mut Applier, cid: &str, tidy: bool| -> bool {
-        let pod = add_pod(&state, cid);
-        pod.exec("ip", &["link", "add", "pod0", "type", "veth", "peer", "name", "peer0", "netns", &peer.name]);
+        let pod = pod_tied_to(&state, cid, &peer);
         let generation = ServicesDir::new(&state).stored_layer().unwrap().map_or(1, |s| s.generation + 1);
-        applier
-            .apply(
-                &json!({"generation": generation, "mode": "count", "serviceRanges": ["10.96.0.0/16"],
-                              "services": []})
-                .to_string()
-                .into_bytes(),
-            )
-            .unwrap();
+        applier.apply(&empty_layer(generation)).unwrap();
         assert_eq!(applier.kept_pods(), 1);
         remove_record(&state, cid);
         drop(pod);
@@ -286,16 +292,10 @@ fn tidy_lets_go_of_a_pod_whose_netns_path_is_gone() {
     }
     let state = tmp("tidy-path");
     let mut applier = Applier::new(&state);
-    let doc = |generation: u64| {
-        json!({"generation": generation, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []})
-            .to_string()
-            .into_bytes()
-    };
-    applier.apply(&doc(1)).unwrap();
+    applier.apply(&empty_layer(1)).unwrap();
     let peer = TestNetns::new("applier-peer2");
-    let pod = add_pod(&state, "kept");
-    pod.exec("ip", &["link", "add", "pod0", "type", "veth", "peer", "name", "peer0", "netns", &peer.name]);
-    applier.apply(&doc(2)).unwrap();
+    let pod = pod_tied_to(&state, "kept", &peer);
+    applier.apply(&empty_layer(2)).unwrap();
     assert_eq!(applier.kept_pods(), 1);
     // Still there: tidy keeps it.
     applier.tidy();
