@@ -117,6 +117,14 @@ fn print_reconciler(state_dir: &Path) {
     if let Some(why) = pass["runtimeUnseen"].as_str() {
         println!("  missed pods cannot be seen: {why}");
     }
+    for r in pass["refusals"].as_array().into_iter().flatten() {
+        println!(
+            "  refused ({}): {}: {}",
+            r["kind"].as_str().unwrap_or("?"),
+            r["subject"].as_str().unwrap_or("-"),
+            r["why"].as_str().unwrap_or("")
+        );
+    }
     if let (Some(full), Some(unchanged)) = (pass["compared"]["full"].as_u64(), pass["compared"]["unchanged"].as_u64()) {
         println!(
             "  compared: {full} in full, {unchanged} unchanged since their last full comparison (nftables generation)"

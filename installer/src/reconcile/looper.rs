@@ -172,6 +172,7 @@ pub fn last_pass_json(report: &PassReport) -> serde_json::Value {
         "recordsUnread": report.records_unread,
         "pods": pods,
         "actions": actions,
+        "refusals": report.refusals.iter().map(|r| json!({"kind": r.kind, "subject": r.subject, "why": r.why})).collect::<Vec<_>>(),
         "compared": {"full": report.compared.full, "unchanged": report.compared.unchanged},
     })
 }

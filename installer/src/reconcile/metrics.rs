@@ -16,6 +16,10 @@ pub struct ReconcileMetrics {
     /// 1 when the last pass read the runtime's pod list: 0 means missed pods cannot be seen.
     pub runtime_up: IntGauge,
     pub passes: IntCounterVec,
+    /// Refusals by kind, counted once when each starts.
+    pub refusals: IntCounterVec,
+    /// 1 while the runtime's list is suspect (see `plan::suspect_list`).
+    pub runtime_suspect: IntGauge,
 }
 
 impl ReconcileMetrics {
@@ -64,6 +68,22 @@ impl ReconcileMetrics {
             &["trigger"],
         )
         .unwrap();
+        let refusals = IntCounterVec::new(
+            Opts::new(
+                "aether_cni_reconciler_refusals_total",
+                "Things the reconciler refused to do, counted once when each starts, by kind (suspect-list: the runtime's pod list is not believed).",
+            ),
+            &["kind"],
+        )
+        .unwrap();
+        let runtime_suspect = IntGauge::new(
+            "aether_cni_reconciler_runtime_list_suspect",
+            "1 when the last pass did not believe the runtime's pod list (empty, or lacking most pods whose netns lives): nothing is collected or restarted from it.",
+        )
+        .unwrap();
+        for kind in super::REFUSAL_KINDS {
+            refusals.with_label_values(&[kind]);
+        }
         for s in PodState::ALL {
             pods.with_label_values(&[s.name()]);
         }
@@ -75,7 +95,17 @@ impl ReconcileMetrics {
         for why in ["sandbox-gone", "netns-gone"] {
             leftovers.with_label_values(&[why]);
         }
-        ReconcileMetrics { pods, actions, leftovers, pass_seconds, last_pass, runtime_up, passes }
+        ReconcileMetrics {
+            pods,
+            actions,
+            leftovers,
+            pass_seconds,
+            last_pass,
+            runtime_up,
+            passes,
+            refusals,
+            runtime_suspect,
+        }
     }
 
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
@@ -86,6 +116,8 @@ impl ReconcileMetrics {
         registry.register(Box::new(self.last_pass.clone()))?;
         registry.register(Box::new(self.runtime_up.clone()))?;
         registry.register(Box::new(self.passes.clone()))?;
+        registry.register(Box::new(self.refusals.clone()))?;
+        registry.register(Box::new(self.runtime_suspect.clone()))?;
         Ok(())
     }
 
@@ -109,6 +141,10 @@ impl ReconcileMetrics {
         self.last_pass.set(at as i64);
         self.runtime_up.set(i64::from(report.runtime_unseen.is_none()));
         self.passes.with_label_values(&[trigger]).inc();
+        for r in report.refusals.iter().filter(|r| r.new) {
+            self.refusals.with_label_values(&[r.kind]).inc();
+        }
+        self.runtime_suspect.set(i64::from(report.refusals.iter().any(|r| r.kind == "suspect-list")));
     }
 }
 

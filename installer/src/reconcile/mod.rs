@@ -93,6 +93,20 @@ pub enum Outcome {
     Failed(String),
 }
 
+/// Something the reconciler would have done and refused, for want of evidence or because it
+/// would fight someone else: logged once when it starts, counted once
+/// (`aether_cni_reconciler_refusals_total{kind}`), and listed in every pass while it lasts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// `suspect-list`, ...
+    pub kind: &'static str,
+    /// What it is about: a pod, or the runtime.
+    pub subject: String,
+    pub why: String,
+    /// First seen this pass (logged and counted now).
+    pub new: bool,
+}
+
 /// One pass, as `/metrics`, the log and `inspect` show it.
 #[derive(Debug, Clone)]
 pub struct PassReport {
@@ -107,6 +121,7 @@ pub struct PassReport {
     pub findings: Vec<Finding>,
     pub actions: Vec<(Action, Outcome)>,
     pub compared: Comparisons,
+    pub refusals: Vec<Refusal>,
 }
 
 impl PassReport {
@@ -114,6 +129,9 @@ impl PassReport {
         self.findings.iter().filter(|f| f.state == state).count()
     }
 }
+
+/// Every kind of [`Refusal`], for the metric's series.
+pub const REFUSAL_KINDS: [&str; 1] = ["suspect-list"];
 
 /// The kind of an action, for its metric and its log line.
 pub fn action_kind(a: &Action) -> &'static str {
@@ -137,6 +155,8 @@ pub struct Reconciler<R, N> {
     /// Why each held pod got nothing, as last logged (one line per change, not per pass).
     held_logged: HashMap<String, String>,
     runtime_was_unseen: bool,
+    /// The refusals of the last pass, by (kind, subject): one log line when one starts.
+    refusing: HashSet<(&'static str, String)>,
     passes: u64,
 }
 
@@ -150,6 +170,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             network_cache: HashMap::new(),
             held_logged: HashMap::new(),
             runtime_was_unseen: false,
+            refusing: HashSet::new(),
             passes: 0,
         }
     }
@@ -193,6 +214,14 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             now: Instant::now(),
         };
         let plan = plan::plan(&input, &self.limits, &self.memory);
+        let mut refusals = Vec::new();
+        if let Some(why) = &plan.suspect {
+            refusals.push((
+                "suspect-list",
+                "the runtime's pod list".to_string(),
+                format!("{why}: nothing is collected or restarted from it, drift is still repaired"),
+            ));
+        }
         for pod in &plan.settled {
             self.memory.forget(pod);
         }
@@ -244,6 +273,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
             self.network_cache.retain(|id, _| live.contains(id.as_str()));
         }
+        let refusals = self.refusals(refusals);
         self.passes += 1;
         PassReport {
             number: self.passes,
@@ -254,7 +284,28 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             findings: plan.findings,
             actions,
             compared: self.node.comparisons(),
+            refusals,
         }
+    }
+
+    /// This pass's refusals, each logged once when it starts (and once when it ends).
+    fn refusals(&mut self, now: Vec<(&'static str, String, String)>) -> Vec<Refusal> {
+        let keys: HashSet<(&'static str, String)> = now.iter().map(|(k, s, _)| (*k, s.clone())).collect();
+        for (kind, subject) in self.refusing.difference(&keys) {
+            tracing::info!(kind = *kind, "no longer refused: {subject}");
+        }
+        let out = now
+            .into_iter()
+            .map(|(kind, subject, why)| {
+                let new = !self.refusing.contains(&(kind, subject.clone()));
+                if new {
+                    tracing::warn!(kind, "refused: {subject}: {why}");
+                }
+                Refusal { kind, subject, why, new }
+            })
+            .collect();
+        self.refusing = keys;
+        out
     }
 
     fn views(&mut self, sandboxes: Vec<Sandbox>, observed: &[(RecordView, Observation)]) -> Vec<SandboxView> {

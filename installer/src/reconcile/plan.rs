@@ -343,6 +343,9 @@ pub struct Finding {
 
 #[derive(Debug, Default)]
 pub struct Plan {
+    /// Why the runtime's list was not believed this pass (see [`suspect_list`]): nothing was
+    /// done from it, as if the runtime could not be seen.
+    pub suspect: Option<String>,
     pub actions: Vec<Action>,
     pub findings: Vec<Finding>,
     /// Pods seen right (captured and intact): their history is forgotten.
@@ -410,12 +413,52 @@ impl Memory {
     }
 }
 
+/// Why a successful list from the runtime cannot be believed, if so. Absence from a list is
+/// evidence that a pod is gone only when the list is otherwise consistent with the node: it
+/// lists at least one of the sandboxes whose netns is alive here (it is this node's runtime,
+/// and it has its state), and no more of them are missing from it than are listed (it is
+/// not a runtime that lost part of its state, or one restarting). A list that is empty, names
+/// none of the node's live pods (the socket of another runtime) or has shrunk below half of
+/// them is suspect: nothing is done from it, as if the runtime could not be seen. With no
+/// live pod recorded there is nothing a list could remove, and it is believed.
+pub fn suspect_list(list: &[SandboxView], records: &[(RecordView, Observation)]) -> Option<String> {
+    let listed: HashSet<&str> = list.iter().map(|v| v.sandbox.id.as_str()).collect();
+    let live: HashSet<&str> = records
+        .iter()
+        .filter(|(_, o)| matches!(o, Observation::Intact | Observation::Drifted(_)))
+        .map(|(r, _)| r.sandbox_id.as_str())
+        .collect();
+    let missing = live.iter().filter(|id| !listed.contains(*id)).count();
+    let present = live.len() - missing;
+    if live.is_empty() || (present > 0 && missing <= present) {
+        return None;
+    }
+    Some(if list.is_empty() {
+        format!("the runtime lists no sandbox, yet {} pods recorded here have a live network namespace", live.len())
+    } else {
+        format!(
+            "the runtime's list ({} sandboxes) lacks {missing} of the {} pods recorded here with a live \
+             network namespace (another runtime's socket, or one that lost its state)",
+            list.len(),
+            live.len()
+        )
+    })
+}
+
 /// The pass's decisions. Records first (drift and leftovers need no runtime), then the
-/// runtime's sandboxes without a record, oldest first.
+/// runtime's sandboxes without a record, oldest first. A suspect list (see
+/// [`suspect_list`]) is treated as no list.
 pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
     let mut out = Plan::default();
+    let mut runtime = input.runtime;
+    if let Ok(list) = runtime {
+        if let Some(why) = suspect_list(list, input.records) {
+            out.suspect = Some(why);
+            runtime = Err("the runtime's list is suspect");
+        }
+    }
     let sandboxes: Option<HashMap<&str, &SandboxView>> =
-        input.runtime.ok().map(|list| list.iter().map(|v| (v.sandbox.id.as_str(), v)).collect());
+        runtime.ok().map(|list| list.iter().map(|v| (v.sandbox.id.as_str(), v)).collect());
 
     for (record, observation) in input.records {
         let listed = sandboxes.as_ref().map(|m| m.get(record.sandbox_id.as_str()).copied());
@@ -477,7 +520,7 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
         }
     }
 
-    let Ok(list) = input.runtime else { return out };
+    let Ok(list) = runtime else { return out };
     let recorded: HashSet<&str> = input.records.iter().map(|(r, _)| r.sandbox_id.as_str()).collect();
     let mut unrecorded: Vec<&SandboxView> = list.iter().filter(|v| !recorded.contains(v.sandbox.id.as_str())).collect();
     unrecorded.sort_by(|a, b| (a.sandbox.created_at, &a.sandbox.id).cmp(&(b.sandbox.created_at, &b.sandbox.id)));

@@ -302,15 +302,38 @@ fn without_the_runtime_drift_and_gone_netns_are_still_handled() {
 
 #[test]
 fn a_record_whose_sandbox_is_gone_is_collected_once() {
-    let node = node_with_record("old", "old", Observation::Intact);
+    let mut node = node_with_record("old", "old", Observation::Intact);
+    let kept = node_with_record("kept", "kept", Observation::Intact).records.pop_first().unwrap();
+    node.records.insert(kept.0, kept.1);
     let limits = Limits { leftover_grace: Duration::ZERO, ..Limits::default() };
-    let mut r = Reconciler::new(Some(FakeRuntime::default()), node, limits);
+    let rt = FakeRuntime { sandboxes: vec![sandbox("kept", "shop", "kept", &[])], ..Default::default() };
+    let mut r = Reconciler::new(Some(rt), node, limits);
     let report = r.pass(Ok(()));
     assert_eq!(r.node.calls, ["collect net/old/eth0"]);
     assert_eq!(report.count(PodState::Leftover), 1);
     let report = r.pass(Ok(()));
     assert_eq!(r.node.calls, ["collect net/old/eth0"], "collected once");
     assert_eq!(report.count(PodState::Leftover), 0);
+}
+
+/// An empty list from a runtime while pods live: nothing collected, one refusal logged and
+/// counted while it lasts, and the list believed again once it lists the node's pods.
+#[test]
+fn an_empty_list_is_refused_once_and_collects_nothing() {
+    let node = node_with_record("live", "live", Observation::Intact);
+    let limits = Limits { leftover_grace: Duration::ZERO, ..Limits::default() };
+    let mut r = Reconciler::new(Some(FakeRuntime::default()), node, limits);
+    let first = r.pass(Ok(()));
+    assert!(r.node.calls.is_empty(), "{:?}", r.node.calls);
+    assert_eq!(first.refusals.len(), 1);
+    assert!(first.refusals[0].new && first.refusals[0].kind == "suspect-list", "{:?}", first.refusals);
+    assert_eq!(first.count(PodState::Captured), 1);
+    let second = r.pass(Ok(()));
+    assert!(r.node.calls.is_empty());
+    assert!(!second.refusals[0].new, "refused once, not every pass");
+    r.runtime.as_mut().unwrap().sandboxes.push(sandbox("live", "shop", "live", &[]));
+    let third = r.pass(Ok(()));
+    assert!(third.refusals.is_empty() && r.node.calls.is_empty());
 }
 
 #[test]

@@ -253,6 +253,10 @@ fn leftovers_are_collected_but_not_a_sandbox_being_created() {
     let mut w = World::new();
     let l = Limits { leftover_grace: Duration::from_secs(60), ..limits(MissedPolicy::Restart) };
     let mut m = Memory::default();
+    // A pod the runtime lists beside them: the list is this node's runtime's (see
+    // `a_list_that_lacks_the_node_s_live_pods_removes_nothing`).
+    w.sandboxes.push(view(sandbox("kept", "shop", "kept", 1), Wants::Capture));
+    w.records.push((record("kept", "kept"), Observation::Intact));
     w.records.push((record("gone", "gone"), Observation::Intact));
     w.records.push((record("nons", "nons"), Observation::NetnsGone("no such file".into())));
     let collected = |p: &Plan| -> Vec<(String, Leftover)> {
@@ -271,7 +275,7 @@ fn leftovers_are_collected_but_not_a_sandbox_being_created() {
     assert_eq!(World::state_of(&p, "gone").0, PodState::Captured);
     assert_eq!(p.orphans, vec!["net/gone/eth0".to_string()]);
     m.orphans_seen(&p.orphans, w.now);
-    w.records.remove(1);
+    w.records.remove(2);
     w.now += Duration::from_secs(59);
     assert!(w.plan(&l, &m).actions.is_empty(), "within the grace");
     w.now += Duration::from_secs(1);
@@ -283,7 +287,7 @@ fn leftovers_are_collected_but_not_a_sandbox_being_created() {
     let p = w.plan(&l, &m);
     assert!(p.orphans.is_empty() && p.actions.is_empty());
     m.orphans_seen(&p.orphans, w.now);
-    w.sandboxes.clear();
+    w.sandboxes.pop();
     assert!(w.plan(&l, &m).actions.is_empty(), "a new grace");
     // Without the runtime, a record without sandbox cannot be told: only a gone netns is
     // a leftover.
@@ -293,6 +297,65 @@ fn leftovers_are_collected_but_not_a_sandbox_being_created() {
     assert_eq!(q.actions.len(), 1);
     assert!(matches!(&q.actions[0], Action::Collect { why: Leftover::NetnsGone(_), .. }));
     assert!(q.orphans.is_empty());
+}
+
+/// Absence from a list removes a capture only when the list is otherwise consistent with the
+/// node: an empty list, another runtime's list, or one that lost most of the node's live pods
+/// collects nothing and restarts nothing; a netns that is gone is still collected, drift still
+/// repaired. On main an empty list collected every live pod.
+#[test]
+fn a_list_that_lacks_the_node_s_live_pods_removes_nothing() {
+    let l = Limits { leftover_grace: Duration::ZERO, ..limits(MissedPolicy::Restart) };
+    let mut w = World::new();
+    for id in ["a", "b", "c"] {
+        w.records.push((record(id, id), Observation::Intact));
+    }
+    w.records.push((record("d", "d"), Observation::Drifted(Differences::capture(vec!["x".into()]))));
+    w.records.push((record("nons", "nons"), Observation::NetnsGone("no such file".into())));
+    let mut m = Memory::default();
+    let kinds = |p: &Plan| -> Vec<(&'static str, String)> {
+        p.actions
+            .iter()
+            .map(|a| match a {
+                Action::Collect { record, .. } => ("collect", record.clone()),
+                Action::Repair { record, .. } => ("repair", record.clone()),
+                Action::Restart { sandbox_id, .. } => ("restart", sandbox_id.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    let only_evidence = vec![("repair", "net/d/eth0".to_string()), ("collect", "net/nons/eth0".to_string())];
+    // Empty: a runtime restarting, or one that lost its state.
+    for _ in 0..3 {
+        let p = w.plan(&l, &m);
+        assert!(p.suspect.as_deref().is_some_and(|w| w.contains("lists no sandbox, yet 4 pods")), "{:?}", p.suspect);
+        assert_eq!(kinds(&p), only_evidence);
+        assert!(p.orphans.is_empty(), "absence from a suspect list starts no grace");
+        m.orphans_seen(&p.orphans, w.now);
+    }
+    assert_eq!(World::state_of(&w.plan(&l, &m), "a").0, PodState::Captured);
+    // Another runtime's socket: its own pods, none of the node's. Not missed pods either.
+    w.sandboxes.push(view(sandbox("other-1", "ci", "runner", 1), Wants::Capture));
+    let p = w.plan(&l, &m);
+    assert!(p.suspect.as_deref().is_some_and(|w| w.contains("lacks 4 of the 4")), "{:?}", p.suspect);
+    assert_eq!(kinds(&p), only_evidence, "nothing restarted from another runtime's list");
+    // Shrunk below half of the node's live pods: still suspect.
+    w.sandboxes.push(view(sandbox("a", "shop", "a", 1), Wants::Capture));
+    let p = w.plan(&l, &m);
+    assert!(p.suspect.is_some() && kinds(&p) == only_evidence, "{:?} {:?}", p.suspect, p.actions);
+    // Half or more listed: the list is believed, the missing ones are leftovers and the
+    // unrecorded ready sandbox is a missed pod.
+    w.sandboxes.push(view(sandbox("b", "shop", "b", 1), Wants::Capture));
+    let p = w.plan(&l, &m);
+    assert_eq!(p.suspect, None);
+    let k = kinds(&p);
+    for want in [("collect", "net/c/eth0"), ("collect", "net/d/eth0"), ("restart", "other-1")] {
+        assert!(k.contains(&(want.0, want.1.to_string())), "{want:?} in {k:?}");
+    }
+    // No live pod recorded: nothing a list could remove, any list is believed.
+    w.records.retain(|(_, o)| matches!(o, Observation::NetnsGone(_)));
+    w.sandboxes.clear();
+    assert_eq!(w.plan(&l, &m).suspect, None);
 }
 
 #[test]
