@@ -120,7 +120,7 @@ fn expressions_print_in_our_notation() {
     assert_eq!(text("egress_divert", "replies of tracked flows"), "r1 = ct direction; r1 == 0x01; accept");
     assert_eq!(
         text("loopback_tproxy", "diverted UDP"),
-        "r1 = meta iif; r1 == 0x01000000; r1 = meta mark; r1 == 0x71ae0000; r1 = meta l4proto; r1 == 0x11; \
+        "r1 = meta iif; r1 == 0x01000000; r1 = meta mark; r1 == 0xae71; r1 = meta l4proto; r1 == 0x11; \
          r1 = th dport; r1 == 0x46a2; r1 = 0x46a2; tproxy ip to port r1; accept"
     );
     assert_eq!(
@@ -128,6 +128,28 @@ fn expressions_print_in_our_notation() {
         "r1 = meta l4proto; r1 == 0x11; r1 = th dport; r1 == 0x0035; r1 = 0x0a000001; r2 = 0x4686; \
          dnat ip to addr r1-r1 port r2-r2 flags 0x3"
     );
+    // A mark reads as the configuration writes it, never as its host-order bytes
+    // (0x7eae0000 on this machine); what is not a mark keeps its bytes as they sit.
+    assert_eq!(text("egress_divert", "the proxy's own passthrough"), "r1 = meta mark; r1 == 0xae7e; accept");
+    assert_eq!(text("egress_divert", "a connection established before"), "r1 = ct mark; r1 == 0xae7c; accept");
+    assert_eq!(
+        text("egress_divert", "redirect-all: divert TCP"),
+        "r1 = meta l4proto; r1 == 0x06; r1 = 0xae71; meta mark set r1; accept"
+    );
+    // A register loaded with something else after the mark holds bytes again.
+    let reloaded = aether_rules::nft::Exprs(vec![
+        meta(META_MARK),
+        meta(META_L4PROTO),
+        Expr::Cmp { sreg: 1, op: CMP_EQ, data: 0xae7eu32.to_ne_bytes().to_vec() },
+    ]);
+    assert_eq!(
+        reloaded.to_string(),
+        format!("r1 = meta mark; r1 = meta l4proto; r1 == 0x{}", hex(&0xae7eu32.to_ne_bytes()))
+    );
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[test]
