@@ -31,7 +31,12 @@ NOTICES := target/release/THIRD-PARTY-NOTICES
 # The release binary's software bill of materials (make image), beside the image archive.
 SBOM ?= target/image/aether-cni-$(VERSION).cdx.json
 
-.PHONY: deps build test test-kernels demo bench soak clean clients-deps image chart-test docs-picture notices sbom
+# The release before this one, as the upgrade tests install it first (scripts/previous-release.sh
+# builds its plugin from this clone's history into target/previous-release/, once).
+PREVIOUS_RELEASE := 7d8c46d
+PREVIOUS_BIN := target/previous-release/aether-cni
+
+.PHONY: deps build test previous-release test-kernels demo bench soak clean clients-deps image chart-test docs-picture notices sbom
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -79,8 +84,13 @@ sbom: build $(CARGO_CYCLONEDX)
 # The conformance tests use the very binary this build makes (no second build of their own);
 # conformance/tests/static_binary.rs checks and runs the static release binary of `build`,
 # conformance/tests/notices.rs the notices of `notices` and the license gate.
-test: deps clients-deps build notices
+## previous-release: the previous release's plugin ($(PREVIOUS_BIN)), built from the history
+previous-release: deps
+	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE)
+
+test: deps clients-deps build notices previous-release
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
+		AETHER_PREVIOUS_CNI_BIN=$(CURDIR)/$(PREVIOUS_BIN) \
 		AETHER_NOTICES=$(CURDIR)/$(NOTICES) AETHER_CARGO_ABOUT=$(CARGO_ABOUT) \
 		$(CARGO) test --workspace --features aether-cni/fault-injection
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni bash charts/tests/run.sh

@@ -9,7 +9,7 @@ use aether_netns::Netns;
 use aether_rules::capture;
 
 use aether_node::services;
-use aether_node::state::{self, PodNetns, Record, StateDir};
+use aether_node::state::{self, PodNetns, Record, Recorded, StateDir};
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
@@ -52,8 +52,11 @@ fn list(state_dir: &Path) -> ExitCode {
             Ok(PodNetns::Gone(_)) => ("netns gone (GC removes the record)".into(), "-".into()),
             Err(e) => (format!("cannot open the netns: {e}"), "-".into()),
             Ok(PodNetns::Live(netns)) => {
-                let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg)) {
+                let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg, r.ruleset())) {
                     None => "unknown (the record predates stored configurations)".to_string(),
+                    Some(Ok(d)) if d.is_empty() && !r.ruleset().is_current() => {
+                        format!("intact, {}; migration pending", r.ruleset())
+                    }
                     Some(Ok(d)) if d.is_empty() => "intact".into(),
                     Some(Ok(d)) => {
                         all_intact = false;
@@ -203,8 +206,9 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
                     if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
                 );
             }
+            println!("{}", ruleset_line(r));
             match &r.capture {
-                Some(cfg) => intact &= describe_capture(&netns, cfg),
+                Some(cfg) => intact &= describe_capture(&netns, cfg, r.ruleset()),
                 None => println!("capture: the record predates stored configurations; showing the kernel only"),
             }
         }
@@ -243,12 +247,42 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
     }
 }
 
+/// Which capture ruleset the record says the pod holds, and whether it is to be migrated
+/// (an upgrade's, never drift) or was.
+fn ruleset_line(r: &Record) -> String {
+    let recorded = r.ruleset();
+    match (recorded, r.migrated_from.and_then(capture::RulesetVersion::known)) {
+        (Recorded::Known(_), _) if !recorded.is_current() => format!(
+            "ruleset: {recorded}; migration pending (the installer's reconciler replaces it with {}; \
+             CHECK compares the pod with the ruleset it holds)",
+            capture::RulesetVersion::CURRENT
+        ),
+        (Recorded::Unknown(_), _) => {
+            format!(
+                "ruleset: {recorded}; migration pending (the installer's reconciler replaces it with this release's)"
+            )
+        }
+        (_, Some(from)) => format!("ruleset: {recorded}; migrated from {from}"),
+        _ => format!("ruleset: {recorded}"),
+    }
+}
+
+/// The ruleset of shape `recorded` for `cfg`, or why there is none.
+fn recorded_ruleset(cfg: &aether_rules::CaptureConfig, recorded: Recorded) -> Result<aether_rules::Ruleset, String> {
+    match recorded {
+        Recorded::Known(v) => {
+            capture::capture_ruleset_of(cfg, v).map_err(|e| format!("the recorded configuration no longer builds: {e}"))
+        }
+        Recorded::Unknown(_) => Err(format!("the record names {recorded}, which this release cannot compare")),
+    }
+}
+
 /// Prints the capture as ADD built it, then whether the kernel holds exactly that.
-fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
-    let ruleset = match capture::capture_ruleset(cfg) {
+fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig, recorded: Recorded) -> bool {
+    let ruleset = match recorded_ruleset(cfg, recorded) {
         Ok(rs) => rs,
         Err(e) => {
-            println!("capture: the recorded configuration no longer builds: {e}");
+            println!("capture: {e}");
             return false;
         }
     };
@@ -291,11 +325,10 @@ fn describe_capture(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> bool {
     }
 }
 
-/// How the kernel's capture in `netns` differs from what ADD builds from `cfg`.
-fn differences(netns: &Netns, cfg: &aether_rules::CaptureConfig) -> Result<Vec<String>, String> {
-    let ruleset =
-        capture::capture_ruleset(cfg).map_err(|e| format!("the recorded configuration no longer builds: {e}"))?;
-    verify(netns, &ruleset)
+/// How the kernel's capture in `netns` differs from what ADD built from `cfg`, of shape
+/// `recorded`.
+fn differences(netns: &Netns, cfg: &aether_rules::CaptureConfig, recorded: Recorded) -> Result<Vec<String>, String> {
+    verify(netns, &recorded_ruleset(cfg, recorded)?)
 }
 
 fn verify(netns: &Netns, ruleset: &aether_rules::Ruleset) -> Result<Vec<String>, String> {

@@ -1043,3 +1043,189 @@ fn reconciler_repairs_a_service_layer_element_within_a_pass_and_without_it_it_st
         ctrd.remove_pod(id);
     }
 }
+
+/// The previous release's plugin binary: `make previous-release` builds it from this clone's
+/// history (`AETHER_PREVIOUS_CNI_BIN`, as `make test` passes it). Missing: a loud skip, or a
+/// failure under AETHER_REQUIRE_ROOT_TESTS=1.
+fn previous_release(test: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("AETHER_PREVIOUS_CNI_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| aether_conformance::clients::repo().join("target/previous-release/aether-cni"));
+    if path.exists() {
+        return Some(path);
+    }
+    let msg =
+        format!("{test}: the previous release's plugin {} is missing -- run `make previous-release`", path.display());
+    assert!(
+        std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() != Ok("1"),
+        "{msg}; AETHER_REQUIRE_ROOT_TESTS=1 forbids skipping"
+    );
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "SKIPPED (no previous release): {msg}");
+    None
+}
+
+/// `path` made the node's `aether-cni` plugin (a copy, renamed into place as the installer
+/// does).
+fn put_plugin(ctrd: &Containerd, path: &Path) {
+    let tmp = ctrd.bin_dir.join(".aether-cni.swap");
+    std::fs::copy(path, &tmp).unwrap();
+    std::fs::rename(&tmp, ctrd.bin_dir.join("aether-cni")).unwrap();
+}
+
+/// CHECK by today's binary, as a runtime calls it for the pod (the conflist's entry, the pod's
+/// address as prevResult): (passed, the error's message).
+fn check_pod(ctrd: &Containerd, id: &str, netns: &str, ip: &str) -> (bool, String) {
+    let conflist: Value = serde_json::from_str(
+        &std::fs::read_to_string(ctrd.net_dir.join(aether_conformance::containerd::CHAINED_CONFLIST)).unwrap(),
+    )
+    .unwrap();
+    let mut entry = conflist["plugins"][2].clone();
+    entry["cniVersion"] = conflist["cniVersion"].clone();
+    entry["name"] = conflist["name"].clone();
+    entry["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": null });
+    entry["prevResult"] = json!({"cniVersion": "1.0.0", "ips": [{"address": format!("{ip}/24")}]});
+    let out = aether_conformance::cni::run_here(
+        &[
+            ("CNI_COMMAND", "CHECK"),
+            ("CNI_CONTAINERID", id),
+            ("CNI_NETNS", netns),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_PATH", "/opt/cni/bin"),
+            ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=cart-0"),
+        ],
+        &entry,
+    );
+    (out.ok, out.stdout)
+}
+
+/// A TCP connection the capture diverted: from the pod to the node's gateway, taken by a
+/// transparent listener on the capture port in the pod (the mesh proxy's place): (the pod's
+/// end, the proxy's end).
+fn captured_connection(netns: &str) -> (TcpStream, TcpStream) {
+    let dst: SocketAddr = format!("{}:4242", NET.gateway).parse().unwrap();
+    let (app, proxy) = sock::in_netns(netns, move || {
+        let listener = sock::tcp_listener(SocketAddr::from(([127, 0, 0, 1], 18001)), true).unwrap();
+        let app = sock::tcp_connect(dst, None, Duration::from_secs(2)).expect("connect (captured)");
+        let (proxy, _) = listener.accept().expect("the capture listener takes the connection");
+        (app, proxy)
+    });
+    for s in [&app, &proxy] {
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    }
+    (app, proxy)
+}
+
+/// A node whose pod the previous release attached gets today's binary (a rolling update of
+/// the chart: the new installer copies it, its reconciler starts): the pod passes CHECK under
+/// today's binary as it stands (the record names no ruleset: the previous release's, which it
+/// holds exactly), `inspect` calls it a pending migration, never drift; the reconciler
+/// migrates it (action `migrate`, its metric, its log line; no repair), after which it holds
+/// today's ruleset and passes CHECK again. A long-lived captured connection and an inbound
+/// one keep exchanging throughout. Controls: the same pod under a record naming today's
+/// ruleset fails CHECK by the two rules it lacks; and the captured connection breaks once
+/// the capture that carries it is flushed.
+#[test]
+fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connections() {
+    let test = "upgrade_from_the_previous_release";
+    if !ready(test) {
+        return;
+    }
+    let Some(previous) = previous_release(test) else { return };
+    let mut ctrd = Containerd::new("rcupg", &NET, true);
+    put_plugin(&ctrd, &previous);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+
+    // ADD by the previous release: its ruleset (without the rules for connections established
+    // before the capture) and its record (without a ruleset).
+    let pod = ctrd.run_pod("shop", "cart-0", None).unwrap_or_else(|e| panic!("RunPodSandbox (previous release): {e}"));
+    let sb = ctrd.sandbox(&pod).unwrap();
+    let netns = sb.netns.clone();
+    let before = assert_captured(&netns, &["dnat to 10.250.13.1:18054"]);
+    assert!(!before.contains("0x0000ae7c"), "the previous release's ruleset has no ct mark rules:\n{before}");
+    let record_path = std::fs::read_dir(ctrd.state_dir.join("attachments"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains(&pod))
+        .expect("the previous release's record");
+    let recorded = std::fs::read_to_string(&record_path).unwrap();
+    assert!(!recorded.contains("\"ruleset\""), "the previous release names no ruleset: {recorded}");
+
+    let (app, proxy) = captured_connection(&netns);
+    let pod_ip: std::net::Ipv4Addr = sb.ip.parse().unwrap();
+    let server = sock::in_netns(&netns, move || sock::tcp_listener(SocketAddr::from((pod_ip, 0)), false)).unwrap();
+    let (client, served) = sock::connection_from(&ctrd.node.path(), &server);
+    let exchange_all = |round: &str| {
+        sock::exchange(&app, &proxy, round).unwrap_or_else(|e| panic!("captured connection, {round}: {e}"));
+        sock::exchange(&client, &served, round).unwrap_or_else(|e| panic!("inbound connection, {round}: {e}"));
+    };
+    exchange_all("previous release");
+
+    // Today's binary in place of it: CHECK passes as the pod stands.
+    put_plugin(&ctrd, &cni_bin());
+    exchange_all("binary swapped");
+    let (ok, msg) = check_pod(&ctrd, &pod, &netns, &sb.ip);
+    assert!(
+        ok,
+        "CHECK of the previous release's pod under today's binary: {msg}\n{}",
+        std::fs::read_to_string(&ctrd.log_file).unwrap_or_default()
+    );
+    let (_, text) = inspect_pod(&ctrd, &pod);
+    assert!(text.contains("migration pending") && !text.contains("NOT INTACT"), "inspect:\n{text}");
+    // Control: the same kernel state under a record that names today's ruleset is not intact.
+    let mut claims_today: Value = serde_json::from_str(&recorded).unwrap();
+    claims_today["ruleset"] = json!(2);
+    std::fs::write(&record_path, serde_json::to_vec_pretty(&claims_today).unwrap()).unwrap();
+    let (ok, msg) = check_pod(&ctrd, &pod, &netns, &sb.ip);
+    assert!(!ok && msg.contains("\"code\":100") && msg.contains("ct mark; r1 == 0xae7c"), "control: {msg}");
+    std::fs::write(&record_path, &recorded).unwrap();
+
+    // The installer's reconciler migrates it: an upgrade, not drift.
+    let socket = format!("--cri-socket={}", ctrd.socket().display());
+    let mut inst = Installer::start(&ctrd, "upgrade", &[socket]);
+    let pass = inst.wait_pass(1, "shop/cart-0 migrated", |p| {
+        actions_on(p, "shop/cart-0").iter().any(|a| a["kind"] == "migrate" && a["outcome"] == "done")
+    });
+    assert_eq!(state_of(&pass, "shop/cart-0"), "captured", "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="migrate",outcome="done"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair",outcome="done"}"#), 0.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_pods{state="drifted"}"#), 0.0);
+    exchange_all("migrated");
+    let after = assert_captured(&netns, &["ct mark 0x0000ae7c accept"]);
+    let migrated: Value = serde_json::from_str(&std::fs::read_to_string(&record_path).unwrap()).unwrap();
+    assert_eq!((migrated["ruleset"].clone(), migrated["migratedFrom"].clone()), (json!(2), json!(1)), "{migrated:#}");
+    let (ok, msg) = check_pod(&ctrd, &pod, &netns, &sb.ip);
+    assert!(ok, "CHECK after the migration: {msg}");
+    let (ok, text) = inspect_pod(&ctrd, &pod);
+    assert!(ok && text.contains("migrated from capture ruleset 1"), "inspect:\n{text}");
+    let next = inst.mark() + 2;
+    inst.wait_pass(next, "a later pass", |_| true);
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_actions_total{kind="migrate",outcome="done"}"#),
+        1.0,
+        "migrated once"
+    );
+    let log = inst.stop();
+    assert!(log.contains("migrated from capture ruleset 1"), "the migration's log line:\n{log}");
+    assert!(!log.contains("drift"), "the migration was logged as drift:\n{log}");
+    for round in ["after 1", "after 2"] {
+        exchange_all(round);
+    }
+    assert_eq!(capture_state(&netns).0, after, "the ruleset moved after the migration");
+
+    // Control: without the capture the connection was diverted to the proxy by, it breaks.
+    in_netns(&netns, &["nft", "flush", "chain", "ip", "aether_capture", "egress_divert"]);
+    assert!(
+        sock::exchange(&app, &proxy, "control").is_err(),
+        "a captured connection survives losing its capture: the test cannot fail"
+    );
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+}
+
+/// `aether-cni inspect <id>` (today's binary) on the node's state: (exit ok, its output).
+fn inspect_pod(ctrd: &Containerd, id: &str) -> (bool, String) {
+    let out = exec(Command::new(cni_bin()).arg("inspect").arg(id).arg("--state-dir").arg(&ctrd.state_dir));
+    (out.ok, format!("{}{}", out.stdout, out.stderr))
+}

@@ -241,6 +241,7 @@ impl InstallArgs {
             backoff_max: backoff.max(Duration::from_secs(600)),
             attempts: self.reconcile_attempts.max(1),
             leftover_grace: Duration::from_secs(self.leftover_grace_seconds),
+            ..Limits::default()
         }
     }
 

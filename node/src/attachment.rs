@@ -16,12 +16,12 @@
 //! detach, exclusive for collect).
 
 use aether_netns::Netns;
-use aether_rules::capture::{self, CaptureConfig};
+use aether_rules::capture::{self, CaptureConfig, RulesetVersion};
 use tracing::{debug, info, warn};
 
 use crate::config::NetConf;
 use crate::services::{self, fold::RetireError, ServicesError};
-use crate::state::{PodIdentity, PodNetns, Record, StateDir, StateError};
+use crate::state::{PodIdentity, PodNetns, Record, Recorded, StateDir, StateError};
 
 /// Which attachment: the network (the configuration's `name`), the container, the interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -315,7 +315,10 @@ fn undo(
 
 /// CHECK's work: every way the attachment `target` in `netns` differs from `expected` (the
 /// pod's capture now, `None` for a pod that is not managed): the kernel's ruleset, the
-/// record, the namespace identity. Empty when intact.
+/// record, the namespace identity. Empty when intact. The ruleset is compared with the shape
+/// the record says ADD programmed: a pod an earlier release attached, holding exactly that
+/// release's ruleset, is intact (its migration to the current shape is the reconciler's,
+/// [`Record::ruleset`] says it is pending).
 pub fn verify(
     conf: &NetConf,
     target: Target,
@@ -333,8 +336,8 @@ pub fn verify(
         }
         return Ok(found);
     };
-    let ruleset = capture::capture_ruleset(cfg)?;
-    let mut diffs = netns.run(|| aether_rules::verify(&ruleset))??;
+    let mut diffs = Vec::new();
+    let mut version = RulesetVersion::CURRENT;
     match StateDir::new(&conf.state_dir).read(network, id, ifname) {
         Ok(None) => diffs.push(format!("no attachment record for {id}/{ifname} in {}", conf.state_dir.display())),
         Err(u) => diffs.push(format!("the attachment record {} cannot be read: {}", u.file, u.why)),
@@ -352,9 +355,21 @@ pub fn verify(
                 Some(_) => {}
                 None => diffs.push("the attachment record does not say what ADD programmed".into()),
             }
+            match r.ruleset() {
+                Recorded::Known(v) => version = v,
+                // Nothing this build makes is what the pod holds: said as such, never as a
+                // rule missing or changed.
+                unknown @ Recorded::Unknown(_) => {
+                    diffs.insert(0, format!("the record says the pod holds {unknown}; it cannot be compared"));
+                    return Ok(diffs);
+                }
+            }
         }
     }
-    Ok(diffs)
+    let ruleset = capture::capture_ruleset_of(cfg, version)?;
+    let mut kernel = netns.run(|| aether_rules::verify(&ruleset))??;
+    kernel.append(&mut diffs);
+    Ok(kernel)
 }
 
 /// GC's work: forgets the attachments of `conf`'s network for which `is_valid(container,

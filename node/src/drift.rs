@@ -350,6 +350,8 @@ mod tests {
             pod_uid: None,
             config_digest: String::new(),
             capture: None,
+            ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
+            migrated_from: None,
             defaulted: Vec::new(),
         };
         let mut drift = Drift::new();
@@ -429,6 +431,53 @@ mod tests {
         for _ in 0..2 {
             assert_eq!(seen(&look(&mut full)), (0, 0, Compared::Full));
         }
+        drop(ns);
+        let _ = std::fs::remove_dir_all(&state);
+    }
+    /// CHECK compares a pod with the ruleset its record says it holds: an earlier release's
+    /// pod (its record without `ruleset`) holding exactly that release's ruleset is intact,
+    /// and the same pod under a record naming the current ruleset is not (the two rules it
+    /// lacks); a ruleset of a later release is said to be one, never "missing or changed".
+    #[test]
+    fn a_pod_is_compared_with_the_ruleset_its_record_names() {
+        if !root_or_skip("a_pod_is_compared_with_the_ruleset_its_record_names") {
+            return;
+        }
+        let (state, ns, conf, cfg, record) = attached("drift-ruleset");
+        let netns = aether_netns::Netns::open_foreign(&ns.path()).unwrap();
+        let first = aether_rules::capture_ruleset_of(&cfg, aether_rules::RulesetVersion::FIRST).unwrap();
+        netns.run(|| aether_rules::install(&first, None)).unwrap().unwrap();
+        let dir = crate::state::StateDir::new(&state);
+        let target = Target { network: "net", container_id: "c1", ifname: "eth0" };
+        let check = || attachment::verify(&conf, target, &netns, Some(&cfg)).unwrap();
+
+        // As the earlier release wrote it: no ruleset named.
+        dir.write(&Record { ruleset: None, ..record.clone() }).unwrap();
+        assert_eq!(check(), Vec::<String>::new(), "the earlier release's pod holds its ruleset: intact");
+        let mut drift = Drift::new();
+        let found = drift.look(&conf, &dir.records()[0], &services::stored_header(&state));
+        assert_eq!(seen(&found), (0, 0, Compared::Full), "{found:?}");
+
+        // Negative control: the same pod under a record naming the current ruleset.
+        dir.write(&record).unwrap();
+        let diffs = check();
+        assert_eq!(diffs.len(), 2, "{diffs:?}");
+        assert!(diffs.iter().all(|d| d.contains("is missing or changed") && d.contains("0xae7c")), "{diffs:?}");
+
+        // A later release's ruleset: named, not compared.
+        let later = aether_rules::RulesetVersion::CURRENT.number() + 1;
+        dir.write(&Record { ruleset: Some(later), ..record.clone() }).unwrap();
+        let diffs = check();
+        assert!(
+            diffs[0].contains(&format!("capture ruleset {later}")) && diffs[0].contains("a later release"),
+            "{diffs:?}"
+        );
+        assert!(!diffs.iter().any(|d| d.contains("missing or changed")), "{diffs:?}");
+
+        // The current ruleset under a record that names it (ADD's): intact.
+        netns.run(|| aether_rules::install(&aether_rules::capture_ruleset(&cfg).unwrap(), None)).unwrap().unwrap();
+        dir.write(&record.migrated()).unwrap();
+        assert_eq!(check(), Vec::<String>::new());
         drop(ns);
         let _ = std::fs::remove_dir_all(&state);
     }

@@ -209,14 +209,82 @@ impl CaptureConfig {
     }
 }
 
-/// Builds the capture ruleset: one half per family of the pod (`cfg.families`), each the
-/// same table of docs/design.md, top to bottom, in its family.
+/// A shape of the capture ruleset: what ADD of some release programs for a configuration.
+/// Every shape a release has programmed stays buildable, so that CHECK, `inspect` and the
+/// reconciler compare a pod with the shape its attachment record says it holds, and an
+/// upgrade is told apart from a tamper (docs/operating.md, "Upgrade and rollback").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RulesetVersion(u32);
+
+/// What tells one shape from another: data, one row per version.
+struct Shape {
+    version: u32,
+    /// The releases that program it, as people name them.
+    release: &'static str,
+    /// The two rules at the top of `egress_divert` that keep a TCP connection established
+    /// before the capture uncaptured (`ct mark 0xae7c accept`, `ct state new tcp flags ! syn
+    /// ct mark set 0xae7c accept`).
+    keeps_preexisting_connections: bool,
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        version: 1,
+        release: "the releases before connections established before the capture were kept",
+        keeps_preexisting_connections: false,
+    },
+    Shape {
+        version: 2,
+        release: "the releases that keep connections established before the capture",
+        keeps_preexisting_connections: true,
+    },
+];
+
+impl RulesetVersion {
+    /// The first shape; an attachment record without a ruleset version holds it.
+    pub const FIRST: RulesetVersion = RulesetVersion(1);
+    /// The shape this build's ADD programs.
+    pub const CURRENT: RulesetVersion = RulesetVersion(2);
+
+    /// The version numbered `n`, if this build knows it (a later release's is unknown here).
+    pub fn known(n: u32) -> Option<RulesetVersion> {
+        SHAPES.iter().any(|s| s.version == n).then_some(RulesetVersion(n))
+    }
+
+    pub fn number(self) -> u32 {
+        self.0
+    }
+
+    fn shape(self) -> &'static Shape {
+        SHAPES.iter().find(|s| s.version == self.0).expect("only known versions are made")
+    }
+
+    /// The releases that program this shape, for people (`inspect`, the reconciler's log).
+    pub fn release(self) -> &'static str {
+        self.shape().release
+    }
+}
+
+impl std::fmt::Display for RulesetVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "capture ruleset {} ({})", self.0, self.release())
+    }
+}
+
+/// Builds the capture ruleset ADD programs now ([`RulesetVersion::CURRENT`]).
 pub fn capture_ruleset(cfg: &CaptureConfig) -> Result<Ruleset> {
+    capture_ruleset_of(cfg, RulesetVersion::CURRENT)
+}
+
+/// Builds the capture ruleset of shape `version`: one half per family of the pod
+/// (`cfg.families`), each the same table of docs/design.md, top to bottom, in its family.
+pub fn capture_ruleset_of(cfg: &CaptureConfig, version: RulesetVersion) -> Result<Ruleset> {
     cfg.validate()?;
+    let shape = version.shape();
     let halves = Family::ALL
         .into_iter()
         .filter(|f| cfg.families.contains(f))
-        .map(|family| Half { table: capture_table(cfg, family), policy_route: cfg.policy_route(family) })
+        .map(|family| Half { table: capture_table(cfg, family, shape), policy_route: cfg.policy_route(family) })
         .collect();
     Ok(Ruleset { halves })
 }
@@ -243,8 +311,8 @@ fn excluded_nets(cfg: &CaptureConfig, family: Family) -> Vec<Element> {
         .collect()
 }
 
-/// One family's capture table.
-fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
+/// One family's capture table, of `shape`.
+fn capture_table(cfg: &CaptureConfig, family: Family, shape: &Shape) -> Table {
     let rule =
         |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.to_string() };
 
@@ -286,20 +354,26 @@ fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
             Action::Accept,
             "the proxy's own passthrough traffic is never re-captured",
         ),
-        rule(
-            vec![Match::CtMark(PREEXISTING_CT_MARK)],
-            Action::Accept,
-            "a connection established before the capture stays uncaptured",
-        ),
-        // Conntrack runs in the pod netns from the moment this table exists. A TCP packet
-        // of a flow it never saw, without SYN, is picked up mid-stream (nf_conntrack_tcp_loose)
-        // as `new`: that connection was open before the capture, and no new connection ever
-        // starts without SYN.
-        rule(
-            vec![Match::CtStateNew, Match::TcpWithoutSyn],
-            Action::SetCtMarkAccept(PREEXISTING_CT_MARK),
-            "a TCP flow first seen mid-stream was established before the capture: marked, not captured",
-        ),
+    ];
+    if shape.keeps_preexisting_connections {
+        divert.extend([
+            rule(
+                vec![Match::CtMark(PREEXISTING_CT_MARK)],
+                Action::Accept,
+                "a connection established before the capture stays uncaptured",
+            ),
+            // Conntrack runs in the pod netns from the moment this table exists. A TCP packet
+            // of a flow it never saw, without SYN, is picked up mid-stream
+            // (nf_conntrack_tcp_loose) as `new`: that connection was open before the capture,
+            // and no new connection ever starts without SYN.
+            rule(
+                vec![Match::CtStateNew, Match::TcpWithoutSyn],
+                Action::SetCtMarkAccept(PREEXISTING_CT_MARK),
+                "a TCP flow first seen mid-stream was established before the capture: marked, not captured",
+            ),
+        ]);
+    }
+    divert.extend([
         rule(
             vec![Match::DaddrInSet(SET_EXCLUDED_NETS.into())],
             Action::Accept,
@@ -312,7 +386,7 @@ fn capture_table(cfg: &CaptureConfig, family: Family) -> Table {
             Action::Accept,
             "excluded TCP ports are not captured",
         ),
-    ];
+    ]);
     match cfg.mode {
         CaptureMode::RedirectAll => divert.push(rule(
             vec![Match::L4Proto(Proto::Tcp)],
@@ -528,6 +602,39 @@ mod tests {
         }
         // The mark differs from the packet marks: a restored ct mark never diverts.
         assert!(![DIVERT_MARK, PASSTHROUGH_MARK].contains(&PREEXISTING_CT_MARK));
+    }
+
+    /// The first shape is the current one without the two rules that keep connections
+    /// established before the capture, in every table and nothing else: what the releases
+    /// before them programmed (their golden files differ by exactly these lines).
+    #[test]
+    fn the_first_ruleset_is_the_current_one_without_the_preexisting_connection_rules() {
+        let exemption = |r: &Rule| {
+            r.matches == vec![Match::CtMark(PREEXISTING_CT_MARK)]
+                || r.action == Action::SetCtMarkAccept(PREEXISTING_CT_MARK)
+        };
+        for mode in [CaptureMode::RedirectAll, CaptureMode::Scoped] {
+            let mut cfg = CaptureConfig::new(mode);
+            cfg.families = vec![Family::Ipv4, Family::Ipv6];
+            let now = capture_ruleset(&cfg).unwrap();
+            let first = capture_ruleset_of(&cfg, RulesetVersion::FIRST).unwrap();
+            assert_eq!(now.halves.len(), first.halves.len());
+            for (n, f) in now.halves.iter().zip(&first.halves) {
+                let mut stripped = n.table.clone();
+                for c in &mut stripped.chains {
+                    c.rules.retain(|r| !exemption(r));
+                }
+                assert_eq!(stripped, f.table, "{mode}: only the two rules differ");
+                let removed: usize = n.table.chains.iter().map(|c| c.rules.len()).sum::<usize>()
+                    - f.table.chains.iter().map(|c| c.rules.len()).sum::<usize>();
+                assert_eq!(removed, 2, "{mode}");
+            }
+        }
+        assert_eq!(RulesetVersion::known(1), Some(RulesetVersion::FIRST));
+        assert_eq!(RulesetVersion::known(RulesetVersion::CURRENT.number()), Some(RulesetVersion::CURRENT));
+        assert_eq!(RulesetVersion::known(0), None);
+        assert_eq!(RulesetVersion::known(RulesetVersion::CURRENT.number() + 1), None, "a later release's");
+        assert!(RulesetVersion::FIRST < RulesetVersion::CURRENT);
     }
 
     #[test]

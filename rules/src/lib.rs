@@ -16,7 +16,7 @@ pub mod route;
 pub mod services;
 pub mod socket_lb;
 
-pub use capture::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
+pub use capture::{capture_ruleset, capture_ruleset_of, CaptureConfig, CaptureMode, DnsDivert, RulesetVersion};
 pub use error::{Error, Result};
 pub use family::Family;
 pub use model::{Half, Ruleset};

@@ -7,7 +7,7 @@ use super::{action_kind, Action, Leftover, Outcome, PassReport, PodState};
 pub struct ReconcileMetrics {
     /// Pods by state in the last pass.
     pub pods: IntGaugeVec,
-    /// Actions by kind (restart, capture, repair, repair-services, collect) and outcome (done, failed).
+    /// Actions by kind (restart, capture, repair, repair-services, migrate, collect) and outcome (done, failed).
     pub actions: IntCounterVec,
     /// Leftovers collected, by why (sandbox-gone, netns-gone).
     pub leftovers: IntCounterVec,
@@ -35,7 +35,7 @@ impl ReconcileMetrics {
         let actions = IntCounterVec::new(
             Opts::new(
                 "aether_cni_reconciler_actions_total",
-                "Reconciler actions by kind (restart: sandbox stopped through the CRI; capture: missed pod captured in place; repair: drift repaired to the record; repair-services: a Service layer rebuilt to the stored snapshot; collect: leftover record collected) and outcome (done, failed).",
+                "Reconciler actions by kind (restart: sandbox stopped through the CRI; capture: missed pod captured in place; repair: drift repaired to the record; repair-services: a Service layer rebuilt to the stored snapshot; migrate: a pod's capture ruleset of an earlier release replaced with the current one; collect: leftover record collected) and outcome (done, failed).",
             ),
             &["kind", "outcome"],
         )
@@ -87,7 +87,7 @@ impl ReconcileMetrics {
         for s in PodState::ALL {
             pods.with_label_values(&[s.name()]);
         }
-        for kind in ["restart", "capture", "repair", "repair-services", "collect"] {
+        for kind in ["restart", "capture", "repair", "repair-services", "migrate", "collect"] {
             for outcome in ["done", "failed"] {
                 actions.with_label_values(&[kind, outcome]);
             }

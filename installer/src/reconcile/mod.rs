@@ -7,6 +7,8 @@
 //!   is not the stored one) are repaired to exactly the record's ruleset, and the stored
 //!   layer, with ADD's code; a pod whose netns had nothing committed since it was last found
 //!   intact costs no table comparison (see `aether_node::drift`);
+//! - pods holding an earlier release's capture ruleset, intact as their record says, are
+//!   migrated to the current one, a few per pass (an upgrade, never called drift);
 //! - leftovers (a record whose sandbox or netns is gone) are collected as GC collects them.
 //!
 //! The decisions are `plan`'s pure code. This module gathers their inputs through two small
@@ -70,6 +72,9 @@ pub trait NodeOps {
     fn repair(&mut self, record: &RecordView) -> Result<(), Self::Error>;
     /// Rebuilds the pod's Service layer to exactly the stored one (ADD's code).
     fn repair_services(&mut self, record: &RecordView) -> Result<(), Self::Error>;
+    /// Replaces the pod's capture ruleset of an earlier release with the current one, and
+    /// records that.
+    fn migrate(&mut self, record: &RecordView) -> Result<(), Self::Error>;
     /// Collects the record as GC does (its Service counts folded once).
     fn collect(&mut self, record: &RecordView, why: &Leftover) -> Result<(), Self::Error>;
     /// Captures a missed pod in place, in its netns (ADD's code, for the pod's addresses).
@@ -140,6 +145,7 @@ pub fn action_kind(a: &Action) -> &'static str {
         Action::Capture { .. } => "capture",
         Action::Repair { .. } => "repair",
         Action::RepairServices { .. } => "repair-services",
+        Action::Migrate { .. } => "migrate",
         Action::Collect { .. } => "collect",
     }
 }
@@ -237,7 +243,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             // A restart or capture counts whatever its outcome (the pod may come back
             // uncaptured); a repair only when it failed (drift again later is repaired again).
             let failed = matches!(outcome, Outcome::Failed(_));
-            let repair = matches!(action, Action::Repair { .. } | Action::RepairServices { .. });
+            let repair =
+                matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
             if action.counts_as_attempt() && (failed || !repair) {
                 self.memory.acted(action.pod(), Instant::now(), &self.limits);
             }
@@ -255,7 +262,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Held::NetnsUnknown(_) => "netns-unknown",
                 Held::Invalid(_) => "invalid",
                 Held::Unverifiable(_) => "unverifiable",
-                Held::RateLimited | Held::BackingOff(_) => continue,
+                Held::RateLimited | Held::BackingOff(_) | Held::MigrationPending(_) => continue,
             };
             if self.held_logged.get(&f.sandbox_id).map(String::as_str) != Some(kind) {
                 let what = match f.state {
@@ -383,6 +390,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Some(r) => done(self.node.repair_services(r).map_err(|e| e.to_string())),
                 None => Outcome::Failed(format!("record {record} is not in this pass's list")),
             },
+            Action::Migrate { record, .. } => match records.get(record.as_str()) {
+                Some(r) => done(self.node.migrate(r).map_err(|e| e.to_string())),
+                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
+            },
             Action::Collect { record, why, .. } => match records.get(record.as_str()) {
                 Some(r) => done(self.node.collect(r, why).map_err(|e| e.to_string())),
                 None => Outcome::Failed(format!("record {record} is not in this pass's list")),
@@ -414,6 +425,10 @@ fn log_action(action: &Action, outcome: &Outcome) {
         (Action::RepairServices { record, differences, .. }, None) => tracing::info!(
             pod = %pod, record = %record,
             "Service layer drift repaired to the stored snapshot: {}", differences.join("; ")
+        ),
+        (Action::Migrate { record, from, .. }, None) => tracing::info!(
+            pod = %pod, record = %record,
+            "migrated from {from} to the current {}", aether_rules::RulesetVersion::CURRENT
         ),
         (Action::Collect { record, why, .. }, None) => tracing::info!(
             pod = %pod, record = %record, "leftover collected: {}", leftover_text(why)

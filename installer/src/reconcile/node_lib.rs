@@ -17,7 +17,7 @@ use aether_node::attachment::{self, AttachmentError, Target};
 use aether_node::config::{self, NetConf};
 use aether_node::drift::{Compared, Drift, Look};
 use aether_node::services::{self, ServicesError};
-use aether_node::state::{PodIdentity, PodNetns, Record, StateDir, StateError};
+use aether_node::state::{PodIdentity, PodNetns, Record, Recorded, StateDir, StateError};
 use serde_json::{json, Map, Value};
 
 use super::{Comparisons, Differences, Leftover, NodeOps, Observation, PodRef, RecordView, Wants};
@@ -224,11 +224,16 @@ impl NodeOps for NodeLib {
                     Compared::Full => self.compared.full += 1,
                     Compared::Unchanged => self.compared.unchanged += 1,
                 }
+                // The record names the ruleset the pod was compared with: one of an earlier
+                // release, found intact, is a migration to come, not drift; a later release's
+                // (a rollback) cannot be compared, and is migrated to this release's.
+                let recorded = record.ruleset();
                 let d = Differences { capture, services };
-                if d.is_empty() {
-                    Observation::Intact
-                } else {
-                    Observation::Drifted(d)
+                match recorded {
+                    Recorded::Unknown(_) => Observation::MigrationPending { from: recorded.to_string() },
+                    _ if !d.is_empty() => Observation::Drifted(d),
+                    _ if recorded.is_current() => Observation::Intact,
+                    _ => Observation::MigrationPending { from: recorded.to_string() },
                 }
             }
         }
@@ -260,8 +265,32 @@ impl NodeOps for NodeLib {
             PodNetns::Live(ns) => ns,
             PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
         };
+        // The record's own shape: an earlier release's pod is repaired to what it holds, and
+        // migrated after.
+        let ruleset = match now.ruleset() {
+            Recorded::Known(v) => aether_rules::capture::capture_ruleset_of(cfg, v)?,
+            Recorded::Unknown(_) => aether_rules::capture::capture_ruleset(cfg)?,
+        };
+        netns.run(|| aether_rules::install(&ruleset, None))??;
+        Ok(())
+    }
+
+    fn migrate(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
+        self.drift.forget(&view.key);
+        // Exclusive, as a repair: the record read again, the current ruleset programmed in one
+        // transaction (the table replaced: conntrack, and so every open connection and its
+        // ct mark, is untouched), then the record says so. Killed in between, the record
+        // still names the earlier ruleset and the pod is found drifted from it: repaired to
+        // it, then migrated again.
+        let (now, _lock) = self.locked_record(view)?;
+        let cfg = now.capture.as_ref().ok_or_else(|| NodeOpsError::NoCapture(view.key.clone()))?;
+        let netns = match now.open_netns()? {
+            PodNetns::Live(ns) => ns,
+            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
+        };
         let ruleset = aether_rules::capture::capture_ruleset(cfg)?;
         netns.run(|| aether_rules::install(&ruleset, None))??;
+        StateDir::new(&self.state_dir).write(&now.migrated())?;
         Ok(())
     }
 

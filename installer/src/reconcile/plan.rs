@@ -63,6 +63,9 @@ pub struct Limits {
     /// missing this long: a sandbox being created is listed only after its ADD wrote the
     /// record.
     pub leftover_grace: Duration,
+    /// Pods migrated to the current capture ruleset per pass: an upgraded node rebuilds its
+    /// pods' tables a few at a time, never all at once.
+    pub migrations_per_pass: usize,
 }
 
 impl Default for Limits {
@@ -74,6 +77,7 @@ impl Default for Limits {
             backoff_max: Duration::from_secs(600),
             attempts: 3,
             leftover_grace: Duration::from_secs(60),
+            migrations_per_pass: 10,
         }
     }
 }
@@ -139,6 +143,11 @@ pub struct RecordView {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observation {
     Intact,
+    /// Intact, holding the capture ruleset of an earlier release (`from`, as people read it),
+    /// exactly as its record says: to be migrated to the current one. Not drift.
+    MigrationPending {
+        from: String,
+    },
     /// What differs (not both empty).
     Drifted(Differences),
     /// The netns is gone, or is another namespace than the one ADD programmed.
@@ -225,6 +234,9 @@ pub enum Action {
     Repair { record: String, pod: PodRef, differences: Vec<String> },
     /// Rebuild the pod's Service layer to exactly the stored one (ADD's code).
     RepairServices { record: String, pod: PodRef, differences: Vec<String> },
+    /// Replace an intact pod's capture ruleset of an earlier release (`from`) with the
+    /// current one, and record that.
+    Migrate { record: String, pod: PodRef, from: String },
     /// Collect the record as GC does.
     Collect { record: String, pod: PodRef, why: Leftover },
 }
@@ -236,12 +248,13 @@ impl Action {
             | Action::Capture { pod, .. }
             | Action::Repair { pod, .. }
             | Action::RepairServices { pod, .. }
+            | Action::Migrate { pod, .. }
             | Action::Collect { pod, .. } => pod,
         }
     }
 
-    /// Restarts, captures and repairs count toward a pod's attempts (collecting a leftover
-    /// is final).
+    /// Restarts, captures, repairs and migrations count toward a pod's attempts (collecting
+    /// a leftover is final).
     pub fn counts_as_attempt(&self) -> bool {
         !matches!(self, Action::Collect { .. })
     }
@@ -315,6 +328,9 @@ pub enum Held {
     Invalid(String),
     /// Its record could not be compared: why.
     Unverifiable(String),
+    /// Captured and intact with an earlier release's ruleset (named); this pass's migrations
+    /// are used up.
+    MigrationPending(String),
 }
 
 impl fmt::Display for Held {
@@ -328,6 +344,7 @@ impl fmt::Display for Held {
             Held::NetnsUnknown(why) => write!(f, "its network namespace is unknown: {why}"),
             Held::Invalid(why) => write!(f, "ADD would refuse it, nothing programmed: {why}"),
             Held::Unverifiable(why) => write!(f, "cannot be compared with its record: {why}"),
+            Held::MigrationPending(from) => write!(f, "{from}; migration pending"),
         }
     }
 }
@@ -425,7 +442,9 @@ pub fn suspect_list(list: &[SandboxView], records: &[(RecordView, Observation)])
     let listed: HashSet<&str> = list.iter().map(|v| v.sandbox.id.as_str()).collect();
     let live: HashSet<&str> = records
         .iter()
-        .filter(|(_, o)| matches!(o, Observation::Intact | Observation::Drifted(_)))
+        .filter(|(_, o)| {
+            matches!(o, Observation::Intact | Observation::MigrationPending { .. } | Observation::Drifted(_))
+        })
         .map(|(r, _)| r.sandbox_id.as_str())
         .collect();
     let missing = live.iter().filter(|id| !listed.contains(*id)).count();
@@ -450,6 +469,7 @@ pub fn suspect_list(list: &[SandboxView], records: &[(RecordView, Observation)])
 /// [`suspect_list`]) is treated as no list.
 pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
     let mut out = Plan::default();
+    let mut migrations = limits.migrations_per_pass;
     let mut runtime = input.runtime;
     if let Ok(list) = runtime {
         if let Some(why) = suspect_list(list, input.records) {
@@ -495,6 +515,21 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
             (Observation::Intact, _) => {
                 out.findings.push(finding(PodState::Captured, None));
                 out.settled.push(pod.clone());
+            }
+            // Captured and counted as such all along: a migration is an upgrade's, not a repair.
+            (Observation::MigrationPending { from }, _) => {
+                let held = memory
+                    .held(&pod, input.now, limits)
+                    .or_else(|| (migrations == 0).then(|| Held::MigrationPending(from.clone())));
+                if held.is_none() {
+                    migrations -= 1;
+                    out.actions.push(Action::Migrate {
+                        record: record.key.clone(),
+                        pod: pod.clone(),
+                        from: from.clone(),
+                    });
+                }
+                out.findings.push(finding(PodState::Captured, held));
             }
             (Observation::Drifted(differences), _) => {
                 let held = memory.held(&pod, input.now, limits);

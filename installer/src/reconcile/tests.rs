@@ -86,6 +86,14 @@ impl NodeOps for FakeNode {
         self.cleared(&r.key, |d| d.services.clear());
         Ok(())
     }
+    fn migrate(&mut self, r: &RecordView) -> Result<(), String> {
+        self.calls.push(format!("migrate {}", r.key));
+        if self.fail_repair {
+            return Err("netlink: EPERM".into());
+        }
+        self.records.get_mut(&r.key).unwrap().1 = Observation::Intact;
+        Ok(())
+    }
     fn collect(&mut self, r: &RecordView, _: &Leftover) -> Result<(), String> {
         self.calls.push(format!("collect {}", r.key));
         self.records.remove(&r.key);

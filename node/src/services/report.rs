@@ -368,7 +368,9 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
                 l.ports.len(),
                 if tables.is_empty() { String::new() } else { format!(" ({})", tables.join(" and ")) }
             ));
-            match dir.pod_holds(netns) {
+            let holds = dir.pod_holds(netns);
+            let holds_at = out.len();
+            match &holds {
                 Some(h) if h.is(stored, l.divert_mark) => {
                     out.push(format!("the pod was last given generation {} (the same layer)", h.generation))
                 }
@@ -380,6 +382,15 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
             match netns.run(|| layer::verify(&l)) {
                 Ok(Ok(d)) if d.is_empty() => {
                     verdict = LayerVerdict::Intact { generation };
+                    // The kernel holds exactly the stored layer: whatever the pod's file says
+                    // (a digest an earlier release took another way), not an older one.
+                    if let Some(h) = holds.as_ref().filter(|h| !h.is(stored, l.divert_mark)) {
+                        out[holds_at] = format!(
+                            "the pod was last given generation {}, recorded under another digest or mark; \
+                             its layer is the stored one (the next apply rebuilds it once, and records the digest)",
+                            h.generation
+                        );
+                    }
                     out.push("kernel: intact (matches the snapshot)".into())
                 }
                 Ok(Ok(d)) => {

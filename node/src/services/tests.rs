@@ -23,6 +23,8 @@ fn rec(cid: &str, netns: &str) -> Record {
         pod_uid: None,
         config_digest: "0".into(),
         capture: None,
+        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
+        migrated_from: None,
         defaulted: Vec::new(),
     }
 }

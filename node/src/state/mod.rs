@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use dir::is_stale_temp;
 pub use dir::{overwrite_file, read_capped, Dir, Lock, Spare};
-pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError};
+pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError, Recorded};
 
 use crate::text::clip;
 

@@ -2,6 +2,7 @@
 //! and the reconciler; read back whatever release wrote them.
 
 use aether_netns::Netns;
+use aether_rules::RulesetVersion;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -84,9 +85,44 @@ pub struct Record {
     /// The capture configuration ADD programmed, so DEL, GC, CHECK and `inspect` know it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capture: Option<aether_rules::CaptureConfig>,
+    /// The shape of the capture ruleset ADD (or the reconciler's migration) programmed, an
+    /// [`aether_rules::RulesetVersion`] number: CHECK compares the pod with that shape. Absent
+    /// in the records of the releases before it was written, which all programmed the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ruleset: Option<u32>,
+    /// The ruleset the pod held before the reconciler migrated it to `ruleset` (for
+    /// `inspect`); absent for a pod that holds what its ADD programmed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrated_from: Option<u32>,
     /// Capture fields the stored record lacked (an older plugin's), read as their defaults.
     #[serde(skip)]
     pub defaulted: Vec<String>,
+}
+
+/// The capture ruleset a record says its pod holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// A shape this build can make and compare with.
+    Known(RulesetVersion),
+    /// A later release's shape (the node was rolled back): this build cannot make it.
+    Unknown(u32),
+}
+
+impl Recorded {
+    /// Whether the pod holds the shape this build's ADD programs (if not, its migration to it
+    /// is pending).
+    pub fn is_current(self) -> bool {
+        self == Recorded::Known(RulesetVersion::CURRENT)
+    }
+}
+
+impl std::fmt::Display for Recorded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recorded::Known(v) => write!(f, "{v}"),
+            Recorded::Unknown(n) => write!(f, "capture ruleset {n} (a later release's, unknown to this one)"),
+        }
+    }
 }
 
 /// Where a record's pod netns stands now.
@@ -123,8 +159,26 @@ impl Record {
             pod_uid: pod.uid.clone(),
             config_digest: config_digest(&capture),
             capture: Some(capture),
+            ruleset: Some(RulesetVersion::CURRENT.number()),
+            migrated_from: None,
             defaulted: Vec::new(),
         }
+    }
+
+    /// This record once its pod holds the current ruleset in place of the one it names.
+    pub fn migrated(&self) -> Record {
+        Record {
+            ruleset: Some(RulesetVersion::CURRENT.number()),
+            migrated_from: Some(self.ruleset.unwrap_or(RulesetVersion::FIRST.number())),
+            ..self.clone()
+        }
+    }
+
+    /// The shape of capture ruleset the pod holds, as the record says: a record without one
+    /// is of a release that programmed the first.
+    pub fn ruleset(&self) -> Recorded {
+        let n = self.ruleset.unwrap_or(RulesetVersion::FIRST.number());
+        RulesetVersion::known(n).map_or(Recorded::Unknown(n), Recorded::Known)
     }
 
     /// Whether `ns` is the namespace this record's ADD programmed. A version 0 record has no

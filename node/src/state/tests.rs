@@ -22,6 +22,8 @@ fn rec(id: &str) -> Record {
         pod_uid: None,
         config_digest: config_digest(&capture),
         capture: Some(capture),
+        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
+        migrated_from: None,
         defaulted: Vec::new(),
     }
 }

@@ -400,3 +400,40 @@ fn policies_parse_by_name() {
     }
     assert!("delete".parse::<MissedPolicy>().unwrap_err().contains("\"delete\""));
 }
+
+/// A pod holding an earlier release's ruleset exactly is captured, counted as such, and
+/// migrated, a few per pass (the rest said to be pending, by the ruleset they hold); never
+/// drifted, never repaired.
+#[test]
+fn pods_of_an_earlier_ruleset_are_captured_and_migrated_a_few_per_pass() {
+    let mut w = World::new();
+    let from = "capture ruleset 1 (an earlier release's)".to_string();
+    for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
+        w.sandboxes.push(view(sandbox(id, "shop", id, i as i64), Wants::Capture));
+        w.records.push((record(id, id), Observation::MigrationPending { from: from.clone() }));
+    }
+    let lim = Limits { migrations_per_pass: 2, ..limits(MissedPolicy::Restart) };
+    let p = w.plan(&lim, &Memory::default());
+    let migrated: Vec<&str> = p
+        .actions
+        .iter()
+        .map(|a| match a {
+            Action::Migrate { record, from: f, .. } => {
+                assert_eq!(*f, from);
+                record.as_str()
+            }
+            other => panic!("only migrations: {other:?}"),
+        })
+        .collect();
+    assert_eq!(migrated, ["net/a/eth0", "net/b/eth0"], "two per pass");
+    for id in ["a", "b"] {
+        assert_eq!(World::state_of(&p, id), (PodState::Captured, None));
+    }
+    let (state, held) = World::state_of(&p, "c");
+    assert_eq!(state, PodState::Captured, "counted as captured while it waits");
+    assert_eq!(held.map(|h| h.to_string()), Some(format!("{from}; migration pending")));
+    assert!(p.findings.iter().all(|f| f.state != PodState::Drifted));
+    // No migration budget: every one pending, nothing done.
+    let none = w.plan(&Limits { migrations_per_pass: 0, ..lim }, &Memory::default());
+    assert!(none.actions.is_empty());
+}

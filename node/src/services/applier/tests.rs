@@ -29,6 +29,8 @@ fn add_pod(state: &Path, cid: &str) -> TestNetns {
         pod_uid: None,
         config_digest: "0".into(),
         capture: None,
+        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
+        migrated_from: None,
         defaulted: Vec::new(),
     };
     StateDir::new(state).write(&r).unwrap();
