@@ -130,6 +130,7 @@ def test_defaults():
         "--resync-seconds=10",
         "--upgrade",
         "--cri-socket=/run/containerd/containerd.sock",
+        "--cri-max-message-mib=16",
         "--missed-pods=restart",
         "--reconcile-period-seconds=10",
         "--reconcile-max-actions=5",
@@ -175,6 +176,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     values = {
         "reconciler": {
             "criSocket": "/run/k3s/containerd/containerd.sock",
+            "criMaxMessageMiB": 32,
             "missedPods": "capture",
             "periodSeconds": 3,
             "maxActionsPerPass": 2,
@@ -187,6 +189,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     c = container(ds)
     assert c["args"][9:-1] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
+        "--cri-max-message-mib=32",
         "--missed-pods=capture",
         "--reconcile-period-seconds=3",
         "--reconcile-max-actions=2",
@@ -268,7 +271,7 @@ def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:-8] == [
+    assert c["args"][9:-9] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",

@@ -111,6 +111,7 @@ BAD = [
     ({"reconciler": {"missedPods": "delete"}}, "/reconciler/missedPods", "must be one of"),
     ({"reconciler": {"periodSeconds": 0}}, "/reconciler/periodSeconds", "minimum"),
     ({"reconciler": {"criSocket": "run/containerd/containerd.sock"}}, "/reconciler/criSocket", ""),
+    ({"reconciler": {"criMaxMessageMiB": 0}}, "/reconciler/criMaxMessageMiB", "minimum"),
     ({"reconciler": {"enabled": "yes"}}, "/reconciler/enabled", "want boolean"),
     ({"updateStrategy": {"type": "Recreate"}}, "/updateStrategy/type", "must be one of"),
     ({"probes": {"readiness": {"periodSeconds": 0, "failureThreshold": 1}}}, "/probes/readiness/periodSeconds", "minimum"),

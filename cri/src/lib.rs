@@ -13,11 +13,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tonic::transport::{Channel, Endpoint};
+/// The gRPC status code a call failed with (in [`Error::Call`]).
+pub use tonic::Code;
 
 /// The generated CRI v1 messages and clients (package `runtime.v1`).
 pub mod api {
     tonic::include_proto!("runtime.v1");
 }
+
+#[cfg(feature = "fake")]
+pub mod fake;
 
 use api::runtime_service_client::RuntimeServiceClient;
 
@@ -25,6 +30,11 @@ use api::runtime_service_client::RuntimeServiceClient;
 pub const CONTAINERD_SOCKET: &str = "/run/containerd/containerd.sock";
 /// CRI-O's socket (its default `listen`).
 pub const CRIO_SOCKET: &str = "/var/run/crio/crio.sock";
+
+/// The largest message read from the runtime by default: the kubelet's own limit (16 MiB).
+/// tonic's default, 4 MiB, is less than a node's pod list can be (110 sandboxes with large
+/// annotations); a larger list than the limit blinds the reconciler.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// A runtime's message is shown up to this many bytes (a runtime may quote a whole request).
 const SHOWN_BYTES: usize = 512;
@@ -111,11 +121,18 @@ fn clip(text: &str) -> String {
 
 impl Client {
     /// Connects to the socket (the runtime must be listening); every later call is bounded by
-    /// `timeout`.
+    /// `timeout`, and its answer by [`DEFAULT_MAX_MESSAGE_BYTES`].
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<Client, Error> {
+        Self::connect_with(socket, timeout, DEFAULT_MAX_MESSAGE_BYTES).await
+    }
+
+    /// [`Client::connect`], reading answers of up to `max_message` bytes.
+    pub async fn connect_with(socket: &Path, timeout: Duration, max_message: usize) -> Result<Client, Error> {
         let path = socket.to_path_buf();
         // The URI is only what HTTP/2 needs for :authority; the connector ignores it.
-        let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout).timeout(timeout);
+        // Each call is bounded by `call` (the channel's own request timeout would race it and
+        // answer `Cancelled` instead of a timeout naming the call).
+        let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
         let connector = tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
             async move {
@@ -130,11 +147,17 @@ impl Client {
                 return Err(Error::Connect { socket: socket.into(), why: format!("no connection within {timeout:?}") })
             }
         };
-        Ok(Client { runtime: RuntimeServiceClient::new(channel), socket: socket.into(), timeout })
+        let runtime = RuntimeServiceClient::new(channel).max_decoding_message_size(max_message);
+        Ok(Client { runtime, socket: socket.into(), timeout })
     }
 
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// Bounds the calls from now on by `timeout` instead (a caller's budget running out).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
     }
 
     async fn call<T>(

@@ -72,6 +72,10 @@ pub struct InstallArgs {
     /// Seconds each CRI call may take.
     #[arg(long, default_value = "5", value_name = "SECONDS")]
     pub cri_timeout_seconds: u64,
+    /// The largest answer read from the runtime, in MiB (the kubelet reads up to 16): a pod
+    /// list larger than this cannot be read, and missed pods cannot be seen.
+    #[arg(long, default_value = "16", value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub cri_max_message_mib: u64,
     /// Seconds between reconciler passes.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub reconcile_period_seconds: u64,
@@ -226,6 +230,10 @@ impl InstallArgs {
 
     pub fn cri_timeout(&self) -> Duration {
         Duration::from_secs(self.cri_timeout_seconds.max(1))
+    }
+
+    pub fn cri_max_message_bytes(&self) -> usize {
+        (self.cri_max_message_mib as usize) << 20
     }
 
     pub fn reconcile_period(&self) -> Duration {

@@ -21,13 +21,16 @@ const SO_NETNS_COOKIE: nix::libc::c_int = 71;
 /// nsfs magic number (`NSFS_MAGIC` in linux/magic.h).
 const NSFS_MAGIC: i64 = 0x6e73_6673;
 
+/// `NS_GET_NSTYPE` (linux/nsfs.h: `_IO(0xb7, 0x3)`): a namespace file's `CLONE_NEW*` type.
+const NS_GET_NSTYPE: nix::libc::Ioctl = 0xb703;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("network namespace {path} does not exist")]
     NotFound { path: PathBuf },
     #[error("cannot open network namespace {path}: {source}")]
     Open { path: PathBuf, source: std::io::Error },
-    #[error("{path} is not a network namespace file (not on nsfs)")]
+    #[error("{path} is not a network namespace file (not on nsfs, or another kind of namespace)")]
     NotANamespace { path: PathBuf },
     #[error("{path} is the plugin's own (host) network namespace; refusing to program it")]
     HostNamespace { path: PathBuf },
@@ -63,19 +66,41 @@ pub struct Netns {
 }
 
 impl Netns {
-    /// Opens the namespace at `path`, checking that it really is one.
+    /// Opens the namespace at `path`, checking that it really is one: a network namespace on
+    /// nsfs. The path is first opened `O_PATH` (no open of what it names: a FIFO does not
+    /// block, a device is not opened), checked to be on nsfs, and only then opened for use
+    /// (through `/proc/self/fd`, the very file checked), and asked its type (`NS_GET_NSTYPE`):
+    /// a mount or PID namespace's file is no network namespace.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|source| {
+        let open_err = |source: std::io::Error| {
             if source.kind() == std::io::ErrorKind::NotFound {
                 Error::NotFound { path: path.clone() }
             } else {
                 Error::Open { path: path.clone(), source }
             }
-        })?;
-        let fs = nix::sys::statfs::fstatfs(file.as_fd())
+        };
+        let handle = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_PATH | nix::libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(open_err)?;
+        let fs = nix::sys::statfs::fstatfs(handle.as_fd())
             .map_err(|e| Error::Open { path: path.clone(), source: e.into() })?;
         if fs.filesystem_type().0 as i64 != NSFS_MAGIC {
+            return Err(Error::NotANamespace { path });
+        }
+        let fd_path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&handle));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_CLOEXEC | nix::libc::O_NONBLOCK)
+            .open(fd_path)
+            .map_err(open_err)?;
+        drop(handle);
+        // SAFETY: NS_GET_NSTYPE takes no argument and only reads the namespace's type.
+        let kind = unsafe { nix::libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&file), NS_GET_NSTYPE) };
+        if kind != nix::libc::CLONE_NEWNET {
             return Err(Error::NotANamespace { path });
         }
         let meta = file.metadata().map_err(|source| Error::Open { path: path.clone(), source })?;
@@ -420,6 +445,45 @@ mod tests {
             Err(Error::NotANamespace { .. }) => {}
             other => panic!("expected NotANamespace, got {other:?}"),
         }
+    }
+
+    /// Another kind of namespace is on nsfs too: its type tells it apart.
+    #[test]
+    fn a_mount_or_pid_namespace_is_not_a_network_namespace() {
+        for path in ["/proc/self/ns/mnt", "/proc/self/ns/pid", "/proc/self/ns/uts"] {
+            match Netns::open(path) {
+                Err(Error::NotANamespace { .. }) => {}
+                other => panic!("{path}: expected NotANamespace, got {other:?}"),
+            }
+        }
+    }
+
+    /// A FIFO named as a netns (a runtime that lies): refused at once, not a reader blocked
+    /// until a writer comes. A blocked open is released by the test itself (it opens the write
+    /// end) after a generous wait, and fails.
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let dir = std::env::temp_dir().join(format!("aether-netns-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("net");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let opening = fifo.clone();
+        let t = std::thread::spawn(move || tx.send(Netns::open(&opening).map(|n| n.id())).unwrap());
+        let outcome = match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+            Ok(o) => o,
+            Err(_) => {
+                use std::os::unix::fs::OpenOptionsExt;
+                let _writer = std::fs::OpenOptions::new().write(true).custom_flags(nix::libc::O_NONBLOCK).open(&fifo);
+                t.join().unwrap();
+                std::fs::remove_dir_all(&dir).unwrap();
+                panic!("opening a FIFO as a netns blocked until a writer came");
+            }
+        };
+        t.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(outcome, Err(Error::NotANamespace { .. })), "{outcome:?}");
     }
 
     #[test]

@@ -13,13 +13,14 @@ use super::PodNetwork;
 pub struct CriRuntime {
     socket: PathBuf,
     timeout: Duration,
+    max_message: usize,
     rt: Arc<tokio::runtime::Runtime>,
     client: Option<Client>,
 }
 
 impl CriRuntime {
-    pub fn new(socket: PathBuf, timeout: Duration, rt: Arc<tokio::runtime::Runtime>) -> Self {
-        CriRuntime { socket, timeout, rt, client: None }
+    pub fn new(socket: PathBuf, timeout: Duration, max_message: usize, rt: Arc<tokio::runtime::Runtime>) -> Self {
+        CriRuntime { socket, timeout, max_message, rt, client: None }
     }
 
     fn with<T>(
@@ -30,7 +31,7 @@ impl CriRuntime {
     ) -> Result<T, Error> {
         let rt = self.rt.clone();
         if self.client.is_none() {
-            self.client = Some(rt.block_on(Client::connect(&self.socket, self.timeout))?);
+            self.client = Some(rt.block_on(Client::connect_with(&self.socket, self.timeout, self.max_message))?);
         }
         let out = rt.block_on(call(self.client.as_mut().expect("connected above")));
         if out.is_err() {

@@ -466,7 +466,7 @@ where
         Some(socket) => {
             let rt = crate::runtime::shared()?;
             tracing::info!(socket = %socket.display(), policy = args.missed_pods.name(), "reconciling the runtime's pods every {} s", args.reconcile_period().as_secs());
-            Some(cri::CriRuntime::new(socket, args.cri_timeout(), rt))
+            Some(cri::CriRuntime::new(socket, args.cri_timeout(), args.cri_max_message_bytes(), rt))
         }
         None => None,
     };

@@ -1,0 +1,371 @@
+//! The installer's reconciler against a runtime that lies, stalls or forgets: the built
+//! binary (`aether-cni install`) run in the simulated node's netns, its `--cri-socket` a fake
+//! runtime (`aether_cri::fake`, tonic's server side of the same proto) that answers what each
+//! test scripts, its state directory holding the records of real pods captured by a real ADD.
+//! Whatever the runtime says, a live pod keeps its capture, a pass stays bounded and the
+//! installer stops when told.
+//!
+//! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI).
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_conformance::clients::{assert_captured, records};
+use aether_conformance::{cni_bin, sock, Pod, SimNode, HOST_IP};
+use aether_cri::api::PodSandbox;
+use aether_cri::fake::{self, FakeRuntime, Reply, Script};
+use aether_testkit::root_or_skip;
+use serde_json::{json, Value};
+
+/// The installer's probes and metrics, inside the node's netns.
+const LISTEN: &str = "127.0.0.1:18095";
+
+/// A scratch directory, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("aether-rcfault-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        for sub in ["bin", "conf"] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        let primary = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/install/primaries/10-bridge.conf");
+        std::fs::copy(primary, d.join("conf/10-bridge.conf")).unwrap();
+        Scratch(d)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A simulated node, its pods captured by ADD, and the fake runtime listing them.
+struct Node {
+    sim: SimNode,
+    pods: Vec<Pod>,
+    fake: FakeRuntime,
+    scratch: Scratch,
+}
+
+impl Node {
+    /// `names.len()` pods, each ADDed and listed ready by the fake runtime with its netns.
+    fn new(tag: &str, names: &[&str]) -> Node {
+        let mut sim = SimNode::new(tag);
+        let scratch = Scratch::new(tag);
+        let pods: Vec<Pod> = names.iter().map(|n| sim.add_pod(n)).collect();
+        for p in &pods {
+            p.add(json!({}));
+        }
+        let fake = FakeRuntime::start(&scratch.0.join("cri.sock"), Script::default()).unwrap();
+        let node = Node { sim, pods, fake, scratch };
+        let listed = node.listing();
+        node.fake.script(|s| {
+            for (sb, pod) in listed.iter().zip(&node.pods) {
+                s.status
+                    .insert(sb.id.clone(), Reply::Answer(fake::status(sb, Some(&pod.path()), &[&pod.ip.to_string()])));
+            }
+            s.list = Reply::Answer(listed.clone());
+        });
+        node
+    }
+
+    /// The node's pods as the runtime lists them.
+    fn listing(&self) -> Vec<PodSandbox> {
+        self.pods.iter().map(|p| sandbox_of(p)).collect()
+    }
+
+    fn captured(&self, pod: &Pod) {
+        assert_captured(&pod.path(), &[]);
+    }
+}
+
+fn sandbox_of(p: &Pod) -> PodSandbox {
+    fake::sandbox(&p.container_id, "sim", &p.name, &format!("uid-{}", p.name), 1)
+}
+
+/// `aether-cni install` in the node's netns, run by the test.
+struct Installer {
+    child: Child,
+    log: PathBuf,
+    host: String,
+    state_dir: PathBuf,
+}
+
+impl Installer {
+    fn start(node: &Node, extra: &[&str]) -> Installer {
+        let log = node.scratch.0.join(format!("installer-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(node.sim.state_dir().join("reconciler-last-pass.json"));
+        let host = node.sim.host.path();
+        let ns = std::fs::File::open(&host).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+        let mut cmd = Command::new(cni_bin());
+        cmd.arg("install")
+            .arg(format!("--cni-bin-dir={}", node.scratch.0.join("bin").display()))
+            .arg(format!("--cni-conf-dir={}", node.scratch.0.join("conf").display()))
+            .arg(format!("--state-dir={}", node.sim.state_dir().display()))
+            .arg(format!("--listen={LISTEN}"))
+            .arg(format!("--host-ip={HOST_IP}"))
+            .arg(format!("--cri-socket={}", node.fake.socket().display()))
+            .arg("--services-socket=")
+            .arg("--reconcile-period-seconds=1")
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        // SAFETY: setns is async-signal-safe; the fd stays open in the parent until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("spawn aether-cni install");
+        drop(ns);
+        let inst = Installer { child, log, host, state_dir: node.sim.state_dir().to_path_buf() };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while inst.get("/healthz").is_none() {
+            assert!(Instant::now() < deadline, "the installer never served /healthz:\n{}", inst.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        inst
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET `path` inside the node's netns: (status code, body).
+    fn get(&self, path: &str) -> Option<(u16, String)> {
+        let stream = sock::in_netns(&self.host, || {
+            std::net::TcpStream::connect_timeout(&LISTEN.parse().unwrap(), Duration::from_secs(2)).ok()
+        });
+        let mut s = stream?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        let (_, body) = self.get("/metrics").expect("/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
+    }
+
+    fn last_pass(&self) -> Option<Value> {
+        let text = std::fs::read_to_string(self.state_dir.join("reconciler-last-pass.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    fn mark(&self) -> u64 {
+        self.last_pass().map_or(0, |p| p["pass"].as_u64().unwrap())
+    }
+
+    /// Waits (up to 30 s) for a pass numbered `from` or later that satisfies `cond`.
+    fn wait_pass(&mut self, from: u64, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(p) = self.last_pass() {
+                if p["pass"].as_u64().unwrap() >= from && cond(&p) {
+                    return p;
+                }
+            }
+            let exited = self.child.try_wait().unwrap();
+            assert!(
+                Instant::now() < deadline && exited.is_none(),
+                "no reconciler pass with {what} in 30 s (installer exited: {exited:?}); the last:\n{:#}\n--- installer\n{}",
+                self.last_pass().unwrap_or(Value::Null),
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then waits up to `patience` (SIGKILL after): the exit and how long it took.
+    fn terminate(&mut self, patience: Duration) -> (ExitStatus, Duration, bool) {
+        let started = Instant::now();
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return (status, started.elapsed(), false);
+            }
+            if started.elapsed() > patience {
+                let _ = self.child.kill();
+                return (self.child.wait().unwrap(), started.elapsed(), true);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.terminate(Duration::from_secs(10));
+        }
+    }
+}
+
+fn state_of(pass: &Value, pod: &str) -> String {
+    pass["pods"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["pod"] == pod)
+        .map(|p| p["state"].as_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
+fn refusals(pass: &Value, kind: &str) -> Vec<Value> {
+    pass["refusals"].as_array().into_iter().flatten().filter(|r| r["kind"] == kind).cloned().collect()
+}
+
+/// A runtime whose list is empty (a restart, lost state), or another runtime's (a
+/// misdirected socket), or lacks most of the node's live pods, for longer than the leftover
+/// grace: no live pod loses its capture, nothing is restarted, the refusal is logged once and
+/// counted once. A pod whose netns really went is still collected, by that evidence. Negative
+/// control: on the code before this rule, the empty list collected both live pods.
+#[test]
+fn a_list_that_forgets_the_node_s_pods_uncaptures_nothing() {
+    if !root_or_skip("a_list_that_forgets_the_node_s_pods_uncaptures_nothing") {
+        return;
+    }
+    let mut node = Node::new("rcforget", &["shop-a", "shop-b", "shop-c"]);
+    let mut inst = Installer::start(&node, &["--leftover-grace-seconds=0", "--missed-pods=restart"]);
+    inst.wait_pass(1, "the three pods captured", |p| {
+        ["sim/shop-a", "sim/shop-b", "sim/shop-c"].iter().all(|pod| state_of(p, pod) == "captured")
+    });
+
+    // The runtime forgets everything.
+    node.fake.script(|s| s.list = Reply::Answer(vec![]));
+    let from = inst.mark() + 3;
+    let pass = inst.wait_pass(from, "three passes of an empty list", |_| true);
+    for pod in &node.pods {
+        node.captured(pod);
+    }
+    assert_eq!(records(&inst.state_dir).len(), 3, "{pass:#}");
+    assert_eq!(refusals(&pass, "suspect-list").len(), 1, "{pass:#}");
+    // Meanwhile one pod really goes: its netns is deleted, its DEL never came.
+    let gone = node.pods.pop().unwrap();
+    drop(gone);
+    let from = inst.mark() + 1;
+    let pass = inst.wait_pass(from + 2, "the gone pod collected, three passes on", |p| {
+        p["pass"].as_u64().unwrap() >= from + 2 && state_of(p, "sim/shop-c").is_empty()
+    });
+    for pod in &node.pods {
+        node.captured(pod);
+    }
+    assert_eq!(records(&inst.state_dir).len(), 2, "{pass:#}");
+    assert_eq!(state_of(&pass, "sim/shop-a"), "captured", "{pass:#}");
+
+    // Another runtime's socket: its own sandboxes, none of the node's (one looks missed).
+    let foreign = fake::sandbox("foreign-1", "ci", "runner", "uid-runner", 1);
+    let foreign_ns = aether_testkit::TestNetns::new("rcforeign");
+    let foreign_status = fake::status(&foreign, Some(&foreign_ns.path()), &["10.244.9.9"]);
+    node.fake.script(|s| {
+        s.status.insert(foreign.id.clone(), Reply::Answer(foreign_status));
+        s.list = Reply::Answer(vec![foreign.clone()]);
+    });
+    let from = inst.mark() + 3;
+    let pass =
+        inst.wait_pass(from, "three passes of another runtime's list", |p| refusals(p, "suspect-list").len() == 1);
+    for pod in &node.pods {
+        node.captured(pod);
+    }
+    assert_eq!(records(&inst.state_dir).len(), 2, "{pass:#}");
+    assert_eq!(node.fake.count("stop"), 0, "nothing restarted from another runtime's list");
+    let log = inst.log();
+    assert_eq!(log.matches("refused: the runtime's pod list").count(), 1, "logged once:\n{log}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_refusals_total{kind="suspect-list"}"#), 1.0);
+    assert_eq!(inst.metric("aether_cni_reconciler_runtime_list_suspect"), 1.0);
+    let shown = Command::new(cni_bin()).arg("inspect").arg("--state-dir").arg(&inst.state_dir).output().unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("refused (suspect-list)"), "aether-cni inspect:\n{shown}");
+
+    // The runtime back with the node's pods: believed again, nothing left to collect.
+    let listed = node.listing();
+    node.fake.script(|s| s.list = Reply::Answer(listed));
+    let from = inst.mark() + 1;
+    inst.wait_pass(from, "the list believed again", |p| refusals(p, "suspect-list").is_empty());
+    assert_eq!(inst.metric("aether_cni_reconciler_runtime_list_suspect"), 0.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="collect",outcome="done"}"#), 1.0);
+    for pod in &node.pods {
+        node.captured(pod);
+    }
+    let (status, _, killed) = inst.terminate(Duration::from_secs(10));
+    assert!(status.success() && !killed, "{status}\n{}", inst.log());
+}
+
+/// A runtime that names a FIFO as a missed pod's netns: the in-place capture is refused (not a
+/// network namespace) without blocking, the passes go on, and the installer stops when told.
+/// Negative control: opening the path blocked for good, the passes stopped and SIGTERM never
+/// completed.
+#[test]
+fn a_fifo_named_as_a_netns_wedges_nothing() {
+    if !root_or_skip("a_fifo_named_as_a_netns_wedges_nothing") {
+        return;
+    }
+    let node = Node::new("rcfifo", &["shop-a"]);
+    let fifo = node.scratch.0.join("not-a-netns");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let liar = fake::sandbox("liar-1", "sim", "liar", "uid-liar", 2);
+    let status = fake::status(&liar, Some(&fifo.display().to_string()), &["10.244.9.9"]);
+    let mut listed = node.listing();
+    listed.push(liar.clone());
+    node.fake.script(|s| {
+        s.status.insert(liar.id.clone(), Reply::Answer(status));
+        s.list = Reply::Answer(listed);
+    });
+    let mut inst = Installer::start(&node, &["--missed-pods=capture"]);
+    let pass = inst.wait_pass(1, "the capture into the FIFO refused", |p| {
+        p["actions"].as_array().into_iter().flatten().any(|a| a["pod"] == "sim/liar" && a["outcome"] == "failed")
+    });
+    let failed = pass["actions"].as_array().unwrap().iter().find(|a| a["pod"] == "sim/liar").unwrap();
+    assert!(failed["error"].as_str().unwrap().contains("not a network namespace"), "{pass:#}");
+    let from = inst.mark() + 2;
+    inst.wait_pass(from, "two passes more", |_| true);
+    node.captured(&node.pods[0]);
+    let (status, _, killed) = inst.terminate(Duration::from_secs(10));
+    assert!(status.success() && !killed, "{status}\n{}", inst.log());
+}
+
+/// A pod list over tonic's default 4 MiB (110 sandboxes with 48 KiB of annotations each, 5.2
+/// MiB; the kubelet reads up to 16 MiB) is read whole: the runtime is seen and every sandbox
+/// judged. With `--cri-max-message-mib=4` (the control: the limit the client had) the same
+/// list is unreadable, named, and `aether_cni_reconciler_runtime_up` is 0.
+#[test]
+fn a_pod_list_over_4_mib_is_seen() {
+    if !root_or_skip("a_pod_list_over_4_mib_is_seen") {
+        return;
+    }
+    let node = Node::new("rchuge", &["shop-a"]);
+    let mut listed = node.listing();
+    for i in 0..110 {
+        let mut s = fake::sandbox(&format!("heavy-{i}"), "kube-system", &format!("heavy-{i}"), &format!("uid-h{i}"), 3);
+        s.annotations.insert("example.com/blob".into(), "x".repeat(48 << 10));
+        listed.push(s);
+    }
+    node.fake.script(|s| s.list = Reply::Answer(listed));
+    let mut inst = Installer::start(&node, &["--missed-pods=report", "--exclude-namespaces=kube-system"]);
+    let pass = inst.wait_pass(1, "the list read", |p| p["pods"].as_array().is_some_and(|a| a.len() == 111));
+    assert!(pass["runtimeUnseen"].is_null(), "{pass:#}");
+    assert_eq!(state_of(&pass, "kube-system/heavy-7"), "excluded");
+    assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 1.0);
+    drop(inst);
+
+    let mut inst = Installer::start(&node, &["--missed-pods=report", "--cri-max-message-mib=4"]);
+    let pass = inst.wait_pass(1, "the list unreadable", |p| p["runtimeUnseen"].is_string());
+    assert!(pass["runtimeUnseen"].as_str().unwrap().contains("OutOfRange"), "{pass:#}");
+    assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0);
+}
