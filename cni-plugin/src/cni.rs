@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use crate::env::Env;
 use crate::error::{code, CniError};
-use crate::info;
+use crate::{info, warn};
 
 /// What a command prints on success (nothing for DEL and CHECK).
 pub type Output = Option<Value>;
@@ -228,7 +228,21 @@ fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let ifname = env.require_ifname()?;
     let target = Target { network: &conf.name, container_id: id, ifname };
     attachment::detach(conf, target, env.netns.as_deref())?;
+    finish_uninstall(conf);
     Ok(None)
+}
+
+/// After a DEL or GC that may have removed the node's last record: the binary an uninstall
+/// left for the attached pods goes with the last of them (aether_node::state::uninstall).
+/// The teardown itself succeeded whatever this does.
+fn finish_uninstall(conf: &NetConf) {
+    match aether_node::state::finish_uninstall(&StateDir::new(&conf.state_dir)) {
+        Ok(Some(path)) => {
+            info!(binary = %path.display(), "the last attached pod is gone: the plugin binary the uninstall left is removed")
+        }
+        Ok(None) => {}
+        Err(e) => warn!("the plugin binary the uninstall left cannot be removed: {e}"),
+    }
 }
 
 fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
@@ -279,6 +293,7 @@ fn gc(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
         CniError::invalid_config("GC needs cni.dev/valid-attachments (or cni.dev/attachments) in the configuration")
     })?;
     attachment::collect(conf, |c, i| valid.iter().any(|(vc, vi)| vc == c && vi == i))?;
+    finish_uninstall(conf);
     Ok(None)
 }
 

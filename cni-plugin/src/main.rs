@@ -24,7 +24,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 // Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
-pub(crate) use tracing::{error, info};
+pub(crate) use tracing::{error, info, warn};
 
 /// What `--help` says after the commands: how the same binary behaves as a CNI plugin,
 /// and where the rest is written down.

@@ -241,6 +241,42 @@ fn names(state: &[(String, Vec<u8>)]) -> Vec<&str> {
     state.iter().map(|(n, _)| n.as_str()).collect()
 }
 
+/// Stop + remove by a containerd whose chain no longer names aether-cni: the sandbox, its
+/// address and its netns go; aether-cni never hears of it, so its record stays.
+fn stop_and_remove_without_aether(ctrd: &Containerd, id: &str, sb: &Sandbox) {
+    ctrd.stop_pod(id);
+    ctrd.remove_pod(id);
+    assert!(ctrd.sandbox(id).is_err(), "sandbox {id} still known after RemovePodSandbox");
+    assert!(!std::path::Path::new(&sb.netns).exists(), "containerd kept {}", sb.netns);
+    assert!(!ctrd.ipam_leases().contains(&sb.ip), "{id}: host-local still holds {}", sb.ip);
+    assert!(records(&ctrd.state_dir).iter().any(|r| r.contains(id)), "{id}: aether-cni was run after all");
+}
+
+/// CNI GC of the network with no valid attachment, by the plugin binary at `binary` (the one
+/// installed, as a runtime runs it).
+fn gc_nothing_valid(ctrd: &Containerd, binary: &std::path::Path) -> std::process::Output {
+    let conf = json!({
+        "cniVersion": "1.1.0",
+        "name": ctrd.network,
+        "type": "aether-cni",
+        "hostIP": NET.gateway,
+        "stateDir": ctrd.state_dir,
+        "cni.dev/valid-attachments": [],
+    });
+    let mut child = Command::new(binary)
+        .env_clear()
+        .env("CNI_COMMAND", "GC")
+        .env("CNI_PATH", &ctrd.bin_dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(conf.to_string().as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// The installer's image (`installer/image/build.sh`, what `make image` runs) built from the
 /// plugin binary under test in the test's private podman storage, and run as the chart runs
 /// it (host network: the node netns here; capabilities NET_ADMIN and SYS_ADMIN only; read-only
@@ -355,12 +391,62 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
         .unwrap_or_else(|e| panic!("RunPodSandbox (annotated) after install: {e}"));
     let annotated_sb = ready_sandbox(&ctrd, &annotated);
     assert_captured(&annotated_sb.netns, &["8443"]);
-    stop_and_remove(&ctrd, &pod, &sb, "ctrdinstkeep1");
-    stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdinstkeep2");
+    let third = ctrd.run_pod("shop", "cart-2", None).unwrap_or_else(|e| panic!("RunPodSandbox (third): {e}"));
+    let third_sb = ready_sandbox(&ctrd, &third);
+    let chained_name = names(&conf).into_iter().find(|n| !names(&conf_before).contains(n)).unwrap().to_string();
+    let chained = std::fs::read(ctrd.net_dir.join(&chained_name)).unwrap();
 
-    // Uninstall (SIGTERM): the node's directories as they were, and pods start uncaptured.
+    // Uninstall (SIGTERM) with three pods running: the conflist goes, the binary stays for
+    // their teardown, and says so.
     let code = installer.stop();
     assert_eq!(code, "0", "the installer's uninstall failed:\n{}", installer.log());
+    let conf_after = dir_state(&ctrd.net_dir);
+    assert!(
+        conf_after == conf_before,
+        "the conf dir differs after uninstall:\n{}",
+        text_diff(&conf_before, &conf_after)
+    );
+    let binary = ctrd.bin_dir.join("aether-cni");
+    let uninstalled = ctrd.state_dir.join("uninstalled");
+    assert!(binary.exists(), "the binary went while pods still need it:\n{}", installer.log());
+    assert!(uninstalled.exists(), "no word of the binary left");
+    assert!(installer.log().contains("the plugin binary stays while 3 pods"), "{}", installer.log());
+
+    // A runtime that still runs the chain the pod was set up with (containerd before its
+    // reload; runtimes that keep each pod's chain): the chained list loaded again stands for
+    // it. Control, the failure this prevents: without the binary the teardown fails and the
+    // address stays taken. With it, the teardown runs aether-cni's DEL and succeeds.
+    std::fs::write(ctrd.net_dir.join(&chained_name), &chained).unwrap();
+    ctrd.wait_cni_config("the chained conflist again", |c| c.contains("aether-cni"));
+    let aside = ctrd.dir.join("aether-cni.aside");
+    std::fs::rename(&binary, &aside).unwrap();
+    let failed = ctrd.cri("StopPodSandbox", &json!({"pod_sandbox_id": third}));
+    std::fs::rename(&aside, &binary).unwrap();
+    let err = failed.expect_err("StopPodSandbox succeeded without the plugin its chain names: the test cannot fail");
+    assert!(err.contains("aether-cni"), "{err}");
+    assert!(ctrd.ipam_leases().contains(&third_sb.ip), "the failed teardown released the address");
+    // (Its pause process went with the failed stop: the teardown is checked from the outside.)
+    ctrd.stop_pod(&third);
+    ctrd.remove_pod(&third);
+    assert!(!ctrd.ipam_leases().contains(&third_sb.ip), "host-local still holds {}", third_sb.ip);
+    assert!(!records(&ctrd.state_dir).iter().any(|r| r.contains(&third)), "its DEL left the record");
+    assert!(binary.exists() && uninstalled.exists(), "the binary went before the last pod did");
+    std::fs::remove_file(ctrd.net_dir.join(&chained_name)).unwrap();
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+
+    // containerd 1.6 tears the others down with the chain it holds now, without aether-cni:
+    // their teardown succeeds and releases their addresses; their records (their netns gone)
+    // and the binary stay.
+    for (id, sb) in [(&annotated, &annotated_sb), (&pod, &sb)] {
+        stop_and_remove_without_aether(&ctrd, id, sb);
+    }
+    assert!(binary.exists() && uninstalled.exists(), "the binary went while records remain");
+    // CNI GC (what a CNI 1.1 runtime runs; by hand on containerd 1.6) collects them, and the
+    // last record takes the binary and the word with it.
+    let gc = gc_nothing_valid(&ctrd, &binary);
+    assert!(gc.status.success(), "GC: {}", String::from_utf8_lossy(&gc.stdout));
+    assert!(records(&ctrd.state_dir).is_empty(), "GC left records: {:?}", records(&ctrd.state_dir));
+    assert!(!uninstalled.exists(), "the word of the binary left outlived it");
     for (what, dir, before) in [("conf", &ctrd.net_dir, &conf_before), ("bin", &ctrd.bin_dir, &bin_before)] {
         let after = dir_state(dir);
         assert!(
@@ -372,7 +458,6 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
             installer.log()
         );
     }
-    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
     let after = ctrd.run_pod("shop", "after-0", None).unwrap_or_else(|e| panic!("RunPodSandbox after uninstall: {e}"));
     let sb = ready_sandbox(&ctrd, &after);
     let (ruleset, rules, _, _) = capture_state(&sb.netns);

@@ -232,9 +232,27 @@ fn inspect_exits_non_zero_when_the_service_layer_is_not_intact() {
     let inspect = || cli(&["inspect", "--state-dir", &state, "ctr-i"], b"");
     let out = inspect();
     assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains("(the same layer)"), "{}", out.stdout);
+    // The pod's file naming the same layer under another digest (as a release that took the
+    // digest another way wrote it): the kernel holds the stored layer, which is no older one.
+    let pods = Path::new(&state).join("services/pods");
+    let file = std::fs::read_dir(&pods).unwrap().next().unwrap().unwrap().path();
+    let holds = std::fs::read_to_string(&file).unwrap();
+    let mut fields: Vec<&str> = holds.split(' ').collect();
+    fields[1] = "0123456789abcdef";
+    std::fs::write(&file, fields.join(" ")).unwrap();
+    let out = inspect();
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("recorded under another digest") && !out.stdout.contains("an older layer"),
+        "{}",
+        out.stdout
+    );
     ns.exec("nft", &["delete", "element", "ip", "aether_services", "service_ports", "{ 10.96.1.1 . tcp . 80 }"]);
     let out = inspect();
     assert!(!out.ok && out.stdout.contains("NOT as the snapshot says"), "{}", out.stdout);
+    // Control: a layer that differs under that file is the older layer the file names.
+    assert!(out.stdout.contains("an older layer"), "{}", out.stdout);
     ns.exec("nft", &["delete", "table", "ip", "aether_services"]);
     let out = inspect();
     assert!(!out.ok, "{}", out.stdout);
@@ -432,4 +450,82 @@ fn a_re_add_after_a_killed_del_counts_from_zero() {
     assert_eq!(total(&state), 6, "the re-ADDed pod's two connections reach the node totals");
     assert!(run_plugin("DEL", Some(&ns.path()), &c, &as_ctr("ctr-r")).ok);
     assert_eq!(total(&state), 6);
+}
+
+/// Runs the plugin binary at `binary` (a copy: this test removes it) with `command`.
+fn run_copy(binary: &Path, command: &str, netns: &str, c: &Value) -> std::process::Child {
+    let mut child = Command::new(binary)
+        .env_clear()
+        .envs([
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", "ctr-race"),
+            ("CNI_IFNAME", "eth0"),
+            ("CNI_NETNS", netns),
+            ("CNI_PATH", "/opt/cni/bin"),
+            ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=race-0"),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), c.to_string().as_bytes()).unwrap();
+    child
+}
+
+/// An ADD that raced an uninstall: it started from the plugin binary, waited for the state
+/// lock while the uninstall's last DEL removed the binary, then wrote its record. It puts the
+/// binary back (from its own executable) and says so in `uninstalled`, so the pod's DEL finds
+/// the plugin; that DEL, the last, removes it again. Control: a binary removed after an ADD
+/// finished (no uninstall under way) stays removed: only an ADD that finds its own binary
+/// gone once its record is written puts it back.
+#[test]
+fn an_add_that_raced_the_uninstall_puts_the_binary_back_for_its_del() {
+    if !root_or_skip("an_add_that_raced_the_uninstall_puts_the_binary_back_for_its_del") {
+        return;
+    }
+    let c = conf("1.0.0", json!({}));
+    let state = state_of(&c);
+    std::fs::create_dir_all(&state).unwrap();
+    let dir = std::env::temp_dir().join(format!("aether-race-bin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let binary = dir.join("aether-cni");
+    std::fs::copy(bin(), &binary).unwrap();
+    let ns = TestNetns::new("uninstrace");
+
+    // The uninstall's last DEL holds the exclusive lock while it removes the binary.
+    let lock =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).open(Path::new(&state).join("lock")).unwrap();
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) }, 0);
+    let add = run_copy(&binary, "ADD", &ns.path(), &c);
+    std::thread::sleep(std::time::Duration::from_millis(300)); // the ADD is waiting for the lock
+    std::fs::remove_file(&binary).unwrap();
+    drop(lock);
+    let out = add.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "ADD: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(binary.exists(), "the ADD left its pod without the plugin its DEL runs");
+    let uninstalled = Path::new(&state).join("uninstalled");
+    assert!(uninstalled.exists(), "the binary put back without the word that the last DEL removes it");
+
+    // The pod's DEL, the last: the binary goes with it.
+    let del = run_copy(&binary, "DEL", &ns.path(), &c).wait_with_output().unwrap();
+    assert!(del.status.success(), "DEL: {}", String::from_utf8_lossy(&del.stdout));
+    assert!(!binary.exists() && !uninstalled.exists(), "the last DEL left the binary or the word");
+
+    // Control: no uninstall under way, an ADD from a binary removed after it finished puts
+    // nothing back.
+    std::fs::copy(bin(), &binary).unwrap();
+    let out = run_copy(&binary, "ADD", &ns.path(), &c).wait_with_output().unwrap();
+    assert!(out.status.success());
+    std::fs::remove_file(&binary).unwrap();
+    assert!(!binary.exists() && !uninstalled.exists());
+    let del = run_plugin("DEL", Some(&ns.path()), &c, &as_ctr("ctr-race"));
+    assert!(del.ok, "{}", del.stdout);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -27,6 +27,9 @@ pub enum Error {
     Write { path: PathBuf, source: std::io::Error },
     #[error("cannot remove {path}: {source}")]
     Remove { path: PathBuf, source: std::io::Error },
+    /// The uninstall's word to the plugin (`<stateDir>/uninstalled`) cannot be written or read.
+    #[error("the plugin binary left for the attached pods: {0}")]
+    LeftBinary(#[from] aether_node::state::UninstallError),
     #[error("directory {path} is not usable: {source}")]
     Unusable { path: PathBuf, source: std::io::Error },
     #[error("cannot read the installer's own binary {path}: {source}")]

@@ -11,6 +11,8 @@ use std::time::Instant;
 
 use serde_json::{Map, Value};
 
+use aether_node::state::StateDir;
+
 use crate::checks::{refusal, NodeChecks};
 use crate::serve::{Metrics, Reason, Shared};
 use crate::watch::Watcher;
@@ -96,6 +98,9 @@ impl Node {
         }
         files::remove_stale_temps(&self.conflist_path());
         files::remove_stale_temps(&self.binary_path());
+        // Installed again: the binary is this installer's to keep, no longer the last DEL's
+        // to remove.
+        StateDir::new(&self.args.state_dir).clear_uninstalled()?;
         Ok(())
     }
 
@@ -253,14 +258,38 @@ impl Node {
                 .insert(Reason::Uninstalled, "the installer stopped and removed aether-cni from this node".into());
         }
         self.publish();
-        for path in [self.conflist_path(), self.binary_path()] {
+        let remove = |path: PathBuf| {
             files::remove_stale_temps(&path);
             match files::remove(&path) {
                 Ok(true) => tracing::info!(file = %path.display(), "removed"),
                 Ok(false) => {}
                 Err(source) => return Err(Error::Remove { path, source }),
             }
+            Ok(())
+        };
+        // The conflist first: no new pod is chained to the plugin from now on.
+        remove(self.conflist_path())?;
+        // The binary only once no pod needs it: every attached pod's DEL runs it (the runtime
+        // tears a pod down with the chain it holds), and an ADD the runtime started with the
+        // chain it held until it reloaded may still run (state::uninstall).
+        let binary = self.binary_path();
+        let state = StateDir::new(&self.args.state_dir);
+        if state.attachment_count() == 0 {
+            std::thread::sleep(aether_node::state::RELOAD_GRACE);
         }
+        // Counted and said under the exclusive lock: a DEL that removes the last record after
+        // this finds the word and removes the binary, one before it is counted.
+        let _lock = state.lock(true).map_err(aether_node::state::UninstallError::from)?;
+        let pods = state.attachment_count();
+        if pods == 0 || !binary.exists() {
+            return remove(binary);
+        }
+        state.mark_uninstalled(&binary)?;
+        tracing::info!(
+            binary = %binary.display(),
+            "the plugin binary stays while {pods} pods attached on this node may still be torn down: \
+             the DEL of the last of them removes it (docs/operating.md, \"Uninstall\")"
+        );
         Ok(())
     }
 

@@ -133,6 +133,15 @@ pub fn attach(
     } else {
         state.write(&record).map_err(AttachmentError::from)
     };
+    if recorded.is_ok() {
+        // An uninstall that removed the binary while this ADD waited for the lock would leave
+        // the pod without the plugin its DEL runs: put back (state::uninstall).
+        match crate::state::keep_binary_for_attachment(&state) {
+            Ok(Some(path)) => warn!(binary = %path.display(), "the plugin binary was removed by an uninstall during this ADD: put back for the pod's DEL"),
+            Ok(None) => {}
+            Err(e) => warn!("the plugin binary was removed by an uninstall during this ADD and cannot be put back; this pod's DEL will fail: {e}"),
+        }
+    }
     // The Service layer comes after the record: `services apply` either sees the record or
     // ADD reads the snapshot that apply stored (both under the services lock).
     let layered = recorded.and_then(|()| {

@@ -12,6 +12,7 @@
 
 mod dir;
 mod record;
+mod uninstall;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,9 @@ use std::time::{Duration, Instant};
 use dir::is_stale_temp;
 pub use dir::{overwrite_file, read_capped, Dir, Lock, Spare};
 pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError, Recorded};
+pub use uninstall::{
+    finish_uninstall, keep_binary_for_attachment, UninstallError, Uninstalled, RELOAD_GRACE, UNINSTALLED_FILE,
+};
 
 use crate::text::clip;
 
