@@ -169,7 +169,49 @@ def test_defaults():
     }
     (socket,) = [v for v in spec["volumes"] if v["name"] == "cri-socket"]
     assert socket["hostPath"]["type"] == "Socket", "a missing socket fails the pod's start, naming it"
-    assert c["resources"]["limits"] == {"memory": "128Mi"}
+    assert c["resources"]["limits"] == {"memory": "658Mi"}, "computed from serviceLayerMemory's defaults"
+
+
+MIB = 1 << 20
+
+
+def expected_limit(services, pods, dual_stack, per_service, base_mib):
+    """docs/operating.md's formula, in whole MiB rounded up."""
+    needed = base_mib * MIB + pods * services * (2 if dual_stack else 1) * per_service
+    with_headroom = -(-needed * 10 // 9)
+    return f"{-(-with_headroom // MIB)}Mi"
+
+
+def memory_limit(values):
+    return container(daemonset(values))["resources"]["limits"]["memory"]
+
+
+def test_the_memory_limit_follows_the_expected_services_and_pods():
+    # The defaults: 10,000 Services, 110 pods, dual-stack, 221 bytes a Service, 128 MiB.
+    assert memory_limit({}) == expected_limit(10000, 110, True, 221, 128) == "658Mi"
+    cases = [
+        (100000, 30, False, 221, 128),
+        (2000, 250, True, 80, 64),
+        (0, 1, False, 1, 16),
+    ]
+    for services, pods, dual, per, base in cases:
+        values = {
+            "serviceLayerMemory": {
+                "services": services,
+                "podsPerNode": pods,
+                "dualStack": dual,
+                "bytesPerService": per,
+                "baseMiB": base,
+            }
+        }
+        assert memory_limit(values) == expected_limit(services, pods, dual, per, base), values
+    # Each input moves the limit (the formula is not a constant).
+    base = {"services": 10000, "podsPerNode": 110, "dualStack": True, "bytesPerService": 221, "baseMiB": 128}
+    for key, other in [("services", 20000), ("podsPerNode", 50), ("dualStack", False), ("bytesPerService", 80)]:
+        assert memory_limit({"serviceLayerMemory": {**base, key: other}}) != "658Mi", key
+    # A limit given is used as it is; the requests are left alone.
+    c = container(daemonset({"resources": {"limits": {"memory": "1Gi"}}}))
+    assert c["resources"] == {"requests": {"cpu": "10m", "memory": "48Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def test_reconciler_values_become_flags_and_the_socket_mount():

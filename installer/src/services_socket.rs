@@ -18,7 +18,10 @@
 //! 200 every pod has the document; 500 with the report when some pod failed (the document
 //! was stored); 409 when the agent must send a whole snapshot or a newer one (an older or
 //! reused generation, a change whose base is not the stored one, or no base stored; the
-//! body adds `storedGeneration`); 400 refused; 413 over the cap; 500 any other error;
+//! body adds `storedGeneration`); 400 refused; 413 over the cap; 507 not started because
+//! the kernel memory it would charge to the installer's memory cgroup crosses its limit (the
+//! reasons name the memory needed, the limit and `resources.limits.memory`; nothing
+//! changed; the metrics `..._over_budget_*` say the same); 500 any other error;
 //! 404/405 for anything but `POST /services/apply`.
 
 use std::io::{Read, Write};
@@ -115,17 +118,21 @@ pub struct ServicesMetrics {
     pub apply_seconds: HistogramVec,
     /// Pods whose netfilter socket the applier keeps (each pins its pod's netns until `tidy`).
     pub kept_pods: IntGauge,
+    /// The last apply refused for the installer's memory limit: the kernel memory it would
+    /// have charged, and the limit then (0 before any).
+    pub over_budget_needed: IntGauge,
+    pub over_budget_limit: IntGauge,
 }
 
 /// Every outcome an apply through the socket can have, as its metric label.
-pub const OUTCOMES: [&str; 6] = ["applied", "pods-failed", "conflict", "refused", "error", "too-large"];
+pub const OUTCOMES: [&str; 7] = ["applied", "pods-failed", "conflict", "refused", "over-budget", "error", "too-large"];
 
 impl ServicesMetrics {
     pub fn new() -> Self {
         let applies = IntCounterVec::new(
             Opts::new(
                 "aether_cni_installer_services_applies_total",
-                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; error; too-large).",
+                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large).",
             ),
             &["kind", "outcome"],
         )
@@ -140,7 +147,7 @@ impl ServicesMetrics {
         )
         .unwrap();
         for kind in ["change", "whole"] {
-            for outcome in &OUTCOMES[..5] {
+            for outcome in &OUTCOMES[..6] {
                 applies.with_label_values(&[kind, outcome]);
             }
             apply_seconds.with_label_values(&[kind]);
@@ -151,12 +158,24 @@ impl ServicesMetrics {
             "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
         )
         .unwrap();
-        ServicesMetrics { applies, apply_seconds, kept_pods }
+        let over_budget_needed = IntGauge::new(
+            "aether_cni_installer_services_over_budget_needed_bytes",
+            "The kernel memory (bytes) the last document refused for the installer's memory limit would have charged to the installer's memory cgroup (the Service layer of every pod it would have rebuilt or changed); 0 before any. Raise resources.limits.memory past the installer's usage plus this.",
+        )
+        .unwrap();
+        let over_budget_limit = IntGauge::new(
+            "aether_cni_installer_services_over_budget_limit_bytes",
+            "The installer's memory limit (bytes) when the last document was refused for it; 0 before any.",
+        )
+        .unwrap();
+        ServicesMetrics { applies, apply_seconds, kept_pods, over_budget_needed, over_budget_limit }
     }
 
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.applies.clone()))?;
         registry.register(Box::new(self.apply_seconds.clone()))?;
+        registry.register(Box::new(self.over_budget_needed.clone()))?;
+        registry.register(Box::new(self.over_budget_limit.clone()))?;
         registry.register(Box::new(self.kept_pods.clone()))
     }
 }
@@ -216,6 +235,9 @@ pub fn start_applier(
 }
 
 fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMetrics) {
+    // The kernel memory an element costs, measured before the first document (while the
+    // installer's usage is low) when a memory limit binds it.
+    aether_node::services::budget::prepare();
     let mut applier = Applier::new(state_dir);
     let mut next_tidy = Instant::now() + TIDY_PERIOD;
     loop {
@@ -287,6 +309,11 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
                 | ServicesError::NoBase { .. }
                 | ServicesError::GenerationReused(_) => ("conflict", 409),
                 ServicesError::Refused { .. } => ("refused", 400),
+                ServicesError::OverBudget(over) => {
+                    metrics.over_budget_needed.set(over.needed as i64);
+                    metrics.over_budget_limit.set(over.limit as i64);
+                    ("over-budget", 507)
+                }
                 _ => ("error", 500),
             };
             let line = one_line(&e.to_string());

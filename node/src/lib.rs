@@ -10,6 +10,8 @@
 //!   installer's reconciler), cheaply while its netns's nftables generation stands still;
 //! - `services`: the Service layer's node side (the stored snapshot, `layer.bin`, apply to
 //!   every pod, the folded counts, counters/demand/verify reports);
+//! - `memcg`: this process's memory cgroup (v1 or v2), its limit and usage, and whether
+//!   more kernel memory fits (what the Service layer's work checks before it starts);
 //! - `probe`: whether this kernel can hold the rulesets (STATUS, `doctor`, readiness).
 //!
 //! It must not know the CNI protocol: no `CNI_*` variables, stdin, stdout, result JSON or
@@ -19,6 +21,7 @@
 pub mod attachment;
 pub mod config;
 pub mod drift;
+pub mod memcg;
 pub mod probe;
 pub mod services;
 pub mod state;
@@ -36,4 +39,8 @@ pub enum PodError {
     /// The kernel refused (or could not answer) what was asked there.
     #[error(transparent)]
     Kernel(aether_rules::Error),
+    /// Not started: what it would charge does not fit under this process's memory limit
+    /// (the pod keeps the whole layer it had).
+    #[error(transparent)]
+    OverBudget(memcg::OverBudget),
 }

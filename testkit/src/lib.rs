@@ -4,6 +4,13 @@
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+pub mod memcg;
+
+/// A number unique in this process, for names.
+fn next() -> u32 {
+    COUNTER.fetch_add(1, Ordering::SeqCst)
+}
+
 /// Whether root tests may run. Without root they skip with one loud line, unless
 /// `AETHER_REQUIRE_ROOT_TESTS=1`, where a skip is a failure.
 #[must_use]

@@ -331,6 +331,8 @@ impl NodeOps for NodeLib {
             uid: Some(sandbox.uid.clone()).filter(|u| !u.is_empty()),
         };
         let target = Target { network: &conf.name, container_id: &sandbox.id, ifname: POD_IFNAME };
+        // Its Service layer is charged to the installer: not started over its memory limit.
+        services::budget::layers_fit(&services::ServicesDir::new(&self.state_dir), 1)?;
         attachment::attach_in_place(&conf, target, &pod, netns, &cfg)?;
         Ok(())
     }

@@ -23,7 +23,7 @@ use super::apply::{
     apply_change_with, apply_document_with, apply_to_pods, narrowed, open_pod, ApplyReport, PodHolds, PodOutcome,
     PodReach, StoredText,
 };
-use super::{change, flat, ServicesDir, ServicesError, StoredLayer};
+use super::{budget, change, flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
 use crate::PodError;
 
@@ -268,17 +268,27 @@ impl Kept {
                                 Some(_) => None,
                                 None => link.sock.generation().ok(),
                             };
-                            // Refused (the pod's layer is not what it was believed to hold): rebuilt.
-                            match m.change(from, to).map(|(c, encoded)| c.send_encoded_on(encoded, &mut link.sock)) {
-                                Some(Ok((Applied::Unchanged, _))) => {
-                                    sent = Sent::Nothing;
-                                    Ok(Applied::Unchanged)
+                            // What it adds must fit what this process may still charge.
+                            let adds = match m.change(from, to).map(|(c, _)| c.added() as u64) {
+                                Some(added) => added,
+                                None => m.elements(),
+                            };
+                            if let Err(over) = budget::pod_fits(adds) {
+                                Err(PodError::OverBudget(over))
+                            } else {
+                                // Refused (the pod's layer is not what it was believed to hold): rebuilt.
+                                match m.change(from, to).map(|(c, encoded)| c.send_encoded_on(encoded, &mut link.sock))
+                                {
+                                    Some(Ok((Applied::Unchanged, _))) => {
+                                        sent = Sent::Nothing;
+                                        Ok(Applied::Unchanged)
+                                    }
+                                    Some(Ok((applied, generation))) => {
+                                        sent = Sent::Change { before: at, after: generation };
+                                        Ok(applied)
+                                    }
+                                    _ => m.rebuild(&link.ns),
                                 }
-                                Some(Ok((applied, generation))) => {
-                                    sent = Sent::Change { before: at, after: generation };
-                                    Ok(applied)
-                                }
-                                _ => m.rebuild(&link.ns),
                             }
                         }
                         _ => m.rebuild(&link.ns),
@@ -382,8 +392,16 @@ impl<'a> Mark<'a> {
             .as_ref()
     }
 
-    /// The pod's layer rebuilt, in its netns (entered in place: the caller is on a tour).
+    /// The layer's elements: what a rebuild adds.
+    fn elements(&mut self) -> u64 {
+        let (stored, mark) = (self.stored, self.mark);
+        budget::layer_elements(self.layer.get_or_insert_with(|| stored.for_pod(mark)))
+    }
+
+    /// The pod's layer rebuilt, in its netns (entered in place: the caller is on a tour),
+    /// if it fits what this process may still charge (else the pod keeps what it has).
     fn rebuild(&mut self, ns: &Netns) -> Result<Applied, PodError> {
+        budget::pod_fits(self.elements()).map_err(PodError::OverBudget)?;
         let (stored, mark) = (self.stored, self.mark);
         let l = self.layer.get_or_insert_with(|| stored.for_pod(mark));
         match self.prepared.get_or_insert_with(|| layer::Prepared::new(l).ok().flatten()) {

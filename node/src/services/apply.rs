@@ -10,7 +10,7 @@ use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied, LayerChange};
 use serde_json::Value;
 
-use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use super::{budget, change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
 
@@ -287,6 +287,9 @@ fn store_and_apply(
             return Err(ServicesError::GenerationReused(new.generation));
         }
     }
+    // Before anything is stored: work that would cross this process's memory limit is
+    // refused whole (the OOM killer would stop it midway).
+    super::budget::apply_fits(dir, &new, previous.as_ref())?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from.
     let canonical_vouched = if previous.as_ref().is_none_or(|old| old.source != source) {
         // The marker goes before the document changes, and comes back only once the layer
@@ -615,13 +618,17 @@ pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
 /// first need, the change from the previous generation and the encoded layer.
 struct ForMark {
     layer: layer::ServiceLayer,
+    /// The layer's elements (`budget::layer_elements`): what a rebuild adds.
+    elements: u64,
     change: std::sync::OnceLock<Option<LayerChange>>,
     prepared: std::sync::OnceLock<Option<layer::Prepared>>,
 }
 
 impl ForMark {
     fn new(stored: &StoredLayer, mark: u32) -> Self {
-        ForMark { layer: stored.for_pod(mark), change: Default::default(), prepared: Default::default() }
+        let layer = stored.for_pod(mark);
+        let elements = budget::layer_elements(&layer);
+        ForMark { layer, elements, change: Default::default(), prepared: Default::default() }
     }
 }
 
@@ -678,11 +685,15 @@ impl Pass<'_> {
                     ),
                     _ => Some(None),
                 };
-                let outcome = match change {
-                    None => Ok(Applied::Unchanged),
+                // What it adds must fit what this process may still charge (else the pod
+                // keeps the whole layer it has).
+                let adds = change.map_or(0, |c| c.map_or(m.elements, |c| c.added() as u64));
+                let outcome = match (change, budget::pod_fits(adds)) {
+                    (_, Err(over)) => Err(PodError::OverBudget(over)),
+                    (None, _) => Ok(Applied::Unchanged),
                     // Refused (the pod's layer is not what its file says): rebuilt.
-                    Some(Some(c)) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(l)))),
-                    Some(None) => match m.prepared.get_or_init(|| layer::Prepared::new(l).ok().flatten()) {
+                    (Some(Some(c)), _) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(l)))),
+                    (Some(None), _) => match m.prepared.get_or_init(|| layer::Prepared::new(l).ok().flatten()) {
                         Some(p) => flat(ns.run(|| p.rebuild())),
                         None => flat(ns.run(|| layer::rebuild(l))),
                     },

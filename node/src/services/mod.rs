@@ -2,7 +2,8 @@
 //! for the agent, and the hooks a pod's attachment calls. Split by job: `snapshot` (the
 //! agent's document and its checks), `layer_file` (`layer.bin`), `apply` (a document to every
 //! pod, and the stored layer to a new one), `fold` (counts of removed layers), `report`
-//! (counters, demand, verify, `inspect`'s view).
+//! (counters, demand, verify, `inspect`'s view), `budget` (what the work will charge to this
+//! process's memory cgroup, refused before it starts when that crosses the limit).
 //!
 //! State, under `<stateDir>/services/`:
 //! - `snapshot.json`: the last accepted snapshot, exactly as the agent sent it (atomic write);
@@ -27,6 +28,7 @@
 
 pub mod applier;
 pub mod apply;
+pub mod budget;
 pub mod change;
 pub mod fold;
 pub mod layer_file;
@@ -93,6 +95,10 @@ pub enum ServicesError {
     /// Work in one pod's netns failed.
     #[error(transparent)]
     Pod(#[from] PodError),
+    /// Not started: what it would charge to this process's memory cgroup does not fit under
+    /// its limit (nothing was changed).
+    #[error("the Service layer: {0}")]
+    OverBudget(crate::memcg::OverBudget),
 }
 
 impl ServicesError {

@@ -290,6 +290,8 @@ pub fn repair_pod_layer(
         return Ok(diffs);
     }
     let divert_mark = divert_mark.unwrap_or_else(|| ServicesDir::new(state_dir).divert_mark());
+    // A rebuild is charged to this process: not started when it would cross its memory limit.
+    super::budget::layers_fit(&ServicesDir::new(state_dir), 1)?;
     if super::apply_current_snapshot_in_netns(state_dir, netns, divert_mark)?.is_none() {
         // No layer applied: none stored (then none belongs in the pod), or one that cannot be
         // read (then the pod is left as it is, and the error said so).

@@ -1,0 +1,320 @@
+//! The Service layer's work held to the memory limit of the process that does it, in the
+//! kernel: the kernel charges every nftables object to the memory cgroup of the process that
+//! sends it, so the installer (and an agent's `services apply`) pays for every pod's layer it
+//! programs. Each test runs the built binary inside a memory cgroup of its own (v1 or v2,
+//! whichever the machine has; `aether_testkit::memcg`), the pods ADDed outside it, as on a
+//! node where the runtime runs ADD.
+//!
+//! | claim | test | control (must fail) |
+//! | --- | --- | --- |
+//! | the installer, its limit too small for a snapshot to every pod, answers 507 naming the memory needed, the limit and `resources.limits.memory`, changes nothing (every pod keeps its whole layer, the stored files), stays alive and ready, the metrics say so; with a limit large enough the same document applies to every pod | `the_installer_refuses_...` | with the check skipped (a fault-injection switch) the same document at the same limit gets the installer OOM-killed |
+//! | a one-shot `services apply` inside a small memory cgroup exits 2 with the same reason, nothing changed, not killed; raised, it applies | `a_one_shot_apply_refuses_...` | with the check skipped it is OOM-killed |
+//!
+//! Scale fits test time (a few thousand Services to a dozen pods, limits in proportion);
+//! the node figure (100 pods x 10,000 Services) is docs/operating.md's. Root only: without
+//! root each test skips with a loud line; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a
+//! failure.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_conformance::cni::cni_bin;
+use aether_conformance::layer::{apply, listing};
+use aether_conformance::{Pod, SimNode};
+use aether_testkit::memcg::ScratchMemcg;
+use aether_testkit::root_or_skip;
+use serde_json::{json, Value};
+
+const MIB: u64 = 1 << 20;
+/// Pods ADDed (outside the cgroup) before the documents.
+const PODS: usize = 12;
+/// Services of the big snapshot, two TCP ports each: about 1.1 MiB of kernel memory per pod
+/// on the kernels we test (three elements a Service), 13 MiB for the twelve.
+const BIG: usize = 5000;
+/// Above the process's usage at rest: less than the big snapshot's charge, so that without
+/// the check it would be killed.
+const TIGHT: u64 = 6 * MIB;
+/// Above the process's usage at rest: the big snapshot's charge and the headroom fit.
+const ROOMY: u64 = 64 * MIB;
+
+/// A snapshot of `n` Services in 10.96.0.0/16, two TCP ports each, all with endpoints.
+fn snapshot(generation: u64, n: usize) -> Vec<u8> {
+    let services: Vec<Value> = (0..n)
+        .map(|i| {
+            json!({"namespace": "shop", "name": format!("s{i}"), "vip": format!("10.96.{}.{}", i / 250, 1 + i % 250),
+                   "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "TCP", "port": 443}],
+                   "usableEndpoints": true})
+        })
+        .collect();
+    json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"], "meshVIPs": [],
+           "services": services, "dialledTimeoutSeconds": 3600})
+    .to_string()
+    .into_bytes()
+}
+
+/// A node with `PODS` pods ADDed, and a small snapshot applied by a one-shot `services
+/// apply` outside any test cgroup: every pod holds generation 1.
+fn node_with_pods(tag: &str) -> (SimNode, Vec<Pod>) {
+    let mut node = SimNode::new(tag);
+    let pods: Vec<Pod> = (0..PODS)
+        .map(|i| {
+            let p = node.add_pod(&format!("p{i}"));
+            p.add(json!({}));
+            p
+        })
+        .collect();
+    apply(&node, &snapshot(1, 20));
+    (node, pods)
+}
+
+/// Every pod's layer as the kernel lists it is `expected` (whole: the old one or the new
+/// one, never a part).
+fn every_pod_holds(pods: &[Pod], expected: &str, what: &str) {
+    for p in pods {
+        let l = listing(p);
+        assert!(l == expected, "{} does not hold {what}:\n{}", p.name, l.chars().take(2000).collect::<String>());
+    }
+}
+
+fn stored(node: &SimNode) -> Vec<u8> {
+    std::fs::read(node.state_dir().join("services/snapshot.json")).unwrap()
+}
+
+/// `aether-cni install` on the node's state directory inside `cg`, the reconciler off.
+struct Installer {
+    child: Child,
+    dir: PathBuf,
+    log: PathBuf,
+    socket: PathBuf,
+}
+
+impl Installer {
+    fn start(node: &SimNode, cg: &ScratchMemcg, tag: &str, env: &[(&str, &str)]) -> Installer {
+        let dir = std::env::temp_dir().join(format!("aether-budget-{tag}-{}", std::process::id()));
+        for d in ["bin", "conf"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        // A main CNI to chain onto: the installer is then ready.
+        let primary = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/install/primaries/10-flannel.conflist");
+        std::fs::copy(primary, dir.join("conf/10-flannel.conflist")).unwrap();
+        let log = dir.join("installer.log");
+        let mut cmd = Command::new(cni_bin());
+        cmd.arg("install")
+            .arg(format!("--cni-bin-dir={}", dir.join("bin").display()))
+            .arg(format!("--cni-conf-dir={}", dir.join("conf").display()))
+            .arg(format!("--state-dir={}", node.state_dir().display()))
+            .args(["--listen=127.0.0.1:0", "--host-ip=10.244.0.1", "--reconcile=false"])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        cg.enter_on_spawn(&mut cmd);
+        let child = cmd.spawn().expect("spawn aether-cni install");
+        let inst = Installer { child, dir, log, socket: node.state_dir().join("agent/services.sock") };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while UnixStream::connect(&inst.socket).is_err() || !inst.log().contains("serving /healthz") {
+            assert!(Instant::now() < deadline, "the installer never served its socket:\n{}", inst.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        while inst.get("/readyz").0 != 200 {
+            assert!(Instant::now() < deadline, "the installer never got ready:\n{}", inst.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        inst
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// GET on the probes' listener: (status, body).
+    fn get(&self, path: &str) -> (u16, String) {
+        let log = self.log();
+        let line = log.lines().find(|l| l.contains("serving /healthz")).expect("the serving line");
+        let mut s = std::net::TcpStream::connect(line.rsplit(' ').next().unwrap()).unwrap();
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    }
+
+    fn metric(&self, series: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+    }
+
+    /// The document POSTed to the socket: (status, body), or `None` when the connection
+    /// closed with no answer (the installer died).
+    fn post(&self, doc: &[u8]) -> Option<(u16, String)> {
+        let mut s = UnixStream::connect(&self.socket).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        write!(
+            s,
+            "POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            doc.len()
+        )
+        .ok()?;
+        s.write_all(doc).ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    }
+
+    /// Its exit status, waited for up to 20 s.
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "the installer did not exit:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The refusal's reason names the memory needed, the limit and what to raise.
+fn names_the_budget(text: &str) {
+    for needle in ["would charge about", "MiB limit", "resources.limits.memory", "nothing was changed"] {
+        assert!(text.contains(needle), "the reason lacks {needle:?}:\n{text}");
+    }
+}
+
+#[test]
+fn the_installer_refuses_a_snapshot_over_its_memory_limit_and_applies_it_when_raised() {
+    if !root_or_skip("the_installer_refuses_a_snapshot_over_its_memory_limit_and_applies_it_when_raised") {
+        return;
+    }
+    let (node, pods) = node_with_pods("bdgi");
+    let old = listing(&pods[0]);
+    every_pod_holds(&pods, &old, "generation 1");
+    let before = stored(&node);
+    // Started with room (it measures an element's cost then), the limit lowered once it rests.
+    let cg = ScratchMemcg::new("installer", 512 * MIB);
+    let mut inst = Installer::start(&node, &cg, "refuse", &[]);
+    cg.settled_usage();
+    let rest = cg.unreclaimable();
+    cg.set_limit(rest + TIGHT);
+    let big = snapshot(2, BIG);
+    // The cost of an element, measured on this kernel at the start: a key and its hash
+    // node, well under the fallback.
+    let measured: u64 = inst
+        .log()
+        .lines()
+        .find_map(|l| l.contains("measured on this kernel").then(|| l.rsplit("bytes=").next()?.trim().parse().ok())?)
+        .unwrap_or_else(|| panic!("no measure in the log:\n{}", inst.log()));
+    assert!((32..256).contains(&measured), "{measured} bytes an element");
+    let (status, body) = inst.post(&big).expect("an answer");
+    assert_eq!(status, 507, "{body}\n{}", inst.log());
+    names_the_budget(&body);
+    assert!(inst.alive(), "the installer died:\n{}", inst.log());
+    assert_eq!(inst.get("/readyz").0, 200, "the node stays ready");
+    assert_eq!(inst.metric("aether_cni_installer_services_applies_total{kind=\"whole\",outcome=\"over-budget\"}"), 1.0);
+    let needed = inst.metric("aether_cni_installer_services_over_budget_needed_bytes");
+    assert!(needed > TIGHT as f64, "the need named ({needed}) is more than the room left");
+    assert_eq!(inst.metric("aether_cni_installer_services_over_budget_limit_bytes"), (rest + TIGHT) as f64);
+    assert!(inst.log().contains("resources.limits.memory"), "the log line says it:\n{}", inst.log());
+    every_pod_holds(&pods, &old, "generation 1 after the refusal");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(cg.oom_kills(), 0);
+
+    // Raised: the same document applies to every pod, nothing killed.
+    cg.set_limit(rest + ROOMY);
+    let (status, body) = inst.post(&big).expect("an answer");
+    assert_eq!(status, 200, "{body}\n{}", inst.log());
+    let new = listing(&pods[0]);
+    assert_ne!(new, old);
+    every_pod_holds(&pods, &new, "generation 2");
+    assert!(inst.alive());
+    assert_eq!(cg.oom_kills(), 0);
+    drop(inst);
+
+    // The control: the check skipped, the same document at the same tight limit gets the
+    // installer killed by the OOM killer (what the check prevents).
+    let (node, _pods) = node_with_pods("bdgc");
+    let cg = ScratchMemcg::new("control", 512 * MIB);
+    let mut inst = Installer::start(&node, &cg, "control", &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    cg.settled_usage();
+    let rest = cg.unreclaimable();
+    cg.set_limit(rest + TIGHT);
+    let answer = inst.post(&big);
+    let status = inst.wait_exit();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "answer {answer:?}; {status}:\n{}", inst.log());
+    assert!(cg.oom_kills() >= 1);
+}
+
+/// `services --state-dir DIR apply` with `doc` on stdin, inside `cg`: (exit status, stderr).
+fn one_shot(node: &SimNode, cg: &ScratchMemcg, doc: &[u8], env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let mut cmd = Command::new(cni_bin());
+    cmd.args(["services", "--state-dir", node.state_dir().to_str().unwrap(), "apply"])
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cg.enter_on_spawn(&mut cmd);
+    let mut child = cmd.spawn().unwrap();
+    let _ = child.stdin.take().unwrap().write_all(doc);
+    let out = child.wait_with_output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The limit for a one-shot apply: its own usage is a few MiB, and it measures an element's
+/// cost (a sample of about 5 MiB) before the estimate.
+const ONE_SHOT_TIGHT: u64 = 28 * MIB;
+/// Services for the one-shot: about 2 MiB a pod, more than `ONE_SHOT_TIGHT` for the dozen.
+const ONE_SHOT_BIG: usize = 9000;
+
+#[test]
+fn a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed() {
+    if !root_or_skip("a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed") {
+        return;
+    }
+    let (node, pods) = node_with_pods("bdgo");
+    let old = listing(&pods[0]);
+    let before = stored(&node);
+    let big = snapshot(2, ONE_SHOT_BIG);
+    let cg = ScratchMemcg::new("oneshot", ONE_SHOT_TIGHT);
+    let (status, stderr) = one_shot(&node, &cg, &big, &[]);
+    assert_eq!(status.code(), Some(2), "{status}: {stderr}");
+    names_the_budget(&stderr);
+    every_pod_holds(&pods, &old, "generation 1 after the refusal");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(cg.oom_kills(), 0);
+
+    // The control: the check skipped, it is killed at the same limit.
+    let (status, stderr) = one_shot(&node, &cg, &big, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}: {stderr}");
+    assert!(cg.oom_kills() >= 1);
+
+    // Raised: it applies (the pods the killed run left half-way are rebuilt: it stopped
+    // midway, so no pod's file is trusted).
+    cg.set_limit(ONE_SHOT_TIGHT + 96 * MIB);
+    let (status, stderr) = one_shot(&node, &cg, &big, &[]);
+    assert!(status.success(), "{status}: {stderr}");
+    let new = listing(&pods[0]);
+    assert_ne!(new, old);
+    every_pod_holds(&pods, &new, "generation 2");
+}

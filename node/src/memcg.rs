@@ -1,0 +1,336 @@
+//! The memory cgroup this process is charged to: its limit and what it holds now, read from
+//! the cgroup filesystem (v2 and v1: nodes run both), and whether some more kernel memory
+//! fits under that limit.
+//!
+//! Why it matters: the kernel charges every nftables object to the memory cgroup of the
+//! process that sends it, not to the pod whose netns holds it. A Service layer that the
+//! installer (or an agent's `services apply`) programs into a hundred pods is charged to that
+//! one container, and crossing its limit gets the process SIGKILLed by the OOM killer in the
+//! middle of its work. So work that would cross it is refused before it starts.
+//!
+//! Where the files are: `/proc/self/cgroup` names the cgroup, `0::<path>` on v2 (files
+//! `memory.max`, `memory.current` under `/sys/fs/cgroup/<path>`), `N:memory:<path>` on v1
+//! (`memory.limit_in_bytes`, `memory.usage_in_bytes` under `/sys/fs/cgroup/memory/<path>`);
+//! a hybrid host has both lines, and the memory controller is v1's there. Inside a container
+//! the cgroup namespace makes the path `/`.
+
+use std::path::{Path, PathBuf};
+
+/// Which cgroup hierarchy holds the memory controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    V1,
+    V2,
+}
+
+/// A memory cgroup's directory in the cgroup filesystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Memcg {
+    pub dir: PathBuf,
+    pub version: Version,
+    /// The directory the hierarchy is mounted at (v2: limits are looked up to it).
+    root: PathBuf,
+}
+
+/// What a memory cgroup holds and may hold, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    /// The lowest limit of the cgroup and its ancestors; `None`: unlimited.
+    pub limit: Option<u64>,
+    /// Charged now (`memory.current`, `memory.usage_in_bytes`).
+    pub usage: u64,
+    /// Of which file pages the kernel reclaims before it would kill (`inactive_file`): the
+    /// kubelet's working set is `usage` less these.
+    pub reclaimable: u64,
+}
+
+impl Reading {
+    /// What cannot be reclaimed without killing: the working set.
+    pub fn in_use(&self) -> u64 {
+        self.usage.saturating_sub(self.reclaimable)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemcgError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{} holds {text:?}, not a number of bytes", path.display())]
+    Parse { path: PathBuf, text: String },
+}
+
+/// v1 writes "no limit" as the largest page-aligned counter value; v2 as `max`.
+const UNLIMITED_FROM: u64 = 1 << 62;
+
+impl Memcg {
+    /// This process's memory cgroup; `None` when no memory controller is mounted or named.
+    pub fn own() -> Result<Option<Memcg>, MemcgError> {
+        let path = Path::new("/proc/self/cgroup");
+        let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+        Ok(Memcg::find(&text, Path::new("/sys/fs/cgroup")))
+    }
+
+    /// The memory cgroup `/proc/self/cgroup`'s `text` names, under the cgroup filesystem
+    /// mounted at `root`: v1's memory line if there is one (a hybrid host), else v2's `0::`
+    /// line when the v2 hierarchy there has the memory controller.
+    pub fn find(text: &str, root: &Path) -> Option<Memcg> {
+        let relative = |p: &str| PathBuf::from(p.trim_start_matches('/'));
+        let mut v2 = None;
+        for line in text.lines() {
+            let mut f = line.splitn(3, ':');
+            let (Some(id), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
+            if controllers.split(',').any(|c| c == "memory") {
+                let v1_root = root.join("memory");
+                return Some(Memcg { dir: v1_root.join(relative(path)), version: Version::V1, root: v1_root });
+            }
+            if id == "0" && controllers.is_empty() {
+                v2 = Some(relative(path));
+            }
+        }
+        let path = v2?;
+        let controllers = std::fs::read_to_string(root.join("cgroup.controllers")).ok()?;
+        controllers.split_whitespace().any(|c| c == "memory").then(|| Memcg {
+            dir: root.join(path),
+            version: Version::V2,
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// Reads the cgroup's limit and usage now.
+    pub fn read(&self) -> Result<Reading, MemcgError> {
+        match self.version {
+            Version::V2 => {
+                // The root cgroup has no limit file; a limit higher up binds as much as one here.
+                let mut limit = None;
+                let mut dir = self.dir.as_path();
+                while dir.starts_with(&self.root) {
+                    match read_bytes(&dir.join("memory.max")) {
+                        Ok(Some(l)) => limit = Some(limit.map_or(l, |m: u64| m.min(l))),
+                        Ok(None) => {}
+                        Err(MemcgError::Read { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(e),
+                    }
+                    let Some(up) = dir.parent() else { break };
+                    dir = up;
+                }
+                let usage = read_bytes(&self.dir.join("memory.current"))?.unwrap_or(0);
+                let reclaimable = stat_value(&self.dir.join("memory.stat"), "inactive_file")?.unwrap_or(0);
+                Ok(Reading { limit, usage, reclaimable })
+            }
+            Version::V1 => {
+                let stat = self.dir.join("memory.stat");
+                let own = read_bytes(&self.dir.join("memory.limit_in_bytes"))?;
+                // Ancestors' limits, as v1 itself sums them up.
+                let hierarchical = stat_value(&stat, "hierarchical_memory_limit")?.filter(|&l| l < UNLIMITED_FROM);
+                let limit = match (own, hierarchical) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let usage = read_bytes(&self.dir.join("memory.usage_in_bytes"))?.unwrap_or(0);
+                let reclaimable = stat_value(&stat, "total_inactive_file")?.unwrap_or(0);
+                Ok(Reading { limit, usage, reclaimable })
+            }
+        }
+    }
+}
+
+impl Memcg {
+    /// The kernel's own memory charged to the cgroup (slab and the like, not the process's
+    /// heap), where the cgroup says it apart: v1's `memory.kmem.usage_in_bytes`, v2's
+    /// `kernel` in `memory.stat` (5.18 on). `None` where it does not.
+    pub fn kernel_usage(&self) -> Result<Option<u64>, MemcgError> {
+        match self.version {
+            Version::V1 => match read_bytes(&self.dir.join("memory.kmem.usage_in_bytes")) {
+                Err(MemcgError::Read { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                other => other,
+            },
+            Version::V2 => stat_value(&self.dir.join("memory.stat"), "kernel"),
+        }
+    }
+}
+
+/// A file holding bytes, or `max`/v1's unlimited value (`None`).
+fn read_bytes(path: &Path) -> Result<Option<u64>, MemcgError> {
+    let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+    let t = text.trim();
+    if t == "max" {
+        return Ok(None);
+    }
+    let n: u64 = t.parse().map_err(|_| MemcgError::Parse { path: path.into(), text: t.chars().take(40).collect() })?;
+    Ok((n < UNLIMITED_FROM).then_some(n))
+}
+
+/// One `key value` line of `memory.stat`; `None` when the key is not there.
+fn stat_value(path: &Path, key: &str) -> Result<Option<u64>, MemcgError> {
+    let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once(' ') {
+            if k == key {
+                let n = v.trim().parse().map_err(|_| MemcgError::Parse { path: path.into(), text: line.into() })?;
+                return Ok(Some(n));
+            }
+        }
+    }
+    Ok(None)
+}
+
+const MIB: u64 = 1 << 20;
+
+/// Kept free under the limit whatever the estimate says: the estimate's error, the
+/// process's own heap growing while it works, a transaction's transient objects. A tenth of
+/// the limit, and at least 8 MiB.
+pub fn headroom(limit: u64) -> u64 {
+    (limit / 10).max(8 * MIB)
+}
+
+/// Work refused because what it would charge does not fit under the memory limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "not started: it would charge about {} MiB of kernel memory ({elements} nftables elements x {per_element} bytes, \
+     as measured on this kernel) to this process's memory cgroup, which holds {} MiB of its {} MiB limit with {} MiB \
+     kept free; nothing was changed. Raise resources.limits.memory of this container to at least {} MiB \
+     (docs/operating.md, \"Memory\")",
+    mib(*needed), mib(*in_use), mib(*limit), mib(*headroom), mib(self.suggested_limit())
+)]
+pub struct OverBudget {
+    /// Bytes the work would charge.
+    pub needed: u64,
+    pub elements: u64,
+    pub per_element: u64,
+    pub in_use: u64,
+    pub limit: u64,
+    pub headroom: u64,
+}
+
+impl OverBudget {
+    /// A limit under which this work would have started.
+    pub fn suggested_limit(&self) -> u64 {
+        let floor = self.in_use + self.needed;
+        // The headroom is a tenth of the limit: the limit that leaves it.
+        (floor * 10).div_ceil(9).max(floor + 8 * MIB).div_ceil(MIB) * MIB
+    }
+}
+
+/// MiB, rounded up (a need is never shown smaller than it is).
+fn mib(bytes: u64) -> u64 {
+    bytes.div_ceil(MIB)
+}
+
+/// Whether `needed` more bytes fit under the reading's limit less the headroom.
+pub fn fits(reading: &Reading, elements: u64, per_element: u64) -> Result<(), OverBudget> {
+    let Some(limit) = reading.limit else { return Ok(()) };
+    let needed = elements.saturating_mul(per_element);
+    let headroom = headroom(limit);
+    if reading.in_use().saturating_add(needed).saturating_add(headroom) <= limit {
+        return Ok(());
+    }
+    Err(OverBudget { needed, elements, per_element, in_use: reading.in_use(), limit, headroom })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("aether-memcg-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn write(dir: &Path, files: &[(&str, &str)]) {
+        std::fs::create_dir_all(dir).unwrap();
+        for (name, body) in files {
+            std::fs::write(dir.join(name), body).unwrap();
+        }
+    }
+
+    #[test]
+    fn v1_memory_line_wins_on_a_hybrid_host() {
+        let text = "9:name=systemd:/\n4:memory:/kubepods/pod1/abc\n1:cpu,cpuacct:/x\n0::/\n";
+        let m = Memcg::find(text, Path::new("/sys/fs/cgroup")).unwrap();
+        assert_eq!(m.version, Version::V1);
+        assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory/kubepods/pod1/abc"));
+        // A container's own cgroup namespace: the path is the root.
+        let m = Memcg::find("4:memory:/\n", Path::new("/sys/fs/cgroup")).unwrap();
+        assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory"));
+    }
+
+    #[test]
+    fn v2_line_only_when_the_hierarchy_has_the_memory_controller() {
+        let root = tmp("v2find");
+        assert_eq!(Memcg::find("0::/a/b\n", &root), None, "no cgroup.controllers: no memory controller");
+        write(&root, &[("cgroup.controllers", "cpu io pids\n")]);
+        assert_eq!(Memcg::find("0::/a/b\n", &root), None);
+        write(&root, &[("cgroup.controllers", "cpu memory pids\n")]);
+        let m = Memcg::find("0::/a/b\n", &root).unwrap();
+        assert_eq!((m.version, m.dir), (Version::V2, root.join("a/b")));
+        assert_eq!(Memcg::find("", &root), None);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn v2_reads_the_lowest_limit_up_to_the_root() {
+        let root = tmp("v2read");
+        write(&root, &[("cgroup.controllers", "memory\n")]);
+        write(&root.join("a"), &[("memory.max", "104857600\n")]);
+        write(
+            &root.join("a/b"),
+            &[
+                ("memory.max", "max\n"),
+                ("memory.current", "52428800\n"),
+                ("memory.stat", "anon 1\ninactive_file 4096\n"),
+            ],
+        );
+        let m = Memcg::find("0::/a/b\n", &root).unwrap();
+        let r = m.read().unwrap();
+        assert_eq!(r, Reading { limit: Some(100 * MIB), usage: 50 * MIB, reclaimable: 4096 });
+        assert_eq!(r.in_use(), 50 * MIB - 4096);
+        write(&root.join("a"), &[("memory.max", "max\n")]);
+        assert_eq!(m.read().unwrap().limit, None);
+        write(&root.join("a/b"), &[("memory.current", "lots\n")]);
+        assert!(matches!(m.read(), Err(MemcgError::Parse { .. })), "a value that is no number is an error");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn v1_reads_its_own_and_the_hierarchical_limit() {
+        let root = tmp("v1read");
+        let dir = root.join("memory/pod");
+        let stat = |h: u64| format!("cache 0\ntotal_inactive_file 8192\nhierarchical_memory_limit {h}\n");
+        write(
+            &dir,
+            &[
+                ("memory.limit_in_bytes", "134217728\n"),
+                ("memory.usage_in_bytes", "1048576\n"),
+                ("memory.stat", &stat(9223372036854771712)),
+            ],
+        );
+        let m = Memcg::find("4:memory:/pod\n", &root).unwrap();
+        assert_eq!(m.read().unwrap(), Reading { limit: Some(128 * MIB), usage: MIB, reclaimable: 8192 });
+        write(&dir, &[("memory.stat", &stat(64 * MIB))]);
+        assert_eq!(m.read().unwrap().limit, Some(64 * MIB), "a parent's lower limit binds");
+        write(&dir, &[("memory.limit_in_bytes", "9223372036854771712\n"), ("memory.stat", &stat(9223372036854771712))]);
+        assert_eq!(m.read().unwrap().limit, None, "v1's unlimited");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn fits_under_the_limit_less_the_headroom() {
+        let r = |in_use: u64| Reading { limit: Some(128 * MIB), usage: in_use, reclaimable: 0 };
+        // 128 MiB: 12.8 MiB kept free.
+        assert!(fits(&r(100 * MIB), 100_000, 100).is_ok(), "9.5 MiB more fits");
+        let refused = fits(&r(100 * MIB), 200_000, 100).unwrap_err();
+        assert_eq!((refused.needed, refused.limit, refused.in_use), (20_000_000, 128 * MIB, 100 * MIB));
+        let text = refused.to_string();
+        assert!(text.contains("about 20 MiB"), "{text}");
+        assert!(text.contains("100 MiB of its 128 MiB limit"), "{text}");
+        assert!(text.contains("resources.limits.memory"), "{text}");
+        // The suggested limit admits the work.
+        let raised = Reading { limit: Some(refused.suggested_limit()), ..r(100 * MIB) };
+        assert!(fits(&raised, 200_000, 100).is_ok(), "{}", refused.suggested_limit());
+        assert!(fits(&Reading { limit: None, ..r(100 * MIB) }, u64::MAX / 2, 1000).is_ok(), "no limit");
+        // Reclaimable file pages are not held against the work.
+        assert!(fits(&Reading { reclaimable: 30 * MIB, ..r(120 * MIB) }, 100_000, 100).is_ok());
+    }
+}

@@ -1,0 +1,316 @@
+//! What programming Service layers will charge to this process's memory cgroup, and the
+//! refusal of work that would cross its limit (`crate::memcg`). Every path that programs
+//! layers outside ADD asks here first: `services apply` and the installer's applier before
+//! they store anything, the reconciler before a repair or an in-place capture.
+//!
+//! The estimate is the elements the work adds (a pod rebuilt adds its whole layer, one sent
+//! the change adds the change's, one that holds the layer nothing) times the bytes one
+//! element costs, measured once per process on the running kernel: a known layer loaded
+//! into a private throwaway netns, this process's cgroup usage read before and after.
+//! Elements removed are not counted back: they were charged to whoever added them (ADD's
+//! runtime, an earlier installer), not necessarily to this cgroup.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::OnceLock;
+
+use aether_rules::model::Proto;
+use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer, ServicePort};
+use aether_rules::Family;
+use ipnet::IpNet;
+
+use super::apply::{narrowed, open_pod};
+use super::{ServicesDir, ServicesError, StoredLayer};
+use crate::memcg::{self, Memcg, OverBudget, Reading};
+use crate::state::{Record, StateDir};
+
+/// Used when the measurement cannot be made (no private netns, an unreadable cgroup):
+/// above every figure measured on the kernels we test (docs/operating.md, "Memory"), so
+/// the fallback refuses early rather than late.
+pub const FALLBACK_PER_ELEMENT: u64 = 512;
+
+/// The nftables elements `l` puts in the kernel, per pod: what its sets hold, an interval
+/// set's range counted twice (its start and its end are elements). Counted from the lists,
+/// without building the tables (a test holds it equal to what `services_tables` builds).
+pub fn layer_elements(l: &ServiceLayer) -> u64 {
+    if l.mode == LayerMode::Off {
+        return 0;
+    }
+    let mut n = 0u64;
+    for family in l.families() {
+        let ours = |a: &IpAddr| Family::of(*a) == family;
+        let ranges: Vec<IpNet> = l.ranges.iter().filter(|r| ours(&r.addr())).map(IpNet::trunc).collect();
+        let merged = IpNet::aggregate(&ranges).len() as u64;
+        let never_refused = l.never_refused().into_iter().filter(ours).count() as u64;
+        let mesh = l.mesh_vips.iter().filter(|a| ours(a)).collect::<std::collections::BTreeSet<_>>().len() as u64;
+        // Sorted: a VIP's ports are together, and equal keys next to each other.
+        let mut ports = 0u64;
+        let mut vips = 0u64;
+        let mut last: Option<&ServicePort> = None;
+        for p in l.ports.iter().filter(|p| ours(&p.vip)) {
+            if last.is_none_or(|q| (q.vip, q.proto, q.port) != (p.vip, p.proto, p.port)) {
+                ports += 1;
+            }
+            if last.is_none_or(|q| q.vip != p.vip) {
+                vips += 1;
+            }
+            last = Some(p);
+        }
+        let refusing = if l.mode == LayerMode::Refuse { 2 } else { 0 };
+        n += 2 * merged + mesh + ports + vips + never_refused + refusing;
+    }
+    n
+}
+
+/// This process's memory cgroup and the bytes an element costs, found on first need.
+fn own_memcg() -> Option<&'static Memcg> {
+    static OWN: OnceLock<Option<Memcg>> = OnceLock::new();
+    OWN.get_or_init(|| match Memcg::own() {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!("this process's memory cgroup cannot be found, so the Service layer's work is not held to a memory limit: {e}");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// The bytes of kernel memory one element of the layer costs on this kernel, measured once
+/// per process (`measure`), or `FALLBACK_PER_ELEMENT` when it cannot be.
+pub fn per_element(memcg: &Memcg) -> u64 {
+    *MEASURED.get_or_init(|| match sample_fits(memcg).and_then(|()| measure(memcg)) {
+        Ok(m) => {
+            tracing::info!(bytes = m, "kernel memory per Service-layer element, measured on this kernel");
+            m
+        }
+        Err(why) => {
+            tracing::warn!("kernel memory per Service-layer element cannot be measured ({why}); {FALLBACK_PER_ELEMENT} bytes assumed");
+            FALLBACK_PER_ELEMENT
+        }
+    })
+}
+
+/// `per_element`'s measure, once made (made only once some limit binds this process).
+static MEASURED: OnceLock<u64> = OnceLock::new();
+
+/// Elements added per family in the measurement: large enough that the memory cgroup's
+/// charge batching (64 pages per CPU) is a small part of the delta.
+const SAMPLE_ELEMENTS: u64 = 32_768;
+
+/// Whether the measure's sample (two families' elements, charged for a moment) fits under
+/// the limit now, at a generous 128 bytes an element: never OOM-killed by the measure itself.
+fn sample_fits(memcg: &Memcg) -> Result<(), String> {
+    let reading = memcg.read().map_err(|e| e.to_string())?;
+    memcg::fits(&reading, 2 * SAMPLE_ELEMENTS, 128)
+        .map_err(|over| format!("its sample does not fit: {} of {} bytes in use", over.in_use, over.limit))
+}
+
+/// A layer of `count` Services of `family` (and one of the other), two TCP ports each with
+/// endpoints: as agents send them.
+fn sample_layer(v4: usize, v6: usize) -> ServiceLayer {
+    let mut l = ServiceLayer::new(LayerMode::Refuse);
+    l.ranges = vec!["10.96.0.0/12".parse().expect("a range"), "fd00:96::/108".parse().expect("a range")];
+    let v4s = (0..v4).map(|i| IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32)));
+    let v6s =
+        (0..v6).map(|i| IpAddr::V6(Ipv6Addr::from(0xfd00_0096_0000_0000_0000_0000_0000_0000u128 + 10 + i as u128)));
+    for vip in v4s.chain(v6s) {
+        for port in [80, 443] {
+            l.ports.push(ServicePort { vip, proto: Proto::Tcp, port, has_endpoints: true });
+        }
+    }
+    l.ports.sort();
+    l
+}
+
+/// Loads a sample layer into a private netns, one Service of each family first, then the
+/// element changes that add the rest, one family at a time, reading this cgroup's kernel
+/// memory around each (its whole usage where the kernel's is not told apart: the changes
+/// are encoded beforehand and kept until after, so the process's heap stays still); the
+/// larger of the two families' bytes per element (an IPv6 key is larger).
+fn measure(memcg: &Memcg) -> Result<u64, String> {
+    let per_service = layer_elements(&sample_layer(1000, 0)).saturating_sub(layer_elements(&sample_layer(0, 0))) / 1000;
+    let n = (SAMPLE_ELEMENTS / per_service.max(1)) as usize + 1;
+    let steps = [sample_layer(1, 1), sample_layer(n, 1), sample_layer(n, n)];
+    let mut changes = Vec::new();
+    for pair in steps.windows(2) {
+        let change = LayerChange::between(&pair[0], &pair[1])
+            .map_err(|e| e.to_string())?
+            .ok_or("the sample's change is not an element change")?;
+        let encoded = change.encode();
+        changes.push((change.added() as u64, encoded));
+    }
+    let kernel_apart = matches!(memcg.kernel_usage(), Ok(Some(_)));
+    let usage = || match kernel_apart {
+        true => memcg.kernel_usage().map(Option::unwrap_or_default).map_err(|e| e.to_string()),
+        false => memcg.read().map(|r| r.usage).map_err(|e| e.to_string()),
+    };
+    aether_netns::run_in_private(|| -> Result<u64, String> {
+        layer::rebuild(&steps[0]).map_err(|e| e.to_string())?;
+        let mut worst = 0;
+        for (added, encoded) in &changes {
+            let before = usage()?;
+            encoded.send().map_err(|e| e.to_string())?;
+            let after = usage()?;
+            let per = after.saturating_sub(before) / (*added).max(1);
+            // Less than a key and its hash node cannot be: something else was freed meanwhile.
+            if per < 16 {
+                return Err(format!("{} bytes charged for {added} elements", after.saturating_sub(before)));
+            }
+            worst = worst.max(per);
+        }
+        Ok(worst)
+    })
+    .map_err(|e| e.to_string())?
+}
+
+/// What this process may still charge: its cgroup's reading and the bytes per element;
+/// `None` when no limit binds it (nothing to check).
+pub(super) fn budget() -> Option<(Reading, u64)> {
+    // A test's negative control: the check skipped, to show the work killed without it.
+    if crate::state::fails_here("memory-budget") {
+        return None;
+    }
+    let memcg = own_memcg()?;
+    let reading = match memcg.read() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(
+                "the memory cgroup cannot be read, so the Service layer's work is not held to its limit: {e}"
+            );
+            return None;
+        }
+    };
+    reading.limit?;
+    Some((reading, per_element(memcg)))
+}
+
+/// For a long-lived process, at its start: the bytes per element measured now, while its
+/// usage is low, if a limit binds it (else on first need).
+pub fn prepare() {
+    let _ = budget();
+}
+
+/// Whether `pods` whole layers of the stored snapshot fit (a repair, an in-place capture).
+pub fn layers_fit(dir: &ServicesDir, pods: u64) -> Result<(), ServicesError> {
+    let Some((reading, per)) = budget() else { return Ok(()) };
+    let elements = match dir.stored_layer() {
+        Ok(Some(s)) => layer_elements(&s.layer),
+        _ => return Ok(()),
+    };
+    memcg::fits(&reading, pods * elements, per).map_err(ServicesError::OverBudget)
+}
+
+/// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
+/// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
+/// read to tell the pods that need nothing or only the change.
+pub(super) fn apply_fits(
+    dir: &ServicesDir,
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+) -> Result<(), ServicesError> {
+    if new.layer.mode == LayerMode::Off {
+        return Ok(());
+    }
+    let Some((reading, per)) = budget() else { return Ok(()) };
+    let records = StateDir::new(&dir.state).scan().records;
+    let whole = layer_elements(&new.layer);
+    if memcg::fits(&reading, records.len() as u64 * whole, per).is_ok() {
+        return Ok(());
+    }
+    let elements = pods_elements(dir, &records, new, previous, whole);
+    memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
+}
+
+/// The elements bringing each of `records`' pods to `new` adds, by what its file says it
+/// holds (an apply stopped midway trusts no file: every pod is rebuilt).
+fn pods_elements(
+    dir: &ServicesDir,
+    records: &[Record],
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+    whole: u64,
+) -> u64 {
+    let distrust = !matches!(dir.read(super::apply::APPLYING), Ok(None));
+    let node_mark = dir.divert_mark();
+    let mut change: Option<u64> = None;
+    let mut sum = 0;
+    for r in records {
+        let Ok(ns) = open_pod(r) else { continue };
+        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
+        let held = if distrust { None } else { dir.pod_holds(&ns) };
+        sum += match (held, previous) {
+            (Some(h), _) if h.is(new, mark) => 0,
+            (Some(h), Some(prev)) if h.is(prev, mark) => *change.get_or_insert_with(|| {
+                let (from, to) = narrowed(&prev.layer, &new.layer);
+                LayerChange::between(&from, &to).ok().flatten().map_or(whole, |c| c.added() as u64)
+            }),
+            _ => whole,
+        };
+    }
+    sum
+}
+
+/// Work of a pod smaller than this is not checked again on its own: a look at the cgroup
+/// costs about what a small change costs the kernel, and the estimate made before the apply
+/// and the headroom cover it. A rebuild (10,000 Services: about 30,000 elements) is checked.
+const POD_CHECK_FROM: u64 = 256 << 10;
+
+/// During an apply, before one pod is sent `elements`: whether they still fit (the estimate
+/// made before the apply can be wrong; a pod refused here keeps its whole layer). Only when
+/// some limit bound this process at the apply's start (the measure was made then).
+pub(super) fn pod_fits(elements: u64) -> Result<(), OverBudget> {
+    let (Some(memcg), Some(&per)) = (own_memcg(), MEASURED.get()) else { return Ok(()) };
+    if crate::state::fails_here("memory-budget") {
+        return Ok(());
+    }
+    if elements.saturating_mul(per) < POD_CHECK_FROM {
+        return Ok(());
+    }
+    match memcg.read() {
+        Ok(reading) => memcg::fits(&reading, elements, per),
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the tables hold, an interval set's elements twice.
+    fn built(l: &ServiceLayer) -> u64 {
+        layer::services_tables(l)
+            .unwrap()
+            .iter()
+            .flat_map(|t| &t.sets)
+            .map(|s| s.elements.len() as u64 * if s.interval { 2 } else { 1 })
+            .sum()
+    }
+
+    #[test]
+    fn layer_elements_is_what_the_tables_hold() {
+        let mut l = sample_layer(300, 200);
+        assert_eq!(layer_elements(&l), built(&l));
+        // Services without endpoints, mesh VIPs, a UDP port, overlapping ranges, count mode.
+        for (i, p) in l.ports.iter_mut().enumerate() {
+            p.has_endpoints = i % 3 != 0;
+            if i % 7 == 0 {
+                p.proto = Proto::Udp;
+            }
+        }
+        l.ports.sort();
+        l.mesh_vips = l.ports.iter().step_by(5).map(|p| p.vip).collect();
+        l.mesh_vips.sort();
+        l.mesh_vips.dedup();
+        l.ranges.push("10.96.0.0/16".parse().unwrap());
+        l.ranges.push("192.168.7.7/32".parse().unwrap());
+        assert_eq!(layer_elements(&l), built(&l));
+        l.mode = LayerMode::Count;
+        assert_eq!(layer_elements(&l), built(&l));
+        let v4 = sample_layer(40, 0);
+        let v4 = ServiceLayer { ranges: vec!["10.96.0.0/12".parse().unwrap()], ..v4 };
+        assert_eq!(layer_elements(&v4), built(&v4));
+        l.mode = LayerMode::Off;
+        assert_eq!(layer_elements(&l), 0);
+        // The count can fail: one Service more is more elements.
+        assert!(layer_elements(&sample_layer(301, 200)) > layer_elements(&sample_layer(300, 200)));
+    }
+}

@@ -1,0 +1,122 @@
+//! A memory cgroup made for one test, with a limit, that commands are started in: cgroup v1
+//! (`/sys/fs/cgroup/memory/<this process's>/aeth-...`) or v2 (`/sys/fs/cgroup/aeth-...`,
+//! the memory controller enabled for the root's children as hosts do). Removed on drop, once
+//! the processes started in it are gone. Root only.
+
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::Command;
+
+pub struct ScratchMemcg {
+    pub dir: PathBuf,
+    pub v2: bool,
+}
+
+impl ScratchMemcg {
+    /// A new memory cgroup with `limit` bytes.
+    pub fn new(tag: &str, limit: u64) -> ScratchMemcg {
+        let own = std::fs::read_to_string("/proc/self/cgroup").expect("/proc/self/cgroup");
+        let v1_path = own.lines().find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            controllers.split(',').any(|c| c == "memory").then(|| path.trim_start_matches('/').to_string())
+        });
+        let name = format!("aeth-{tag}-{}-{}", std::process::id(), super::next());
+        let (dir, v2) = match v1_path {
+            Some(p) => (PathBuf::from("/sys/fs/cgroup/memory").join(p).join(name), false),
+            None => (PathBuf::from("/sys/fs/cgroup").join(name), true),
+        };
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("cannot make the memory cgroup {}: {e}", dir.display()));
+        let cg = ScratchMemcg { dir, v2 };
+        cg.set_limit(limit);
+        if !v2 {
+            // No swap to spill into, as on a node: the limit is the limit.
+            let _ = std::fs::write(cg.dir.join("memory.swappiness"), "0");
+        }
+        cg
+    }
+
+    fn file(&self, v1: &str, v2: &str) -> PathBuf {
+        self.dir.join(if self.v2 { v2 } else { v1 })
+    }
+
+    pub fn set_limit(&self, bytes: u64) {
+        let path = self.file("memory.limit_in_bytes", "memory.max");
+        std::fs::write(&path, bytes.to_string()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+
+    /// Charged now.
+    pub fn usage(&self) -> u64 {
+        let path = self.file("memory.usage_in_bytes", "memory.current");
+        std::fs::read_to_string(&path).unwrap().trim().parse().unwrap()
+    }
+
+    /// The usage once it has settled (two reads half a second apart within 256 KiB, up to
+    /// 15 s): what a namespace torn down frees, the kernel frees a little later.
+    pub fn settled_usage(&self) -> u64 {
+        let mut last = self.usage();
+        for _ in 0..30 {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let now = self.usage();
+            if now.abs_diff(last) < 256 << 10 {
+                return now;
+            }
+            last = now;
+        }
+        last
+    }
+
+    /// What the kernel cannot reclaim without killing: the usage less the page cache
+    /// (`total_cache` on v1, `file` on v2). A limit set just above it forces the cache out
+    /// first, so the room above it is the room the work has.
+    pub fn unreclaimable(&self) -> u64 {
+        let stat = std::fs::read_to_string(self.dir.join("memory.stat")).unwrap();
+        let key = if self.v2 { "file " } else { "total_cache " };
+        let cache: u64 =
+            stat.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+        self.usage().saturating_sub(cache)
+    }
+
+    /// Processes the kernel's OOM killer ended in it.
+    pub fn oom_kills(&self) -> u64 {
+        let path = self.file("memory.oom_control", "memory.events");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        text.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// Makes `cmd` start inside this cgroup (the child moves itself in before it execs).
+    pub fn enter_on_spawn(&self, cmd: &mut Command) {
+        let procs = std::ffi::CString::new(self.dir.join("cgroup.procs").into_os_string().into_encoded_bytes())
+            .expect("a path without NUL");
+        // SAFETY: only open, write and close between fork and exec (async-signal-safe).
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // "0": the writer itself.
+                let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                if n != 1 {
+                    return Err(e);
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+impl Drop for ScratchMemcg {
+    fn drop(&mut self) {
+        // Empty once the test's processes are reaped; a few tries for the kernel to see it.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        eprintln!("the memory cgroup {} could not be removed", self.dir.display());
+    }
+}
