@@ -1121,8 +1121,10 @@ fn captured_connection(netns: &str) -> (TcpStream, TcpStream) {
 /// today's binary as it stands (the record names no ruleset: the previous release's, which it
 /// holds exactly), `inspect` calls it a pending migration, never drift; the reconciler
 /// migrates it (action `migrate`, its metric, its log line; no repair), after which it holds
-/// today's ruleset and passes CHECK again. A long-lived captured connection and an inbound
-/// one keep exchanging throughout. Controls: the same pod under a record naming today's
+/// today's ruleset and passes CHECK again. Then a rollback to the previous release: every pod
+/// stays captured and counted by it; a new pod gets no Service layer until one whole snapshot
+/// is applied, which reaches every pod (docs/operating.md, "Upgrade and rollback"). A
+/// long-lived captured connection and an inbound one keep exchanging throughout. Controls: the same pod under a record naming today's
 /// ruleset fails CHECK by the two rules it lacks; and the captured connection breaks once
 /// the capture that carries it is flushed.
 #[test]
@@ -1214,6 +1216,34 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
     }
     assert_eq!(capture_state(&netns).0, after, "the ruleset moved after the migration");
 
+    // A Service snapshot under today's binary (layer.bin in its format), then a rollback to the
+    // previous release, as docs/operating.md ("Upgrade and rollback") describes it.
+    must("services apply (today's)", services_apply(&cni_bin(), &ctrd, 1));
+    assert!(service_layer_in(&netns), "today's apply gave the pod no Service layer");
+    put_plugin(&ctrd, &previous);
+    exchange_all("rolled back");
+    // New pods are captured; they get no Service layer until one whole snapshot is applied
+    // (the previous release refuses layer.bin's newer format).
+    let late = ctrd.run_pod("shop", "late-0", None).unwrap_or_else(|e| panic!("RunPodSandbox after the rollback: {e}"));
+    let late_ns = ctrd.sandbox(&late).unwrap().netns;
+    assert_captured(&late_ns, &["dnat to 10.250.13.1:18054"]);
+    assert!(!service_layer_in(&late_ns), "the previous release read the newer layer.bin after all: the docs are wrong");
+    let replaced = must("services apply (the previous release's)", services_apply(&previous, &ctrd, 2));
+    assert!(replaced.contains("replaced by this snapshot"), "{replaced}");
+    assert!(service_layer_in(&late_ns) && service_layer_in(&netns), "the whole snapshot did not reach every pod");
+    // Every pod captured and counted by the previous release.
+    let counted = must(
+        "services counters (the previous release's)",
+        exec(Command::new(&previous).arg("services").arg("--state-dir").arg(&ctrd.state_dir).arg("counters")),
+    );
+    for id in [&pod, &late] {
+        assert!(counted.contains(&format!("\"containerID\": \"{id}\"")), "{id} not counted:\n{counted}");
+    }
+    assert!(capture_state(&netns).0.contains("0x0000ae7c"), "the rollback touched the migrated pod's capture");
+    exchange_all("after the rollback");
+    ctrd.stop_pod(&late);
+    ctrd.remove_pod(&late);
+
     // Control: without the capture the connection was diverted to the proxy by, it breaks.
     in_netns(&netns, &["nft", "flush", "chain", "ip", "aether_capture", "egress_divert"]);
     assert!(
@@ -1222,6 +1252,31 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
     );
     ctrd.stop_pod(&pod);
     ctrd.remove_pod(&pod);
+}
+
+/// `binary services apply` of a whole snapshot of `generation` on the node's state.
+fn services_apply(binary: &Path, ctrd: &Containerd, generation: u64) -> aether_conformance::clients::Output {
+    let snapshot = json!({
+        "generation": generation,
+        "mode": "refuse",
+        "serviceRanges": ["10.96.0.0/16"],
+        "services": [{"namespace": "shop", "name": "cart", "vip": SVC_VIP,
+                      "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true}]
+    });
+    let dir = ctrd.dir.join("snapshot.json");
+    std::fs::write(&dir, snapshot.to_string()).unwrap();
+    exec(
+        Command::new(binary)
+            .arg("services")
+            .arg("--state-dir")
+            .arg(&ctrd.state_dir)
+            .arg("apply")
+            .stdin(std::fs::File::open(&dir).unwrap()),
+    )
+}
+
+fn service_layer_in(netns: &str) -> bool {
+    in_netns(netns, &["nft", "list", "tables"]).contains("aether_services")
 }
 
 /// `aether-cni inspect <id>` (today's binary) on the node's state: (exit ok, its output).
