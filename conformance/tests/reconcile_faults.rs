@@ -369,3 +369,86 @@ fn a_pod_list_over_4_mib_is_seen() {
     assert!(pass["runtimeUnseen"].as_str().unwrap().contains("OutOfRange"), "{pass:#}");
     assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0);
 }
+
+/// A runtime that hangs on the verbose status of twelve would-be missed pods: each is asked
+/// once, its failure remembered with a backoff instead of asked again every pass, so the
+/// passes stay short and a drifted pod is still repaired. Negative control: before, every pass
+/// asked all twelve again (24 s a pass at a 2 s timeout).
+#[test]
+fn a_runtime_hung_on_statuses_is_asked_once_per_backoff() {
+    if !root_or_skip("a_runtime_hung_on_statuses_is_asked_once_per_backoff") {
+        return;
+    }
+    let node = Node::new("rchung", &["shop-a"]);
+    let mut listed = node.listing();
+    let hung: Vec<PodSandbox> = (0..12)
+        .map(|i| fake::sandbox(&format!("hung-{i}"), "sim", &format!("hung-{i}"), &format!("uid-h{i}"), 5))
+        .collect();
+    listed.extend(hung.iter().cloned());
+    node.fake.script(|s| {
+        for h in &hung {
+            s.status.insert(h.id.clone(), Reply::Hang);
+        }
+        s.list = Reply::Answer(listed);
+    });
+    let mut inst = Installer::start(
+        &node,
+        &[
+            "--missed-pods=report",
+            "--cri-timeout-seconds=2",
+            "--cri-pass-budget-seconds=5",
+            "--reconcile-backoff-seconds=120",
+        ],
+    );
+    // Every hung sandbox asked once (a few per pass, within the budget).
+    let asked = |i: usize| node.fake.calls().iter().filter(|c| **c == format!("status hung-{i}")).count();
+    inst.wait_pass(1, "every hung sandbox asked", |_| (0..12).all(|i| asked(i) >= 1));
+    // Drift in the intact pod: its capture table deleted by hand.
+    node.pods[0].nft(&["delete", "table", "ip", "aether_capture"]);
+    let from = inst.mark() + 1;
+    let pass = inst.wait_pass(from, "the drift repaired", |p| {
+        p["actions"].as_array().into_iter().flatten().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+    });
+    node.captured(&node.pods[0]);
+    let from = inst.mark() + 3;
+    inst.wait_pass(from, "three passes more", |_| true);
+    for i in 0..12 {
+        assert_eq!(asked(i), 1, "hung-{i} asked once within its backoff: {:?}\n{pass:#}", node.fake.calls());
+    }
+    let last = inst.last_pass().unwrap();
+    let held = last["pods"].as_array().unwrap().iter().find(|p| p["pod"] == "sim/hung-3").unwrap();
+    assert!(held["held"].as_str().unwrap().contains("asked again in"), "{last:#}");
+}
+
+/// SIGTERM while a pass waits on a runtime that never answers (a call timeout of 60 s): the
+/// call is cancelled, the installer uninstalls and exits, well inside the chart's 30 s grace
+/// (the test waits 20 s before it would SIGKILL). Negative control: the stop waited for the
+/// pass, and the pass for the call's timeout.
+#[test]
+fn sigterm_during_a_hung_runtime_call_exits_and_uninstalls() {
+    if !root_or_skip("sigterm_during_a_hung_runtime_call_exits_and_uninstalls") {
+        return;
+    }
+    let node = Node::new("rcstop", &["shop-a"]);
+    let mut inst = Installer::start(&node, &["--cri-timeout-seconds=60", "--cri-pass-budget-seconds=60"]);
+    inst.wait_pass(1, "a first pass", |p| state_of(p, "sim/shop-a") == "captured");
+    let conflist = node.scratch.0.join("conf/00-aether-cni.conflist");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !conflist.exists() {
+        assert!(Instant::now() < deadline, "the installer never chained:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    node.fake.script(|s| s.list = Reply::Hang);
+    let lists = node.fake.count("list");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while node.fake.count("list") == lists {
+        assert!(Instant::now() < deadline, "no pass asked the runtime:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The pass is now waiting on the hung list.
+    let (status, took, killed) = inst.terminate(Duration::from_secs(20));
+    assert!(!killed && status.success(), "{status} after {took:?} (killed: {killed}):\n{}", inst.log());
+    eprintln!("SIGTERM to exit during a hung ListPodSandbox: {took:?}");
+    assert!(!conflist.exists(), "the installer uninstalled its conflist:\n{}", inst.log());
+    node.captured(&node.pods[0]);
+}

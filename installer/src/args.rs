@@ -72,6 +72,10 @@ pub struct InstallArgs {
     /// Seconds each CRI call may take.
     #[arg(long, default_value = "5", value_name = "SECONDS")]
     pub cri_timeout_seconds: u64,
+    /// Seconds one reconciler pass may wait on the runtime in all (its calls, each within
+    /// --cri-timeout-seconds): what is not asked in time is asked by a later pass.
+    #[arg(long, default_value = "10", value_name = "SECONDS")]
+    pub cri_pass_budget_seconds: u64,
     /// The largest answer read from the runtime, in MiB (the kubelet reads up to 16): a pod
     /// list larger than this cannot be read, and missed pods cannot be seen.
     #[arg(long, default_value = "16", value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=1024))]
@@ -230,6 +234,10 @@ impl InstallArgs {
 
     pub fn cri_timeout(&self) -> Duration {
         Duration::from_secs(self.cri_timeout_seconds.max(1))
+    }
+
+    pub fn cri_pass_budget(&self) -> Duration {
+        Duration::from_secs(self.cri_pass_budget_seconds.max(1))
     }
 
     pub fn cri_max_message_bytes(&self) -> usize {

@@ -3,9 +3,10 @@
 //! `aether-cni inspect`.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -18,6 +19,46 @@ pub const LAST_PASS_FILE: &str = "reconciler-last-pass.json";
 enum Msg {
     Pass(&'static str),
     Stop,
+}
+
+/// The longest the installer's stop waits for a pass to end: a runtime call in flight is
+/// cancelled at once, and no action starts once the stop is asked, so a pass ends within
+/// its current node operation. Well inside the chart's `terminationGracePeriodSeconds` (30),
+/// with the uninstall still to come after it.
+pub const STOP_WAIT: Duration = Duration::from_secs(3);
+
+/// The installer is stopping: set once, seen by the pass (no action starts) and by the CRI
+/// calls (one in flight is cancelled).
+#[derive(Clone)]
+pub struct Stopping {
+    flag: Arc<AtomicBool>,
+    tx: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Stopping {
+    pub fn new() -> Stopping {
+        Stopping { flag: Arc::new(AtomicBool::new(false)), tx: Arc::new(tokio::sync::watch::channel(false).0) }
+    }
+
+    pub fn set(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        self.tx.send_replace(true);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// For an async wait on the stop.
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+}
+
+impl Default for Stopping {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Pokes the reconciler's thread (a pass now) and stops it.
@@ -34,6 +75,9 @@ impl Trigger {
 pub struct Looper {
     trigger: Trigger,
     thread: Option<std::thread::JoinHandle<()>>,
+    stopping: Stopping,
+    /// Closed when the thread ends.
+    ended: Receiver<()>,
 }
 
 impl Looper {
@@ -41,15 +85,24 @@ impl Looper {
         self.trigger.clone()
     }
 
-    /// Ends the thread after its current pass.
+    /// Ends the thread: its pass's runtime call (if any) is cancelled, no further action
+    /// starts, and the pass is waited for at most [`STOP_WAIT`]; one still running then (in a
+    /// node operation) is left to the process's exit, as a crash would leave it.
     pub fn stop(mut self) {
         self.stop_now();
     }
 
     fn stop_now(&mut self) {
+        self.stopping.set();
         let _ = self.trigger.0.send(Msg::Stop);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let Some(t) = self.thread.take() else { return };
+        match self.ended.recv_timeout(STOP_WAIT) {
+            Err(RecvTimeoutError::Timeout) => {
+                tracing::warn!("the reconciler's pass did not end within {STOP_WAIT:?} of the stop: not waited for")
+            }
+            _ => {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -66,15 +119,21 @@ pub fn spawn<R, N>(
     period: Duration,
     shared: Arc<Shared>,
     state_dir: PathBuf,
+    stopping: Stopping,
 ) -> std::io::Result<Looper>
 where
     R: Runtime + Send + 'static,
     N: NodeOps + Send + 'static,
 {
     let (tx, rx) = mpsc::channel();
+    let (ended_tx, ended) = mpsc::channel::<()>();
+    reconciler.stopping = stopping.clone();
     let thread = std::thread::Builder::new().name("installer-reconcile".into()).spawn(move || {
+        // Dropped when the thread ends, however: the stop's wait ends with it.
+        let _ended = ended_tx;
         let mut trigger = "start";
         loop {
+            let started = Instant::now();
             let node_ready = {
                 let status = shared.status.lock().unwrap();
                 if status.not_ready.is_empty() {
@@ -84,15 +143,18 @@ where
                 }
             };
             let report = reconciler.pass(node_ready);
+            if reconciler.stopping.is_set() {
+                return;
+            }
             shared.metrics.reconcile.observe(&report, trigger);
             write_last_pass(&state_dir, &report);
-            match next(&rx, period, &shared) {
+            match next(&rx, started + period, &shared) {
                 Some(t) => trigger = t,
                 None => return,
             }
         }
     })?;
-    Ok(Looper { trigger: Trigger(tx), thread: Some(thread) })
+    Ok(Looper { trigger: Trigger(tx), thread: Some(thread), stopping, ended })
 }
 
 /// How often the thread looks whether the node turned ready (a mutex read).
@@ -102,10 +164,10 @@ fn is_ready(shared: &Shared) -> bool {
     shared.status.lock().unwrap().not_ready.is_empty()
 }
 
-/// The next pass's trigger, or `None` to stop: the period, a poke, or the node turning ready
-/// (missed pods were held while it was not).
-fn next(rx: &Receiver<Msg>, period: Duration, shared: &Shared) -> Option<&'static str> {
-    let deadline = std::time::Instant::now() + period;
+/// The next pass's trigger, or `None` to stop: the period (counted from the last pass's
+/// start, so that a long pass does not stretch the time between two looks at a pod), a poke,
+/// or the node turning ready (missed pods were held while it was not).
+fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'static str> {
     let was_ready = is_ready(shared);
     let first = loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());

@@ -39,6 +39,12 @@ use plan::{Input, SandboxView};
 /// The runtime's side: its sandboxes, a sandbox's network, StopPodSandbox.
 pub trait Runtime {
     type Error: fmt::Display;
+    /// A pass begins: its budget for the runtime starts now.
+    fn begin_pass(&mut self) {}
+    /// Whether this pass may ask the runtime nothing more (its budget spent, or stopping).
+    fn budget_spent(&self) -> bool {
+        false
+    }
     fn sandboxes(&mut self) -> Result<Vec<Sandbox>, Self::Error>;
     fn network(&mut self, sandbox_id: &str) -> Result<PodNetwork, Self::Error>;
     fn stop(&mut self, sandbox_id: &str) -> Result<(), Self::Error>;
@@ -150,6 +156,14 @@ pub fn action_kind(a: &Action) -> &'static str {
     }
 }
 
+/// A sandbox whose verbose status failed: why, how often, and not before when again.
+#[derive(Debug, Clone)]
+struct StatusFailure {
+    why: String,
+    failures: u32,
+    next: Instant,
+}
+
 /// The reconciler's state between passes.
 pub struct Reconciler<R, N> {
     pub runtime: Option<R>,
@@ -158,6 +172,11 @@ pub struct Reconciler<R, N> {
     memory: Memory,
     /// Verbose statuses are asked once per sandbox: a sandbox's network does not change.
     network_cache: HashMap<String, PodNetwork>,
+    /// Sandboxes whose status failed: not asked again before their backoff ends (a runtime
+    /// that hangs on a few sandboxes would otherwise stretch every pass).
+    network_failed: HashMap<String, StatusFailure>,
+    /// Set when the installer stops: no action starts after it.
+    pub stopping: looper::Stopping,
     /// Why each held pod got nothing, as last logged (one line per change, not per pass).
     held_logged: HashMap<String, String>,
     runtime_was_unseen: bool,
@@ -174,6 +193,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             limits,
             memory: Memory::default(),
             network_cache: HashMap::new(),
+            network_failed: HashMap::new(),
+            stopping: looper::Stopping::new(),
             held_logged: HashMap::new(),
             runtime_was_unseen: false,
             refusing: HashSet::new(),
@@ -196,7 +217,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let observed: Vec<(RecordView, Observation)> = records.into_iter().zip(observations).collect();
         let listed = match self.runtime.as_mut() {
             None => Err("no CRI socket configured".to_string()),
-            Some(rt) => rt.sandboxes().map_err(|e| e.to_string()),
+            Some(rt) => {
+                rt.begin_pass();
+                rt.sandboxes().map_err(|e| e.to_string())
+            }
         };
         let views = match listed {
             Ok(sandboxes) => Ok(self.views(sandboxes, &observed)),
@@ -239,6 +263,11 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let records: BTreeMap<&str, &RecordView> = observed.iter().map(|(r, _)| (r.key.as_str(), r)).collect();
         let mut actions = Vec::new();
         for action in plan.actions {
+            // The installer is stopping: nothing more starts (what was not done is found again
+            // by the next installer's first pass).
+            if self.stopping.is_set() {
+                break;
+            }
             let outcome = self.execute(&action, &sandboxes, &records);
             // A restart or capture counts whatever its outcome (the pod may come back
             // uncaptured); a repair only when it failed (drift again later is repaired again).
@@ -279,6 +308,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         if let Ok(v) = &views {
             let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
             self.network_cache.retain(|id, _| live.contains(id.as_str()));
+            self.network_failed.retain(|id, _| live.contains(id.as_str()));
         }
         let refusals = self.refusals(refusals);
         self.passes += 1;
@@ -328,23 +358,45 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let mut views = Vec::with_capacity(wanted.len());
         for (sandbox, wants) in wanted.into_iter().filter(|(s, _)| !late.contains(&s.id)) {
             let network = if SandboxView::needs_network(&sandbox, &wants, &recorded) {
-                Some(match self.network_cache.get(&sandbox.id) {
-                    Some(n) => Ok(n.clone()),
-                    None => match self.runtime.as_mut().map(|rt| rt.network(&sandbox.id)) {
-                        Some(Ok(n)) => {
-                            self.network_cache.insert(sandbox.id.clone(), n.clone());
-                            Ok(n)
-                        }
-                        Some(Err(e)) => Err(e.to_string()),
-                        None => Err("no runtime".to_string()),
-                    },
-                })
+                Some(self.network(&sandbox.id))
             } else {
                 None
             };
             views.push(SandboxView { sandbox, wants, network });
         }
         views
+    }
+
+    /// A would-be missed sandbox's network: known, or asked (unless its last failure's backoff
+    /// runs, or the pass may ask the runtime nothing more).
+    fn network(&mut self, id: &str) -> Result<PodNetwork, String> {
+        if let Some(n) = self.network_cache.get(id) {
+            return Ok(n.clone());
+        }
+        let now = Instant::now();
+        if let Some(f) = self.network_failed.get(id).filter(|f| now < f.next) {
+            return Err(format!("{} (asked again in {} s)", f.why, f.next.duration_since(now).as_secs().max(1)));
+        }
+        let Some(rt) = self.runtime.as_mut() else { return Err("no runtime".to_string()) };
+        if rt.budget_spent() {
+            return Err("not asked: this pass's time for the runtime is spent".to_string());
+        }
+        match rt.network(id) {
+            Ok(n) => {
+                self.network_failed.remove(id);
+                self.network_cache.insert(id.to_string(), n.clone());
+                Ok(n)
+            }
+            Err(e) => {
+                let why = e.to_string();
+                let failures = self.network_failed.get(id).map_or(0, |f| f.failures) + 1;
+                let factor = 1u32.checked_shl(failures - 1).unwrap_or(u32::MAX);
+                let wait = self.limits.backoff.saturating_mul(factor).min(self.limits.backoff_max);
+                self.network_failed
+                    .insert(id.to_string(), StatusFailure { why: why.clone(), failures, next: Instant::now() + wait });
+                Err(why)
+            }
+        }
     }
 
     /// The sandboxes whose ADD finished while this pass read the records: listed ready after
@@ -462,14 +514,22 @@ where
         tracing::info!("the reconciler is off (--reconcile=false)");
         return Ok(None);
     }
+    let stopping = looper::Stopping::new();
     let runtime = match args.cri_socket() {
         Some(socket) => {
             let rt = crate::runtime::shared()?;
             tracing::info!(socket = %socket.display(), policy = args.missed_pods.name(), "reconciling the runtime's pods every {} s", args.reconcile_period().as_secs());
-            Some(cri::CriRuntime::new(socket, args.cri_timeout(), args.cri_max_message_bytes(), rt))
+            Some(cri::CriRuntime::new(
+                socket,
+                args.cri_timeout(),
+                args.cri_max_message_bytes(),
+                args.cri_pass_budget(),
+                stopping.clone(),
+                rt,
+            ))
         }
         None => None,
     };
     let reconciler = Reconciler::new(runtime, node, args.reconcile_limits());
-    looper::spawn(reconciler, args.reconcile_period(), shared, args.state_dir.clone()).map(Some)
+    looper::spawn(reconciler, args.reconcile_period(), shared, args.state_dir.clone(), stopping).map(Some)
 }

@@ -15,10 +15,15 @@ struct FakeRuntime {
     /// Every call, in order.
     calls: Vec<String>,
     fail_list: Option<String>,
+    /// Calls a pass may make, if bounded.
+    budget: Option<usize>,
 }
 
 impl Runtime for FakeRuntime {
     type Error = String;
+    fn budget_spent(&self) -> bool {
+        self.budget.is_some_and(|b| self.calls.len() >= b)
+    }
     fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
         self.calls.push("list".into());
         match &self.fail_list {
@@ -345,10 +350,11 @@ fn an_empty_list_is_refused_once_and_collects_nothing() {
 }
 
 #[test]
-fn a_sandbox_whose_status_fails_is_held_and_asked_again_next_pass() {
+fn a_sandbox_whose_status_fails_is_held_and_asked_again_after_its_backoff() {
     let mut rt = node_pods();
     rt.netns.clear();
-    let mut r = Reconciler::new(Some(rt), FakeNode::default(), Limits::default());
+    let limits = Limits { backoff: Duration::ZERO, ..Limits::default() };
+    let mut r = Reconciler::new(Some(rt), FakeNode::default(), limits);
     let report = r.pass(Ok(()));
     assert!(report.actions.is_empty());
     let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
@@ -361,4 +367,37 @@ fn a_sandbox_whose_status_fails_is_held_and_asked_again_next_pass() {
     r.runtime.as_mut().unwrap().sandboxes[0].state = SandboxState::Ready;
     r.pass(Ok(()));
     assert_eq!(r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("status")).count(), statuses);
+}
+
+/// A sandbox whose status fails (a runtime hung on it) is not asked again every pass: its
+/// failure is remembered, with the pods' backoff, and the held finding says when it is asked
+/// again. On main each pass asked it again (12 such pods stretched a pass to 48 s).
+#[test]
+fn a_failing_status_is_remembered_not_asked_every_pass() {
+    let mut rt = node_pods();
+    rt.netns.clear();
+    let mut r = Reconciler::new(Some(rt), FakeNode::default(), Limits::default());
+    for _ in 0..4 {
+        let report = r.pass(Ok(()));
+        let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
+        assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("NotFound")), "{f:?}");
+    }
+    let asked = r.runtime.as_ref().unwrap().calls.iter().filter(|c| *c == "status missed").count();
+    assert_eq!(asked, 1, "asked once in four passes");
+    let report = r.pass(Ok(()));
+    let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
+    assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("asked again in")), "{f:?}");
+}
+
+/// A pass whose budget for the runtime is spent asks nothing more: the sandboxes not asked
+/// are held, named so, and asked by a later pass.
+#[test]
+fn a_spent_budget_asks_nothing_more() {
+    let mut rt = node_pods();
+    rt.budget = Some(1);
+    let mut r = Reconciler::new(Some(rt), FakeNode::default(), Limits::default());
+    let report = r.pass(Ok(()));
+    let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
+    assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("time for the runtime is spent")), "{f:?}");
+    assert_eq!(r.runtime.as_ref().unwrap().calls, ["list"]);
 }
