@@ -417,3 +417,43 @@ fn concurrent_scrapes_share_one_reading_of_the_node_counters() {
     assert!(n <= 2, "32 concurrent scrapes read the node counters {n} times");
     r.stop().unwrap();
 }
+
+/// An uninstall with a pod still attached (a record in the state directory): the conflist goes,
+/// the binary stays for the pod's teardown, and `uninstalled` names it by device and inode
+/// (the plugin's last DEL removes both: conformance/tests/containerd.rs). Control: the same
+/// uninstall without a record removes the binary. A new install takes the binary over and
+/// clears the word.
+#[test]
+fn an_uninstall_with_pods_attached_leaves_the_binary_for_their_teardown() {
+    let fake = FakeNode::new("stop-pods");
+    fs::write(fake.conf.join("10-flannel.conflist"), flannel_with(1450)).unwrap();
+    let before = snapshot(&fake.conf);
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 6)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    let record = fake.state.join("attachments/k8s-pod-network+ctr-1+eth0.json");
+    fs::create_dir_all(record.parent().unwrap()).unwrap();
+    fs::write(
+        &record,
+        br#"{"version":1,"network":"k8s-pod-network","containerId":"ctr-1","ifname":"eth0","netns":"/run/netns/x"}"#,
+    )
+    .unwrap();
+    r.stop().unwrap();
+    assert_eq!(snapshot(&fake.conf), before, "the conflist goes first, whatever is attached");
+    let binary = fake.bin.join("aether-cni");
+    assert_eq!(fs::read(&binary).unwrap(), fake_binary(4096, 6), "the binary went while a pod needs it");
+    let word: serde_json::Value =
+        serde_json::from_slice(&fs::read(fake.state.join(aether_node::state::UNINSTALLED_FILE)).unwrap()).unwrap();
+    let meta = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&binary).unwrap());
+    assert_eq!(word["ino"], serde_json::json!(meta), "{word}");
+
+    // Installed again: the binary is the installer's again, not the last DEL's to remove.
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 6)).unwrap();
+    wait_for(&r, "ready", || readyz(&r).0 == 200);
+    assert!(!fake.state.join(aether_node::state::UNINSTALLED_FILE).exists(), "a new install kept the word");
+
+    // Control: with no record left, the uninstall removes the binary.
+    fs::remove_file(&record).unwrap();
+    r.stop().unwrap();
+    assert!(snapshot(&fake.bin).is_empty(), "no pod attached, and the binary stayed");
+    assert!(!fake.state.join(aether_node::state::UNINSTALLED_FILE).exists());
+}
