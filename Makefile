@@ -6,7 +6,10 @@ CARGO ?= cargo
 # CRI proto (cri/build.rs: prost and tonic generate the installer's CRI client from it). The
 # build needs no C library.
 APT_PACKAGES := nftables iproute2 protobuf-compiler
+# The two release binaries: the plugin, run by the container runtime at every pod start, and
+# the installer, the DaemonSet's long-lived daemon (which copies the plugin onto the node).
 BIN := target/release/aether-cni
+INSTALLER_BIN := target/release/aether-cni-installer
 # The release binary is a static PIE (glibc's static-pie start-up, no loader, no shared
 # library): it runs on any x86-64 node whatever its libraries. An explicit --target keeps
 # the flag off build scripts and proc-macros, which must stay dynamic.
@@ -28,8 +31,9 @@ CARGO_CYCLONEDX_VERSION := 0.5.9
 CARGO_CYCLONEDX := $(TOOLS_DIR)/cargo-cyclonedx-$(CARGO_CYCLONEDX_VERSION)/bin/cargo-cyclonedx
 # The third-party notices of the release binary, beside it (make notices; in the image).
 NOTICES := target/release/THIRD-PARTY-NOTICES
-# The release binary's software bill of materials (make image), beside the image archive.
+# The release binaries' software bills of materials (make image), beside the image archive.
 SBOM ?= target/image/aether-cni-$(VERSION).cdx.json
+INSTALLER_SBOM ?= target/image/aether-cni-installer-$(VERSION).cdx.json
 
 # The release before this one, as the upgrade tests install it first (scripts/previous-release.sh
 # builds its plugin from this clone's history into target/previous-release/, once).
@@ -53,10 +57,11 @@ deps:
 clients-deps: deps
 	bash conformance/clients/deps.sh
 
-## build: the release binary, static (target/release/aether-cni)
+## build: the release binaries, static (target/release/aether-cni, target/release/aether-cni-installer)
 build: deps
-	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-cni --target $(TARGET)
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-cni -p aether-installer --target $(TARGET)
 	install -D -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
+	install -D -m 0755 target/$(TARGET)/release/aether-cni-installer $(INSTALLER_BIN)
 
 # Without their release profiles' LTO: a tool's link is then a few seconds, not minutes of one
 # core, and how fast it runs does not matter here.
@@ -69,31 +74,35 @@ $(CARGO_CYCLONEDX):
 	$(TOOL_INSTALL) --root $(TOOLS_DIR)/cargo-cyclonedx-$(CARGO_CYCLONEDX_VERSION) \
 		cargo-cyclonedx --version $(CARGO_CYCLONEDX_VERSION)
 
-## notices: target/release/THIRD-PARTY-NOTICES, every crate linked into the release binary with
+## notices: target/release/THIRD-PARTY-NOTICES, every crate linked into the release binaries with
 ## its license text (cargo-about); fails on a crate whose license about.toml does not accept
 notices: $(NOTICES)
 
 $(NOTICES): Cargo.lock about.toml installer/image/THIRD-PARTY-NOTICES.hbs installer/image/notices.sh | deps $(CARGO_ABOUT)
 	bash installer/image/notices.sh $(CARGO_ABOUT) $(TARGET) $(NOTICES)
 
-## sbom: the release binary's CycloneDX SBOM ($(SBOM)), from Cargo.lock (cargo-cyclonedx)
+## sbom: each release binary's CycloneDX SBOM ($(SBOM), $(INSTALLER_SBOM)), from Cargo.lock
+## (cargo-cyclonedx)
 sbom: build $(CARGO_CYCLONEDX)
-	bash installer/image/sbom.sh $(CARGO_CYCLONEDX) $(TARGET) $(SBOM) $(BIN)
+	bash installer/image/sbom.sh $(CARGO_CYCLONEDX) $(TARGET) cni-plugin $(SBOM) $(BIN)
+	bash installer/image/sbom.sh $(CARGO_CYCLONEDX) $(TARGET) installer $(INSTALLER_SBOM) $(INSTALLER_BIN)
 
 ## test: every test; root tests skip loudly without root (AETHER_REQUIRE_ROOT_TESTS=1 makes that fail)
 # The conformance tests use the very binary this build makes (no second build of their own);
-# conformance/tests/static_binary.rs checks and runs the static release binary of `build`,
-# conformance/tests/notices.rs the notices of `notices` and the license gate.
+# conformance/tests/static_binary.rs checks the static release binaries of `build` and runs the
+# plugin's, conformance/tests/notices.rs the notices of `notices` and the license gate.
 ## previous-release: the previous release's plugin ($(PREVIOUS_BIN)), built from the history
 previous-release: deps
 	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE)
 
 test: deps clients-deps build notices previous-release
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
+		AETHER_INSTALLER_BIN=$(CURDIR)/target/debug/aether-cni-installer \
+		AETHER_INSTALLER_STATIC_BIN=$(CURDIR)/$(INSTALLER_BIN) \
 		AETHER_PREVIOUS_CNI_BIN=$(CURDIR)/$(PREVIOUS_BIN) \
 		AETHER_NOTICES=$(CURDIR)/$(NOTICES) AETHER_CARGO_ABOUT=$(CARGO_ABOUT) \
-		$(CARGO) test --workspace --features aether-cni/fault-injection
-	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni bash charts/tests/run.sh
+		$(CARGO) test --workspace --features aether-cni/fault-injection,aether-installer/fault-injection
+	AETHER_INSTALLER_BIN=$(CURDIR)/target/debug/aether-cni-installer bash charts/tests/run.sh
 
 ## test-kernels: (root) the kernel matrix: Debian's stock kernels (KERNELS, default the 6.1 and
 ## 6.12 series, the newest of each the machine's apt sources offer, unpacked under
@@ -105,15 +114,15 @@ KERNELS ?= 6.1 6.12
 test-kernels: deps
 	$(if $(KERNEL_SUITES),KERNEL_SUITES="$(KERNEL_SUITES)") bash scripts/kernels/run.sh $(KERNELS)
 
-## image: the OCI image (FROM scratch: the release binary, LICENSE and THIRD-PARTY-NOTICES only),
-## built offline with podman into its local storage as $(IMAGE), and saved as $(IMAGE_ARCHIVE);
-## beside it the binary's SBOM, $(SBOM)
+## image: the OCI image (FROM scratch: the two release binaries, LICENSE and THIRD-PARTY-NOTICES
+## only; the installer is its entrypoint), built offline with podman into its local storage as
+## $(IMAGE), and saved as $(IMAGE_ARCHIVE); beside it the binaries' SBOMs
 image: build notices sbom
-	NOTICES=$(NOTICES) bash installer/image/build.sh $(BIN) $(IMAGE) $(IMAGE_ARCHIVE)
+	NOTICES=$(NOTICES) bash installer/image/build.sh $(BIN) $(INSTALLER_BIN) $(IMAGE) $(IMAGE_ARCHIVE)
 
 ## chart-test: charts/aether-cni rendered and linted by Helm v4's engine (helm-python-sdk),
 ## every object validated against the Kubernetes schemas, the DaemonSet's args turned into
-## the plugin entry by the real binary, values.schema.json given good and bad values, the
+## the plugin entry by the real installer, values.schema.json given good and bad values, the
 ## PodMonitor and the Grafana dashboard checked against a real installer's /metrics; a venv
 ## in target/chart-venv (make test runs it too)
 chart-test:
@@ -135,11 +144,13 @@ bench: deps build clients-deps
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
 	AETHER_BENCH_BIN=$(CURDIR)/target/$(TARGET)/release/aether-cni $(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
-	$(CARGO) bench -p aether-cni --bench services_scale
+	AETHER_INSTALLER_BIN=$(CURDIR)/$(INSTALLER_BIN) $(CARGO) bench -p aether-cni --bench services_scale
 	$(CARGO) bench -p aether-installer --bench repair
 	$(CARGO) bench -p aether-installer --bench reconcile_pass
-	@# cargo bench rebuilt target/release/aether-cni (dynamic, for CARGO_BIN_EXE): put the static one back
+	@# cargo bench rebuilt target/release/aether-cni and aether-cni-installer (dynamic, for
+	@# CARGO_BIN_EXE): put the static ones back
 	install -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
+	install -m 0755 target/$(TARGET)/release/aether-cni-installer $(INSTALLER_BIN)
 
 ## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a
 ## Service apply each round), then checks nothing is left behind (root; bounded)

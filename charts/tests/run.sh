@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Renders, lints and validates charts/aether-cni with a real Helm engine, and feeds the
-# DaemonSet's args to `aether-cni install --print-entry` (make chart-test).
+# DaemonSet's args to `aether-cni-installer --print-entry` (make chart-test).
 # Installs what it needs into target/chart-venv (pip with the machine's own configuration).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,8 +18,8 @@ if ! cmp -s charts/tests/requirements.txt "$stamp"; then
     "$venv/bin/pip" install -q -r charts/tests/requirements.txt
     cp charts/tests/requirements.txt "$stamp"
 fi
-# The chart's args go through the real binary (install --print-entry): the one `make test`
-# built (AETHER_CNI_BIN), or this build's.
-export AETHER_CNI_BIN=${AETHER_CNI_BIN:-$PWD/target/debug/aether-cni}
-[ -x "$AETHER_CNI_BIN" ] || ${CARGO:-cargo} build -q -p aether-cni
+# The chart's args go through the real installer (--print-entry): the one `make test` built
+# (AETHER_INSTALLER_BIN), or this build's (it installs the aether-cni beside it).
+export AETHER_INSTALLER_BIN=${AETHER_INSTALLER_BIN:-$PWD/target/debug/aether-cni-installer}
+[ -x "$AETHER_INSTALLER_BIN" ] || ${CARGO:-cargo} build -q -p aether-installer -p aether-cni
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider charts/tests "$@"

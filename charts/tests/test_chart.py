@@ -118,7 +118,7 @@ def test_defaults():
     assert spec["terminationGracePeriodSeconds"] == 30
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     assert c["image"] == "localhost/aether-cni:0.1.0"
-    assert c["command"] == ["/aether-cni", "install"]
+    assert c["command"] == ["/aether-cni-installer"]
     assert c["args"] == [
         "--cni-bin-dir=/host/opt/cni/bin",
         "--cni-conf-dir=/host/etc/cni/net.d",
@@ -249,7 +249,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     # schema refuses it first in the chart, test_schema.py).
     entry_from_args(values)
     out = subprocess.run(
-        [os.environ["AETHER_CNI_BIN"], "install", "--missed-pods=delete", "--print-entry"],
+        [os.environ["AETHER_INSTALLER_BIN"], "--missed-pods=delete", "--print-entry"],
         capture_output=True,
         text=True,
     )
@@ -343,13 +343,13 @@ NODE_ENV = {"status.hostIP": "10.0.0.21", "status.hostIPs": "10.0.0.21,fd00::21"
 
 def entry_from_args(values, node=NODE_ENV):
     """The DaemonSet's args and env, as the kubelet expands them for a node with `node`'s
-    fields, given to the real binary's `install --print-entry`: the entry the plugin will
+    fields, given to the real installer's `--print-entry`: the entry the plugin will
     receive, checked by its own parser."""
     c = container(daemonset(values))
     env = {e["name"]: node[e["valueFrom"]["fieldRef"]["fieldPath"]] for e in c["env"]}
     args = [a.replace("$(HOST_IP)", env["HOST_IP"]) for a in c["args"]]
     out = subprocess.run(
-        [os.environ["AETHER_CNI_BIN"], *c["command"][1:], *args, "--print-entry"],
+        [os.environ["AETHER_INSTALLER_BIN"], *c["command"][1:], *args, "--print-entry"],
         env={**env, "PATH": os.environ.get("PATH", "")},
         capture_output=True,
         text=True,
@@ -382,7 +382,7 @@ def test_a_bad_plugin_value_is_refused_by_the_binary_naming_it():
     # does refuse are in test_schema.py.
     c = container(daemonset({"plugin": {"excludeOutboundCIDRs": ["10.0.0.0/33"]}}))
     out = subprocess.run(
-        [os.environ["AETHER_CNI_BIN"], "install", *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
+        [os.environ["AETHER_INSTALLER_BIN"], *[a.replace("$(HOST_IP)", "10.0.0.21") for a in c["args"]], "--print-entry"],
         env={"HOST_IP": "10.0.0.21", "PATH": os.environ.get("PATH", "")},
         capture_output=True,
         text=True,

@@ -65,7 +65,7 @@ def exported(tmp_path_factory):
         (node / d).mkdir()
     port = free_port()
     proc = subprocess.Popen(
-        [os.environ["AETHER_CNI_BIN"], "install", f"--cni-bin-dir={node / 'bin'}", f"--cni-conf-dir={node / 'conf'}",
+        [os.environ["AETHER_INSTALLER_BIN"], f"--cni-bin-dir={node / 'bin'}", f"--cni-conf-dir={node / 'conf'}",
          f"--state-dir={node / 'state'}", f"--listen=127.0.0.1:{port}", "--host-ip=10.0.0.21"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )

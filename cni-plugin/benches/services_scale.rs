@@ -167,7 +167,7 @@ fn change_floor_kept(sockets: &mut [aether_rules::nft::KeptSocket], change: &ser
     Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
 }
 
-/// `aether-cni install` on the bench's node (reconciler off; CNI directories of its own),
+/// `aether-cni-installer` on the bench's node (reconciler off; CNI directories of its own),
 /// stopped (SIGTERM) when dropped.
 struct InstallerProcess {
     child: std::process::Child,
@@ -181,8 +181,8 @@ impl InstallerProcess {
         for d in ["bin", "conf"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
-        let child = Command::new(BIN)
-            .arg("install")
+        let child = Command::new(aether_testkit::installer_bin())
+            .arg(format!("--plugin-binary={BIN}"))
             .arg(format!("--cni-bin-dir={}", dir.join("bin").display()))
             .arg(format!("--cni-conf-dir={}", dir.join("conf").display()))
             .arg(format!("--state-dir={}", state.display()))
@@ -191,7 +191,7 @@ impl InstallerProcess {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("installer.log")).unwrap())
             .spawn()
-            .expect("spawn aether-cni install");
+            .expect("spawn aether-cni-installer");
         let inst = InstallerProcess { child, socket: state.join("agent/services.sock"), dir };
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::os::unix::net::UnixStream::connect(&inst.socket).is_err() {
@@ -805,7 +805,7 @@ fn main() {
     let kept_changes: Vec<(Sample, Sample)> = kept_by_op.into_iter().map(|(p, f)| (medians(p), medians(f))).collect();
     drop(applier);
 
-    // The product's path: the installer (`aether-cni install`, reconciler off) serving the
+    // The product's path: the installer (`aether-cni-installer`, reconciler off) serving the
     // applier on its unix socket, the agent's documents POSTed to it. Wall time is the round
     // trip; CPU time is the installer process's, all threads (schedstat), so the HTTP server,
     // the applier thread and the kernel's work on their messages.
@@ -816,9 +816,8 @@ fn main() {
         doc["generation"] = json!(g);
         let text = serde_json::to_vec(&doc).unwrap();
         let (t, c) = (Instant::now(), installer.cpu());
-        let (status, body) =
-            aether_installer::services_socket::post_apply(&installer.socket, &text, Duration::from_secs(60))
-                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
+        let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
         let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
         let body = String::from_utf8_lossy(&body).into_owned();
         assert_eq!(status, 200, "{body}");
@@ -874,9 +873,8 @@ fn main() {
     let most_peak_mib = {
         let installer = InstallerProcess::start(most);
         let post = |doc: &[u8]| {
-            let (status, body) =
-                aether_installer::services_socket::post_apply(&installer.socket, doc, Duration::from_secs(300))
-                    .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
+            let (status, body) = aether_apply_client::post_apply(&installer.socket, doc, Duration::from_secs(300))
+                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
             assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
         };
         post(&snapshot(1, 100_000));

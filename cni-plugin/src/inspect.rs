@@ -95,7 +95,7 @@ fn list(state_dir: &Path) -> ExitCode {
 /// the pods by state, the ones that needed something and why they got nothing, and what it
 /// did.
 fn print_reconciler(state_dir: &Path) {
-    use aether_installer::reconcile::looper::LAST_PASS_FILE;
+    use aether_node::state::LAST_PASS_FILE;
     use serde_json::Value;
     // No file: no reconciler on this node (or not yet): nothing to say.
     let Ok(text) = std::fs::read_to_string(state_dir.join(LAST_PASS_FILE)) else { return };

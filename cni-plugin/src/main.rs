@@ -3,8 +3,11 @@
 //! This crate is the CNI protocol (the environment, stdin, the result and error JSON, exit
 //! codes, logging set-up; `error` gives the node library's errors their CNI codes, in one
 //! place) and the CLI (clap definitions and output formats of `services`, `inspect`,
-//! `doctor`, `install`). What a node does is the node library's (`aether-node`); what the
-//! installer daemon does is `aether-installer`'s. Nothing here is imported by another crate.
+//! `doctor`). What a node does is the node library's (`aether-node`). The installer daemon is
+//! a program of its own (`aether-cni-installer`, from `aether-installer`), never linked here:
+//! the runtime starts this binary at every pod start, and it must not map an async runtime,
+//! an HTTP server, a gRPC client or a metrics registry it never runs. Nothing here is
+//! imported by another crate.
 
 mod cni;
 #[cfg(test)]
@@ -15,7 +18,6 @@ mod error;
 #[cfg(test)]
 mod fuzz_tests;
 mod inspect;
-mod install;
 mod log;
 mod services;
 
@@ -69,9 +71,12 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check that this kernel can hold the capture ruleset (in a private netns; changes nothing).
     Doctor,
-    /// The DaemonSet's container: install the binary, chain it into the node's CNI
-    /// configuration and keep it there; undo it all on SIGTERM (unless an upgrade).
-    Install(Box<aether_installer::InstallArgs>),
+    /// Moved: the installer is its own program, aether-cni-installer (it fails naming it).
+    #[command(hide = true, disable_help_flag = true)]
+    Install {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -86,14 +91,9 @@ fn main() -> ExitCode {
     // An operator piping into `head` should see the CLI end quietly, as Unix tools do,
     // not a panic from println! on a closed pipe.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    // The CLI's own output is its result; what goes wrong underneath reaches stderr. The
-    // installer is a long-running service: its log (info and up) is its output.
+    // The CLI's own output is its result; what goes wrong underneath reaches stderr.
     let cli = Cli::parse();
-    let level = match cli.command {
-        Command::Install(_) => tracing::level_filters::LevelFilter::INFO,
-        _ => tracing::level_filters::LevelFilter::WARN,
-    };
-    log::init(&log::Settings { level, ..log::Settings::default() });
+    log::init(&log::Settings { level: tracing::level_filters::LevelFilter::WARN, ..log::Settings::default() });
     match cli.command {
         Command::Versions => {
             println!("{}", aether_node::config::SUPPORTED_VERSIONS.join("\n"));
@@ -102,7 +102,14 @@ fn main() -> ExitCode {
         Command::Services(args) => services::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Doctor => doctor::run(),
-        Command::Install(args) => install::run(*args),
+        Command::Install { .. } => {
+            // Not an alias: running the installer from here would link it into every pod start.
+            eprintln!(
+                "aether-cni install: the installer is a program of its own now, aether-cni-installer \
+                 (beside aether-cni in the image); run it with the same flags"
+            );
+            ExitCode::from(2)
+        }
     }
 }
 

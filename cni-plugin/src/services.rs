@@ -29,7 +29,7 @@ enum ServicesCommand {
         /// The snapshot file; `-` is stdin. Without -f, stdin is read unless it is a terminal.
         #[arg(short = 'f', long = "file", value_name = "FILE")]
         file: Option<PathBuf>,
-        /// Send the document to the installer's Service-layer socket (`aether-cni install
+        /// Send the document to the installer's Service-layer socket (`aether-cni-installer
         /// --services-socket`, by default <state-dir>/agent/services.sock) instead of
         /// applying it in this process: the same checks, output and exit codes.
         #[arg(long, value_name = "PATH")]
@@ -92,7 +92,7 @@ fn print_result(text: &str) {
 /// How long `apply --socket` waits for the installer's answer: the socket's own deadline
 /// for a connection, and a little more.
 const SOCKET_TIMEOUT: std::time::Duration =
-    aether_installer::services_socket::CONNECTION_DEADLINE.saturating_add(std::time::Duration::from_secs(10));
+    aether_apply_client::CONNECTION_DEADLINE.saturating_add(std::time::Duration::from_secs(10));
 
 /// `services apply --socket`: the document sent to the installer; its answer printed as the
 /// in-process apply prints its outcome (the report on stdout; each reason on stderr) with the
@@ -102,7 +102,7 @@ fn apply_through(socket: &Path, text: &[u8]) -> ExitCode {
         eprintln!("aether-cni services apply: {why}");
         ExitCode::from(2)
     };
-    let (status, body) = match aether_installer::services_socket::post_apply(socket, text, SOCKET_TIMEOUT) {
+    let (status, body) = match aether_apply_client::post_apply(socket, text, SOCKET_TIMEOUT) {
         Ok(answer) => answer,
         Err(e) => return fail(&e),
     };

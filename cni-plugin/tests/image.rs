@@ -19,7 +19,7 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The binary the image holds: `AETHER_IMAGE_BIN`, else the static release binary `make test`
+/// The plugin the image holds: `AETHER_IMAGE_BIN`, else the static release binary `make test`
 /// builds (`AETHER_CNI_STATIC_BIN`, what `make image` ships), else this test build's.
 fn binary() -> PathBuf {
     ["AETHER_IMAGE_BIN", "AETHER_CNI_STATIC_BIN"]
@@ -27,6 +27,17 @@ fn binary() -> PathBuf {
         .find_map(|v| std::env::var_os(v).filter(|p| !p.is_empty()))
         .map(PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_aether-cni").into())
+}
+
+/// The installer the image holds, its entrypoint: `AETHER_IMAGE_INSTALLER_BIN`, else the
+/// static release binary `make test` builds (`AETHER_INSTALLER_STATIC_BIN`), else this test
+/// build's.
+fn installer_binary() -> PathBuf {
+    ["AETHER_IMAGE_INSTALLER_BIN", "AETHER_INSTALLER_STATIC_BIN"]
+        .iter()
+        .find_map(|v| std::env::var_os(v).filter(|p| !p.is_empty()))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| aether_testkit::installer_bin().into())
 }
 
 /// Whether an ELF file asks for a program interpreter (a dynamic loader): PT_INTERP.
@@ -152,7 +163,7 @@ fn start(p: &mut Podman, node: &Node, libs: &[String], tag: &str, env: &[&str]) 
     ];
     args.extend(libs.iter().cloned());
     args.extend(env.iter().map(|e| format!("--env={e}")));
-    args.extend([p.image.clone(), "install".into(), "--listen=127.0.0.1:0".into()]);
+    args.extend([p.image.clone(), "--listen=127.0.0.1:0".into()]);
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     p.ok(&argv);
     p.containers.push(name.clone());
@@ -191,6 +202,8 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     let pid = std::process::id();
     let bin = binary();
     let bin_bytes = fs::read(&bin).unwrap();
+    let installer = installer_binary();
+    let installer_bytes = fs::read(&installer).unwrap();
     let mut p = Podman {
         dir: std::env::temp_dir().join(format!("aether-image-test-{pid}")),
         image: format!("localhost/aether-cni-test-{pid}:latest"),
@@ -203,6 +216,7 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
         .unwrap_or_else(|| bin.parent().unwrap().join("THIRD-PARTY-NOTICES"));
     let built = Command::new(repo().join("installer/image/build.sh"))
         .arg(&bin)
+        .arg(&installer)
         .arg(&p.image)
         .env("PODMAN_FLAGS", p.flags().join(" "))
         .env("NOTICES", &notices)
@@ -210,7 +224,7 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
         .unwrap();
     assert!(built.status.success(), "build.sh: {}", String::from_utf8_lossy(&built.stderr));
 
-    // The image's only content: the binary, its license and the third-party notices.
+    // The image's only content: the two binaries, their license and the third-party notices.
     let probe = format!("aether-image-test-{pid}-content");
     p.ok(&["create", "--name", &probe, &p.image]);
     p.containers.push(probe.clone());
@@ -219,7 +233,7 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
     let listing = aether_testkit::run("tar", &["-tvf", &tar.display().to_string()]);
     let files: Vec<&str> =
         listing.lines().filter(|l| l.starts_with('-')).map(|l| l.rsplit(' ').next().unwrap()).collect();
-    assert_eq!(files, ["LICENSE", "THIRD-PARTY-NOTICES", "aether-cni"], "{listing}");
+    assert_eq!(files, ["LICENSE", "THIRD-PARTY-NOTICES", "aether-cni", "aether-cni-installer"], "{listing}");
     let extracted = p.dir.join("extracted");
     fs::create_dir_all(&extracted).unwrap();
     aether_testkit::run(
@@ -230,33 +244,40 @@ fn the_image_installs_repairs_uninstalls_and_upgrades_on_a_fake_node() {
             "-C",
             &extracted.display().to_string(),
             "aether-cni",
+            "aether-cni-installer",
             "LICENSE",
             "THIRD-PARTY-NOTICES",
         ],
     );
     assert_eq!(fs::read(extracted.join("aether-cni")).unwrap(), bin_bytes, "the very binary");
+    assert_eq!(fs::read(extracted.join("aether-cni-installer")).unwrap(), installer_bytes, "the very installer");
     assert_eq!(fs::read(extracted.join("LICENSE")).unwrap(), fs::read(repo().join("LICENSE")).unwrap());
     assert_eq!(fs::read(extracted.join("THIRD-PARTY-NOTICES")).unwrap(), fs::read(&notices).unwrap(), "the notices");
 
-    // The scratch image runs the binary alone if and only if it is static.
+    // The scratch image runs the binaries alone if and only if they are static (the plugin
+    // is checked; the installer's run below is the other).
     let ulimits = ["--ulimit=nofile=1024:1024", "--ulimit=nproc=4096:4096"];
-    let mut alone = vec!["run", "--rm", "--network=none"];
+    let mut alone = vec!["run", "--rm", "--network=none", "--entrypoint=/aether-cni"];
     alone.extend(ulimits);
     alone.extend([p.image.as_str(), "versions"]);
     let (ran, out, err) = p.run(&alone);
-    let libs: Vec<String> = if is_dynamic(&bin_bytes) {
+    if is_dynamic(&bin_bytes) {
         assert!(
             !ran && err.contains("no such file or directory"),
             "a dynamic binary cannot run in scratch: {out}{err}"
         );
+    } else {
+        assert!(ran && out.lines().any(|l| l == "1.1.0"), "the static binary runs in the scratch image: {out}{err}");
+    }
+    let libs: Vec<String> = if is_dynamic(&bin_bytes) || is_dynamic(&installer_bytes) {
         eprintln!(
-            "NOTE: {} is dynamically linked, so the scratch image cannot run it (asserted above); the behaviour \
-             below runs it with the host's library directories mounted read-only",
-            bin.display()
+            "NOTE: {} or {} is dynamically linked, so the scratch image cannot run it; the behaviour below \
+             runs them with the host's library directories mounted read-only",
+            bin.display(),
+            installer.display()
         );
         ["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")).collect()
     } else {
-        assert!(ran && out.lines().any(|l| l == "1.1.0"), "the static binary runs in the scratch image: {out}{err}");
         vec![]
     };
 

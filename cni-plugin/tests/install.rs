@@ -1,6 +1,7 @@
-//! `aether-cni install`, the binary: the entry it writes goes through the plugin's own
-//! parser (CNI STATUS on the very binary), SIGTERM uninstalls, an upgrade keeps the files,
-//! and bad input (an unknown flag, a read-only directory) fails naming it, writing nothing.
+//! `aether-cni-installer`, the binary, with the plugin it installs: the entry it writes goes
+//! through the plugin's own parser (CNI STATUS on the very binary), SIGTERM uninstalls, an
+//! upgrade keeps the files, and bad input (an unknown flag, a read-only directory) fails
+//! naming it, writing nothing. The plugin's old `install` names the installer's program.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -12,6 +13,11 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
+
+/// The installer's program (it installs the `aether-cni` beside it).
+fn installer() -> &'static Path {
+    aether_testkit::installer_bin()
+}
 
 fn testdata() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata")
@@ -129,8 +135,7 @@ struct Installer {
 
 #[allow(clippy::zombie_processes)] // the child is waited for by Installer's Drop, or by sigterm()
 fn spawn_installer(node: &FakeNode, env: &[(&str, &str)]) -> Installer {
-    let mut child = Command::new(BIN)
-        .arg("install")
+    let mut child = Command::new(installer())
         .args(node.flags())
         .envs(env.iter().copied())
         .stdout(Stdio::null())
@@ -207,7 +212,8 @@ fn sigterm_uninstalls_and_an_upgrade_keeps_the_files() {
         let i = spawn_installer(&node, &env);
         wait("ready", || get(&i.addr, "/readyz").0 == 200);
         let installed = node.dir("bin/aether-cni");
-        assert_eq!(fs::read(&installed).unwrap(), fs::read(BIN).unwrap(), "its own binary, byte for byte");
+        let plugin = installer().with_file_name("aether-cni");
+        assert_eq!(fs::read(&installed).unwrap(), fs::read(plugin).unwrap(), "the plugin beside it, byte for byte");
         let list: Value = serde_json::from_slice(&fs::read(node.dir("net.d/00-aether-cni.conflist")).unwrap()).unwrap();
         let mut entry = list["plugins"][1].clone();
         assert_eq!(entry["hostIP"], "10.0.0.12", "host IP from the environment");
@@ -244,13 +250,32 @@ fn sigterm_uninstalls_and_an_upgrade_keeps_the_files() {
 #[test]
 fn an_unknown_flag_is_named_and_nothing_is_written() {
     let node = FakeNode::new("flag");
-    let out = Command::new(BIN).arg("install").args(node.flags()).arg("--capture-everything").output().unwrap();
+    let out = Command::new(installer()).args(node.flags()).arg("--capture-everything").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--capture-everything"), "{err}");
     for d in ["bin", "net.d", "state"] {
         assert!(snapshot(&node.dir(d)).is_empty(), "{d}");
     }
+}
+
+/// The plugin is not the installer: its old `install` command fails naming the program that
+/// is, and writes nothing (a DaemonSet left on the old command fails loudly, not quietly).
+#[test]
+fn the_plugin_names_the_installer_and_installs_nothing() {
+    let node = FakeNode::new("moved");
+    let out = Command::new(BIN).arg("install").args(node.flags()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("aether-cni-installer"), "{err}");
+    for d in ["bin", "net.d", "state"] {
+        assert!(snapshot(&node.dir(d)).is_empty(), "{d}");
+    }
+    // Control: the installer itself takes the same flags (it prints the entry and exits).
+    let out =
+        Command::new(installer()).args(node.flags()).args(["--host-ip=10.0.0.1", "--print-entry"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"type\": \"aether-cni\""));
 }
 
 /// Read-only bind mounts in a private mount namespace (root ignores permission bits).
@@ -264,7 +289,7 @@ fn a_read_only_directory_is_named_and_nothing_is_written() {
         fs::copy(testdata().join("install/primaries/10-bridge.conf"), node.dir("net.d/10-bridge.conf")).unwrap();
         let before: Vec<_> = ["bin", "net.d", "state"].iter().map(|d| snapshot(&node.dir(d))).collect();
         let dir = node.dir(ro).display().to_string();
-        let script = format!("mount --bind -o ro {dir} {dir} && exec {BIN} install \"$@\"");
+        let script = format!("mount --bind -o ro {dir} {dir} && exec {} \"$@\"", installer().display());
         let mut argv = vec!["-m".to_string(), "sh".into(), "-c".into(), script, "sh".into()];
         argv.extend(node.flags());
         let out = Command::new("unshare").args(&argv).env("HOST_IP", "10.0.0.13").output().unwrap();

@@ -1,4 +1,4 @@
-//! `aether-cni install` (the built binary) under hostile load on its HTTP face, with a small
+//! `aether-cni-installer` (the built binary) under hostile load on its HTTP face, with a small
 //! file-descriptor limit: a connection flood past the limit, accept errors (the limit
 //! lowered below what it holds), half-open requests, huge request heads, many concurrent
 //! scrapes. `/healthz` answers within 1 s during and after each, the process lives on with
@@ -20,8 +20,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use load::{assert_answered, eventually, sample, usage, Usage};
-
-const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
 
 /// Threads of an idle installer: main (waiting for signals), the reconcile loop, inotify,
 /// the HTTP runtime, the pod reconciler's and the Service layer's applier (its socket); a
@@ -51,9 +49,8 @@ impl Installer {
         }
         let primaries = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/install/primaries");
         fs::copy(primaries.join("10-bridge.conf"), root.join("net.d/10-bridge.conf")).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("install")
-            .arg(format!("--cni-bin-dir={}", root.join("bin").display()))
+        let mut cmd = Command::new(aether_testkit::installer_bin());
+        cmd.arg(format!("--cni-bin-dir={}", root.join("bin").display()))
             .arg(format!("--cni-conf-dir={}", root.join("net.d").display()))
             .arg(format!("--state-dir={}", root.join("state").display()))
             .args(["--host-ip=10.0.0.11", "--listen=127.0.0.1:0", "--metrics-listen=127.0.0.1:0"])

@@ -292,12 +292,14 @@ impl<'a> ImageInstaller<'a> {
         let podman = Podman::new(&ctrd.node, &ctrd.dir, &ctrd.bin_dir, &ctrd.dir.mkdir("podman-net"));
         let image = format!("localhost/aether-cni:ctrd-{}", std::process::id());
         let binary = cni_bin();
+        let installer = aether_testkit::installer_bin();
         must(
             "installer/image/build.sh",
             exec(
                 Command::new("bash")
                     .arg(repo().join("installer/image/build.sh"))
                     .arg(binary)
+                    .arg(installer)
                     .arg(&image)
                     .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
                     .env("CONTAINERS_CONF", ctrd.dir.join("containers.conf"))
@@ -328,10 +330,10 @@ impl<'a> ImageInstaller<'a> {
         ];
         // A test build of the binary is dynamic (the release build is static): it gets the
         // host's libraries, read-only (as cni-plugin/tests/image.rs does).
-        if exec(Command::new("ldd").arg(binary)).ok {
+        if exec(Command::new("ldd").arg(binary)).ok || exec(Command::new("ldd").arg(installer)).ok {
             args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));
         }
-        args.extend([image, "install".into(), format!("--state-dir={state}")]);
+        args.extend([image, format!("--state-dir={state}")]);
         args.extend(["--listen=127.0.0.1:0".into(), "--resync-seconds=1".into()]);
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         must("podman run (the installer's image)", podman.run(&argv));
@@ -468,7 +470,7 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     stop_and_remove(&ctrd, &after, &sb, "ctrdinstkeep3");
 
     eprintln!(
-        "{test}: aether-cni install on a containerd node, pods captured, uninstall restored it, in {:?}",
+        "{test}: aether-cni-installer on a containerd node, pods captured, uninstall restored it, in {:?}",
         started.elapsed()
     );
 }

@@ -1,5 +1,5 @@
-//! The licenses travel with the binary: THIRD-PARTY-NOTICES (`make notices`, shipped in the
-//! image) names every crate linked into the release binary, each under a license
+//! The licenses travel with the binaries: THIRD-PARTY-NOTICES (`make notices`, shipped in the
+//! image) names every crate linked into the release binaries (the plugin and the installer), each under a license
 //! `about.toml` accepts, with that license's text; and the gate works: a crate under a
 //! license `about.toml` does not accept fails the notices, naming it.
 //!
@@ -60,13 +60,15 @@ fn listed(notices: &str) -> Vec<(String, String, String)> {
         .collect()
 }
 
-/// The third-party crates linked into `aether-cni` for the release target: its normal
-/// dependencies, without build scripts' and proc-macros' (which run at build time only).
+/// The third-party crates linked into `aether-cni` and `aether-cni-installer` for the release
+/// target: their normal dependencies, without build scripts' and proc-macros' (which run at
+/// build time only).
 fn linked() -> BTreeSet<(String, String)> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .current_dir(repo())
-        .args(["tree", "--locked", "-p", "aether-cni", "--target", TARGET, "-e", "normal,no-proc-macro"])
+        .args(["tree", "--locked", "-p", "aether-cni", "-p", "aether-installer", "--target", TARGET])
+        .args(["-e", "normal,no-proc-macro"])
         .args(["--prefix", "none", "--format", "{p}"])
         .output()
         .unwrap();

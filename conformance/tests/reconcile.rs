@@ -9,7 +9,7 @@
 //! without a CRI socket, or with one that answers garbage, the installer keeps running, says
 //! why, and still repairs drift.
 //!
-//! The installer is the built binary (`aether-cni install`) run by the test, with the node's
+//! The installer is the built binary (`aether-cni-installer`) run by the test, with the node's
 //! directories and containerd's socket; its last pass is read from the state directory
 //! (`reconciler-last-pass.json`), its metrics from `/metrics`, its log from its stderr.
 //!
@@ -34,7 +34,7 @@ fn ready(test: &str) -> bool {
     root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
 }
 
-/// `aether-cni install` on the test's node, run by the test.
+/// `aether-cni-installer` on the test's node, run by the test (installing the plugin under test).
 struct Installer {
     child: Child,
     log: PathBuf,
@@ -56,8 +56,8 @@ impl Installer {
         let _ = std::fs::remove_file(ctrd.state_dir.join("reconciler-last-pass.json"));
         let log = ctrd.dir.join(&format!("installer-{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(cni_bin())
-            .arg("install")
+        let child = Command::new(aether_testkit::installer_bin())
+            .arg(format!("--plugin-binary={}", cni_bin().display()))
             .arg(format!("--cni-bin-dir={}", ctrd.bin_dir.display()))
             .arg(format!("--cni-conf-dir={}", ctrd.net_dir.display()))
             .arg(format!("--state-dir={}", ctrd.state_dir.display()))
@@ -73,7 +73,7 @@ impl Installer {
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
-            .expect("spawn aether-cni install");
+            .expect("spawn aether-cni-installer");
         let inst = Installer { child, log, addr, state_dir: ctrd.state_dir.clone() };
         let deadline = Instant::now() + Duration::from_secs(20);
         while inst.get("/healthz").is_none() {

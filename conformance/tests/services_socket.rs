@@ -1,4 +1,4 @@
-//! The Service layer served by the installer on a unix socket (`aether-cni install
+//! The Service layer served by the installer on a unix socket (`aether-cni-installer
 //! --services-socket`, `POST /services/apply`), in the kernel: the installer is the built
 //! binary, run by the test on a simulated node's state directory with simulated pods.
 //!
@@ -34,7 +34,7 @@ fn node(test: &str, tag: &str) -> Option<SimNode> {
 /// The cap on a document (`MAX_SNAPSHOT_BYTES`, 64 MiB).
 const CAP: usize = 64 << 20;
 
-/// `aether-cni install` on a simulated node's state directory, its socket at the default
+/// `aether-cni-installer` on a simulated node's state directory, its socket at the default
 /// place (`<state-dir>/agent/services.sock`) unless given; the reconciler off (this is about
 /// the socket), its bin and conf directories its own.
 struct Installer {
@@ -57,8 +57,8 @@ impl Installer {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
         let log = dir.join("installer.log");
-        let child = Command::new(cni_bin())
-            .arg("install")
+        let child = Command::new(aether_testkit::installer_bin())
+            .arg(format!("--plugin-binary={}", cni_bin().display()))
             .arg(format!("--cni-bin-dir={}", dir.join("bin").display()))
             .arg(format!("--cni-conf-dir={}", dir.join("conf").display()))
             .arg(format!("--state-dir={}", node.state_dir().display()))
@@ -68,7 +68,7 @@ impl Installer {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
-            .expect("spawn aether-cni install");
+            .expect("spawn aether-cni-installer");
         Installer { child, dir, log, socket: node.state_dir().join("agent/services.sock") }
     }
 

@@ -1,6 +1,7 @@
-//! The release binary (`make build`) is a static PIE that runs on any node: no program
-//! interpreter, no shared library, read from its ELF headers; and it programs a fresh pod
-//! netns (ADD, CHECK, DEL) with nothing but the kernel.
+//! The release binaries (`make build`: the plugin and the installer) are static PIEs that run
+//! on any node: no program interpreter, no shared library, read from their ELF headers; the
+//! plugin programs a fresh pod netns (ADD, CHECK, DEL) with nothing but the kernel; and the
+//! plugin, started at every pod start, links no async runtime, HTTP, gRPC or metrics crate.
 
 mod common;
 
@@ -74,46 +75,82 @@ fn linkage(elf: &[u8]) -> Linkage {
     out
 }
 
-/// `$AETHER_CNI_STATIC_BIN` (`make test` sets it to what `make build` made), else
-/// `target/release/aether-cni` if present.
-fn release_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("AETHER_CNI_STATIC_BIN") {
+/// The plugin's and the installer's release binaries: the variable `make test` sets to what
+/// `make build` made, and the file under `target/release/`.
+const PLUGIN: (&str, &str) = ("AETHER_CNI_STATIC_BIN", "aether-cni");
+const INSTALLER: (&str, &str) = ("AETHER_INSTALLER_STATIC_BIN", "aether-cni-installer");
+
+/// `$VAR` (`make test` sets it to what `make build` made), else `target/release/<name>` if
+/// present.
+fn release_bin((var, name): (&str, &str)) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
         let p = PathBuf::from(p);
-        assert!(p.is_file(), "AETHER_CNI_STATIC_BIN={} is not a file: run `make build`", p.display());
+        assert!(p.is_file(), "{var}={} is not a file: run `make build`", p.display());
         return Some(p);
     }
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/aether-cni");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release").join(name);
     p.is_file().then_some(p)
 }
 
-fn release_bin_or_skip(test: &str) -> Option<PathBuf> {
-    let bin = release_bin();
+fn release_bin_or_skip(test: &str, which: (&str, &str)) -> Option<PathBuf> {
+    let bin = release_bin(which);
     if bin.is_none() {
+        let (var, name) = which;
         assert!(
             std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() != Ok("1"),
-            "{test}: no release binary: run `make build` (or set AETHER_CNI_STATIC_BIN)"
+            "{test}: no release binary: run `make build` (or set {var})"
         );
-        let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no target/release/aether-cni (run `make build`)");
+        let _ = writeln!(std::io::stderr(), "SKIPPED {test}: no target/release/{name} (run `make build`)");
     }
     bin
 }
 
 #[test]
-fn the_release_binary_is_a_static_pie() {
+fn the_release_binaries_are_static_pies() {
     // The control: a dynamically linked program reads as one.
     let ls = linkage(&std::fs::read("/bin/ls").unwrap());
     assert!(ls.interpreter.is_some() && ls.needed > 0, "the ELF reader misses a dynamic binary: {ls:?}");
 
-    let Some(bin) = release_bin_or_skip("the_release_binary_is_a_static_pie") else { return };
-    let l = linkage(&std::fs::read(&bin).unwrap());
-    assert_eq!(
-        l,
-        Linkage { position_independent: true, interpreter: None, needed: 0, pie_flag: true },
-        "{} is not a static PIE",
-        bin.display()
-    );
-    let size = std::fs::metadata(&bin).unwrap().len();
-    println!("{}: static-pie, {size} bytes ({:.1} MiB)", bin.display(), size as f64 / (1 << 20) as f64);
+    for which in [PLUGIN, INSTALLER] {
+        let Some(bin) = release_bin_or_skip("the_release_binaries_are_static_pies", which) else { continue };
+        let l = linkage(&std::fs::read(&bin).unwrap());
+        assert_eq!(
+            l,
+            Linkage { position_independent: true, interpreter: None, needed: 0, pie_flag: true },
+            "{} is not a static PIE",
+            bin.display()
+        );
+        let size = std::fs::metadata(&bin).unwrap().len();
+        println!("{}: static-pie, {size} bytes ({:.1} MiB)", bin.display(), size as f64 / (1 << 20) as f64);
+    }
+}
+
+/// The crates a package links for the release target (its normal dependencies, build
+/// scripts' and proc-macros' left out), by name.
+fn linked_crates(package: &str) -> Vec<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .args(["tree", "--locked", "-p", package, "-e", "normal,no-proc-macro", "--prefix", "none", "--format", "{p}"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "cargo tree: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
+}
+
+/// The plugin runs at every pod start: what only the installer's daemon runs (an async
+/// runtime, an HTTP server, gRPC, a metrics registry) must not be linked into it.
+#[test]
+fn the_plugin_links_no_async_runtime_http_grpc_or_metrics() {
+    let daemon_only = ["tokio", "hyper", "h2", "tonic", "prost", "prometheus", "aether-installer", "aether-cri"];
+    let plugin = linked_crates("aether-cni");
+    let found: Vec<&str> = daemon_only.into_iter().filter(|c| plugin.iter().any(|p| p == c)).collect();
+    assert!(found.is_empty(), "the plugin links {found:?}");
+    // Control: the installer links every one of them, and the reading finds them there.
+    let installer = linked_crates("aether-installer");
+    let missing: Vec<&str> = daemon_only[..6].iter().copied().filter(|c| !installer.iter().any(|p| p == c)).collect();
+    assert!(missing.is_empty(), "the installer's tree lacks {missing:?}: is the reading broken?");
 }
 
 #[test]
@@ -121,7 +158,7 @@ fn the_release_binary_programs_a_fresh_pod_netns() {
     if !root_or_skip("the_release_binary_programs_a_fresh_pod_netns") {
         return;
     }
-    let Some(bin) = release_bin_or_skip("the_release_binary_programs_a_fresh_pod_netns") else { return };
+    let Some(bin) = release_bin_or_skip("the_release_binary_programs_a_fresh_pod_netns", PLUGIN) else { return };
     let ns = TestNetns::new("static");
     let conf = common::conf("1.0.0", json!({}));
     let run = |command: &str| {

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# THIRD-PARTY-NOTICES for the release binary (make notices), shipped in the image beside
+# THIRD-PARTY-NOTICES for the release binaries (make notices), shipped in the image beside
 # LICENSE:
 #   installer/image/notices.sh CARGO_ABOUT TARGET OUT
-# First every crate linked into `aether-cni` for TARGET with the text of its license, made by
+# First every crate linked into `aether-cni-installer` for TARGET (which links every crate the
+# plugin `aether-cni` does: conformance/tests/notices.rs checks the notices against both
+# binaries' crates) with the text of its license, made by
 # cargo-about from Cargo.lock; it fails, naming the crate, on a license about.toml does not
 # accept. Then what the static link adds that is not a crate: Rust's standard library and
 # glibc's static start-up, with the license texts Debian ships.
@@ -16,8 +18,8 @@ trap 'rm -f "$tmp"' EXIT
 # cargo-about reads `cargo metadata`, which wants the source of every package in Cargo.lock,
 # also those of other platforms that no build here downloads; fetch them first (from the
 # registry the machine's cargo is set up for), then read offline.
-cargo fetch --locked --manifest-path cni-plugin/Cargo.toml >/dev/null
-"$about" generate --frozen --fail -c about.toml -m cni-plugin/Cargo.toml --target "$target" \
+cargo fetch --locked --manifest-path installer/Cargo.toml >/dev/null
+"$about" generate --frozen --fail -c about.toml -m installer/Cargo.toml --target "$target" \
     installer/image/THIRD-PARTY-NOTICES.hbs -o "$tmp"
 rust=$(rustc --version)
 glibc=$(dpkg-query -W -f='${Version}' libc6-dev 2>/dev/null || echo unknown)

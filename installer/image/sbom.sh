@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The release binary's software bill of materials, CycloneDX 1.5 JSON (make image):
-#   installer/image/sbom.sh CARGO_CYCLONEDX TARGET OUT [BINARY]
-# cargo-cyclonedx describes the aether-cni binary target for TARGET from Cargo.lock (every
+# A release binary's software bill of materials, CycloneDX 1.5 JSON (make image):
+#   installer/image/sbom.sh CARGO_CYCLONEDX TARGET PACKAGE_DIR OUT [BINARY]
+# (PACKAGE_DIR: cni-plugin for aether-cni, installer for aether-cni-installer.)
+# cargo-cyclonedx describes the package's binary target for TARGET from Cargo.lock (every
 # crate with its version, license, package URL and checksum; build-time-only crates left
 # out); with BINARY, the file's own SHA-256 is added to the described component, so the
 # SBOM names the very binary the image holds.
 set -euo pipefail
-cyclonedx=$1 target=$2 out=$3 bin=${4:-}
+cyclonedx=$1 target=$2 package=$3 out=$4 bin=${5:-}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
-made=cni-plugin/aether-cni_bin.cdx.json
+name=$(sed -n '/^\[\[bin\]\]/,/^name/s/^name = "\(.*\)"/\1/p' "$package/Cargo.toml")
+made=$package/${name}_bin.cdx.json
 rm -f "$made"
-"$cyclonedx" cyclonedx --quiet --manifest-path cni-plugin/Cargo.toml --format json --describe binaries \
+"$cyclonedx" cyclonedx --quiet --manifest-path "$package/Cargo.toml" --format json --describe binaries \
     --target "$target" --spec-version 1.5 --no-build-deps
 [ -f "$made" ] || { echo "sbom.sh: cargo-cyclonedx wrote no $made" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"

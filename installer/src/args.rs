@@ -1,4 +1,4 @@
-//! `aether-cni install`'s command line. Directory and address flags are the installer's;
+//! `aether-cni-installer`'s command line. Directory and address flags are the installer's;
 //! the node settings become the conflist entry as they are, and the plugin's own parser
 //! judges them (the installer refuses to write an entry the plugin would refuse).
 
@@ -16,6 +16,10 @@ pub struct InstallArgs {
     /// The host's CNI bin directory, as mounted in this container.
     #[arg(long, env = "AETHER_CNI_BIN_DIR", default_value = "/host/opt/cni/bin")]
     pub cni_bin_dir: PathBuf,
+    /// The plugin to install (copied into --cni-bin-dir as `aether-cni`). Default: the
+    /// `aether-cni` file beside this executable (the image holds both).
+    #[arg(long, env = "AETHER_CNI_PLUGIN_BINARY", value_name = "PATH")]
+    pub plugin_binary: Option<PathBuf>,
     /// The host's CNI configuration directory, as mounted in this container.
     #[arg(long, env = "AETHER_CNI_CONF_DIR", default_value = "/host/etc/cni/net.d")]
     pub cni_conf_dir: PathBuf,
@@ -194,6 +198,17 @@ impl InstallArgs {
             }
         }
         (v4, v6)
+    }
+
+    /// The plugin binary to install: --plugin-binary, or `aether-cni` beside this executable.
+    pub fn plugin_binary(&self) -> std::io::Result<PathBuf> {
+        match &self.plugin_binary {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let exe = std::env::current_exe()?;
+                Ok(exe.with_file_name(crate::installation::BINARY_NAME))
+            }
+        }
     }
 
     /// Where and how the HTTP face serves.

@@ -115,8 +115,9 @@ pub fn entry_for_display(args: &InstallArgs, node: &dyn NodeChecks) -> Result<St
     Ok(serde_json::to_string_pretty(&v).expect("JSON values serialize"))
 }
 
-/// `aether-cni install`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
-/// for an upgrade). The binary installed is this process's own executable.
+/// `aether-cni-installer`: runs until SIGTERM or SIGINT, then uninstalls (or keeps the files
+/// for an upgrade). The binary installed is the plugin's (`--plugin-binary`, by default the
+/// `aether-cni` beside this executable).
 pub fn run(args: InstallArgs) -> Result<(), Error> {
     // A long-running service: a peer that hangs up (the CRI socket, an HTTP client of
     // /metrics) is an error on that connection, never the end of the process. (The binary's
@@ -127,8 +128,8 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
         println!("{}", entry_for_display(&args, &node)?);
         return Ok(());
     }
-    let self_exe = PathBuf::from("/proc/self/exe");
-    let binary = fs::read(&self_exe).map_err(|source| Error::ReadSelf { path: self_exe, source })?;
+    let plugin = args.plugin_binary().map_err(|source| Error::ReadPlugin { path: "/proc/self/exe".into(), source })?;
+    let binary = fs::read(&plugin).map_err(|source| Error::ReadPlugin { path: plugin, source })?;
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(Error::Signals)?;
     let mut running = start(args.clone(), node, binary)?;

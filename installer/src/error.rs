@@ -32,8 +32,8 @@ pub enum Error {
     LeftBinary(#[from] aether_node::state::UninstallError),
     #[error("directory {path} is not usable: {source}")]
     Unusable { path: PathBuf, source: std::io::Error },
-    #[error("cannot read the installer's own binary {path}: {source}")]
-    ReadSelf { path: PathBuf, source: std::io::Error },
+    #[error("cannot read the plugin binary to install, {path} (--plugin-binary): {source}")]
+    ReadPlugin { path: PathBuf, source: std::io::Error },
     #[error("cannot serve HTTP on {addr}: {why}")]
     Listen { addr: SocketAddr, why: String },
     #[error("cannot serve the Service layer on the socket {}: {why}", path.display())]

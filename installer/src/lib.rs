@@ -1,4 +1,4 @@
-//! `aether-cni install`: the long-running container of the DaemonSet.
+//! `aether-cni-installer`: the long-running container of the DaemonSet (main.rs is the program).
 //!
 //! It copies the plugin binary into the host's CNI bin directory, writes a chained copy of
 //! the node's primary CNI configuration with the aether-cni entry appended (see `chain` for

@@ -1,5 +1,5 @@
 //! The installer's async runtime: one tokio current-thread runtime, made only by
-//! `aether-cni install` (the CNI commands, fresh processes each, never start one). Its own
+//! `aether-cni-installer` (the plugin's commands, fresh processes each, never start one). Its own
 //! module so that everything async in the installer (the CRI client today) can share it:
 //! callers hold it in an `Arc` and `block_on` from their own thread.
 

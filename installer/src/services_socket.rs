@@ -24,7 +24,6 @@
 //! changed; the metrics `..._over_budget_*` say the same); 500 any other error;
 //! 404/405 for anything but `POST /services/apply`.
 
-use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -38,17 +37,16 @@ use hyper::body::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use serde_json::{json, Value};
 
-/// The only path served.
-pub const APPLY_PATH: &str = "/services/apply";
+/// The only path served, and a connection's whole life (its body waits its turn behind the
+/// document being applied, and a whole snapshot to every pod can take seconds): shared with
+/// the CLI's client.
+pub use aether_apply_client::{APPLY_PATH, CONNECTION_DEADLINE};
 /// The socket's file name in the default directory, `<state-dir>/agent/`.
 pub const DEFAULT_DIR: &str = "agent";
 pub const DEFAULT_NAME: &str = "services.sock";
 /// Open connections on the socket: the agent sends one document at a time (a retry may
 /// overlap a request it gave up on); only root can connect.
 pub const MAX_CONNECTIONS: usize = 16;
-/// A connection's whole life: its body waits its turn behind the document being applied,
-/// and a whole snapshot to every pod can take seconds.
-pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(120);
 /// How often the idle applier lets go of pods that went.
 const TIDY_PERIOD: Duration = Duration::from_secs(1);
 
@@ -428,46 +426,4 @@ impl Applying {
         self.applies.with_label_values(&["unread", "too-large"]).inc();
         error_answer(413, &too_large())
     }
-}
-
-/// A client of the socket (the CLI's `services apply --socket`): one blocking HTTP/1.1 POST
-/// of `body`, the answer read to its end. Status and body.
-pub fn post_apply(socket: &Path, body: &[u8], timeout: Duration) -> Result<(u16, Vec<u8>), String> {
-    let mut s = std::os::unix::net::UnixStream::connect(socket)
-        .map_err(|e| format!("cannot connect to the installer's socket {}: {e}", socket.display()))?;
-    s.set_read_timeout(Some(timeout)).and_then(|_| s.set_write_timeout(Some(timeout))).map_err(|e| e.to_string())?;
-    let head = format!(
-        "POST {APPLY_PATH} HTTP/1.1\r\nHost: aether-cni\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let sent = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body));
-    // The installer may answer before it read everything (413): its answer is still there.
-    let mut text = Vec::new();
-    let read = s.read_to_end(&mut text);
-    let lost = |what: &str| {
-        format!(
-            "{what} from the installer's socket {}; the document may or may not have been applied",
-            socket.display()
-        )
-    };
-    if text.is_empty() {
-        let why = read.err().or(sent.err()).map_or("the connection was closed".into(), |e| e.to_string());
-        return Err(lost(&format!("no answer ({why})")));
-    }
-    let split = text.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| lost("a truncated answer"))?;
-    let head = String::from_utf8_lossy(&text[..split]).to_string();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| lost("an answer that is not HTTP"))?;
-    let body = text[split + 4..].to_vec();
-    let length = head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok()).flatten()
-    });
-    if length.is_some_and(|n| n != body.len()) {
-        return Err(lost("a truncated answer"));
-    }
-    Ok((status, body))
 }

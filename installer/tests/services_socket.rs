@@ -13,7 +13,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use aether_installer::services_socket::post_apply;
+use aether_apply_client::post_apply;
 use aether_installer::{start, Error};
 use common::{fake_binary, FakeNode, Switches};
 use serde_json::{json, Value};

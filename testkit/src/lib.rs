@@ -186,3 +186,38 @@ impl Rng {
         self.below(one_in) == 0
     }
 }
+
+/// The installer's binary, `aether-cni-installer`: `$AETHER_INSTALLER_BIN` (`make test` passes
+/// it), or else `<target>/debug/aether-cni-installer`, built once per test process with
+/// `cargo build -p aether-installer --features fault-injection` so that it is never stale (a
+/// crate cannot name another package's binary through `CARGO_BIN_EXE_*`, hence the build).
+pub fn installer_bin() -> &'static std::path::Path {
+    use std::path::{Path, PathBuf};
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("AETHER_INSTALLER_BIN") {
+            let p = PathBuf::from(p);
+            assert!(p.is_file(), "AETHER_INSTALLER_BIN={} is not a file", p.display());
+            return p;
+        }
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf();
+        let target =
+            std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = std::process::Command::new(&cargo)
+            .args(["build", "-q", "-p", "aether-installer", "--features", "aether-installer/fault-injection"])
+            .current_dir(&workspace)
+            .env("CARGO_TARGET_DIR", &target)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("running {cargo:?} build -p aether-installer: {e} (or set AETHER_INSTALLER_BIN)")
+            });
+        assert!(
+            status.success(),
+            "cargo build -p aether-installer failed ({status}); fix it or set AETHER_INSTALLER_BIN"
+        );
+        let bin = target.join("debug").join("aether-cni-installer");
+        assert!(bin.is_file(), "{} missing after cargo build -p aether-installer", bin.display());
+        bin
+    })
+}

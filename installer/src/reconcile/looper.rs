@@ -14,7 +14,7 @@ use super::{action_kind, NodeOps, Outcome, PassReport, Reconciler, Runtime};
 use crate::serve::Shared;
 
 /// The last pass, in the state directory (read by `aether-cni inspect` with no argument).
-pub const LAST_PASS_FILE: &str = "reconciler-last-pass.json";
+pub use aether_node::state::LAST_PASS_FILE;
 
 enum Msg {
     Pass(&'static str),

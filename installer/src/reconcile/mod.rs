@@ -499,7 +499,7 @@ pub fn leftover_text(why: &Leftover) -> String {
 #[cfg(test)]
 mod tests;
 
-/// Starts the reconciler's thread for `aether-cni install` (unless `--reconcile=false`): the
+/// Starts the reconciler's thread for the installer (unless `--reconcile=false`): the
 /// runtime's CRI socket if one is given (on the installer's shared async runtime), the node
 /// library's operations in `node`.
 pub fn start<N>(

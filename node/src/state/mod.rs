@@ -68,6 +68,8 @@ impl StateError {
 
 /// Present while the installer has marked the node not ready; its content is the reason.
 pub const NOT_READY_MARKER: &str = "node-not-ready";
+/// The installer's reconciler's last pass, written by it and read by `aether-cni inspect`.
+pub const LAST_PASS_FILE: &str = "reconciler-last-pass.json";
 /// The version of the attachment record this plugin writes. Version 0 is the record before
 /// versioning (no `version` field); every version is read, missing fields taking defaults.
 pub const RECORD_VERSION: u32 = 1;
