@@ -13,7 +13,7 @@ use crate::checks::{refusal, LiveNode, NodeChecks};
 use crate::installation::{Msg, Node};
 use crate::serve::Shared;
 use crate::watch::Watcher;
-use crate::{chain, reconcile, serve, services_socket, Error, InstallArgs};
+use crate::{chain, reconcile, runtime, serve, services_socket, Error, InstallArgs};
 
 /// A running installer: its HTTP face, watcher and reconcile loop.
 pub struct Running {
@@ -89,7 +89,8 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
             }
         })
     };
-    let server = serve::start(&args.http(), shared.clone(), plugin, on_end)?;
+    let rt = runtime::new().map_err(|e| Error::Listen { addr: args.listen, why: e.to_string() })?;
+    let server = serve::start(&args.http(), shared.clone(), plugin, on_end, rt)?;
     let changes = tx.clone();
     let on_change = move |name, at| changes.send(Msg::Changed { name, at }).is_ok();
     let watcher = Watcher::start(on_change, &[&args.cni_conf_dir, &args.cni_bin_dir])?;
@@ -149,7 +150,8 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
     let ops = reconcile::node_lib::NodeLib::new(&args);
-    running.reconciler = reconcile::start(&args, running.shared.clone(), ops).map_err(Error::Reconciler)?;
+    let rt = running.server.runtime();
+    running.reconciler = reconcile::start(&args, running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

@@ -4,8 +4,9 @@
 //! node counters rendered by the plugin).
 //!
 //! The face is a node daemon's: anything that can reach its address may flood it. It is
-//! served by hyper (HTTP/1.1) on a current-thread tokio runtime of its own thread, so an
-//! open connection costs a task and a buffer, never a thread. Every bound is here:
+//! served by hyper (HTTP/1.1) on the installer's one current-thread tokio runtime (`runtime`),
+//! driven by the serving thread, so an open connection costs a task and a buffer, never a
+//! thread. Every bound is here:
 //! connections per listener (below the file-descriptor limit; at the limit the oldest
 //! connection that has not sent its request is closed for the newcomer, else the newcomer
 //! is closed at once), the request head (size and time to arrive), a connection's whole life,
@@ -116,19 +117,17 @@ fn open_files_limit() -> Option<u64> {
 pub type OnEnd = Box<dyn FnOnce(String) + Send>;
 
 /// Binds every listener now (so a bad address fails before anything is installed) and
-/// serves on a thread of its own until the returned handle is dropped. If serving ends
-/// otherwise (a panic, a loop that returns), `on_end` is called with the reason.
-pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, on_end: OnEnd) -> Result<Server, Error> {
+/// serves on a thread of its own, which drives the installer's `runtime`, until the returned
+/// handle is dropped. If serving ends otherwise (a panic, a loop that returns), `on_end` is
+/// called with the reason.
+pub fn start(
+    config: &Config,
+    shared: Arc<Shared>,
+    hooks: Arc<dyn NodeChecks>,
+    on_end: OnEnd,
+    runtime: Arc<tokio::runtime::Runtime>,
+) -> Result<Server, Error> {
     let listen_err = |addr: SocketAddr| move |e: std::io::Error| Error::Listen { addr, why: e.to_string() };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .enable_time()
-        // The node counters are read on a blocking thread: one at a time (see `Scrapes`).
-        .max_blocking_threads(1)
-        .thread_keep_alive(Duration::from_secs(2))
-        .thread_name("installer-scrape")
-        .build()
-        .map_err(listen_err(config.probes))?;
     let limit = config.connection_limit();
     let mut listeners = Vec::new();
     let mut addrs = Vec::new();
@@ -169,14 +168,14 @@ pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, o
     };
     let app = Arc::new(App { shared, hooks, scrapes: Scrapes::default(), services });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let driven = runtime.clone();
     let thread = std::thread::Builder::new()
         .name("installer-http".into())
         .spawn(move || {
             let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                runtime.block_on(serve(listeners, app, stop_rx))
+                driven.block_on(serve(listeners, app, stop_rx))
             }));
-            // A scrape still reading on the blocking thread is not waited for long.
-            runtime.shutdown_timeout(Duration::from_secs(1));
+            drop(driven);
             let why = match served {
                 Ok(Ok(())) => return,
                 Ok(Err(why)) => why,
@@ -186,7 +185,16 @@ pub fn start(config: &Config, shared: Arc<Shared>, hooks: Arc<dyn NodeChecks>, o
             on_end(why);
         })
         .map_err(listen_err(config.probes))?;
-    Ok(Server { stop: stop_tx, thread: Some(thread), addr, metrics_addr, connection_limit: limit, socket, applier })
+    Ok(Server {
+        stop: stop_tx,
+        thread: Some(thread),
+        runtime: Some(runtime),
+        addr,
+        metrics_addr,
+        connection_limit: limit,
+        socket,
+        applier,
+    })
 }
 
 /// A listening socket with SO_REUSEADDR (a restarted installer binds at once while the old
@@ -535,6 +543,8 @@ impl Scrapes {
 pub struct Server {
     stop: tokio::sync::watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The installer's runtime, ended when serving stops if nothing else holds it.
+    runtime: Option<Arc<tokio::runtime::Runtime>>,
     /// The probes' listener (`/healthz`, `/readyz`, `/metrics`).
     pub addr: SocketAddr,
     /// The metrics-only listener, if any.
@@ -551,6 +561,11 @@ impl Server {
     pub fn services_socket(&self) -> Option<&std::path::Path> {
         self.socket.as_ref().map(|b| b.path.as_path())
     }
+
+    /// The runtime this server drives, for the installer's other async work.
+    pub fn runtime(&self) -> Arc<tokio::runtime::Runtime> {
+        self.runtime.clone().expect("held until dropped")
+    }
 }
 
 impl Drop for Server {
@@ -558,6 +573,9 @@ impl Drop for Server {
         let _ = self.stop.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        if let Some(rt) = self.runtime.take() {
+            crate::runtime::shut_down(rt);
         }
         // No new document can come: the socket goes, then the applier ends its document.
         if let Some(b) = self.socket.take() {

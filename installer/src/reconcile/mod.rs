@@ -506,6 +506,7 @@ pub fn start<N>(
     args: &crate::InstallArgs,
     shared: std::sync::Arc<crate::serve::Shared>,
     node: N,
+    rt: std::sync::Arc<tokio::runtime::Runtime>,
 ) -> std::io::Result<Option<looper::Looper>>
 where
     N: NodeOps + Send + 'static,
@@ -517,7 +518,6 @@ where
     let stopping = looper::Stopping::new();
     let runtime = match args.cri_socket() {
         Some(socket) => {
-            let rt = crate::runtime::shared()?;
             tracing::info!(socket = %socket.display(), policy = args.missed_pods.name(), "reconciling the runtime's pods every {} s", args.reconcile_period().as_secs());
             Some(cri::CriRuntime::new(
                 socket,
