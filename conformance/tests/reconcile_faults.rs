@@ -1,5 +1,5 @@
 //! The installer's reconciler against a runtime that lies, stalls or forgets: the built
-//! binary (`aether-cni install`) run in the simulated node's netns, its `--cri-socket` a fake
+//! binary (`aether-cni-installer`) run in the simulated node's netns, its `--cri-socket` a fake
 //! runtime (`aether_cri::fake`, tonic's server side of the same proto) that answers what each
 //! test scripts, its state directory holding the records of real pods captured by a real ADD.
 //! Whatever the runtime says, a live pod keeps its capture, a pass stays bounded and the
@@ -89,7 +89,7 @@ fn sandbox_of(p: &Pod) -> PodSandbox {
     fake::sandbox(&p.container_id, "sim", &p.name, &format!("uid-{}", p.name), 1)
 }
 
-/// `aether-cni install` in the node's netns, run by the test.
+/// `aether-cni-installer` in the node's netns, run by the test.
 struct Installer {
     child: Child,
     log: PathBuf,
@@ -104,8 +104,8 @@ impl Installer {
         let host = node.sim.host.path();
         let ns = std::fs::File::open(&host).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
-        let mut cmd = Command::new(cni_bin());
-        cmd.arg("install")
+        let mut cmd = Command::new(aether_testkit::installer_bin());
+        cmd.arg(format!("--plugin-binary={}", cni_bin().display()))
             .arg(format!("--cni-bin-dir={}", node.scratch.0.join("bin").display()))
             .arg(format!("--cni-conf-dir={}", node.scratch.0.join("conf").display()))
             .arg(format!("--state-dir={}", node.sim.state_dir().display()))
@@ -127,7 +127,7 @@ impl Installer {
                 Ok(())
             });
         }
-        let child = cmd.spawn().expect("spawn aether-cni install");
+        let child = cmd.spawn().expect("spawn aether-cni-installer");
         drop(ns);
         let inst = Installer { child, log, host, state_dir: node.sim.state_dir().to_path_buf() };
         let deadline = Instant::now() + Duration::from_secs(20);
