@@ -206,7 +206,7 @@ impl InstallArgs {
             Some(p) => Ok(p.clone()),
             None => {
                 let exe = std::env::current_exe()?;
-                Ok(exe.with_file_name(crate::installation::BINARY_NAME))
+                Ok(exe.with_file_name(PLUGIN_TYPE))
             }
         }
     }

@@ -159,7 +159,7 @@ pub fn start(
     let (addr, metrics_addr) = (addrs[0], addrs.get(1).copied());
     let (services, applier) = match &socket {
         Some(bound) => {
-            let started = crate::services_socket::start_applier(&config.state_dir, shared.clone());
+            let started = crate::services_socket::start_applier(&config.state_dir, shared.metrics.services.clone());
             let (applying, thread) =
                 started.map_err(|e| Error::ServicesSocket { path: bound.path.clone(), why: e.to_string() })?;
             (Some(applying), Some(thread))

@@ -217,17 +217,15 @@ impl ApplierThread {
     }
 }
 
-/// Starts the applier thread on `state_dir`.
-pub fn start_applier(
-    state_dir: &Path,
-    shared: Arc<crate::serve::Shared>,
-) -> std::io::Result<(Applying, ApplierThread)> {
+/// Starts the applier thread on `state_dir`, counting in `metrics` (the HTTP face's registry
+/// holds them: this module knows nothing of the face that serves it).
+pub fn start_applier(state_dir: &Path, metrics: Arc<ServicesMetrics>) -> std::io::Result<(Applying, ApplierThread)> {
     let (tx, rx) = mpsc::channel::<Job>();
     let state_dir = state_dir.to_path_buf();
-    let applies = shared.metrics.services.applies.clone();
+    let applies = metrics.applies.clone();
     let thread = std::thread::Builder::new()
         .name("installer-services".into())
-        .spawn(move || applier_loop(&state_dir, rx, &shared.metrics.services))?;
+        .spawn(move || applier_loop(&state_dir, rx, &metrics))?;
     let applying = Applying { jobs: tx, turn: Arc::new(tokio::sync::Semaphore::new(1)), applies };
     Ok((applying, ApplierThread(Some(thread))))
 }

@@ -90,7 +90,7 @@ pub struct Metrics {
     /// Failed accepts (out of file descriptors, aborted connections...), by listener.
     pub http_accept_errors: IntCounterVec,
     /// The Service layer's socket (registered here, observed by its applier thread).
-    pub services: crate::services_socket::ServicesMetrics,
+    pub services: std::sync::Arc<crate::services_socket::ServicesMetrics>,
 }
 
 impl Metrics {
@@ -193,7 +193,7 @@ impl Metrics {
         }
         let reconcile = crate::reconcile::metrics::ReconcileMetrics::new();
         reconcile.register(&registry).unwrap();
-        let services = crate::services_socket::ServicesMetrics::new();
+        let services = std::sync::Arc::new(crate::services_socket::ServicesMetrics::new());
         services.register(&registry).unwrap();
         for face in Face::ALL {
             http_connections.with_label_values(&[face.name()]);
