@@ -8,6 +8,7 @@
 //! | claim | test | control (must fail) |
 //! | --- | --- | --- |
 //! | the installer, its limit too small for a snapshot to every pod, answers 507 naming the memory needed, the limit and `resources.limits.memory`, changes nothing (every pod keeps its whole layer, the stored files), stays alive and ready, the metrics say so; with a limit large enough the same document applies to every pod | `the_installer_refuses_...` | with the check skipped (a fault-injection switch) the same document at the same limit gets the installer OOM-killed |
+//! | the installer's image run by podman as the chart runs it (`--memory` the chart's default limit, capabilities NET_ADMIN and SYS_ADMIN only, read-only root): a snapshot to every pod applies; its container's limit then lowered, the next one is refused (507) with the container alive and ready and every pod's layer whole | `the_installer_image_under_podman_...` | the same refusal's control is the first test's (the check switched off, OOM-killed) |
 //! | a one-shot `services apply` inside a small memory cgroup exits 2 with the same reason, nothing changed, not killed; raised, it applies | `a_one_shot_apply_refuses_...` | with the check skipped it is OOM-killed |
 //!
 //! Scale fits test time (a few thousand Services to a dozen pods, limits in proportion);
@@ -22,6 +23,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use aether_conformance::clients::{exec, must, repo, Podman, TempDir};
 use aether_conformance::cni::cni_bin;
 use aether_conformance::layer::{apply, listing};
 use aether_conformance::{Pod, SimNode};
@@ -317,4 +319,152 @@ fn a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed
     let new = listing(&pods[0]);
     assert_ne!(new, old);
     every_pod_holds(&pods, &new, "generation 2");
+}
+
+/// The chart's default `resources.limits.memory` (computed from `serviceLayerMemory`; the
+/// chart test holds it at 658Mi).
+const CHART_LIMIT: &str = "658m";
+
+/// `GET path` on 127.0.0.1:`port` inside the node's netns (where the container's host
+/// network is): the status.
+fn get_in(node: &SimNode, addr: &str, path: &str) -> u16 {
+    let addr = addr.to_string();
+    let path = path.to_string();
+    aether_conformance::sock::in_netns(&node.host.path(), move || {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    })
+}
+
+fn post_socket(socket: &std::path::Path, doc: &[u8]) -> (u16, String) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(s, "POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", doc.len())
+        .unwrap();
+    s.write_all(doc).unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
+#[test]
+fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_when_lowered() {
+    let test = "the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_when_lowered";
+    if !root_or_skip(test) {
+        return;
+    }
+    let (node, pods) = node_with_pods("bdgp");
+    let dir = TempDir::new("budget-podman");
+    let podman = Podman::new(&node.host, &dir, &dir.mkdir("cni-bin"), &dir.mkdir("podman-net"));
+    let image = format!("localhost/aether-cni:budget-{}", std::process::id());
+    let notices = std::env::var_os("AETHER_NOTICES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/release/THIRD-PARTY-NOTICES"));
+    must(
+        "installer/image/build.sh",
+        exec(
+            Command::new("bash")
+                .arg(repo().join("installer/image/build.sh"))
+                .arg(cni_bin())
+                .arg(&image)
+                .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
+                .env("CONTAINERS_CONF", dir.join("containers.conf"))
+                .env("NOTICES", notices),
+        ),
+    );
+    for d in ["bin", "conf"] {
+        dir.mkdir(d);
+    }
+    std::fs::copy(repo().join("testdata/install/primaries/10-flannel.conflist"), dir.join("conf/10-flannel.conflist"))
+        .unwrap();
+    let state = node.state_dir().display().to_string();
+    let name = format!("aether-budget-{}", std::process::id());
+    let mut args: Vec<String> = vec![
+        "run".into(),
+        "--detach".into(),
+        format!("--name={name}"),
+        "--network=host".into(),
+        // The chart's resources and security context.
+        format!("--memory={CHART_LIMIT}"),
+        "--read-only".into(),
+        "--read-only-tmpfs=false".into(),
+        "--cap-drop=ALL".into(),
+        "--cap-add=NET_ADMIN,SYS_ADMIN".into(),
+        // Root lacks CAP_SYS_RESOURCE here: podman's default rlimits cannot be set.
+        "--ulimit=nofile=1024:1024".into(),
+        "--ulimit=nproc=4096:4096".into(),
+        format!("--volume={}:/host/opt/cni/bin", dir.join("bin").display()),
+        format!("--volume={}:/host/etc/cni/net.d", dir.join("conf").display()),
+        format!("--volume={state}:{state}"),
+        // The pods' netns, read-only as the chart mounts hostPaths.netnsDir.
+        "--volume=/run/netns:/run/netns:ro".into(),
+        "--env=HOST_IP=10.244.0.1".into(),
+    ];
+    // A test build of the binary is dynamic (the release build is static): the host's
+    // libraries, read-only.
+    if exec(Command::new("ldd").arg(cni_bin())).ok {
+        args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));
+    }
+    args.extend([image, "install".into(), format!("--state-dir={state}")]);
+    args.extend(["--listen=127.0.0.1:0".into(), "--reconcile=false".into()]);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    must("podman run (the installer's image)", podman.run(&argv));
+    let log = || podman.run(&["logs", &name]).stderr;
+    let socket = node.state_dir().join("agent/services.sock");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let addr = loop {
+        let l = log();
+        if let Some(line) = l.lines().find(|l| l.contains("serving /healthz")) {
+            if UnixStream::connect(&socket).is_ok() {
+                break line.rsplit(' ').next().unwrap().to_string();
+            }
+        }
+        assert!(Instant::now() < deadline, "the installer never served:\n{l}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    while get_in(&node, &addr, "/readyz") != 200 {
+        assert!(Instant::now() < deadline, "the installer never got ready:\n{}", log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pid: u32 =
+        must("podman inspect", podman.run(&["inspect", "--format", "{{.State.Pid}}", &name])).trim().parse().unwrap();
+    let cg = ScratchMemcg::of_process(pid);
+    assert_eq!(cg.limit(), 658 << 20, "podman set the chart's limit on the container's memory cgroup");
+    // The container's cgroup as the installer itself found it (through its mountinfo): a
+    // limit binds it, so it measured an element's cost.
+    while !log().contains("measured on this kernel") {
+        assert!(Instant::now() < deadline, "no measure in the log:\n{}", log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Lowered to what the container holds plus a little: a big snapshot to every pod is
+    // refused whole, the container alive and ready, every pod as it was.
+    let old = listing(&pods[0]);
+    let before = stored(&node);
+    cg.settled_usage();
+    cg.set_limit(cg.unreclaimable() + TIGHT);
+    let big = snapshot(2, BIG);
+    let (status, body) = post_socket(&socket, &big);
+    let state = || podman.run(&["inspect", "--format", "{{.State.Status}} {{.RestartCount}}", &name]).stdout;
+    assert_eq!(status, 507, "{body}\n{}\n{} oom kills {}", log(), state(), cg.oom_kills());
+    names_the_budget(&body);
+    every_pod_holds(&pods, &old, "generation 1 after the refusal");
+    assert_eq!(stored(&node), before);
+    assert_eq!(get_in(&node, &addr, "/readyz"), 200, "the node stays ready");
+    assert_eq!(state().trim(), "running 0", "{}", log());
+    assert_eq!(cg.oom_kills(), 0);
+    // Back at the chart's limit, the same document applies to every pod.
+    cg.set_limit(658 << 20);
+    let (status, body) = post_socket(&socket, &big);
+    assert_eq!(status, 200, "{body}\n{}", log());
+    let new = listing(&pods[0]);
+    assert_ne!(new, old);
+    every_pod_holds(&pods, &new, "generation 2");
+    assert_eq!(state().trim(), "running 0", "{}", log());
+    assert_eq!(cg.oom_kills(), 0);
+    must("podman rm", podman.run(&["rm", "--force", "--time", "0", &name]));
 }

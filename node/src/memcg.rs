@@ -11,8 +11,10 @@
 //! Where the files are: `/proc/self/cgroup` names the cgroup, `0::<path>` on v2 (files
 //! `memory.max`, `memory.current` under `/sys/fs/cgroup/<path>`), `N:memory:<path>` on v1
 //! (`memory.limit_in_bytes`, `memory.usage_in_bytes` under `/sys/fs/cgroup/memory/<path>`);
-//! a hybrid host has both lines, and the memory controller is v1's there. Inside a container
-//! the cgroup namespace makes the path `/`.
+//! a hybrid host has both lines, and the memory controller is v1's there. The directory is
+//! found through `/proc/self/mountinfo`: inside a container with a cgroup namespace the path
+//! is `/`; without one (containerd and podman on v1) it is the full path, and the container's
+//! own cgroup is what is mounted at `/sys/fs/cgroup/memory`.
 
 use std::path::{Path, PathBuf};
 
@@ -65,34 +67,39 @@ const UNLIMITED_FROM: u64 = 1 << 62;
 impl Memcg {
     /// This process's memory cgroup; `None` when no memory controller is mounted or named.
     pub fn own() -> Result<Option<Memcg>, MemcgError> {
-        let path = Path::new("/proc/self/cgroup");
-        let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
-        Ok(Memcg::find(&text, Path::new("/sys/fs/cgroup")))
+        let read =
+            |path: &str| std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source });
+        Ok(Memcg::find(&read("/proc/self/cgroup")?, &read("/proc/self/mountinfo")?))
     }
 
-    /// The memory cgroup `/proc/self/cgroup`'s `text` names, under the cgroup filesystem
-    /// mounted at `root`: v1's memory line if there is one (a hybrid host), else v2's `0::`
-    /// line when the v2 hierarchy there has the memory controller.
-    pub fn find(text: &str, root: &Path) -> Option<Memcg> {
-        let relative = |p: &str| PathBuf::from(p.trim_start_matches('/'));
+    /// The memory cgroup `/proc/self/cgroup`'s `cgroups` names, in the cgroup filesystem
+    /// `/proc/self/mountinfo`'s `mounts` shows: v1's memory line if there is one (a hybrid
+    /// host), else v2's `0::` line when the v2 hierarchy has the memory controller. The
+    /// directory is the mount point joined with the path below the mount's root: a container
+    /// without a cgroup namespace (containerd and podman on v1) sees its own cgroup's full path
+    /// in `/proc/self/cgroup` but that cgroup itself mounted at `/sys/fs/cgroup/memory`.
+    pub fn find(cgroups: &str, mounts: &str) -> Option<Memcg> {
         let mut v2 = None;
-        for line in text.lines() {
+        for line in cgroups.lines() {
             let mut f = line.splitn(3, ':');
             let (Some(id), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
             if controllers.split(',').any(|c| c == "memory") {
-                let v1_root = root.join("memory");
-                return Some(Memcg { dir: v1_root.join(relative(path)), version: Version::V1, root: v1_root });
+                let (root, mount) = mount_of(mounts, |fstype, options| {
+                    fstype == "cgroup" && options.split(',').any(|o| o == "memory")
+                })?;
+                return Some(Memcg { dir: below(&mount, &root, path), version: Version::V1, root: mount });
             }
             if id == "0" && controllers.is_empty() {
-                v2 = Some(relative(path));
+                v2 = Some(path);
             }
         }
         let path = v2?;
-        let controllers = std::fs::read_to_string(root.join("cgroup.controllers")).ok()?;
+        let (root, mount) = mount_of(mounts, |fstype, _| fstype == "cgroup2")?;
+        let controllers = std::fs::read_to_string(mount.join("cgroup.controllers")).ok()?;
         controllers.split_whitespace().any(|c| c == "memory").then(|| Memcg {
-            dir: root.join(path),
+            dir: below(&mount, &root, path),
             version: Version::V2,
-            root: root.to_path_buf(),
+            root: mount,
         })
     }
 
@@ -147,6 +154,46 @@ impl Memcg {
             Version::V2 => stat_value(&self.dir.join("memory.stat"), "kernel"),
         }
     }
+}
+
+/// The first mount in mountinfo's `text` whose filesystem type and super options `is`
+/// accepts: (the cgroup it mounts, where).
+fn mount_of(text: &str, is: impl Fn(&str, &str) -> bool) -> Option<(String, PathBuf)> {
+    text.lines().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        let fields: Vec<&str> = left.split(' ').collect();
+        let mut r = right.split(' ');
+        let (fstype, _source, options) = (r.next()?, r.next()?, r.next().unwrap_or(""));
+        let (root, mount) = (fields.get(3)?, fields.get(4)?);
+        is(fstype, options).then(|| (unescape(root), PathBuf::from(unescape(mount))))
+    })
+}
+
+/// mountinfo's octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let mut out = String::new();
+    let mut rest = field;
+    while let Some(i) = rest.find('\\') {
+        out.push_str(&rest[..i]);
+        match rest.get(i + 1..i + 4).and_then(|o| u8::from_str_radix(o, 8).ok()) {
+            Some(b) => {
+                out.push(b as char);
+                rest = &rest[i + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[i + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The directory of cgroup `path` where the cgroup `root` is mounted at `mount`.
+fn below(mount: &Path, root: &str, path: &str) -> PathBuf {
+    let rel = path.strip_prefix(root).unwrap_or(path);
+    mount.join(rel.trim_start_matches('/'))
 }
 
 /// A file holding bytes, or `max`/v1's unlimited value (`None`).
@@ -245,27 +292,49 @@ mod tests {
         }
     }
 
+    /// mountinfo lines: a v1 memory hierarchy mounting `v1_root` at `/sys/fs/cgroup/memory`,
+    /// and a v2 one mounting `/` at `v2_mount`.
+    fn mounts(v1_root: &str, v2_mount: &Path) -> String {
+        format!(
+            "97 84 0:45 / /sys/fs/cgroup rw,nosuid - tmpfs tmpfs rw,mode=755\n\
+             98 97 0:29 {v1_root} /sys/fs/cgroup/cpu ro,nosuid - cgroup cgroup rw,cpu\n\
+             101 97 0:32 {v1_root} /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory\n\
+             102 97 0:33 / {} rw - cgroup2 cgroup2 rw,nsdelegate\n",
+            v2_mount.display()
+        )
+    }
+
     #[test]
     fn v1_memory_line_wins_on_a_hybrid_host() {
         let text = "9:name=systemd:/\n4:memory:/kubepods/pod1/abc\n1:cpu,cpuacct:/x\n0::/\n";
-        let m = Memcg::find(text, Path::new("/sys/fs/cgroup")).unwrap();
+        let m = Memcg::find(text, &mounts("/", Path::new("/unused"))).unwrap();
         assert_eq!(m.version, Version::V1);
         assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory/kubepods/pod1/abc"));
-        // A container's own cgroup namespace: the path is the root.
-        let m = Memcg::find("4:memory:/\n", Path::new("/sys/fs/cgroup")).unwrap();
+        // A container in its own cgroup namespace: the path is the root.
+        let m = Memcg::find("4:memory:/\n", &mounts("/", Path::new("/unused"))).unwrap();
         assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory"));
+        // A container without one (containerd, podman on v1): its cgroup is mounted as the
+        // root of the hierarchy it sees.
+        let own = "/kubepods/burstable/pod1/c0ffee";
+        let m = Memcg::find(&format!("4:memory:{own}\n"), &mounts(own, Path::new("/unused"))).unwrap();
+        assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory"));
+        // No memory hierarchy mounted: nothing to read.
+        assert_eq!(Memcg::find(text, "97 84 0:45 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"), None);
+        assert_eq!(unescape("/a\\040b"), "/a b");
     }
 
     #[test]
     fn v2_line_only_when_the_hierarchy_has_the_memory_controller() {
         let root = tmp("v2find");
-        assert_eq!(Memcg::find("0::/a/b\n", &root), None, "no cgroup.controllers: no memory controller");
+        let m = mounts("/", &root);
+        let only_v2: String = m.lines().filter(|l| l.contains("cgroup2")).map(|l| format!("{l}\n")).collect();
+        assert_eq!(Memcg::find("0::/a/b\n", &only_v2), None, "no cgroup.controllers: no memory controller");
         write(&root, &[("cgroup.controllers", "cpu io pids\n")]);
-        assert_eq!(Memcg::find("0::/a/b\n", &root), None);
+        assert_eq!(Memcg::find("0::/a/b\n", &only_v2), None);
         write(&root, &[("cgroup.controllers", "cpu memory pids\n")]);
-        let m = Memcg::find("0::/a/b\n", &root).unwrap();
-        assert_eq!((m.version, m.dir), (Version::V2, root.join("a/b")));
-        assert_eq!(Memcg::find("", &root), None);
+        let found = Memcg::find("0::/a/b\n", &only_v2).unwrap();
+        assert_eq!((found.version, found.dir), (Version::V2, root.join("a/b")));
+        assert_eq!(Memcg::find("", &only_v2), None);
         let _ = std::fs::remove_dir_all(&root);
     }
 
@@ -282,7 +351,8 @@ mod tests {
                 ("memory.stat", "anon 1\ninactive_file 4096\n"),
             ],
         );
-        let m = Memcg::find("0::/a/b\n", &root).unwrap();
+        let only_v2 = format!("102 97 0:33 / {} rw - cgroup2 cgroup2 rw\n", root.display());
+        let m = Memcg::find("0::/a/b\n", &only_v2).unwrap();
         let r = m.read().unwrap();
         assert_eq!(r, Reading { limit: Some(100 * MIB), usage: 50 * MIB, reclaimable: 4096 });
         assert_eq!(r.in_use(), 50 * MIB - 4096);
@@ -306,7 +376,8 @@ mod tests {
                 ("memory.stat", &stat(9223372036854771712)),
             ],
         );
-        let m = Memcg::find("4:memory:/pod\n", &root).unwrap();
+        let v1 = format!("101 97 0:32 / {} ro - cgroup cgroup rw,memory\n", root.join("memory").display());
+        let m = Memcg::find("4:memory:/pod\n", &v1).unwrap();
         assert_eq!(m.read().unwrap(), Reading { limit: Some(128 * MIB), usage: MIB, reclaimable: 8192 });
         write(&dir, &[("memory.stat", &stat(64 * MIB))]);
         assert_eq!(m.read().unwrap().limit, Some(64 * MIB), "a parent's lower limit binds");

@@ -10,6 +10,8 @@ use std::process::Command;
 pub struct ScratchMemcg {
     pub dir: PathBuf,
     pub v2: bool,
+    /// Made by the test (removed on drop), or another's looked at (a container's).
+    owned: bool,
 }
 
 impl ScratchMemcg {
@@ -27,13 +29,38 @@ impl ScratchMemcg {
             None => (PathBuf::from("/sys/fs/cgroup").join(name), true),
         };
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("cannot make the memory cgroup {}: {e}", dir.display()));
-        let cg = ScratchMemcg { dir, v2 };
+        let cg = ScratchMemcg { dir, v2, owned: true };
         cg.set_limit(limit);
         if !v2 {
             // No swap to spill into, as on a node: the limit is the limit.
             let _ = std::fs::write(cg.dir.join("memory.swappiness"), "0");
         }
         cg
+    }
+
+    /// The memory cgroup process `pid` is in (e.g. a container's), to read and limit; left
+    /// in place on drop.
+    pub fn of_process(pid: u32) -> ScratchMemcg {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("the process's cgroups");
+        let line = |want: &dyn Fn(&str, &str) -> bool| {
+            text.lines().find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (id, controllers, path) = (f.next()?, f.next()?, f.next()?);
+                want(id, controllers).then(|| path.trim_start_matches('/').to_string())
+            })
+        };
+        match line(&|_, c| c.split(',').any(|c| c == "memory")) {
+            Some(p) => ScratchMemcg { dir: PathBuf::from("/sys/fs/cgroup/memory").join(p), v2: false, owned: false },
+            None => {
+                let p = line(&|id, c| id == "0" && c.is_empty()).expect("a cgroup v2 line");
+                ScratchMemcg { dir: PathBuf::from("/sys/fs/cgroup").join(p), v2: true, owned: false }
+            }
+        }
+    }
+
+    pub fn limit(&self) -> u64 {
+        let path = self.file("memory.limit_in_bytes", "memory.max");
+        std::fs::read_to_string(&path).unwrap().trim().parse().unwrap_or(u64::MAX)
     }
 
     fn file(&self, v1: &str, v2: &str) -> PathBuf {
@@ -66,15 +93,18 @@ impl ScratchMemcg {
         last
     }
 
-    /// What the kernel cannot reclaim without killing: the usage less the page cache
-    /// (`total_cache` on v1, `file` on v2). A limit set just above it forces the cache out
-    /// first, so the room above it is the room the work has.
+    /// What the kernel cannot reclaim without killing (there is no swap): the usage less the
+    /// page cache (`total_cache` on v1, `file` on v2) but for tmpfs files (`total_shmem`,
+    /// `shmem`). A limit set just above it forces the cache out first, so the room above it
+    /// is the room the work has.
     pub fn unreclaimable(&self) -> u64 {
         let stat = std::fs::read_to_string(self.dir.join("memory.stat")).unwrap();
-        let key = if self.v2 { "file " } else { "total_cache " };
-        let cache: u64 =
-            stat.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
-        self.usage().saturating_sub(cache)
+        let value = |key: &str| -> u64 {
+            stat.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0)
+        };
+        let (cache, shmem) =
+            if self.v2 { (value("file"), value("shmem")) } else { (value("total_cache"), value("total_shmem")) };
+        self.usage().saturating_sub(cache.saturating_sub(shmem))
     }
 
     /// Processes the kernel's OOM killer ended in it.
@@ -110,6 +140,9 @@ impl ScratchMemcg {
 
 impl Drop for ScratchMemcg {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // Empty once the test's processes are reaped; a few tries for the kernel to see it.
         for _ in 0..50 {
             if std::fs::remove_dir(&self.dir).is_ok() {

@@ -123,34 +123,35 @@ fn sample_layer(v4: usize, v6: usize) -> ServiceLayer {
 
 /// Loads a sample layer into a private netns, one Service of each family first, then the
 /// element changes that add the rest, one family at a time, reading this cgroup's kernel
-/// memory around each (its whole usage where the kernel's is not told apart: the changes
-/// are encoded beforehand and kept until after, so the process's heap stays still); the
-/// larger of the two families' bytes per element (an IPv6 key is larger).
+/// memory around each (its whole usage where the kernel's is not told apart: each change is
+/// encoded before the first read and let go of after the second, so the process's heap
+/// stays still between them); the larger of the two families' bytes per element (an IPv6 key
+/// is larger). One family's sample at a time is held in the process's memory.
 fn measure(memcg: &Memcg) -> Result<u64, String> {
     let per_service = layer_elements(&sample_layer(1000, 0)).saturating_sub(layer_elements(&sample_layer(0, 0))) / 1000;
     let n = (SAMPLE_ELEMENTS / per_service.max(1)) as usize + 1;
-    let steps = [sample_layer(1, 1), sample_layer(n, 1), sample_layer(n, n)];
-    let mut changes = Vec::new();
-    for pair in steps.windows(2) {
-        let change = LayerChange::between(&pair[0], &pair[1])
-            .map_err(|e| e.to_string())?
-            .ok_or("the sample's change is not an element change")?;
-        let encoded = change.encode();
-        changes.push((change.added() as u64, encoded));
-    }
     let kernel_apart = matches!(memcg.kernel_usage(), Ok(Some(_)));
     let usage = || match kernel_apart {
         true => memcg.kernel_usage().map(Option::unwrap_or_default).map_err(|e| e.to_string()),
         false => memcg.read().map(|r| r.usage).map_err(|e| e.to_string()),
     };
+    let first = sample_layer(1, 1);
     aether_netns::run_in_private(|| -> Result<u64, String> {
-        layer::rebuild(&steps[0]).map_err(|e| e.to_string())?;
+        layer::rebuild(&first).map_err(|e| e.to_string())?;
         let mut worst = 0;
-        for (added, encoded) in &changes {
+        // Each family's Services added to what the netns holds (the other family's stay).
+        for big in [(n, 1), (1, n)] {
+            let (added, encoded) = {
+                let change = LayerChange::between(&first, &sample_layer(big.0, big.1))
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the sample's change is not an element change")?;
+                (change.added() as u64, change.encode())
+            };
             let before = usage()?;
             encoded.send().map_err(|e| e.to_string())?;
             let after = usage()?;
-            let per = after.saturating_sub(before) / (*added).max(1);
+            drop(encoded);
+            let per = after.saturating_sub(before) / added.max(1);
             // Less than a key and its hash node cannot be: something else was freed meanwhile.
             if per < 16 {
                 return Err(format!("{} bytes charged for {added} elements", after.saturating_sub(before)));
@@ -239,9 +240,11 @@ fn pods_elements(
         let held = if distrust { None } else { dir.pod_holds(&ns) };
         sum += match (held, previous) {
             (Some(h), _) if h.is(new, mark) => 0,
+            // At most the new layer cut to the VIPs that differ: counted, not built (the
+            // change's sets are what the apply will build; the estimate must not cost that).
             (Some(h), Some(prev)) if h.is(prev, mark) => *change.get_or_insert_with(|| {
-                let (from, to) = narrowed(&prev.layer, &new.layer);
-                LayerChange::between(&from, &to).ok().flatten().map_or(whole, |c| c.added() as u64)
+                let (_, to) = narrowed(&prev.layer, &new.layer);
+                layer_elements(&to).min(whole)
             }),
             _ => whole,
         };
