@@ -86,7 +86,7 @@ fn stored(node: &SimNode) -> Vec<u8> {
     std::fs::read(node.state_dir().join("services/snapshot.json")).unwrap()
 }
 
-/// `aether-cni install` on the node's state directory inside `cg`, the reconciler off.
+/// `aether-cni-installer` on the node's state directory inside `cg`, the reconciler off.
 struct Installer {
     child: Child,
     dir: PathBuf,
@@ -104,8 +104,8 @@ impl Installer {
         let primary = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/install/primaries/10-flannel.conflist");
         std::fs::copy(primary, dir.join("conf/10-flannel.conflist")).unwrap();
         let log = dir.join("installer.log");
-        let mut cmd = Command::new(cni_bin());
-        cmd.arg("install")
+        let mut cmd = Command::new(aether_testkit::installer_bin());
+        cmd.arg(format!("--plugin-binary={}", cni_bin().display()))
             .arg(format!("--cni-bin-dir={}", dir.join("bin").display()))
             .arg(format!("--cni-conf-dir={}", dir.join("conf").display()))
             .arg(format!("--state-dir={}", node.state_dir().display()))
@@ -115,7 +115,7 @@ impl Installer {
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
         cg.enter_on_spawn(&mut cmd);
-        let child = cmd.spawn().expect("spawn aether-cni install");
+        let child = cmd.spawn().expect("spawn aether-cni-installer");
         let inst = Installer { child, dir, log, socket: node.state_dir().join("agent/services.sock") };
         let deadline = Instant::now() + Duration::from_secs(30);
         while UnixStream::connect(&inst.socket).is_err() || !inst.log().contains("serving /healthz") {
@@ -370,6 +370,7 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
             Command::new("bash")
                 .arg(repo().join("installer/image/build.sh"))
                 .arg(cni_bin())
+                .arg(aether_testkit::installer_bin())
                 .arg(&image)
                 .env("PODMAN_FLAGS", podman.storage_flags().join(" "))
                 .env("CONTAINERS_CONF", dir.join("containers.conf"))
@@ -406,10 +407,11 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
     ];
     // A test build of the binary is dynamic (the release build is static): the host's
     // libraries, read-only.
-    if exec(Command::new("ldd").arg(cni_bin())).ok {
+    if exec(Command::new("ldd").arg(cni_bin())).ok || exec(Command::new("ldd").arg(aether_testkit::installer_bin())).ok
+    {
         args.extend(["/lib", "/lib64", "/usr/lib"].iter().map(|d| format!("--volume={d}:{d}:ro")));
     }
-    args.extend([image, "install".into(), format!("--state-dir={state}")]);
+    args.extend([image, format!("--state-dir={state}")]);
     args.extend(["--listen=127.0.0.1:0".into(), "--reconcile=false".into()]);
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     must("podman run (the installer's image)", podman.run(&argv));
