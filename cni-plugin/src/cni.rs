@@ -261,7 +261,13 @@ fn check(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
     let target = Target { network: &conf.name, container_id: id, ifname };
     let diffs = attachment::verify(conf, target, &netns, expected.as_ref())?;
     if diffs.is_empty() {
-        info!("capture intact");
+        // Intact as its record says: a pod of an earlier release's ruleset is said to be one.
+        match StateDir::new(&conf.state_dir).read(&conf.name, id, ifname) {
+            Ok(Some(r)) if !r.ruleset().is_current() => {
+                info!("capture intact: {}; migration pending", r.ruleset())
+            }
+            _ => info!("capture intact"),
+        }
         return Ok(None);
     }
     Err(CniError::new(

@@ -1173,6 +1173,8 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
         "CHECK of the previous release's pod under today's binary: {msg}\n{}",
         std::fs::read_to_string(&ctrd.log_file).unwrap_or_default()
     );
+    let logged = std::fs::read_to_string(&ctrd.log_file).unwrap_or_default();
+    assert!(logged.contains("capture intact: capture ruleset 1 (") && logged.contains("migration pending"), "{logged}");
     let (_, text) = inspect_pod(&ctrd, &pod);
     assert!(text.contains("migration pending") && !text.contains("NOT INTACT"), "inspect:\n{text}");
     // Control: the same kernel state under a record that names today's ruleset is not intact.
