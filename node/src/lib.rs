@@ -8,6 +8,8 @@
 //!   (what ADD does), detach (DEL), verify (CHECK), collect (GC);
 //! - `drift`: a recorded pod's capture and Service layer compared again and again (the
 //!   installer's reconciler), cheaply while its netns's nftables generation stands still;
+//! - `repair`: a recorded pod repaired to its record (its ruleset, the current one for a pod
+//!   of an earlier release, its Service layer): locked, read again, programmed;
 //! - `services`: the Service layer's node side (the stored snapshot, `layer.bin`, apply to
 //!   every pod, the folded counts, counters/demand/verify reports);
 //! - `memcg`: this process's memory cgroup (v1 or v2), its limit and usage, and whether
@@ -23,9 +25,14 @@ pub mod config;
 pub mod drift;
 pub mod memcg;
 pub mod probe;
+pub mod repair;
 pub mod services;
 pub mod state;
 pub mod text;
+
+/// Visits many pods' netns in turn on this thread (entering each and back; see
+/// `aether_netns`), as the reconciler's pass and the CNI commands do.
+pub use aether_netns::tour_here;
 
 /// Work in one pod's network namespace that did not happen.
 #[derive(Debug, thiserror::Error)]

@@ -480,7 +480,7 @@ fn log_action(action: &Action, outcome: &Outcome) {
         ),
         (Action::Migrate { record, from, .. }, None) => tracing::info!(
             pod = %pod, record = %record,
-            "migrated from {from} to the current {}", aether_rules::RulesetVersion::CURRENT
+            "migrated from {from} to the current {}", aether_node::state::RulesetVersion::CURRENT
         ),
         (Action::Collect { record, why, .. }, None) => tracing::info!(
             pod = %pod, record = %record, "leftover collected: {}", leftover_text(why)

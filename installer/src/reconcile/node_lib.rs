@@ -2,12 +2,11 @@
 //! of a pod is `config::effective` on the entry the runtime passes; a record's netns is
 //! compared by `aether_node::drift` (CHECK's comparison and `services verify`'s, skipped for a
 //! pod whose netns had no nftables commit since it was last found intact), all pods on one
-//! tour of their netns; a repair programs exactly the record's ruleset (ADD's
-//! `aether_rules::install`, which replaces the table in one transaction), a Service layer
-//! repair rebuilds the stored layer (ADD's `apply_current_snapshot_in_netns`); a leftover is
-//! collected by `attachment::collect` (GC's, counts folded once); an in-place capture is
-//! `attachment::attach_in_place` (ADD's, after marking the connections conntrack already
-//! tracks).
+//! tour of their netns; a repair is the node library's (`aether_node::repair`: locked, the
+//! record read again, exactly its ruleset programmed in one transaction, or its Service
+//! layer rebuilt); a leftover is collected by `attachment::collect` (GC's, counts folded
+//! once); an in-place capture is `attachment::attach_in_place` (ADD's, after marking the
+//! connections conntrack already tracks).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -16,8 +15,9 @@ use aether_cri::Sandbox;
 use aether_node::attachment::{self, AttachmentError, Target};
 use aether_node::config::{self, NetConf};
 use aether_node::drift::{Compared, Drift, Look};
+use aether_node::repair;
 use aether_node::services::{self, ServicesError};
-use aether_node::state::{PodIdentity, PodNetns, Record, Recorded, StateDir, StateError};
+use aether_node::state::{PodIdentity, Record, Recorded, StateDir, StateError};
 use serde_json::{json, Map, Value};
 
 use super::{Comparisons, Differences, Leftover, NodeOps, Observation, PodRef, RecordView, Wants};
@@ -38,20 +38,10 @@ pub enum NodeOpsError {
     State(#[from] StateError),
     #[error("the record {0} went away before the repair (the pod's DEL came)")]
     RecordGone(String),
-    #[error("the record {0} changed before the repair (a new ADD): left to it")]
-    RecordChanged(String),
-    #[error("the record {key} cannot be read: {why}")]
-    RecordUnreadable { key: String, why: String },
-    #[error("the record {0} does not say what ADD programmed")]
-    NoCapture(String),
-    #[error("the pod's netns is gone: {0}")]
-    NetnsGone(String),
     #[error("the plugin refuses the node's network configuration (see /readyz)")]
     NoConfiguration,
     #[error(transparent)]
-    Netns(#[from] aether_netns::Error),
-    #[error(transparent)]
-    Rules(#[from] aether_rules::Error),
+    Repair(#[from] aether_node::repair::RepairError),
     #[error("the Service layer: {0}")]
     Services(#[from] ServicesError),
 }
@@ -105,21 +95,9 @@ impl NodeLib {
         self
     }
 
-    /// The record behind `view` as it is now, under the exclusive state lock (held as long as
-    /// the returned guard lives): no ADD or DEL (they hold it shared) runs meanwhile, and a
-    /// record that went or changed since this pass read it is left to whoever changed it.
-    fn locked_record(&self, view: &RecordView) -> Result<(Record, aether_node::state::Lock), NodeOpsError> {
-        let seen = self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
-        let state = StateDir::new(&self.state_dir);
-        let lock = state.lock(true)?;
-        let now = state
-            .read(&seen.network, &seen.container_id, &seen.ifname)
-            .map_err(|u| NodeOpsError::RecordUnreadable { key: view.key.clone(), why: u.why })?
-            .ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))?;
-        if now != *seen {
-            return Err(NodeOpsError::RecordChanged(view.key.clone()));
-        }
-        Ok((now, lock))
+    /// The record behind `view` as this pass read it (the repairs read it again, locked).
+    fn seen(&self, view: &RecordView) -> Result<&Record, NodeOpsError> {
+        self.records.get(&view.key).ok_or_else(|| NodeOpsError::RecordGone(view.key.clone()))
     }
 
     /// The entry chained onto the node's primary, as the runtime passes it to the plugin.
@@ -245,7 +223,7 @@ impl NodeOps for NodeLib {
         self.compared = Comparisons::default();
         self.layer = services::stored_header(&self.state_dir);
         self.drift.retain(views.iter().map(|v| v.key.as_str()));
-        match aether_netns::tour_here(|| views.iter().map(|v| self.observe(v)).collect()) {
+        match aether_node::tour_here(|| views.iter().map(|v| self.observe(v)).collect()) {
             Ok(all) => all,
             Err(e) => views.iter().map(|_| Observation::Unverifiable(e.to_string())).collect(),
         }
@@ -257,52 +235,17 @@ impl NodeOps for NodeLib {
 
     fn repair(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
         self.drift.forget(&view.key);
-        // Exclusive, as GC: no ADD or DEL runs while the record is read again and its ruleset
-        // programmed.
-        let (now, _lock) = self.locked_record(view)?;
-        let cfg = now.capture.as_ref().ok_or_else(|| NodeOpsError::NoCapture(view.key.clone()))?;
-        let netns = match now.open_netns()? {
-            PodNetns::Live(ns) => ns,
-            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
-        };
-        // The record's own shape: an earlier release's pod is repaired to what it holds, and
-        // migrated after.
-        let ruleset = match now.ruleset() {
-            Recorded::Known(v) => aether_rules::capture::capture_ruleset_of(cfg, v)?,
-            Recorded::Unknown(_) => aether_rules::capture::capture_ruleset(cfg)?,
-        };
-        netns.run(|| aether_rules::install(&ruleset, None))??;
-        Ok(())
+        Ok(repair::to_record(&self.state_dir, self.seen(view)?)?)
     }
 
     fn migrate(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
         self.drift.forget(&view.key);
-        // Exclusive, as a repair: the record read again, the current ruleset programmed in one
-        // transaction (the table replaced: conntrack, and so every open connection and its
-        // ct mark, is untouched), then the record says so. Killed in between, the record
-        // still names the earlier ruleset and the pod is found drifted from it: repaired to
-        // it, then migrated again.
-        let (now, _lock) = self.locked_record(view)?;
-        let cfg = now.capture.as_ref().ok_or_else(|| NodeOpsError::NoCapture(view.key.clone()))?;
-        let netns = match now.open_netns()? {
-            PodNetns::Live(ns) => ns,
-            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
-        };
-        let ruleset = aether_rules::capture::capture_ruleset(cfg)?;
-        netns.run(|| aether_rules::install(&ruleset, None))??;
-        StateDir::new(&self.state_dir).write(&now.migrated())?;
-        Ok(())
+        Ok(repair::migrate(&self.state_dir, self.seen(view)?)?)
     }
 
     fn repair_services(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
         self.drift.forget(&view.key);
-        let (now, _lock) = self.locked_record(view)?;
-        let netns = match now.open_netns()? {
-            PodNetns::Live(ns) => ns,
-            PodNetns::Gone(why) => return Err(NodeOpsError::NetnsGone(why)),
-        };
-        let mark = now.capture.as_ref().map(|c| c.divert_mark);
-        if services::repair_pod_layer(&self.state_dir, &netns, mark)?.is_empty() {
+        if !repair::services(&self.state_dir, self.seen(view)?)? {
             tracing::info!(record = %view.key, "the Service layer was found as stored when compared again (an apply or ADD had brought it there)");
         }
         Ok(())

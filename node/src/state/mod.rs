@@ -66,6 +66,9 @@ impl StateError {
     }
 }
 
+/// The shapes of the capture ruleset a record names (the current one: `CURRENT`).
+pub use aether_rules::RulesetVersion;
+
 /// Present while the installer has marked the node not ready; its content is the reason.
 pub const NOT_READY_MARKER: &str = "node-not-ready";
 /// The installer's reconciler's last pass, written by it and read by `aether-cni inspect`.

@@ -1,0 +1,88 @@
+//! Repairing a pod to its record, for the installer's reconciler: the pod's capture ruleset as
+//! its record says (`to_record`), the current ruleset for a pod of an earlier release
+//! (`migrate`), or the stored Service layer (`services`). Each takes the record as a pass read
+//! it and, under the exclusive state lock (held throughout: no ADD or DEL runs meanwhile, as
+//! for GC), reads it again: a record that went or changed since is left to whoever changed
+//! it. Then the pod's netns is opened and the ruleset programmed in one transaction (the table
+//! replaced: conntrack, and so every open connection and its ct mark, is untouched).
+
+use std::path::Path;
+
+use aether_rules::capture;
+
+use crate::services::{self, ServicesError};
+use crate::state::{Lock, PodNetns, Record, Recorded, StateDir, StateError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RepairError {
+    #[error("the record {0} went away before the repair (the pod's DEL came)")]
+    RecordGone(String),
+    #[error("the record {0} changed before the repair (a new ADD): left to it")]
+    RecordChanged(String),
+    #[error("the record {key} cannot be read: {why}")]
+    RecordUnreadable { key: String, why: String },
+    #[error("the record {0} does not say what ADD programmed")]
+    NoCapture(String),
+    #[error("the pod's netns is gone: {0}")]
+    NetnsGone(String),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Netns(#[from] aether_netns::Error),
+    #[error(transparent)]
+    Rules(#[from] aether_rules::Error),
+    #[error("the Service layer: {0}")]
+    Services(#[from] ServicesError),
+}
+
+/// `seen` as it is now, under the exclusive state lock (held as long as the returned guard
+/// lives), and its pod's netns, open.
+fn locked(state_dir: &Path, seen: &Record) -> Result<(Record, aether_netns::Netns, Lock), RepairError> {
+    let state = StateDir::new(state_dir);
+    let lock = state.lock(true)?;
+    let now = state
+        .read(&seen.network, &seen.container_id, &seen.ifname)
+        .map_err(|u| RepairError::RecordUnreadable { key: seen.key(), why: u.why })?
+        .ok_or_else(|| RepairError::RecordGone(seen.key()))?;
+    if now != *seen {
+        return Err(RepairError::RecordChanged(seen.key()));
+    }
+    let netns = match now.open_netns()? {
+        PodNetns::Live(ns) => ns,
+        PodNetns::Gone(why) => return Err(RepairError::NetnsGone(why)),
+    };
+    Ok((now, netns, lock))
+}
+
+/// The pod's capture ruleset as its record holds it: an earlier release's pod is repaired to
+/// what it holds (and migrated after, by `migrate`).
+pub fn to_record(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
+    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let cfg = now.capture.as_ref().ok_or_else(|| RepairError::NoCapture(seen.key()))?;
+    let ruleset = match now.ruleset() {
+        Recorded::Known(v) => capture::capture_ruleset_of(cfg, v)?,
+        Recorded::Unknown(_) => capture::capture_ruleset(cfg)?,
+    };
+    netns.run(|| aether_rules::install(&ruleset, None))??;
+    Ok(())
+}
+
+/// The current capture ruleset, then the record says so. Killed in between, the record still
+/// names the earlier ruleset and the pod is found drifted from it: repaired to it, then
+/// migrated again.
+pub fn migrate(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
+    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let cfg = now.capture.as_ref().ok_or_else(|| RepairError::NoCapture(seen.key()))?;
+    let ruleset = capture::capture_ruleset(cfg)?;
+    netns.run(|| aether_rules::install(&ruleset, None))??;
+    StateDir::new(state_dir).write(&now.migrated())?;
+    Ok(())
+}
+
+/// The stored Service layer rebuilt in the pod's netns; false when it was found as stored
+/// when compared again (an apply or ADD had brought it there).
+pub fn services(state_dir: &Path, seen: &Record) -> Result<bool, RepairError> {
+    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let mark = now.capture.as_ref().map(|c| c.divert_mark);
+    Ok(!services::repair_pod_layer(state_dir, &netns, mark)?.is_empty())
+}
