@@ -250,11 +250,12 @@ pub struct OverBudget {
 }
 
 impl OverBudget {
-    /// A limit under which this work would have started.
+    /// A limit under which this work would have started, with a little room for the
+    /// process's own memory moving meanwhile (4 MiB), rounded up to 16 MiB.
     pub fn suggested_limit(&self) -> u64 {
-        let floor = self.in_use + self.needed;
+        let floor = self.in_use + self.needed + 4 * MIB;
         // The headroom is a tenth of the limit: the limit that leaves it.
-        (floor * 10).div_ceil(9).max(floor + 8 * MIB).div_ceil(MIB) * MIB
+        (floor * 10).div_ceil(9).max(floor + 8 * MIB).div_ceil(16 * MIB) * 16 * MIB
     }
 }
 
