@@ -140,8 +140,13 @@ fn post_raw(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> std
     let mut s = UnixStream::connect(socket)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let body = body.unwrap_or_default();
-    write!(s, "{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())?;
-    s.write_all(body)?;
+    // Head and body in one write, as a client does: a server that answers from the head alone
+    // (404, 405) may close before a second write, which would then fail with EPIPE.
+    let mut request =
+        format!("{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
+            .into_bytes();
+    request.extend_from_slice(body);
+    s.write_all(&request)?;
     read_answer(s)
 }
 
