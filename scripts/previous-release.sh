@@ -6,7 +6,13 @@
 # Cached: nothing is done when that binary was built from the same commit.
 #   scripts/previous-release.sh COMMIT
 set -euo pipefail
-rev=$(git rev-parse --verify "${1:?usage: previous-release.sh COMMIT}^{commit}")
+want=${1:?usage: previous-release.sh COMMIT}
+# A shallow clone lacks the commit: deepen it from where it was cloned, once, before giving up.
+if ! git rev-parse -q --verify "$want^{commit}" >/dev/null && [ "$(git rev-parse --is-shallow-repository)" = true ]; then
+	echo "previous-release: $want is not in this shallow clone; fetching the history" >&2
+	git fetch -q --unshallow || true
+fi
+rev=$(git rev-parse --verify "$want^{commit}")
 out=target/previous-release
 if [ -x "$out/aether-cni" ] && [ "$(cat "$out/commit" 2>/dev/null)" = "$rev" ]; then
 	exit 0
