@@ -130,6 +130,8 @@ impl From<AttachmentError> for CniError {
                 CniError::new(code::IO_FAILURE, msg).with_details(s.to_string())
             }
             AttachmentError::Injected(_) => CniError::new(code::IO_FAILURE, msg),
+            // Only an in-place capture asks this (the netns given is another pod's).
+            AttachmentError::NetnsOwned { .. } => CniError::new(code::INVALID_ENV, msg),
             AttachmentError::Collect(kept) => {
                 let details: Vec<String> =
                     kept.into_iter().map(|k| format!("{} (kept): {}", k.item, CniError::from(k.error))).collect();

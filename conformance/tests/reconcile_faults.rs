@@ -452,3 +452,40 @@ fn sigterm_during_a_hung_runtime_call_exits_and_uninstalls() {
     assert!(!conflist.exists(), "the installer uninstalled its conflist:\n{}", inst.log());
     node.captured(&node.pods[0]);
 }
+
+/// A runtime that names a live pod's netns for another sandbox (through another path: a
+/// symlink to it): the in-place capture is refused as DEL would refuse it (the netns is the
+/// other record's), once, and never tried again; no second record, and the pod keeps its own
+/// capture. Negative control: before, it was captured into the pod's netns and the two
+/// records' rulesets were repaired against each other every pass.
+#[test]
+fn a_sandbox_naming_another_pod_s_netns_is_refused_once() {
+    if !root_or_skip("a_sandbox_naming_another_pod_s_netns_is_refused_once") {
+        return;
+    }
+    let node = Node::new("rcowned", &["shop-a"]);
+    let alias = node.scratch.0.join("alias-of-shop-a");
+    std::os::unix::fs::symlink(node.pods[0].path(), &alias).unwrap();
+    let intruder = fake::sandbox("intruder-1", "sim", "intruder", "uid-intruder", 2);
+    let status = fake::status(&intruder, Some(&alias.display().to_string()), &["10.244.9.9"]);
+    let mut listed = node.listing();
+    listed.push(intruder.clone());
+    node.fake.script(|s| {
+        s.status.insert(intruder.id.clone(), Reply::Answer(status));
+        s.list = Reply::Answer(listed);
+    });
+    let mut inst = Installer::start(&node, &["--missed-pods=capture", "--reconcile-backoff-seconds=0"]);
+    let pass = inst.wait_pass(1, "the capture refused", |p| {
+        p["actions"].as_array().into_iter().flatten().any(|a| a["pod"] == "sim/intruder" && a["outcome"] == "refused")
+    });
+    assert_eq!(records(&inst.state_dir).len(), 1, "no second record: {pass:#}");
+    let from = inst.mark() + 3;
+    let pass = inst.wait_pass(from, "three passes more", |_| true);
+    assert!(pass["actions"].as_array().unwrap().is_empty(), "not tried again: {pass:#}");
+    assert_eq!(refusals(&pass, "netns-owned").len(), 1, "{pass:#}");
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_refusals_total{kind="netns-owned"}"#), 1.0);
+    assert_eq!(inst.metric(r#"aether_cni_reconciler_actions_total{kind="capture",outcome="refused"}"#), 1.0);
+    assert_eq!(inst.log().matches("refused: sim/intruder").count(), 1, "logged once:\n{}", inst.log());
+    node.captured(&node.pods[0]);
+    assert_eq!(records(&inst.state_dir).len(), 1);
+}

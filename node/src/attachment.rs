@@ -61,6 +61,10 @@ pub enum AttachmentError {
     /// A test asked for this step to fail (fault-injection builds only).
     #[error("injected failure at step {0}")]
     Injected(String),
+    /// An in-place capture into a netns another attachment record owns (a runtime naming
+    /// another pod's netns for this sandbox): refused, as DEL leaves another's netns alone.
+    #[error("the netns {netns} is {owner}'s (its attachment record owns it): not captured for {key}")]
+    NetnsOwned { netns: String, owner: String, key: String },
     /// `collect` could not remove some stale items; each is named, and kept.
     #[error("GC could not remove {} stale item(s)", .0.len())]
     Collect(Vec<Kept>),
@@ -193,6 +197,16 @@ pub fn attach_in_place(
     cfg: &CaptureConfig,
 ) -> Result<Attached, AttachmentError> {
     let netns = Netns::open_foreign(netns_path)?;
+    // The same check DEL makes: a namespace another record owns is that pod's, whatever
+    // path names it (a runtime that lies, or two sandboxes given one netns).
+    let key = target.key();
+    let owner = StateDir::new(&conf.state_dir).records().into_iter().find(|o| {
+        o.key() != key
+            && (o.netns_id.is_some_and(|i| i.matches(&netns)) || (o.netns_id.is_none() && o.netns == netns_path))
+    });
+    if let Some(owner) = owner {
+        return Err(AttachmentError::NetnsOwned { netns: netns_path.into(), owner: owner.key(), key });
+    }
     let marked = netns.run(|| -> aether_rules::Result<Option<usize>> {
         for family in aether_rules::Family::ALL {
             if aether_rules::nft::table_exists(family, capture::TABLE)? {

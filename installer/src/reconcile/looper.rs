@@ -216,12 +216,11 @@ pub fn last_pass_json(report: &PassReport) -> serde_json::Value {
         .iter()
         .map(|(a, o)| {
             let mut v = json!({"kind": action_kind(a), "pod": a.pod().to_string()});
+            v["outcome"] = o.name().into();
             match o {
-                Outcome::Done => v["outcome"] = "done".into(),
-                Outcome::Failed(e) => {
-                    v["outcome"] = "failed".into();
-                    v["error"] = e.clone().into();
-                }
+                Outcome::Done => {}
+                Outcome::Failed(e) => v["error"] = e.clone().into(),
+                Outcome::Moot(why) | Outcome::Refused(why) => v["why"] = why.clone().into(),
             }
             v
         })

@@ -35,7 +35,7 @@ impl ReconcileMetrics {
         let actions = IntCounterVec::new(
             Opts::new(
                 "aether_cni_reconciler_actions_total",
-                "Reconciler actions by kind (restart: sandbox stopped through the CRI; capture: missed pod captured in place; repair: drift repaired to the record; repair-services: a Service layer rebuilt to the stored snapshot; migrate: a pod's capture ruleset of an earlier release replaced with the current one; collect: leftover record collected) and outcome (done, failed).",
+                "Reconciler actions by kind (restart: sandbox stopped through the CRI; capture: missed pod captured in place; repair: drift repaired to the record; repair-services: a Service layer rebuilt to the stored snapshot; migrate: a pod's capture ruleset of an earlier release replaced with the current one; collect: leftover record collected) and outcome (done; failed; moot: nothing left to do when it came to it, the record gone or changed, the layer found as stored; refused: the netns is another record's).",
             ),
             &["kind", "outcome"],
         )
@@ -71,7 +71,7 @@ impl ReconcileMetrics {
         let refusals = IntCounterVec::new(
             Opts::new(
                 "aether_cni_reconciler_refusals_total",
-                "Things the reconciler refused to do, counted once when each starts, by kind (suspect-list: the runtime's pod list is not believed).",
+                "Things the reconciler refused to do, counted once when each starts, by kind (suspect-list: the runtime's pod list is not believed; netns-owned: a sandbox names a netns another record owns; drift-fought: a pod repaired too often in a window, backed off).",
             ),
             &["kind"],
         )
@@ -88,7 +88,7 @@ impl ReconcileMetrics {
             pods.with_label_values(&[s.name()]);
         }
         for kind in ["restart", "capture", "repair", "repair-services", "migrate", "collect"] {
-            for outcome in ["done", "failed"] {
+            for outcome in Outcome::NAMES {
                 actions.with_label_values(&[kind, outcome]);
             }
         }
@@ -127,7 +127,7 @@ impl ReconcileMetrics {
         }
         for (action, outcome) in &report.actions {
             let done = matches!(outcome, Outcome::Done);
-            self.actions.with_label_values(&[action_kind(action), if done { "done" } else { "failed" }]).inc();
+            self.actions.with_label_values(&[action_kind(action), outcome.name()]).inc();
             if let (Action::Collect { why, .. }, true) = (action, done) {
                 let why = match why {
                     Leftover::SandboxGone => "sandbox-gone",

@@ -85,6 +85,11 @@ pub trait NodeOps {
     fn collect(&mut self, record: &RecordView, why: &Leftover) -> Result<(), Self::Error>;
     /// Captures a missed pod in place, in its netns (ADD's code, for the pod's addresses).
     fn capture(&mut self, sandbox: &Sandbox, netns: &str, ips: &[String]) -> Result<(), Self::Error>;
+    /// What an action's error says beyond failure, if anything: [`Outcome::Moot`] or
+    /// [`Outcome::Refused`].
+    fn outcome_of(&self, _error: &Self::Error) -> Option<Outcome> {
+        None
+    }
 }
 
 /// How a pass compared the recorded pods with what they should hold.
@@ -102,6 +107,26 @@ pub struct Comparisons {
 pub enum Outcome {
     Done,
     Failed(String),
+    /// Nothing was left to do when it came to it: the record went (the pod's DEL came
+    /// during the pass) or changed (a new ADD), or the layer was found as stored when compared
+    /// again under the locks (an ADD or apply in flight brought it there). Neither done nor
+    /// failed, and no attempt.
+    Moot(String),
+    /// The node refused it: the netns is another record's. Not tried again for this sandbox.
+    Refused(String),
+}
+
+impl Outcome {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Outcome::Done => "done",
+            Outcome::Failed(_) => "failed",
+            Outcome::Moot(_) => "moot",
+            Outcome::Refused(_) => "refused",
+        }
+    }
+
+    pub const NAMES: [&'static str; 4] = ["done", "failed", "moot", "refused"];
 }
 
 /// Something the reconciler would have done and refused, for want of evidence or because it
@@ -142,7 +167,7 @@ impl PassReport {
 }
 
 /// Every kind of [`Refusal`], for the metric's series.
-pub const REFUSAL_KINDS: [&str; 1] = ["suspect-list"];
+pub const REFUSAL_KINDS: [&str; 3] = ["suspect-list", "netns-owned", "drift-fought"];
 
 /// The kind of an action, for its metric and its log line.
 pub fn action_kind(a: &Action) -> &'static str {
@@ -270,12 +295,42 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             }
             let outcome = self.execute(&action, &sandboxes, &records);
             // A restart or capture counts whatever its outcome (the pod may come back
-            // uncaptured); a repair only when it failed (drift again later is repaired again).
-            let failed = matches!(outcome, Outcome::Failed(_));
+            // uncaptured); a repair only when it failed (drift again later is repaired again),
+            // or when it is the latest of too many in a window (drift that is fought).
             let repair =
                 matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
-            if action.counts_as_attempt() && (failed || !repair) {
-                self.memory.acted(action.pod(), Instant::now(), &self.limits);
+            let now = Instant::now();
+            match &outcome {
+                Outcome::Moot(_) => {
+                    // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
+                    if !matches!(action, Action::Capture { .. } | Action::Restart { .. }) {
+                        self.memory.forget(action.pod());
+                    }
+                }
+                Outcome::Refused(why) => {
+                    if let Action::Capture { sandbox_id, pod, .. } = &action {
+                        self.memory.refuse(sandbox_id, why);
+                        refusals.push(("netns-owned", format!("{pod} (sandbox {sandbox_id})"), why.clone()));
+                    }
+                }
+                Outcome::Failed(_) if action.counts_as_attempt() => self.memory.acted(action.pod(), now, &self.limits),
+                Outcome::Done if action.counts_as_attempt() && !repair => {
+                    self.memory.acted(action.pod(), now, &self.limits)
+                }
+                Outcome::Done if repair => {
+                    if let Some(n) = self.memory.repaired(action.pod(), now) {
+                        self.memory.acted(action.pod(), now, &self.limits);
+                        self.memory.fought(
+                            action.pod(),
+                            format!(
+                                "its drift was repaired {n} times within {} min: something in the pod keeps \
+                                 undoing the capture; backed off (then only reported after --reconcile-attempts)",
+                                plan::FOUGHT_WINDOW.as_secs() / 60
+                            ),
+                        );
+                    }
+                }
+                _ => {}
             }
             log_action(&action, &outcome);
             actions.push((action, outcome));
@@ -291,7 +346,9 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Held::NetnsUnknown(_) => "netns-unknown",
                 Held::Invalid(_) => "invalid",
                 Held::Unverifiable(_) => "unverifiable",
-                Held::RateLimited | Held::BackingOff(_) | Held::MigrationPending(_) => continue,
+                // Logged once as a refusal.
+                Held::NetnsOwned(_) => continue,
+                Held::RateLimited | Held::BackingOff(_) | Held::MigrationPending(_) | Held::SamePod(_) => continue,
             };
             if self.held_logged.get(&f.sandbox_id).map(String::as_str) != Some(kind) {
                 let what = match f.state {
@@ -309,6 +366,15 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             let live: HashSet<&str> = v.iter().map(|v| v.sandbox.id.as_str()).collect();
             self.network_cache.retain(|id, _| live.contains(id.as_str()));
             self.network_failed.retain(|id, _| live.contains(id.as_str()));
+            self.memory.refused_listed(live.iter().copied());
+        }
+        for f in &plan.findings {
+            if let Some(Held::NetnsOwned(why)) = &f.held {
+                refusals.push(("netns-owned", format!("{} (sandbox {})", f.pod, f.sandbox_id), why.clone()));
+            }
+        }
+        for (pod, why) in self.memory.fights() {
+            refusals.push(("drift-fought", pod, why));
         }
         let refusals = self.refusals(refusals);
         self.passes += 1;
@@ -421,35 +487,36 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         sandboxes: &BTreeMap<&str, &Sandbox>,
         records: &BTreeMap<&str, &RecordView>,
     ) -> Outcome {
-        let done = |r: Result<(), String>| match r {
-            Ok(()) => Outcome::Done,
-            Err(e) => Outcome::Failed(e),
-        };
-        match action {
-            Action::Restart { sandbox_id, .. } => match self.runtime.as_mut() {
-                Some(rt) => done(rt.stop(sandbox_id).map_err(|e| e.to_string())),
-                None => Outcome::Failed("no runtime".into()),
-            },
+        let missing = |what: &str| Outcome::Failed(format!("{what} is not in this pass's list"));
+        let result = match action {
+            Action::Restart { sandbox_id, .. } => {
+                return match self.runtime.as_mut().map(|rt| rt.stop(sandbox_id)) {
+                    Some(Ok(())) => Outcome::Done,
+                    Some(Err(e)) => Outcome::Failed(e.to_string()),
+                    None => Outcome::Failed("no runtime".into()),
+                }
+            }
             Action::Capture { sandbox_id, netns, ips, .. } => match sandboxes.get(sandbox_id.as_str()) {
-                Some(sb) => done(self.node.capture(sb, netns, ips).map_err(|e| e.to_string())),
-                None => Outcome::Failed(format!("sandbox {sandbox_id} is not in this pass's list")),
+                Some(sb) => self.node.capture(sb, netns, ips),
+                None => return missing(&format!("sandbox {sandbox_id}")),
             },
-            Action::Repair { record, .. } => match records.get(record.as_str()) {
-                Some(r) => done(self.node.repair(r).map_err(|e| e.to_string())),
-                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
-            },
-            Action::RepairServices { record, .. } => match records.get(record.as_str()) {
-                Some(r) => done(self.node.repair_services(r).map_err(|e| e.to_string())),
-                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
-            },
-            Action::Migrate { record, .. } => match records.get(record.as_str()) {
-                Some(r) => done(self.node.migrate(r).map_err(|e| e.to_string())),
-                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
-            },
-            Action::Collect { record, why, .. } => match records.get(record.as_str()) {
-                Some(r) => done(self.node.collect(r, why).map_err(|e| e.to_string())),
-                None => Outcome::Failed(format!("record {record} is not in this pass's list")),
-            },
+            Action::Repair { record, .. }
+            | Action::RepairServices { record, .. }
+            | Action::Migrate { record, .. }
+            | Action::Collect { record, .. } => {
+                let Some(r) = records.get(record.as_str()) else { return missing(&format!("record {record}")) };
+                match action {
+                    Action::Repair { .. } => self.node.repair(r),
+                    Action::RepairServices { .. } => self.node.repair_services(r),
+                    Action::Migrate { .. } => self.node.migrate(r),
+                    Action::Collect { why, .. } => self.node.collect(r, why),
+                    _ => unreachable!("matched above"),
+                }
+            }
+        };
+        match result {
+            Ok(()) => Outcome::Done,
+            Err(e) => self.node.outcome_of(&e).unwrap_or_else(|| Outcome::Failed(e.to_string())),
         }
     }
 }
@@ -460,6 +527,12 @@ fn log_action(action: &Action, outcome: &Outcome) {
     let failed = match outcome {
         Outcome::Done => None,
         Outcome::Failed(e) => Some(e),
+        Outcome::Moot(why) => {
+            tracing::info!(pod = %pod, "{}: nothing to do when it came to it: {why}", action_kind(action));
+            return;
+        }
+        // Logged once, as a refusal, by the pass.
+        Outcome::Refused(_) => return,
     };
     match (action, failed) {
         (Action::Restart { sandbox_id, .. }, None) => tracing::info!(

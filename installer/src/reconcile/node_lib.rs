@@ -16,6 +16,7 @@ use aether_node::attachment::{self, AttachmentError, Target};
 use aether_node::config::{self, NetConf};
 use aether_node::drift::{Compared, Drift, Look};
 use aether_node::repair;
+use aether_node::repair::RepairError;
 use aether_node::services::{self, ServicesError};
 use aether_node::state::{PodIdentity, Record, Recorded, StateDir, StateError};
 use serde_json::{json, Map, Value};
@@ -36,6 +37,8 @@ pub enum NodeOpsError {
     Attachment(#[from] AttachmentError),
     #[error(transparent)]
     State(#[from] StateError),
+    #[error("the Service layer of {0} was found as stored when compared again under the locks (an ADD or apply in flight brought it there)")]
+    LayerAsStored(String),
     #[error("the record {0} went away before the repair (the pod's DEL came)")]
     RecordGone(String),
     #[error("the plugin refuses the node's network configuration (see /readyz)")]
@@ -144,6 +147,20 @@ impl NodeLib {
 impl NodeOps for NodeLib {
     type Error = NodeOpsError;
 
+    fn outcome_of(&self, e: &NodeOpsError) -> Option<super::Outcome> {
+        match e {
+            NodeOpsError::RecordGone(_)
+            | NodeOpsError::LayerAsStored(_)
+            | NodeOpsError::Repair(
+                RepairError::RecordGone(_) | RepairError::RecordChanged(_) | RepairError::NetnsGone(_),
+            ) => Some(super::Outcome::Moot(e.to_string())),
+            NodeOpsError::Attachment(AttachmentError::NetnsOwned { .. }) => {
+                Some(super::Outcome::Refused(e.to_string()))
+            }
+            _ => None,
+        }
+    }
+
     fn wants(&self, sandbox: &Sandbox) -> Wants {
         let Some(conf) = self.any_conf() else {
             return Wants::Invalid("the plugin refuses the node's network configuration".into());
@@ -246,7 +263,7 @@ impl NodeOps for NodeLib {
     fn repair_services(&mut self, view: &RecordView) -> Result<(), NodeOpsError> {
         self.drift.forget(&view.key);
         if !repair::services(&self.state_dir, self.seen(view)?)? {
-            tracing::info!(record = %view.key, "the Service layer was found as stored when compared again (an apply or ADD had brought it there)");
+            return Err(NodeOpsError::LayerAsStored(view.key.clone()));
         }
         Ok(())
     }

@@ -4,7 +4,7 @@
 //! pod's state out. Nothing here touches a socket, a file or the kernel: `super` gathers the
 //! inputs and carries the actions out, and the unit tests drive every rule with plain values.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -331,6 +331,11 @@ pub enum Held {
     /// Captured and intact with an earlier release's ruleset (named); this pass's migrations
     /// are used up.
     MigrationPending(String),
+    /// Its netns is another record's (the runtime names another pod's netns for it): never
+    /// captured into it.
+    NetnsOwned(String),
+    /// Another sandbox of the same pod (the same uid) was acted on this pass.
+    SamePod(String),
 }
 
 impl fmt::Display for Held {
@@ -345,6 +350,8 @@ impl fmt::Display for Held {
             Held::Invalid(why) => write!(f, "ADD would refuse it, nothing programmed: {why}"),
             Held::Unverifiable(why) => write!(f, "cannot be compared with its record: {why}"),
             Held::MigrationPending(from) => write!(f, "{from}; migration pending"),
+            Held::NetnsOwned(why) => write!(f, "refused: {why}"),
+            Held::SamePod(other) => write!(f, "held: sandbox {other} of the same pod was acted on this pass"),
         }
     }
 }
@@ -384,9 +391,65 @@ struct History {
 pub struct Memory {
     pods: HashMap<String, History>,
     orphans: HashMap<String, Instant>,
+    /// Sandboxes whose in-place capture the node refused (their netns is another record's).
+    refused: HashMap<String, String>,
+    /// Each pod's successful repairs within [`FOUGHT_WINDOW`], oldest first.
+    repairs: HashMap<String, VecDeque<Instant>>,
+    /// Pods whose drift is fought: by history key, the pod as people name it and why.
+    fights: HashMap<String, (String, String)>,
 }
 
+/// Repairs of one pod within [`FOUGHT_WINDOW`] that make its drift "fought": something in the
+/// pod keeps undoing the capture, and repairing it every pass would only loop.
+pub const FOUGHT_REPAIRS: usize = 5;
+pub const FOUGHT_WINDOW: Duration = Duration::from_secs(600);
+
 impl Memory {
+    /// The node refused to capture `sandbox_id` in place: it is not tried again (while the
+    /// runtime lists it).
+    pub fn refuse(&mut self, sandbox_id: &str, why: &str) {
+        self.refused.insert(sandbox_id.to_string(), why.to_string());
+    }
+
+    /// Forgets the refusals of sandboxes no longer listed.
+    pub fn refused_listed<'a>(&mut self, listed: impl IntoIterator<Item = &'a str>) {
+        let keep: HashSet<&str> = listed.into_iter().collect();
+        self.refused.retain(|id, _| keep.contains(id.as_str()));
+    }
+
+    /// A repair of `pod` done at `now`: the number of its repairs within the window, when that
+    /// reaches [`FOUGHT_REPAIRS`].
+    pub fn repaired(&mut self, pod: &PodRef, now: Instant) -> Option<usize> {
+        let times = self.repairs.entry(pod.history_key()).or_default();
+        times.push_back(now);
+        while times.front().is_some_and(|t| now.saturating_duration_since(*t) > FOUGHT_WINDOW) {
+            times.pop_front();
+        }
+        (times.len() >= FOUGHT_REPAIRS).then_some(times.len())
+    }
+
+    /// `pod`'s drift is fought: reported (see [`Memory::fights`]) until its repairs within the
+    /// window fall below [`FOUGHT_REPAIRS`].
+    pub fn fought(&mut self, pod: &PodRef, why: String) {
+        self.fights.insert(pod.history_key(), (pod.to_string(), why));
+    }
+
+    /// The pods whose drift is fought now: (the pod, why).
+    pub fn fights(&mut self) -> Vec<(String, String)> {
+        let now = Instant::now();
+        let repairs = &mut self.repairs;
+        repairs.retain(|_, times| {
+            while times.front().is_some_and(|t| now.saturating_duration_since(*t) > FOUGHT_WINDOW) {
+                times.pop_front();
+            }
+            !times.is_empty()
+        });
+        self.fights.retain(|k, _| repairs.get(k).is_some_and(|t| t.len() >= FOUGHT_REPAIRS));
+        let mut out: Vec<(String, String)> = self.fights.values().cloned().collect();
+        out.sort();
+        out
+    }
+
     /// After an action on `pod` (whatever its outcome): one attempt more, and the next not
     /// before the backoff, doubled per attempt.
     pub fn acted(&mut self, pod: &PodRef, now: Instant, limits: &Limits) {
@@ -560,6 +623,10 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
     let mut unrecorded: Vec<&SandboxView> = list.iter().filter(|v| !recorded.contains(v.sandbox.id.as_str())).collect();
     unrecorded.sort_by(|a, b| (a.sandbox.created_at, &a.sandbox.id).cmp(&(b.sandbox.created_at, &b.sandbox.id)));
     let mut budget = limits.actions_per_pass;
+    // The netns paths the records name: a sandbox naming one of them is another pod's.
+    let owned: HashMap<&str, &str> = input.records.iter().map(|(r, _)| (r.netns.as_str(), r.key.as_str())).collect();
+    // One action per pod (history key) per pass: sandboxes sharing a uid share its attempts.
+    let mut acted: HashMap<String, &str> = HashMap::new();
     for v in unrecorded {
         let pod = PodRef::of(&v.sandbox);
         let mut finding = |state, held| {
@@ -578,12 +645,18 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
                 None => finding(PodState::Missed, Some(Held::NetnsUnknown("not looked up".into()))),
                 Some(Err(why)) => finding(PodState::Missed, Some(Held::NetnsUnknown(why.clone()))),
                 Some(Ok(PodNetwork { netns: SandboxNetns::Pod(netns), ips })) => {
-                    let held = if let Err(why) = input.node_ready {
+                    let held = if let Some(owner) = owned.get(netns.as_str()) {
+                        Some(Held::NetnsOwned(format!("its netns {netns} is the one record {owner} names")))
+                    } else if let Some(why) = memory.refused.get(&v.sandbox.id) {
+                        Some(Held::NetnsOwned(why.clone()))
+                    } else if let Err(why) = input.node_ready {
                         Some(Held::NodeNotReady(why.to_string()))
                     } else if limits.missed == MissedPolicy::Report {
                         Some(Held::Reported)
                     } else if let Some(h) = memory.held(&pod, input.now, limits) {
                         Some(h)
+                    } else if let Some(other) = acted.get(&pod.history_key()) {
+                        Some(Held::SamePod(other.to_string()))
                     } else if budget == 0 {
                         Some(Held::RateLimited)
                     } else {
@@ -591,6 +664,7 @@ pub fn plan(input: &Input, limits: &Limits, memory: &Memory) -> Plan {
                     };
                     if held.is_none() {
                         budget -= 1;
+                        acted.insert(pod.history_key(), v.sandbox.id.as_str());
                         let (sandbox_id, pod) = (v.sandbox.id.clone(), pod.clone());
                         out.actions.push(match limits.missed {
                             MissedPolicy::Restart => Action::Restart { sandbox_id, pod },

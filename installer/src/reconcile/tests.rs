@@ -51,6 +51,12 @@ struct FakeNode {
     fail_repair: bool,
     /// A record an ADD writes just after the pass's first read of the records.
     written_after_the_read: Option<(RecordView, Observation)>,
+    /// What the next repair answers instead (an error text), if anything.
+    repair_answer: Option<String>,
+    /// Repairs leave the drift in place (something in the pod undoes them).
+    fought: bool,
+    /// In-place captures are refused (the netns is another record's).
+    refuse_capture: bool,
 }
 
 impl NodeOps for FakeNode {
@@ -75,12 +81,26 @@ impl NodeOps for FakeNode {
     fn observe(&mut self, r: &RecordView) -> Observation {
         self.records[&r.key].1.clone()
     }
+    fn outcome_of(&self, e: &String) -> Option<Outcome> {
+        if e.starts_with("gone:") {
+            Some(Outcome::Moot(e.clone()))
+        } else if e.starts_with("owned:") {
+            Some(Outcome::Refused(e.clone()))
+        } else {
+            None
+        }
+    }
     fn repair(&mut self, r: &RecordView) -> Result<(), String> {
         self.calls.push(format!("repair {}", r.key));
+        if let Some(answer) = self.repair_answer.take() {
+            return Err(answer);
+        }
         if self.fail_repair {
             return Err("netlink: EPERM".into());
         }
-        self.cleared(&r.key, |d| d.capture.clear());
+        if !self.fought {
+            self.cleared(&r.key, |d| d.capture.clear());
+        }
         Ok(())
     }
     fn repair_services(&mut self, r: &RecordView) -> Result<(), String> {
@@ -106,6 +126,9 @@ impl NodeOps for FakeNode {
     }
     fn capture(&mut self, s: &Sandbox, netns: &str, ips: &[String]) -> Result<(), String> {
         self.calls.push(format!("capture {} {netns} {}", s.id, ips.join(",")));
+        if self.refuse_capture {
+            return Err(format!("owned: the netns {netns} is another record's"));
+        }
         let r = RecordView {
             key: format!("net/{}/eth0", s.id),
             sandbox_id: s.id.clone(),
@@ -400,4 +423,95 @@ fn a_spent_budget_asks_nothing_more() {
     let f = report.findings.iter().find(|f| f.sandbox_id == "missed").unwrap();
     assert!(matches!(&f.held, Some(Held::NetnsUnknown(w)) if w.contains("time for the runtime is spent")), "{f:?}");
     assert_eq!(r.runtime.as_ref().unwrap().calls, ["list"]);
+}
+
+/// A record that went during the pass (its DEL came): the repair finds nothing to do. Not a
+/// failure (no WARN, outcome `moot`), no attempt, no backoff. On main it was "repair failed".
+#[test]
+fn a_record_gone_during_the_pass_is_no_failed_repair() {
+    let mut node = node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["x".into()])));
+    node.repair_answer = Some("gone: the record net/a/eth0 went away before the repair".into());
+    let rt = FakeRuntime { sandboxes: vec![sandbox("a", "shop", "a", &[])], ..Default::default() };
+    let mut r = Reconciler::new(Some(rt), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert!(matches!(&report.actions[..], [(Action::Repair { .. }, Outcome::Moot(_))]), "{:?}", report.actions);
+    let pod = report.actions[0].0.pod().clone();
+    assert_eq!(r.memory().attempts(&pod), 0, "no attempt, no backoff");
+}
+
+/// A sandbox whose in-place capture the node refuses (its netns is another record's) is
+/// refused once: one refusal (logged and counted once), never tried again while listed.
+/// A sandbox naming a recorded netns path is refused without trying. On main it was captured
+/// into the other pod's netns.
+#[test]
+fn a_capture_into_another_record_s_netns_is_refused_once() {
+    let mut rt = node_pods();
+    rt.sandboxes.truncate(1);
+    let node = FakeNode { refuse_capture: true, ..Default::default() };
+    let mut r = Reconciler::new(Some(rt), node, Limits { missed: MissedPolicy::Capture, ..Limits::default() });
+    let first = r.pass(Ok(()));
+    assert!(matches!(&first.actions[..], [(Action::Capture { .. }, Outcome::Refused(_))]), "{:?}", first.actions);
+    assert!(first.refusals.len() == 1 && first.refusals[0].new, "{:?}", first.refusals);
+    let second = r.pass(Ok(()));
+    assert!(second.actions.is_empty(), "{:?}", second.actions);
+    let refusals: Vec<_> = second.refusals.iter().filter(|x| x.kind == "netns-owned").collect();
+    assert!(refusals.len() == 1 && !refusals[0].new, "{:?}", second.refusals);
+    let third = r.pass(Ok(()));
+    assert!(third.actions.is_empty() && third.refusals.len() == 1 && !third.refusals[0].new);
+
+    // A sandbox naming a netns path a record names: refused by the plan, nothing asked.
+    let mut node = node_with_record("a", "a", Observation::Intact);
+    node.refuse_capture = false;
+    let mut rt = FakeRuntime {
+        sandboxes: vec![sandbox("a", "shop", "a", &[]), sandbox("intruder", "shop", "x", &[])],
+        ..Default::default()
+    };
+    rt.netns.insert("intruder".into(), pod_network("/run/netns/a"));
+    let mut r = Reconciler::new(Some(rt), node, Limits { missed: MissedPolicy::Capture, ..Limits::default() });
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty(), "{:?}", report.actions);
+    assert!(report.refusals.iter().any(|x| x.kind == "netns-owned" && x.new), "{:?}", report.refusals);
+}
+
+/// Six sandboxes of one pod (one uid): one restart per pass, and --reconcile-attempts in all.
+/// On main five were restarted in one pass with attempts 3.
+#[test]
+fn duplicate_uids_share_one_pod_s_attempts() {
+    let mut rt = FakeRuntime::default();
+    for i in 0..6 {
+        let id = format!("dup-{i}");
+        rt.sandboxes.push(sandbox(&id, "shop", "cart", &[]));
+        rt.netns.insert(id.clone(), pod_network(&format!("/run/netns/{id}")));
+    }
+    let limits = Limits { backoff: Duration::ZERO, attempts: 3, ..Limits::default() };
+    let mut r = Reconciler::new(Some(rt), FakeNode::default(), limits);
+    for _ in 0..6 {
+        let report = r.pass(Ok(()));
+        assert!(report.actions.len() <= 1, "{:?}", report.actions);
+        // The stopped sandboxes come back ready (the kubelet makes them again).
+        for s in &mut r.runtime.as_mut().unwrap().sandboxes {
+            s.state = SandboxState::Ready;
+        }
+    }
+    let stops = r.runtime.as_ref().unwrap().calls.iter().filter(|c| c.starts_with("stop")).count();
+    assert_eq!(stops, 3, "--reconcile-attempts restarts of the pod in all");
+}
+
+/// Drift undone after every repair: after FOUGHT_REPAIRS repairs within the window it is
+/// reported once (refusal drift-fought) and backed off instead of repaired every pass. On
+/// main it was repaired every pass without end.
+#[test]
+fn drift_that_is_fought_is_reported_and_backed_off() {
+    let mut node = node_with_record("a", "a", Observation::Drifted(Differences::capture(vec!["x".into()])));
+    node.fought = true;
+    let rt = FakeRuntime { sandboxes: vec![sandbox("a", "shop", "a", &[])], ..Default::default() };
+    let mut r = Reconciler::new(Some(rt), node, Limits::default());
+    let mut new_refusals = 0;
+    for _ in 0..12 {
+        let report = r.pass(Ok(()));
+        new_refusals += report.refusals.iter().filter(|x| x.kind == "drift-fought" && x.new).count();
+    }
+    let repairs = r.node.calls.iter().filter(|c| c.starts_with("repair ")).count();
+    assert_eq!(repairs, plan::FOUGHT_REPAIRS, "repaired until fought, then backed off: {:?}", r.node.calls);
+    assert_eq!(new_refusals, 1, "reported once");
 }
