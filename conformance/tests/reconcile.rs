@@ -1164,6 +1164,10 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
     };
     exchange_all("previous release");
 
+    // The previous release's Service layer in it (its shape, its layer.bin format).
+    must("services apply (the previous release's)", services_apply(&previous, &ctrd, 1));
+    assert!(service_layer_in(&netns), "the previous release's apply gave the pod no Service layer");
+
     // Today's binary in place of it: CHECK passes as the pod stands.
     put_plugin(&ctrd, &cni_bin());
     exchange_all("binary swapped");
@@ -1209,6 +1213,11 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
         inst.metric(r#"aether_cni_reconciler_actions_total{kind="migrate",outcome="done"}"#),
         1.0,
         "migrated once"
+    );
+    assert_eq!(
+        inst.metric(r#"aether_cni_reconciler_actions_total{kind="repair-services",outcome="done"}"#),
+        0.0,
+        "the previous release's Service layer was taken for drift"
     );
     let log = inst.stop();
     assert!(log.contains("migrated from capture ruleset 1"), "the migration's log line:\n{log}");
