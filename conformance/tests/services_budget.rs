@@ -9,6 +9,7 @@
 //! | --- | --- | --- |
 //! | the installer, its limit too small for a snapshot to every pod, answers 507 naming the memory needed, the limit and `resources.limits.memory`, changes nothing (every pod keeps its whole layer, the stored files), stays alive and ready, the metrics say so; with a limit large enough the same document applies to every pod | `the_installer_refuses_...` | with the check skipped (a fault-injection switch) the same document at the same limit gets the installer OOM-killed |
 //! | the installer's image run by podman as the chart runs it (`--memory` the chart's default limit, capabilities NET_ADMIN and SYS_ADMIN only, read-only root): a snapshot to every pod applies; its container's limit then lowered, the next one is refused (507) with the container alive and ready and every pod's layer whole | `the_installer_image_under_podman_...` | the same refusal's control is the first test's (the check switched off, OOM-killed) |
+//! | an apply under way that no longer fits (the estimate before it skipped by fault injection, so the checks made pod by pod stop it) leaves every pod with a whole layer, the old or the new, some of each, the others failed naming the memory; raised, the next apply brings every pod to the new one | `work_under_way_...` | the pods' listings are compared with both whole layers: a pod holding neither fails it |
 //! | a one-shot `services apply` inside a small memory cgroup exits 2 with the same reason, nothing changed, not killed; raised, it applies | `a_one_shot_apply_refuses_...` | with the check skipped it is OOM-killed |
 //!
 //! Scale fits test time (a few thousand Services to a dozen pods, limits in proportion);
@@ -512,4 +513,49 @@ fn node_scale_100_pods_10000_services_in_128_mib() {
     eprintln!("applied at {suggested} MiB: usage now {} MiB, oom kills {}", cg.usage() >> 20, cg.oom_kills());
     assert!(inst.alive());
     assert_eq!(cg.oom_kills(), 0);
+}
+
+#[test]
+fn work_under_way_that_no_longer_fits_leaves_every_pod_a_whole_layer() {
+    if !root_or_skip("work_under_way_that_no_longer_fits_leaves_every_pod_a_whole_layer") {
+        return;
+    }
+    let (node, pods) = node_with_pods("bdgw");
+    let old = listing(&pods[0]);
+    let cg = ScratchMemcg::new("underway", 512 * MIB);
+    let mut inst = Installer::start(&node, &cg, "underway", &[("AETHER_CNI_INJECT_FAILURE", "memory-budget-estimate")]);
+    cg.settled_usage();
+    // Room for the headroom (8 MiB) and a few pods' 1.1 MiB, not for twelve.
+    cg.set_limit(cg.unreclaimable() + 14 * MIB);
+    let big = snapshot(2, BIG);
+    let (status, body) = inst.post(&big).expect("an answer");
+    assert_eq!(status, 500, "some pods failed, the document stored: {body}\n{}", inst.log());
+    assert!(inst.alive(), "{}", inst.log());
+    assert_eq!(cg.oom_kills(), 0);
+    let report: Value = serde_json::from_str(&body).unwrap();
+    let failed: Vec<&Value> = report["pods"].as_array().unwrap().iter().filter(|p| p["result"] == "failed").collect();
+    assert!(!failed.is_empty() && failed.len() < PODS, "some pods, not all, stopped: {body}");
+    for p in &failed {
+        names_the_budget(p["error"].as_str().unwrap());
+    }
+    // Each pod holds a whole layer: the new one where it was sent, the old one elsewhere.
+    let mut new = None;
+    let (mut olds, mut news) = (0, 0);
+    for p in &pods {
+        let l = listing(p);
+        if l == old {
+            olds += 1;
+            continue;
+        }
+        let reference = new.get_or_insert_with(|| l.clone());
+        assert!(&l == reference, "{} holds neither the old nor the new layer", p.name);
+        news += 1;
+    }
+    assert_eq!((olds, news), (failed.len(), PODS - failed.len()), "{body}");
+    // Raised: the next apply of the same document brings the pods it stopped to the new one.
+    cg.set_limit(cg.unreclaimable() + ROOMY);
+    let (status, body) = inst.post(&big).expect("an answer");
+    assert_eq!(status, 200, "{body}\n{}", inst.log());
+    every_pod_holds(&pods, new.as_ref().unwrap(), "generation 2");
+    assert!(inst.alive());
 }

@@ -208,7 +208,8 @@ pub(super) fn apply_fits(
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
 ) -> Result<(), ServicesError> {
-    if new.layer.mode == LayerMode::Off {
+    // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
+    if new.layer.mode == LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
         return Ok(());
     }
     let Some((reading, per)) = budget() else { return Ok(()) };
