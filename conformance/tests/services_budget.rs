@@ -44,12 +44,14 @@ const TIGHT: u64 = 6 * MIB;
 /// Above the process's usage at rest: the big snapshot's charge and the headroom fit.
 const ROOMY: u64 = 64 * MIB;
 
-/// A snapshot of `n` Services in 10.96.0.0/16, two TCP ports each, all with endpoints.
+/// A snapshot of `n` Services in 10.96.0.0/16, two TCP ports each, all with endpoints. Each
+/// Service's ports are its own (no two share a port profile), so each costs a pod the layer's
+/// most: its VIP and both ports as elements, whatever the layer makes of shared profiles.
 fn snapshot(generation: u64, n: usize) -> Vec<u8> {
     let services: Vec<Value> = (0..n)
         .map(|i| {
             json!({"namespace": "shop", "name": format!("s{i}"), "vip": format!("10.96.{}.{}", i / 250, 1 + i % 250),
-                   "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "TCP", "port": 443}],
+                   "ports": [{"protocol": "TCP", "port": 1024 + i}, {"protocol": "TCP", "port": 30000 + i}],
                    "usableEndpoints": true})
         })
         .collect();
