@@ -7,7 +7,6 @@ use ipnet::IpNet;
 use crate::error::{Error, Result};
 use crate::family::Family;
 use crate::model::*;
-use crate::route::PolicyRoute;
 
 /// Mark set in OUTPUT on egress to divert; the policy route sends it to `lo`.
 pub const DIVERT_MARK: u32 = 0xae71;

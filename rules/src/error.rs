@@ -33,7 +33,38 @@ pub enum Error {
     Conntrack { op: &'static str, source: io::Error },
     /// A step was made to fail on purpose (tests of ADD's all-or-nothing guarantee).
     #[error("injected failure at step {0}")]
-    Injected(crate::Step),
+    Injected(Step),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The steps of `install`, in order; a test can make any of them fail to prove that what
+/// the earlier steps made is removed again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Nftables,
+    PolicyRule,
+    LocalRoute,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Step::Nftables => "nftables",
+            Step::PolicyRule => "policy-rule",
+            Step::LocalRoute => "local-route",
+        })
+    }
+}
+
+impl std::str::FromStr for Step {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "nftables" => Ok(Step::Nftables),
+            "policy-rule" => Ok(Step::PolicyRule),
+            "local-route" => Ok(Step::LocalRoute),
+            _ => Err(format!("unknown step {s:?} (nftables, policy-rule, local-route)")),
+        }
+    }
+}

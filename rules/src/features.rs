@@ -7,7 +7,7 @@ use std::fmt;
 
 use crate::family::Family;
 use crate::model;
-use crate::nft::Expr;
+use crate::nft::expr::Expr;
 
 /// One kernel feature the rulesets use.
 #[derive(Debug, PartialEq, Eq)]

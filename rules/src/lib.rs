@@ -3,6 +3,12 @@
 //!
 //! This crate knows nftables and policy routing; it knows nothing of CNI or of namespaces:
 //! callers enter the pod netns (see `aether-netns`) and call these functions there.
+//!
+//! Its files are layered, each importing only from the layers below it: `family`; the model
+//! (`model`: a ruleset and its policy routes as data); the expressions (`nft::expr`); the
+//! feature table (`features`: what each expression needs of the kernel); the errors
+//! (`error`, which name missing features); then what programs and reads the kernel
+//! (`netlink`, `route`, `nft`, `conntrack`) and the builders (`capture`, `services`).
 
 pub mod capture;
 pub mod conntrack;
@@ -17,41 +23,10 @@ pub mod services;
 pub mod socket_lb;
 
 pub use capture::{capture_ruleset, capture_ruleset_of, CaptureConfig, CaptureMode, DnsDivert, RulesetVersion};
-pub use error::{Error, Result};
+pub use error::{Error, Result, Step};
 pub use family::Family;
-pub use model::{Half, Ruleset};
-pub use route::{PolicyRoute, PolicyRouteState};
-
-/// The steps of `install`, in order; a test can make any of them fail to prove that what
-/// the earlier steps made is removed again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    Nftables,
-    PolicyRule,
-    LocalRoute,
-}
-
-impl std::fmt::Display for Step {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Step::Nftables => "nftables",
-            Step::PolicyRule => "policy-rule",
-            Step::LocalRoute => "local-route",
-        })
-    }
-}
-
-impl std::str::FromStr for Step {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "nftables" => Ok(Step::Nftables),
-            "policy-rule" => Ok(Step::PolicyRule),
-            "local-route" => Ok(Step::LocalRoute),
-            _ => Err(format!("unknown step {s:?} (nftables, policy-rule, local-route)")),
-        }
-    }
-}
+pub use model::{Half, PolicyRoute, Ruleset};
+pub use route::PolicyRouteState;
 
 /// Programs `rs` in the current netns: every family's table in one nftables transaction,
 /// then each family's policy rule and local route. All or nothing: if a step fails, what the

@@ -10,7 +10,16 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::{Ipv4Net, Ipv6Net};
 
 use crate::family::Family;
-use crate::route::PolicyRoute;
+
+/// A pod's policy routing for one family: the rule sending marked packets to `table`, where
+/// a local route delivers them to `lo` (programmed and read by `route`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyRoute {
+    pub family: Family,
+    pub fwmark: u32,
+    pub table: u32,
+    pub priority: u32,
+}
 
 /// Everything one capture attachment programs in a pod netns: for each address family the
 /// pod has, a table and the policy rule and route that go with it (IPv4 first). All tables

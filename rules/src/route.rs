@@ -21,18 +21,11 @@ use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 
 use crate::error::{Error, Result};
 use crate::family::Family;
+pub use crate::model::PolicyRoute;
 use crate::netlink::{Socket, NETLINK_ROUTE};
 
 /// `lo` is created first in every network namespace, so it is always ifindex 1.
 const LOOPBACK_IFINDEX: u32 = 1;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PolicyRoute {
-    pub family: Family,
-    pub fwmark: u32,
-    pub table: u32,
-    pub priority: u32,
-}
 
 /// What the kernel holds of one PolicyRoute, read back for CHECK.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
