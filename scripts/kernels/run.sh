@@ -65,7 +65,7 @@ export PATH=$venv/bin:$PATH
 # a no-op), and the plugin binary the conformance suites run.
 echo "kernels: building the test executables (cargo test --no-run)"
 exes=$work/executables.json
-if ! cargo test --workspace --features aether-cni/fault-injection --no-run --message-format=json-render-diagnostics \
+if ! cargo test --workspace --features aether-cni/fault-injection,aether-installer/fault-injection --no-run --message-format=json-render-diagnostics \
         > "$exes.raw" 2> "$work/build.log"; then
     tail -30 "$work/build.log"
     echo "kernels: FAILED to build the test executables"; echo "kernels: 0 passed, 1 failed"; exit 1
