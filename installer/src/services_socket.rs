@@ -47,6 +47,12 @@ pub const DEFAULT_NAME: &str = "services.sock";
 /// Open connections on the socket: the agent sends one document at a time (a retry may
 /// overlap a request it gave up on); only root can connect.
 pub const MAX_CONNECTIONS: usize = 16;
+/// How long a body may send nothing before it is given up (408): a client that stops
+/// sending holds only its own connection and one of the reading slots, never the apply turn.
+pub const BODY_IDLE: Duration = Duration::from_secs(10);
+/// Bodies read or held at once (each up to the snapshot cap): one being applied, one read
+/// meanwhile. A stalled body holds one slot for at most [`BODY_IDLE`].
+const READING_SLOTS: usize = 2;
 /// How often the idle applier lets go of pods that went.
 const TIDY_PERIOD: Duration = Duration::from_secs(1);
 
@@ -61,8 +67,10 @@ fn identity(m: &std::fs::Metadata) -> (u64, u64, i64, i64) {
     (m.dev(), m.ino(), m.ctime(), m.ctime_nsec())
 }
 
-/// Binds the socket at `path` (non-blocking, for tokio): the directory made 0700 if
-/// missing, a socket file already there replaced, the new one chmod 0600.
+/// Binds the socket at `path` (non-blocking, for tokio): its directory made 0700 and owned by
+/// this process's user (root) whether or not it existed (one that is a symlink or not a
+/// directory is refused, naming it), a socket file already there replaced, the new one chmod
+/// 0600.
 pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, Bound), String> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::DirBuilder::new()
@@ -70,6 +78,7 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, Bound), St
         .mode(0o700)
         .create(dir)
         .map_err(|e| format!("cannot create its directory {}: {e}", dir.display()))?;
+    tighten(dir)?;
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
             // A socket nobody removed: an installer that was killed (or one still running
@@ -92,6 +101,28 @@ pub fn bind(path: &Path) -> Result<(std::os::unix::net::UnixListener, Bound), St
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let m = std::fs::symlink_metadata(path).map_err(|e| e.to_string())?;
     Ok((listener, Bound { path: path.to_path_buf(), identity: identity(&m) }))
+}
+
+/// Makes `dir` 0700 and owned by this process's user: anyone else able to write there could
+/// replace the socket. An existing directory is tightened too (and said so).
+fn tighten(dir: &Path) -> Result<(), String> {
+    let m = std::fs::symlink_metadata(dir).map_err(|e| format!("cannot read its directory {}: {e}", dir.display()))?;
+    if !m.is_dir() {
+        return Err(format!("its directory {} is not a directory (a symlink or a file): refused", dir.display()));
+    }
+    // SAFETY: geteuid and getegid cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if m.uid() != uid || m.gid() != gid {
+        std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
+            .map_err(|e| format!("cannot make its directory {} owned by uid {uid}: {e}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), "the socket's directory was owned by uid {}: now by uid {uid}", m.uid());
+    }
+    if m.permissions().mode() & 0o7777 != 0o700 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("cannot make its directory {} 0700: {e}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), "the socket's directory was mode {:o}: now 0700", m.permissions().mode() & 0o7777);
+    }
+    Ok(())
 }
 
 impl Bound {
@@ -123,14 +154,15 @@ pub struct ServicesMetrics {
 }
 
 /// Every outcome an apply through the socket can have, as its metric label.
-pub const OUTCOMES: [&str; 7] = ["applied", "pods-failed", "conflict", "refused", "over-budget", "error", "too-large"];
+pub const OUTCOMES: [&str; 8] =
+    ["applied", "pods-failed", "conflict", "refused", "over-budget", "error", "too-large", "stalled"];
 
 impl ServicesMetrics {
     pub fn new() -> Self {
         let applies = IntCounterVec::new(
             Opts::new(
                 "aether_cni_installer_services_applies_total",
-                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large).",
+                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap, or its body stopped arriving) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large; stalled: nothing sent for 10 s, 408).",
             ),
             &["kind", "outcome"],
         )
@@ -151,6 +183,7 @@ impl ServicesMetrics {
             apply_seconds.with_label_values(&[kind]);
         }
         applies.with_label_values(&["unread", "too-large"]);
+        applies.with_label_values(&["unread", "stalled"]);
         let kept_pods = IntGauge::new(
             "aether_cni_installer_services_kept_pods",
             "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
@@ -199,8 +232,11 @@ struct Job {
 /// The applier thread, and the way to it.
 pub struct Applying {
     jobs: mpsc::Sender<Job>,
-    /// One body read and applied at a time: the installer's memory holds one document.
+    /// One document applied at a time, taken once its body is read.
     turn: Arc<tokio::sync::Semaphore>,
+    /// Bodies read or held at once ([`READING_SLOTS`]): the installer's memory holds at most
+    /// that many documents.
+    reading: Arc<tokio::sync::Semaphore>,
     /// For the documents refused before they reach the thread (over the cap).
     applies: IntCounterVec,
 }
@@ -226,7 +262,12 @@ pub fn start_applier(state_dir: &Path, metrics: Arc<ServicesMetrics>) -> std::io
     let thread = std::thread::Builder::new()
         .name("installer-services".into())
         .spawn(move || applier_loop(&state_dir, rx, &metrics))?;
-    let applying = Applying { jobs: tx, turn: Arc::new(tokio::sync::Semaphore::new(1)), applies };
+    let applying = Applying {
+        jobs: tx,
+        turn: Arc::new(tokio::sync::Semaphore::new(1)),
+        reading: Arc::new(tokio::sync::Semaphore::new(READING_SLOTS)),
+        applies,
+    };
     Ok((applying, ApplierThread(Some(thread))))
 }
 
@@ -360,12 +401,24 @@ async fn read_body(
 ) -> Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>> {
     let mut body = Limited::new(body, MAX_SNAPSHOT_BYTES);
     let mut out = Vec::with_capacity(declared.map_or(0, |n| n as usize));
-    while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame?.into_data() {
+    loop {
+        let frame = match tokio::time::timeout(BODY_IDLE, body.frame()).await {
+            Ok(Some(frame)) => frame?,
+            Ok(None) => return Ok(out),
+            Err(_) => return Err(Box::new(Stalled { after: BODY_IDLE, read: out.len() })),
+        };
+        if let Ok(data) = frame.into_data() {
             out.extend_from_slice(&data);
         }
     }
-    Ok(out)
+}
+
+/// A body that sent nothing for [`BODY_IDLE`].
+#[derive(Debug, thiserror::Error)]
+#[error("the document stopped arriving: nothing for {after:?} after {read} bytes")]
+struct Stalled {
+    after: Duration,
+    read: usize,
 }
 
 fn answer(status: u16, body: String) -> hyper::Response<Full<Bytes>> {
@@ -400,14 +453,24 @@ impl Applying {
         if declared.is_some_and(|n| n > MAX_SNAPSHOT_BYTES as u64) {
             return self.too_large();
         }
-        // One body in memory at a time: the next is read once this one is applied.
-        let Ok(_turn) = self.turn.acquire().await else {
+        // The body is read before the apply turn is taken (a client that stops sending holds
+        // no one else's document), in one of the reading slots (at most that many documents
+        // in memory), each frame within BODY_IDLE.
+        let Ok(_reading) = self.reading.acquire().await else {
             return error_answer(500, "the Service layer's applier is stopping");
         };
         let body = match read_body(request.into_body(), declared).await {
             Ok(b) => Bytes::from(b),
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return self.too_large(),
+            Err(e) if e.downcast_ref::<Stalled>().is_some() => {
+                tracing::warn!("a document stopped arriving on the socket: {e}; 408");
+                self.applies.with_label_values(&["unread", "stalled"]).inc();
+                return error_answer(408, &e.to_string());
+            }
             Err(e) => return error_answer(400, &format!("cannot read the document: {e}")),
+        };
+        let Ok(_turn) = self.turn.acquire().await else {
+            return error_answer(500, "the Service layer's applier is stopping");
         };
         let (reply, answered) = tokio::sync::oneshot::channel();
         if self.jobs.send(Job { body, reply }).is_err() {

@@ -160,3 +160,64 @@ fn the_client_says_when_the_answer_is_missing_or_cut() {
     t.join().unwrap();
     fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A client that stops sending its body holds no one else's document: a valid document sent
+/// meanwhile is applied and answered while the stalled one still waits, and the stalled one
+/// is answered 408 once its body sent nothing for the idle deadline. Negative control: the
+/// apply turn was taken before the body was read, and the valid document waited behind the
+/// stalled one for the connection's whole deadline (120 s).
+#[test]
+fn a_stalled_body_holds_no_other_document() {
+    let fake = FakeNode::new("sock-stalled");
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 1)).unwrap();
+    let socket = socket_of(&fake);
+    let mut stalled = UnixStream::connect(&socket).unwrap();
+    stalled
+        .write_all(b"POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"generation\":")
+        .unwrap();
+    // Its head is read (and the turn, on the code before, taken) before the other document.
+    std::thread::sleep(Duration::from_millis(300));
+    let doc = json!({"generation": 3, "mode": "count", "serviceRanges": ["10.96.0.0/16"], "services": []});
+    let (status, report) = apply(&socket, &doc);
+    assert_eq!((status, &report), (200, &json!({"generation": 3, "pods": []})));
+    // The stalled one is still unanswered: nothing to read yet.
+    stalled.set_nonblocking(true).unwrap();
+    let mut probe = [0u8; 1];
+    assert!(
+        matches!(stalled.read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the stalled document was answered before the other"
+    );
+    stalled.set_nonblocking(false).unwrap();
+    stalled.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let mut text = String::new();
+    let _ = stalled.read_to_string(&mut text);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("stopped arriving"), "{text}");
+    let metrics = r.shared.metrics.encode();
+    let series = r#"aether_cni_installer_services_applies_total{kind="unread",outcome="stalled"} 1"#;
+    assert!(metrics.contains(series), "no `{series}` in:\n{metrics}");
+    r.stop().unwrap();
+}
+
+/// The socket's directory is made 0700 and owned by the installer's user even when it already
+/// existed, world-writable: a local user could otherwise replace the socket. Negative control:
+/// an existing directory was left as it was.
+#[test]
+fn an_existing_socket_directory_is_tightened() {
+    let fake = FakeNode::new("sock-tighten");
+    let dir = fake.state.join("agent");
+    fs::create_dir_all(&dir).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    let r = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 1)).unwrap();
+    assert_eq!(fs::metadata(&dir).unwrap().permissions().mode() & 0o7777, 0o700);
+    r.stop().unwrap();
+    // A symlink where the directory should be is refused, naming it.
+    let fake = FakeNode::new("sock-symlink");
+    let elsewhere = fake.root.join("elsewhere");
+    fs::create_dir_all(&elsewhere).unwrap();
+    fs::create_dir_all(&fake.state).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, fake.state.join("agent")).unwrap();
+    let out = start(fake.args(&[]), common::plugin(&Switches::default()), fake_binary(4096, 1));
+    let e = out.err().expect("a symlinked socket directory is refused");
+    assert!(e.to_string().contains("agent") && e.to_string().contains("not a directory"), "{e}");
+}

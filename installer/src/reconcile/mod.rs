@@ -301,11 +301,9 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
             let now = Instant::now();
             match &outcome {
-                Outcome::Moot(_) => {
-                    // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
-                    if !matches!(action, Action::Capture { .. } | Action::Restart { .. }) {
-                        self.memory.forget(action.pod());
-                    }
+                // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
+                Outcome::Moot(_) if !matches!(action, Action::Capture { .. } | Action::Restart { .. }) => {
+                    self.memory.forget(action.pod());
                 }
                 Outcome::Refused(why) => {
                     if let Action::Capture { sandbox_id, pod, .. } = &action {
