@@ -52,10 +52,11 @@ fn list(state_dir: &Path) -> ExitCode {
             Ok(PodNetns::Gone(_)) => ("netns gone (GC removes the record)".into(), "-".into()),
             Err(e) => (format!("cannot open the netns: {e}"), "-".into()),
             Ok(PodNetns::Live(netns)) => {
-                let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg, r.ruleset())) {
+                let held = held_ruleset(r, &netns);
+                let capture = match r.capture.as_ref().map(|cfg| differences(&netns, cfg, held)) {
                     None => "unknown (the record predates stored configurations)".to_string(),
-                    Some(Ok(d)) if d.is_empty() && !r.ruleset().is_current() => {
-                        format!("intact, {}; migration pending", r.ruleset())
+                    Some(Ok(d)) if d.is_empty() && !held.is_current() => {
+                        format!("intact, {held}; migration pending")
                     }
                     Some(Ok(d)) if d.is_empty() => "intact".into(),
                     Some(Ok(d)) => {
@@ -206,9 +207,10 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
                     if r.defaulted.is_empty() { "none".to_string() } else { r.defaulted.join(", ") }
                 );
             }
-            println!("{}", ruleset_line(r));
+            let held = held_ruleset(r, &netns);
+            println!("{}", ruleset_line(r, held));
             match &r.capture {
-                Some(cfg) => intact &= describe_capture(&netns, cfg, r.ruleset()),
+                Some(cfg) => intact &= describe_capture(&netns, cfg, held),
                 None => println!("capture: the record predates stored configurations; showing the kernel only"),
             }
         }
@@ -249,8 +251,7 @@ fn one(state_dir: &Path, target: &str) -> ExitCode {
 
 /// Which capture ruleset the record says the pod holds, and whether it is to be migrated
 /// (an upgrade's, never drift) or was.
-fn ruleset_line(r: &Record) -> String {
-    let recorded = r.ruleset();
+fn ruleset_line(r: &Record, recorded: Recorded) -> String {
     match (recorded, r.migrated_from.and_then(capture::RulesetVersion::known)) {
         (Recorded::Known(_), _) if !recorded.is_current() => format!(
             "ruleset: {recorded}; migration pending (the installer's reconciler replaces it with {}; \
@@ -265,6 +266,13 @@ fn ruleset_line(r: &Record) -> String {
         (_, Some(from)) => format!("ruleset: {recorded}; migrated from {from}"),
         _ => format!("ruleset: {recorded}"),
     }
+}
+
+/// The ruleset the record says the pod holds (for a record that names none, the kernel tells
+/// which of the shapes such records were written for), or the record's word if that cannot be
+/// read: the comparison then says why.
+fn held_ruleset(r: &Record, netns: &Netns) -> Recorded {
+    aether_node::attachment::held_ruleset(r, netns).unwrap_or_else(|_| r.ruleset())
 }
 
 /// The ruleset of shape `recorded` for `cfg`, or why there is none.

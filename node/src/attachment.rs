@@ -378,7 +378,7 @@ pub fn verify(
                 Some(_) => {}
                 None => diffs.push("the attachment record does not say what ADD programmed".into()),
             }
-            match r.ruleset() {
+            match held_ruleset(&r, netns)? {
                 Recorded::Known(v) => version = v,
                 // Nothing this build makes is what the pod holds: said as such, never as a
                 // rule missing or changed.
@@ -393,6 +393,24 @@ pub fn verify(
     let mut kernel = netns.run(|| aether_rules::verify(&ruleset))??;
     kernel.append(&mut diffs);
     Ok(kernel)
+}
+
+/// The capture ruleset a pod holds, as its record says. A record that names none was written
+/// by a release of the first shape, or by a build of the current shape from before records
+/// named it (the record's format is the same): the pod's kernel tells which, by holding one
+/// of them exactly. Holding neither (drift), it is taken for the first, what such records
+/// were first written for.
+pub fn held_ruleset(record: &Record, netns: &Netns) -> Result<Recorded, AttachmentError> {
+    let (None, Some(cfg)) = (record.ruleset, record.capture.as_ref()) else {
+        return Ok(record.ruleset());
+    };
+    for version in [RulesetVersion::FIRST, RulesetVersion::CURRENT] {
+        let ruleset = capture::capture_ruleset_of(cfg, version)?;
+        if netns.run(|| aether_rules::verify(&ruleset))??.is_empty() {
+            return Ok(Recorded::Known(version));
+        }
+    }
+    Ok(record.ruleset())
 }
 
 /// GC's work: forgets the attachments of `conf`'s network for which `is_valid(container,

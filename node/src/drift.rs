@@ -223,7 +223,8 @@ impl Drift {
 mod tests {
     use super::*;
     use crate::services::{apply_document, repair_pod_layer, ServicesDir};
-    use crate::state::PodIdentity;
+    use crate::state::{PodIdentity, Recorded};
+    use aether_rules::RulesetVersion;
     use aether_testkit::{root_or_skip, TestNetns};
     use serde_json::json;
 
@@ -478,6 +479,27 @@ mod tests {
         netns.run(|| aether_rules::install(&aether_rules::capture_ruleset(&cfg).unwrap(), None)).unwrap().unwrap();
         dir.write(&record.migrated()).unwrap();
         assert_eq!(check(), Vec::<String>::new());
+
+        // A record that names no ruleset over a pod that holds the current one (a build from
+        // before records named it, the same record format): intact, the kernel telling which.
+        let unstated = Record { ruleset: None, ..record.clone() };
+        dir.write(&unstated).unwrap();
+        assert_eq!(check(), Vec::<String>::new(), "the current ruleset under a record naming none: intact");
+        assert_eq!(attachment::held_ruleset(&unstated, &netns).unwrap(), Recorded::Known(RulesetVersion::CURRENT));
+        // Its migration only writes the record: the tables are not programmed again.
+        let before = netns.run(aether_rules::nft::generation).unwrap().unwrap();
+        crate::repair::migrate(&state, &unstated).unwrap();
+        assert_eq!(netns.run(aether_rules::nft::generation).unwrap().unwrap(), before, "nothing committed");
+        let now = &dir.records()[0];
+        assert_eq!((now.ruleset, now.migrated_from), (Some(RulesetVersion::CURRENT.number()), None));
+        // Control: holding neither shape, it is compared with the
+        // first and found drifted (a chain of both removed).
+        dir.write(&unstated).unwrap();
+        let mut broken = aether_rules::capture_ruleset(&cfg).unwrap();
+        broken.halves[0].table.chains.pop();
+        netns.run(|| aether_rules::install(&broken, None)).unwrap().unwrap();
+        assert_eq!(attachment::held_ruleset(&unstated, &netns).unwrap(), Recorded::Known(RulesetVersion::FIRST));
+        assert!(!check().is_empty(), "a pod holding neither shape is not intact");
         drop(ns);
         let _ = std::fs::remove_dir_all(&state);
     }

@@ -73,6 +73,12 @@ pub fn to_record(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
 pub fn migrate(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
     let (now, netns, _lock) = locked(state_dir, seen)?;
     let cfg = now.capture.as_ref().ok_or_else(|| RepairError::NoCapture(seen.key()))?;
+    // A record that names no ruleset, over a pod that holds the current one (a build from
+    // before records named it): nothing to program, only the record to bring up to date.
+    if now.ruleset.is_none() && matches!(crate::attachment::held_ruleset(&now, &netns), Ok(r) if r.is_current()) {
+        StateDir::new(state_dir).write(&Record { ruleset: Some(capture::RulesetVersion::CURRENT.number()), ..now })?;
+        return Ok(());
+    }
     let ruleset = capture::capture_ruleset(cfg)?;
     netns.run(|| aether_rules::install(&ruleset, None))??;
     StateDir::new(state_dir).write(&now.migrated())?;
