@@ -10,7 +10,10 @@
 //! - the datapath: new TCP connections per second through a pod's layer with 10 and with
 //!   10,000 Services;
 //! - the kernel memory one pod's layer costs at 1,000 and 10,000 Services (`/proc/meminfo`
-//!   deltas over many netns);
+//!   deltas over many netns), and at 10,000 as a memory cgroup is charged for it (a child
+//!   process of the bench's in a cgroup of its own builds one pod's layer): IPv4, dual-stack,
+//!   and beside them 10,000 Services that share no port profile (three elements each, what
+//!   every Service cost before profiles);
 //! - the figures measured before the scale work ("before").
 //!
 //! Writes `bench/results/services-scale.{json,md}` and, with python3-matplotlib, the chart
@@ -534,6 +537,40 @@ fn kernel_memory(l: ServiceLayer, pods: usize) -> f64 {
     d("SUnreclaim") + d("VmallocUsed")
 }
 
+/// Set in the child `kernel_memory_charged` starts: which layer it builds.
+const MEMCG_LAYER: &str = "AETHER_BENCH_MEMCG_LAYER";
+
+/// `layer(n)` with no port profile shared: ports 80 and 10,000 + `i`.
+fn unshared(n: u32) -> ServiceLayer {
+    let mut l = layer(n);
+    for (k, p) in l.ports.iter_mut().enumerate() {
+        if k % 2 == 1 {
+            p.port = 10_000 + (k / 2) as u16;
+        }
+    }
+    l.ports.sort();
+    l
+}
+
+fn memcg_layer(which: &str) -> ServiceLayer {
+    let l = match which {
+        "ipv4" => layer(SERVICES),
+        "dual" => layer6(SERVICES, false),
+        "unshared" => unshared(SERVICES),
+        other => panic!("{MEMCG_LAYER}={other}: not a layer of the bench"),
+    };
+    ServiceLayer { divert_mark: 0xae71, ..l }
+}
+
+/// The kernel memory one pod's layer `which` (see `memcg_layer`) is charged, KiB: built into
+/// a fresh netns by a child process (this bench again) in a memory cgroup of its own.
+fn kernel_memory_charged(which: &str) -> f64 {
+    let cg = aether_testkit::memcg::ScratchMemcg::new("bscale", 1 << 30);
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.env(MEMCG_LAYER, which);
+    cg.charged_by(cmd, which) as f64 / 1024.0
+}
+
 /// New TCP connections per second from a pod through its layer (the connect is refused by
 /// nothing: a listener in a peer netns accepts and closes).
 fn connections_per_second(n: u32) -> f64 {
@@ -613,6 +650,13 @@ fn sh(cmd: &str, args: &[&str]) -> String {
 }
 
 fn main() {
+    if let Ok(which) = std::env::var(MEMCG_LAYER) {
+        let prepare = || services::Prepared::new(&memcg_layer(&which)).unwrap().expect("a layer");
+        assert!(aether_testkit::memcg::child_work(prepare, |p| {
+            p.rebuild().unwrap();
+        }));
+        return;
+    }
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some(LAUNCH) {
         launch(&args[2..]);
@@ -1101,6 +1145,33 @@ fn main() {
         kib_dual,
         "KiB",
     ));
+
+    // The same from a memory cgroup: what the kernel charges whoever builds the layer.
+    let charged = |which: &str| kernel_memory_charged(which);
+    let (cg4, cg_dual, cg_unshared) = (charged("ipv4"), charged("dual"), charged("unshared"));
+    println!("  kernel memory charged per pod layer (memory cgroup), {n} Services:          {cg4:>7.0} KiB");
+    println!("  kernel memory charged per pod layer (memory cgroup), {n} + {n} dual-stack:  {cg_dual:>7.0} KiB");
+    println!("  the same, {n} Services that share no port profile (as before profiles): {cg_unshared:>7.0} KiB");
+    figs.push(
+        Figure::value("kmem_cg_10k", &format!("kernel memory charged per pod layer, {n} IPv4 Services"), cg4, "KiB")
+            .goal(0.9 * 1024.0, "0.9 MiB".into()),
+    );
+    figs.push(
+        Figure::value(
+            "kmem_cg_dual",
+            &format!("kernel memory charged per pod layer, {n} + {n} dual-stack"),
+            cg_dual,
+            "KiB",
+        )
+        .goal(1.8 * 1024.0, "1.8 MiB".into()),
+    );
+    figs.push(Figure::value(
+        "kmem_cg_unshared",
+        &format!("kernel memory charged per pod layer, {n} Services sharing no port profile (three elements each)"),
+        cg_unshared,
+        "KiB",
+    ));
+    figs.push(Figure::value("kmem_cg_ratio", "charged per pod: shared profiles / none shared", cg4 / cg_unshared, "x"));
 
     println!("\n  goals");
     for f in figs.iter().filter(|f| f.goal.is_some()) {

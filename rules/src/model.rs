@@ -74,6 +74,9 @@ pub struct Set {
     /// Elements added by the datapath (`update @set`) expire after this many seconds; such a
     /// set is `dynamic` and its contents are the kernel's, never compared.
     pub timeout_secs: Option<u32>,
+    /// Not empty: the set is a verdict map (`type <key> : verdict`), and each of its elements
+    /// (`Element::Goto`) goes to one of these chains, by index.
+    pub goto_chains: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +175,9 @@ pub enum Element {
     Service6(Ipv6Addr, Proto, u16),
     /// A transport protocol.
     Proto(Proto),
+    /// In a verdict map: an address (of the map's family) and the index in the map's
+    /// `goto_chains` of the chain it goes to (`10.96.1.1 : goto ports_0`).
+    Goto(IpAddr, u16),
 }
 
 /// An inclusive port range; a single port is `first == last`.
@@ -355,6 +361,9 @@ pub enum Action {
     CountAccept(String),
     /// `counter name "<counter>" jump <chain>`
     CountJump(String, String),
+    /// `ip daddr vmap @map` (`ip6 daddr` in an IPv6 table): the verdict map's verdict for the
+    /// destination; the next rule when the address is not in it.
+    DaddrVmap(String),
     /// `update @set { ip daddr . meta l4proto . th dport }`, then the next rule.
     UpdateServiceKeySet(String),
     /// `reject with tcp reset`
@@ -412,6 +421,7 @@ impl fmt::Display for InFamily<'_, Action> {
             Action::Jump(c) => write!(f, "jump {c}"),
             Action::CountAccept(c) => write!(f, "counter name {c:?} accept"),
             Action::CountJump(c, chain) => write!(f, "counter name {c:?} jump {chain}"),
+            Action::DaddrVmap(map) => write!(f, "{ip} daddr vmap @{map}"),
             Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ {ip} daddr . meta l4proto . th dport }}"),
             Action::RejectTcpReset => write!(f, "reject with tcp reset"),
             Action::RejectIcmpPortUnreachable if self.1 == Family::Ipv6 => {
@@ -448,6 +458,7 @@ impl fmt::Display for Element {
             Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
             Element::Service6(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
             Element::Proto(p) => write!(f, "{}", p.name()),
+            Element::Goto(a, chain) => write!(f, "{a} : goto #{chain}"),
         }
     }
 }
@@ -467,8 +478,16 @@ impl fmt::Display for Table {
                 (false, Some(t)) => format!("; flags dynamic,timeout; timeout {t}s"),
                 (false, None) => String::new(),
             };
-            writeln!(f, "\t\ttype {}{flags}", set.key.name())?;
-            let elems: Vec<String> = set.elements.iter().map(|e| e.to_string()).collect();
+            let data = if set.goto_chains.is_empty() { "" } else { " : verdict" };
+            writeln!(f, "\t\ttype {}{data}{flags}", set.key.name())?;
+            let elems: Vec<String> = set
+                .elements
+                .iter()
+                .map(|e| match e {
+                    Element::Goto(a, i) => format!("{a} : goto {}", set.goto_chains[usize::from(*i)]),
+                    e => e.to_string(),
+                })
+                .collect();
             writeln!(f, "\t\telements = {{ {} }}", elems.join(", "))?;
             writeln!(f, "\t}}")?;
         }

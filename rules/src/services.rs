@@ -31,12 +31,31 @@ use crate::model::*;
 use crate::nft;
 
 pub const TABLE: &str = "aether_services";
+/// The layer's shape: raised whenever the same snapshot comes to be built differently in the
+/// kernel. A node's record of what a pod holds names the shape (`layer_file`'s digest mixes it
+/// in), so after an upgrade every pod holding an older shape is rebuilt once, counters
+/// carried over. 2: Services as one verdict map element each, to a profile chain.
+pub const SHAPE: u64 = 2;
 
 mod change;
 pub use change::LayerChange;
 pub const CHAIN_EGRESS: &str = "egress_classify";
 pub const CHAIN_CLASSIFY: &str = "classify";
 pub const CHAIN_REFUSE: &str = "refuse";
+/// Where a Service without a profile chain of its own goes: its ports looked up by
+/// `VIP . proto . port` in `service_ports` and `empty_services`.
+pub const CHAIN_BY_KEY: &str = "by_key";
+/// A profile chain is `ports_<its ports>` (`profile_chain`): a rule per declared port, then
+/// "not declared".
+pub const PROFILE_CHAIN_PREFIX: &str = "ports_";
+/// A profile of more ports than this gets no chain (a packet meets at most this many rules
+/// in a profile chain, plus one).
+pub const MAX_PROFILE_PORTS: usize = 8;
+/// At most this many profile chains per table (the most shared profiles).
+pub const MAX_PROFILE_CHAINS: usize = 128;
+/// A profile gets a chain when at least this many Services share it: a chain costs the
+/// kernel about what this many Services' port elements do.
+pub const MIN_SERVICES_PER_PROFILE: usize = 8;
 /// After capture's `egress_divert` (route, -150), before its DNS DNAT (nat, -100).
 pub const EGRESS_PRIORITY: i32 = -140;
 
@@ -44,6 +63,7 @@ pub const SET_RANGES: &str = "service_ranges";
 pub const SET_MESH_VIPS: &str = "mesh_vips";
 pub const SET_SERVICE_PORTS: &str = "service_ports";
 pub const SET_EMPTY: &str = "empty_services";
+/// A verdict map: each Service VIP to `goto` its port profile's chain.
 pub const SET_VIPS: &str = "service_vips";
 pub const SET_NEVER_REFUSED: &str = "never_refused";
 pub const SET_DIALLED: &str = "dialled";
@@ -108,7 +128,15 @@ pub struct ServiceLayer {
     pub dialled_timeout_secs: u32,
     /// Capture's divert mark: what the layer classifies.
     pub divert_mark: u32,
+    /// The profiles that get chains, when decided over a larger layer than this one: a layer
+    /// cut down to the Services a change touches (the node's `narrowed`) keeps the whole
+    /// layer's decision, so its change is the whole layers' change. `None`: decided over
+    /// this layer's own Services.
+    pub chained: Option<ProfileChains>,
 }
+
+/// The profiles that get a chain of their own, per family (`chained_profiles`).
+pub type ProfileChains = BTreeMap<Family, Vec<Profile>>;
 
 impl ServiceLayer {
     pub fn new(mode: LayerMode) -> Self {
@@ -138,6 +166,62 @@ impl ServiceLayer {
                 IpNet::V6(n) => IpAddr::from(std::net::Ipv6Addr::from(u128::from(n.network()) + 1)),
             })
             .collect()
+    }
+}
+
+/// What one pod's layer holds in the kernel, over its tables: what its memory is made of.
+/// Elements dominate (about 70 bytes each, one per Service when profiles are shared); a
+/// chain with its rules costs about what 15 elements do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayerSize {
+    /// Set and map elements as sent (an interval set's range counts its start and end keys;
+    /// the `dialled` set's, filled by the datapath, are not counted).
+    pub elements: usize,
+    pub chains: usize,
+    pub rules: usize,
+}
+
+impl ServiceLayer {
+    /// The kernel objects one pod's layer for `self` holds (none in mode `off`): for
+    /// estimating what building it in many pods will charge.
+    pub fn size(&self) -> Result<LayerSize> {
+        let mut size = LayerSize::default();
+        for t in services_tables(self)? {
+            size.elements += t.sets.iter().map(|s| nft::set_keys(s, &s.elements).len()).sum::<usize>();
+            size.chains += t.chains.len();
+            size.rules += t.chains.iter().map(|c| c.rules.len()).sum::<usize>();
+        }
+        Ok(size)
+    }
+
+    /// The set and map elements one pod's layer holds (`size().elements`), counted from the
+    /// lists without building the tables: for a node that estimates an apply's charge.
+    pub fn element_count(&self) -> Result<usize> {
+        let tables = match self.mode {
+            LayerMode::Off => return Ok(0),
+            _ => self.families(),
+        };
+        let mut n = 0;
+        for family in tables {
+            let ours = |a: &IpAddr| Family::of(*a) == family;
+            let ranges = range_elements(&self.ranges, family)
+                .iter()
+                .map(|e| nft::key::interval_keys(KeyType::addr(family), e).len())
+                .sum::<usize>();
+            let mesh = self.mesh_vips.iter().filter(|a| ours(a)).collect::<BTreeSet<_>>().len();
+            let never_refused = self.never_refused().into_iter().filter(ours).count();
+            let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
+            let services = service_profiles(self, family);
+            let chained = match &self.chained {
+                Some(c) => c.get(&family).cloned().unwrap_or_default(),
+                None => chained_profiles(&services),
+            };
+            // One map element per VIP, and the ports of those without a profile chain.
+            let keyed: usize =
+                services.iter().filter(|(_, p)| chained.binary_search(p).is_err()).map(|(_, p)| p.len()).sum();
+            n += ranges + mesh + never_refused + refusing + services.len() + keyed;
+        }
+        Ok(n)
     }
 }
 
@@ -189,8 +273,138 @@ pub fn services_tables(layer: &ServiceLayer) -> Result<Vec<Table>> {
     Ok(layer.families().into_iter().map(|f| family_table(layer, f)).collect())
 }
 
+/// A Service's port profile: the ports it declares, each (protocol, port, has a usable
+/// endpoint), sorted. Services of one profile share its chain.
+pub type Profile = Vec<(Proto, u16, bool)>;
+
+/// The Services of `family`, by VIP (sorted), each with its profile. A port listed twice
+/// has an endpoint when either listing has one (as the old `service_ports` matched first).
+pub fn service_profiles(layer: &ServiceLayer, family: Family) -> Vec<(IpAddr, Profile)> {
+    let mut ports: Vec<&ServicePort> = layer.ports.iter().filter(|p| Family::of(p.vip) == family).collect();
+    if !ports.is_sorted() {
+        ports.sort();
+    }
+    let mut out: Vec<(IpAddr, Profile)> = Vec::new();
+    for p in ports {
+        match out.last_mut() {
+            Some((vip, profile)) if *vip == p.vip => match profile.last_mut() {
+                Some(last) if (last.0, last.1) == (p.proto, p.port) => last.2 |= p.has_endpoints,
+                _ => profile.push((p.proto, p.port, p.has_endpoints)),
+            },
+            _ => out.push((p.vip, vec![(p.proto, p.port, p.has_endpoints)])),
+        }
+    }
+    out
+}
+
+/// The profiles that get a chain of their own, in profile order: those of at most `MAX_PROFILE_PORTS`
+/// ports that at least `MIN_SERVICES_PER_PROFILE` Services share, the `MAX_PROFILE_CHAINS`
+/// most shared. Every other Service is looked up by `VIP . proto . port` (`by_key`).
+pub fn chained_profiles(services: &[(IpAddr, Profile)]) -> Vec<Profile> {
+    let mut counts: BTreeMap<&Profile, usize> = BTreeMap::new();
+    for (_, p) in services {
+        *counts.entry(p).or_default() += 1;
+    }
+    choose_chained(counts.into_iter().map(|(p, n)| (p.clone(), n)).collect())
+}
+
+/// The one decision of which profiles get chains, from how many Services declare each.
+fn choose_chained(counts: Vec<(Profile, usize)>) -> Vec<Profile> {
+    let mut shared: Vec<(Profile, usize)> =
+        counts.into_iter().filter(|(p, n)| p.len() <= MAX_PROFILE_PORTS && *n >= MIN_SERVICES_PER_PROFILE).collect();
+    // Most shared first; among equals, profile order (stable).
+    shared.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut chained: Vec<Profile> = shared.into_iter().take(MAX_PROFILE_CHAINS).map(|(p, _)| p).collect();
+    chained.sort();
+    chained
+}
+
+impl ServiceLayer {
+    /// The profiles that get chains in each family this layer has Services of (`chained`
+    /// when set): counted over its sorted ports without a list per Service, for a node that
+    /// decides it over two whole layers on every change.
+    pub fn profile_chains(&self) -> ProfileChains {
+        if let Some(c) = &self.chained {
+            return c.clone();
+        }
+        let mut sorted = std::borrow::Cow::Borrowed(&self.ports[..]);
+        if !sorted.is_sorted() {
+            sorted.to_mut().sort();
+        }
+        let mut counts: BTreeMap<Family, std::collections::HashMap<Vec<u8>, usize>> = BTreeMap::new();
+        let mut key: Vec<u8> = Vec::new();
+        let mut flush = |vip: IpAddr, key: &mut Vec<u8>| {
+            let family = counts.entry(Family::of(vip)).or_default();
+            match family.get_mut(&key[..]) {
+                Some(n) => *n += 1,
+                None => {
+                    family.insert(key.clone(), 1);
+                }
+            }
+            key.clear();
+        };
+        // A profile as bytes: (protocol, port, has endpoints) per port, a port listed twice
+        // merged as `service_profiles` merges it.
+        for (i, p) in sorted.iter().enumerate() {
+            let last = key.len().checked_sub(4);
+            match last {
+                Some(at)
+                    if sorted[i - 1].vip == p.vip
+                        && key[at..at + 3] == [p.proto.number(), (p.port >> 8) as u8, p.port as u8] =>
+                {
+                    key[at + 3] |= p.has_endpoints as u8;
+                }
+                _ => {
+                    key.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8])
+                }
+            }
+            if sorted.get(i + 1).is_none_or(|n| n.vip != p.vip) {
+                flush(p.vip, &mut key);
+            }
+        }
+        let profile = |b: &[u8]| -> Profile {
+            b.chunks(4)
+                .map(|c| (if c[0] == 6 { Proto::Tcp } else { Proto::Udp }, u16::from_be_bytes([c[1], c[2]]), c[3] != 0))
+                .collect()
+        };
+        counts
+            .into_iter()
+            .map(|(f, c)| (f, choose_chained(c.into_iter().map(|(k, n)| (profile(&k), n)).collect())))
+            .collect()
+    }
+}
+
+/// The Service VIPs of `layers` whose profile has a chain in one of two decisions and not in
+/// the other (none when they are equal): their map elements change with the decision.
+pub fn rechained_vips(layers: [&ServiceLayer; 2], a: &ProfileChains, b: &ProfileChains) -> Vec<IpAddr> {
+    if a == b {
+        return Vec::new();
+    }
+    let chained = |c: &ProfileChains, f, p: &Profile| c.get(&f).is_some_and(|v| v.binary_search(p).is_ok());
+    let mut out = Vec::new();
+    for l in layers {
+        for f in Family::ALL {
+            let flipped = service_profiles(l, f).into_iter().filter(|(_, p)| chained(a, f, p) != chained(b, f, p));
+            out.extend(flipped.map(|(vip, _)| vip));
+        }
+    }
+    out
+}
+
+/// The name of a profile's chain, made of the profile itself (`ports_tcp80_tcp8080`; a port
+/// without a usable endpoint `tcp80-noep`), so a profile's chain keeps its name whatever
+/// other profiles come and go, and a change adds or removes just the chains that differ.
+pub fn profile_chain(profile: &Profile) -> String {
+    let mut name = PROFILE_CHAIN_PREFIX.trim_end_matches('_').to_string();
+    for &(proto, port, ok) in profile {
+        name.push_str(&format!("_{}{port}{}", proto.name(), if ok { "" } else { "-noep" }));
+    }
+    name
+}
+
 /// The layer's table of `family`: the same sets, chains and rules in each family, holding
-/// that family's ranges, VIPs and ports.
+/// that family's ranges, VIPs and ports (the profile chains are those of the family's own
+/// Services).
 fn family_table(layer: &ServiceLayer, family: Family) -> Table {
     let set = |name: &str, key: KeyType, interval: bool, elements: Vec<Element>, comment: &str| Set {
         name: name.into(),
@@ -199,28 +413,59 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
         elements,
         comment: comment.into(),
         timeout_secs: None,
+        goto_chains: Vec::new(),
     };
     let ours = |a: &IpAddr| Family::of(*a) == family;
     let addrs = |set: BTreeSet<IpAddr>| set.into_iter().filter(ours).map(addr_element).collect::<Vec<_>>();
-    let ports = |with_endpoints: bool| {
-        let keys: BTreeSet<(IpAddr, Proto, u16)> = layer
-            .ports
-            .iter()
-            .filter(|p| p.has_endpoints == with_endpoints && ours(&p.vip))
-            .map(|p| (p.vip, p.proto, p.port))
-            .collect();
-        keys.into_iter().map(service_element).collect::<Vec<_>>()
+    let services = service_profiles(layer, family);
+    let chained = match &layer.chained {
+        Some(c) => c.get(&family).cloned().unwrap_or_default(),
+        None => chained_profiles(&services),
     };
+    // The map's chains: the lookup by key first, then each chained profile's.
+    let mut goto_chains = vec![CHAIN_BY_KEY.to_string()];
+    goto_chains.extend(chained.iter().map(profile_chain));
+    let (mut vips, mut with_endpoints, mut without) = (Vec::new(), Vec::new(), Vec::new());
+    for (vip, profile) in &services {
+        match chained.binary_search(profile) {
+            Ok(i) => vips.push(Element::Goto(*vip, (i + 1) as u16)),
+            Err(_) => {
+                vips.push(Element::Goto(*vip, 0));
+                for &(proto, port, ok) in profile {
+                    let e = service_element((*vip, proto, port));
+                    if ok {
+                        with_endpoints.push(e)
+                    } else {
+                        without.push(e)
+                    }
+                }
+            }
+        }
+    }
     let (addr_key, service_key) = (KeyType::addr(family), KeyType::service(family));
     let mut dialled =
         set(SET_DIALLED, service_key, false, Vec::new(), "VIP . proto . port dialled in the Service ranges (demand)");
     dialled.timeout_secs = Some(layer.dialled_timeout_secs);
+    let mut service_vips = set(SET_VIPS, addr_key, false, vips, "every Service VIP: goto its port profile's chain");
+    service_vips.goto_chains = goto_chains;
     let sets = vec![
         set(SET_RANGES, addr_key, true, range_elements(&layer.ranges, family), "ServiceCIDRs and ClusterSetIPs"),
         set(SET_MESH_VIPS, addr_key, false, addrs(layer.mesh_vips.iter().copied().collect()), "VIPs of mesh Services"),
-        set(SET_SERVICE_PORTS, service_key, false, ports(true), "the Service index: ports of Services with endpoints"),
-        set(SET_EMPTY, service_key, false, ports(false), "ports of Services without a usable endpoint"),
-        set(SET_VIPS, addr_key, false, addrs(layer.ports.iter().map(|p| p.vip).collect()), "every Service VIP"),
+        set(
+            SET_SERVICE_PORTS,
+            service_key,
+            false,
+            with_endpoints,
+            "ports with endpoints of Services without a profile chain",
+        ),
+        set(
+            SET_EMPTY,
+            service_key,
+            false,
+            without,
+            "ports without a usable endpoint of Services without a profile chain",
+        ),
+        service_vips,
         set(
             SET_NEVER_REFUSED,
             addr_key,
@@ -267,52 +512,71 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
             "demand: remember what was dialled in the Service ranges",
         ),
         rule(
-            vec![Match::ServiceKeyInSet(SET_SERVICE_PORTS.into())],
-            Action::CountAccept("service".into()),
-            "a known Service port with endpoints",
-        ),
-        rule(
             vec![Match::DaddrInSet(SET_NEVER_REFUSED.into())],
             Action::CountAccept("service".into()),
             "the API server Service is never refused, whatever the snapshot says",
+        ),
+        rule(vec![], Action::DaddrVmap(SET_VIPS.into()), "a Service VIP: its port profile decides"),
+        rule(vec![], refusal("refused_no_service"), "in a Service range, and no Service owns the address"),
+    ];
+    let by_key = vec![
+        rule(
+            vec![Match::ServiceKeyInSet(SET_SERVICE_PORTS.into())],
+            Action::CountAccept("service".into()),
+            "a known Service port with endpoints",
         ),
         rule(
             vec![Match::ServiceKeyInSet(SET_EMPTY.into())],
             refusal("refused_no_endpoints"),
             "a Service port without a usable endpoint",
         ),
-        rule(
-            vec![Match::DaddrInSet(SET_VIPS.into())],
-            refusal("refused_port_not_declared"),
-            "a Service VIP, on a port the Service does not declare",
-        ),
-        rule(vec![], refusal("refused_no_service"), "in a Service range, and no Service owns the address"),
+        rule(vec![], refusal("refused_port_not_declared"), "a Service VIP, on a port the Service does not declare"),
     ];
-    let chains = vec![
+    let mut chains = vec![
         Chain {
             name: CHAIN_EGRESS.into(),
             hook: Some(BaseHook { kind: ChainKind::Filter, hook: Hook::Output, priority: EGRESS_PRIORITY }),
             rules: egress,
         },
         Chain { name: CHAIN_CLASSIFY.into(), hook: None, rules: classify },
-        Chain {
-            name: CHAIN_REFUSE.into(),
-            hook: None,
-            rules: vec![
-                rule(
-                    vec![Match::L4ProtoNotInSet(SET_REFUSING.into())],
-                    Action::Accept,
-                    "count mode: counted as it would be refused, and passes",
-                ),
-                rule(
-                    vec![Match::L4Proto(Proto::Tcp)],
-                    Action::RejectTcpReset,
-                    "refused: the client sees a connection reset",
-                ),
-                rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
-            ],
-        },
+        Chain { name: CHAIN_BY_KEY.into(), hook: None, rules: by_key },
     ];
+    for profile in &chained {
+        let mut rules: Vec<Rule> = profile
+            .iter()
+            .map(|&(proto, port, ok)| match ok {
+                true => rule(
+                    vec![Match::Dport(proto, port)],
+                    Action::CountAccept("service".into()),
+                    "declared, with endpoints",
+                ),
+                false => rule(
+                    vec![Match::Dport(proto, port)],
+                    refusal("refused_no_endpoints"),
+                    "declared, no usable endpoint",
+                ),
+            })
+            .collect();
+        rules.push(rule(vec![], refusal("refused_port_not_declared"), "a port the Service does not declare"));
+        chains.push(Chain { name: profile_chain(profile), hook: None, rules });
+    }
+    chains.push(Chain {
+        name: CHAIN_REFUSE.into(),
+        hook: None,
+        rules: vec![
+            rule(
+                vec![Match::L4ProtoNotInSet(SET_REFUSING.into())],
+                Action::Accept,
+                "count mode: counted as it would be refused, and passes",
+            ),
+            rule(
+                vec![Match::L4Proto(Proto::Tcp)],
+                Action::RejectTcpReset,
+                "refused: the client sees a connection reset",
+            ),
+            rule(vec![], Action::RejectIcmpPortUnreachable, "refused: the client sees port unreachable"),
+        ],
+    });
     Table { family, name: TABLE.into(), sets, counters: COUNTERS.iter().map(|c| c.to_string()).collect(), chains }
 }
 
@@ -330,8 +594,8 @@ pub enum Applied {
 }
 
 /// Makes the current netns hold the layer for `layer`. When the kernel's tables have the
-/// same structure (sets, chains, rules, counters) and only set elements differ, only the
-/// changed elements are sent, in one transaction. Otherwise the tables are replaced in one
+/// same structure (sets, chains, rules, counters) and only set elements and whole profile
+/// chains differ, only those are sent, in one transaction. Otherwise the tables are replaced in one
 /// transaction, their counters starting from the values read just before (a connection
 /// counted between that read and the replace is lost; structure changes are mode changes).
 pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
@@ -344,7 +608,7 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
         let expected = tables.iter().find(|t| t.family == family);
         match (expected, nft::kernel_view(family, TABLE)?) {
             (None, None) => {}
-            (Some(t), Some(actual)) => match element_diff(&nft::expected_view(t), &actual) {
+            (Some(t), Some(actual)) => match table_diff(t, &nft::expected_view(t), &actual) {
                 Some(c) if c.is_empty() => {}
                 Some(c) => changes.push((family, c)),
                 None => return rebuild_tables(&tables, None),
@@ -356,9 +620,9 @@ pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
     if changes.is_empty() {
         return Ok(Applied::Unchanged);
     }
-    let added = changes.iter().flat_map(|(_, c)| c).map(|c| c.add.len()).sum();
-    let removed = changes.iter().flat_map(|(_, c)| c).map(|c| c.delete.len()).sum();
-    nft::change_elements(TABLE, &changes)?;
+    let added = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum();
+    let removed = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.delete.len()).sum();
+    nft::change_tables(TABLE, &changes)?;
     Ok(Applied::Elements { added, removed })
 }
 
@@ -443,22 +707,38 @@ impl Prepared {
     }
 }
 
-/// The element changes that turn `actual` into `expected`, or `None` when more than
-/// elements differ (or an interval set changed: its elements are ranges, rebuilt whole).
-fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) -> Option<Vec<nft::ElementChange>> {
+/// The changes that turn `actual` into `expected` (the model table `model`'s view): set
+/// elements, and profile chains the one has and the other lacks; `None` when more differs
+/// (or an interval set changed: its elements are ranges, rebuilt whole).
+fn table_diff(
+    model: &Table,
+    expected: &nft::read::TableView,
+    actual: &nft::read::TableView,
+) -> Option<nft::TableChange> {
+    let is_profile = |name: &str| name.starts_with(PROFILE_CHAIN_PREFIX);
+    let has = |v: &nft::read::TableView, name: &str| v.chains.iter().any(|c| c.name == name);
+    let mut change = nft::TableChange::default();
+    for c in model.chains.iter().filter(|c| is_profile(&c.name) && !has(actual, &c.name)) {
+        change.add_chains.push(c.clone());
+    }
+    for c in actual.chains.iter().filter(|c| is_profile(&c.name) && !has(expected, &c.name)) {
+        change.delete_chains.push(c.name.clone());
+    }
+    // The rest compared without elements, counts, and the profile chains only one side has.
     let strip = |v: &nft::read::TableView| {
         let mut v = v.clone();
         for s in &mut v.sets {
             s.elements.clear();
         }
         v.counters.values_mut().for_each(|c| *c = (0, 0));
+        v.chains
+            .retain(|c| !change.add_chains.iter().any(|a| a.name == c.name) && !change.delete_chains.contains(&c.name));
         v
     };
     let structural = nft::read::diff(&strip(expected), &strip(actual));
     if !structural.is_empty() {
         return None;
     }
-    let mut changes = Vec::new();
     for e in &expected.sets {
         if e.is_dynamic() {
             continue;
@@ -470,13 +750,13 @@ fn element_diff(expected: &nft::read::TableView, actual: &nft::read::TableView) 
         if e.is_interval() {
             return None;
         }
-        changes.push(nft::ElementChange {
+        change.elements.push(nft::ElementChange {
             set: e.name.clone(),
             delete: a.elements.difference(&e.elements).cloned().collect(),
             add: e.elements.difference(&a.elements).cloned().collect(),
         });
     }
-    Some(changes)
+    Some(change)
 }
 
 /// Removes the layer (the tables of both families) from the current netns; `Ok(false)` when
@@ -533,8 +813,8 @@ pub fn counters() -> Result<Option<BTreeMap<String, u64>>> {
 pub fn demand() -> Result<Vec<(IpAddr, Proto, u16)>> {
     let mut out = Vec::new();
     for family in Family::ALL {
-        for (key, _) in nft::set_elements(family, TABLE, SET_DIALLED)? {
-            let Some((addr, proto, port)) = nft::key::parse_service_key(&key) else { continue };
+        for e in nft::set_elements(family, TABLE, SET_DIALLED)? {
+            let Some((addr, proto, port)) = nft::key::parse_service_key(&e.key) else { continue };
             let proto = match proto {
                 6 => Proto::Tcp,
                 17 => Proto::Udp,
@@ -593,22 +873,168 @@ mod tests {
         assert_eq!(got, ["10.96.0.1", "10.200.0.7"]);
     }
 
+    /// Rules grow with the port profiles, never with the Services: 5,000 Services of two
+    /// profiles have the rules of the fewest Services that give those profiles chains; and a table never has more
+    /// than the fixed rules plus `MAX_PROFILE_CHAINS` chains of `MAX_PROFILE_PORTS` + 1.
     #[test]
     fn rule_count_does_not_grow_with_services() {
-        let small = one_table(&layer());
-        let mut big = layer();
-        for i in 0..5000u32 {
-            big.ports.push(ServicePort {
-                vip: std::net::Ipv4Addr::from(0x0a60_0000 + i).into(),
-                proto: Proto::Tcp,
-                port: 443,
-                has_endpoints: i % 7 != 0,
-            });
-        }
-        let big = one_table(&big);
         let rules = |t: &Table| t.chains.iter().map(|c| c.rules.len()).sum::<usize>();
+        let with = |n: u32, port: fn(u32) -> u16| {
+            let mut l = layer();
+            for i in 0..n {
+                l.ports.push(ServicePort {
+                    vip: std::net::Ipv4Addr::from(0x0a60_4000 + i).into(),
+                    proto: Proto::Tcp,
+                    port: port(i),
+                    has_endpoints: i % 7 != 0,
+                });
+            }
+            one_table(&l)
+        };
+        // One Service in 7 lacks endpoints: both profiles have chains from 7 x the minimum on.
+        let (small, big) = (with(7 * MIN_SERVICES_PER_PROFILE as u32, |_| 443), with(5000, |_| 443));
         assert_eq!(rules(&small), rules(&big));
         assert!(big.chains.iter().flat_map(|c| &c.rules).all(|r| !r.comment.is_empty()));
+        // 5,000 distinct profiles: the most shared get chains, up to the bound; the rest are
+        // looked up by key.
+        let many = with(5000, |i| 1000 + i as u16);
+        let fixed = rules(&one_table(&ServiceLayer { ports: Vec::new(), ..layer() }));
+        assert!(rules(&many) <= fixed + MAX_PROFILE_CHAINS * (MAX_PROFILE_PORTS + 1), "{} rules", rules(&many));
+        let keyed =
+            |t: &Table| t.sets.iter().filter(|s| s.key == KeyType::ServiceKey).map(|s| s.elements.len()).sum::<usize>();
+        assert!(keyed(&many) >= 5000 - MAX_PROFILE_CHAINS, "the rest by key: {}", keyed(&many));
+    }
+
+    /// `l` with `n - 1` more Services of each Service's ports (VIPs 256 apart, IPv6 ones
+    /// 65,536 apart), so every profile is shared by `n` Services.
+    fn copies(l: &ServiceLayer, n: u32) -> ServiceLayer {
+        let mut out = l.clone();
+        for k in 1..n {
+            out.ports.extend(l.ports.iter().map(|p| ServicePort {
+                vip: match p.vip {
+                    IpAddr::V4(a) => std::net::Ipv4Addr::from(u32::from(a) + 256 * k).into(),
+                    IpAddr::V6(a) => std::net::Ipv6Addr::from(u128::from(a) + (u128::from(k) << 16)).into(),
+                },
+                ..*p
+            }));
+        }
+        out
+    }
+
+    /// Each Service VIP is one element of the verdict map: to its profile's chain when
+    /// `MIN_SERVICES_PER_PROFILE` Services share it, else to `by_key`, its ports then in the
+    /// keyed sets. A profile chain has a rule per port, then "not declared".
+    #[test]
+    fn a_service_is_one_map_element_to_its_profiles_chain() {
+        let map_of = |t: &Table| {
+            let map = t.sets.iter().find(|s| s.name == SET_VIPS).unwrap().clone();
+            map.elements
+                .iter()
+                .map(|e| match e {
+                    Element::Goto(a, i) => (a.to_string(), map.goto_chains[usize::from(*i)].clone()),
+                    e => panic!("{e} in a verdict map"),
+                })
+                .collect::<BTreeMap<String, String>>()
+        };
+        let keyed =
+            |t: &Table| t.sets.iter().filter(|s| s.key == KeyType::ServiceKey).map(|s| s.elements.len()).sum::<usize>();
+        let few = one_table(&copies(&layer(), MIN_SERVICES_PER_PROFILE as u32 - 1));
+        assert!(map_of(&few).values().all(|c| c == CHAIN_BY_KEY));
+        assert_eq!(keyed(&few), 2 * (MIN_SERVICES_PER_PROFILE - 1));
+        assert!(!few.chains.iter().any(|c| c.name.starts_with(PROFILE_CHAIN_PREFIX)));
+        let t = one_table(&copies(&layer(), MIN_SERVICES_PER_PROFILE as u32));
+        let map = map_of(&t);
+        assert_eq!((map["10.96.1.1"].as_str(), map["10.96.1.2"].as_str()), ("ports_tcp80", "ports_tcp80-noep"));
+        assert_eq!(map.len(), 2 * MIN_SERVICES_PER_PROFILE);
+        assert_eq!(keyed(&t), 0);
+        let chain = t.chains.iter().find(|c| c.name == "ports_tcp80-noep").unwrap();
+        assert_eq!(chain.rules[0].matches, [Match::Dport(Proto::Tcp, 80)]);
+        assert_eq!(chain.rules[0].action, Action::CountJump("refused_no_endpoints".into(), CHAIN_REFUSE.into()));
+        assert_eq!(chain.rules[1].action, Action::CountJump("refused_port_not_declared".into(), CHAIN_REFUSE.into()));
+    }
+
+    /// `profile_chains` (the count over sorted ports a node makes on every change) decides as
+    /// the table builder does, on random layers of both families with ports listed twice.
+    #[test]
+    fn profile_chains_decide_as_the_builder_does() {
+        let mut seed = 0x9e37_79b9_u64;
+        let mut next = move |m: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % m
+        };
+        for round in 0..100 {
+            let mut l = ServiceLayer { ports: Vec::new(), ..dual() };
+            for i in 0..(50 + next(200)) {
+                let vip: IpAddr = if i % 3 == 0 {
+                    std::net::Ipv6Addr::from(0xfd00_0010_0096_0000_0000_0000_0001_0000u128 + u128::from(i)).into()
+                } else {
+                    std::net::Ipv4Addr::from(0x0a60_1000 + i as u32).into()
+                };
+                for _ in 0..1 + next(3) {
+                    let proto = if next(4) == 0 { Proto::Udp } else { Proto::Tcp };
+                    l.ports.push(ServicePort { vip, proto, port: 80 + next(3) as u16, has_endpoints: next(5) != 0 });
+                }
+            }
+            if round % 2 == 0 {
+                l.ports.sort();
+            }
+            let builder: ProfileChains = l
+                .families()
+                .into_iter()
+                .map(|f| (f, chained_profiles(&service_profiles(&l, f))))
+                .filter(|(_, c)| !c.is_empty())
+                .collect();
+            let mut counted = l.profile_chains();
+            counted.retain(|_, c| !c.is_empty());
+            assert_eq!(counted, builder, "round {round}");
+        }
+    }
+
+    /// One element per Service where profiles are shared; three where none is.
+    #[test]
+    fn the_layers_size_counts_one_element_per_service_where_profiles_are_shared() {
+        let fixed = ServiceLayer { ports: Vec::new(), ..layer() }.size().unwrap();
+        let shared = copies(&layer(), 100).size().unwrap();
+        // layer(): 10.96.1.1 (two ports) and 10.96.1.2, each now shared by 100 Services.
+        assert_eq!(shared.elements, fixed.elements + 200);
+        assert_eq!(shared.chains, fixed.chains + 2);
+        let mut unshared = ServiceLayer { ports: Vec::new(), ..layer() };
+        for i in 0..100u32 {
+            for port in [80, 1000 + i as u16] {
+                let vip = std::net::Ipv4Addr::from(0x0a60_4000 + i).into();
+                unshared.ports.push(ServicePort { vip, proto: Proto::Tcp, port, has_endpoints: true });
+            }
+        }
+        assert_eq!(unshared.element_count().unwrap(), fixed.elements + 300);
+        for l in [layer(), dual(), copies(&dual(), 20), unshared, ServiceLayer { mode: LayerMode::Count, ..dual() }] {
+            assert_eq!(l.element_count().unwrap(), l.size().unwrap().elements, "counted as built: {l:?}");
+        }
+        assert_eq!(ServiceLayer::new(LayerMode::Off).size().unwrap(), LayerSize::default());
+    }
+
+    /// A profile that comes to be shared by `MIN_SERVICES_PER_PROFILE` Services gets its
+    /// chain by a change (no rebuild): the chain added, its Services' map elements pointed
+    /// at it, their keyed ports removed; and back.
+    #[test]
+    fn a_profile_chain_comes_and_goes_by_a_change() {
+        let mut one = ServiceLayer { ports: Vec::new(), ..layer() };
+        one.ports.push(ServicePort {
+            vip: "10.96.7.1".parse().unwrap(),
+            proto: Proto::Tcp,
+            port: 443,
+            has_endpoints: true,
+        });
+        let below = copies(&one, MIN_SERVICES_PER_PROFILE as u32 - 1);
+        let at = copies(&one, MIN_SERVICES_PER_PROFILE as u32);
+        let n = MIN_SERVICES_PER_PROFILE;
+        let up = LayerChange::between(&below, &at).unwrap().expect("a change, not a rebuild");
+        assert_eq!(up.changes[0].1.add_chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["ports_tcp443"]);
+        // n map elements added (n - 1 of them again, to the new chain), n - 1 deleted and
+        // n - 1 keyed ports deleted.
+        assert_eq!((up.added(), up.removed()), (n, 2 * (n - 1)));
+        let down = LayerChange::between(&at, &below).unwrap().unwrap();
+        assert_eq!(down.changes[0].1.delete_chains, ["ports_tcp443"]);
+        assert_eq!((down.added(), down.removed()), (2 * (n - 1), n));
     }
 
     #[test]
@@ -638,7 +1064,10 @@ mod tests {
         assert_eq!(tables.iter().map(|t| t.family).collect::<Vec<_>>(), [Family::Ipv4, Family::Ipv6]);
         assert_eq!(tables[0], v4_only, "IPv6 ranges leave the IPv4 table as it was");
         let (v4, v6) = (&tables[0], &tables[1]);
-        assert_eq!(v4.chains, v6.chains, "the same rules in both families");
+        let fixed = |t: &Table| {
+            t.chains.iter().filter(|c| !c.name.starts_with(PROFILE_CHAIN_PREFIX)).cloned().collect::<Vec<_>>()
+        };
+        assert_eq!(fixed(v4), fixed(v6), "the same rules in both families, beside each family's profile chains");
         assert_eq!(v4.counters, v6.counters);
         let elements = |t: &Table, set: &str| {
             t.sets.iter().find(|s| s.name == set).unwrap().elements.iter().map(|e| e.to_string()).collect::<Vec<_>>()
@@ -647,7 +1076,9 @@ mod tests {
         assert_eq!(elements(v6, SET_MESH_VIPS), ["fd00:10:96::5:5"]);
         assert_eq!(elements(v6, SET_SERVICE_PORTS), ["fd00:10:96::1:1 . tcp . 80"]);
         assert_eq!(elements(v6, SET_EMPTY), ["fd00:10:96::1:2 . udp . 53"]);
-        assert_eq!(elements(v6, SET_VIPS), ["fd00:10:96::1:1", "fd00:10:96::1:2"]);
+        assert_eq!(elements(v6, SET_VIPS), ["fd00:10:96::1:1 : goto #0", "fd00:10:96::1:2 : goto #0"]);
+        let map = v6.sets.iter().find(|s| s.name == SET_VIPS).unwrap();
+        assert_eq!(map.goto_chains, [CHAIN_BY_KEY]);
         assert_eq!(elements(v6, SET_NEVER_REFUSED), ["fd00:10:96::1", "fd00:200::7"]);
         assert_eq!(elements(v6, SET_REFUSING), ["tcp", "udp"]);
         let key = |t: &Table, set: &str| t.sets.iter().find(|s| s.name == set).unwrap().key;
@@ -679,7 +1110,7 @@ mod tests {
             has_endpoints: true,
         });
         let change = LayerChange::between(&dual(), &more).unwrap().expect("an element change");
-        assert_eq!((change.added(), change.removed()), (2, 0), "service_ports and service_vips");
+        assert_eq!((change.added(), change.removed()), (2, 0), "service_vips and service_ports");
         assert_eq!(change.changes.iter().map(|(f, _)| *f).collect::<Vec<_>>(), [Family::Ipv6]);
         assert!(LayerChange::between(&layer(), &dual()).unwrap().is_none(), "a new family rebuilds");
     }

@@ -1,6 +1,7 @@
 //! Netlink message building, checked without root: the batch ADD would send is parsed back
 //! (as CHECK does with the kernel's dump) and its register-level expressions pinned.
 
+use aether_rules::nft::key::RawElement;
 use aether_rules::nft::{expected_view, Expr};
 use aether_rules::{capture_ruleset, CaptureConfig, CaptureMode, DnsDivert};
 
@@ -171,10 +172,11 @@ fn interval_elements_are_half_open_and_stop_at_the_top_of_the_key_space() {
     cfg.excluded_cidrs = vec!["240.0.0.0/4".parse().unwrap()];
     let v = view(&cfg);
     let ports = &v.sets.iter().find(|s| s.name == "excluded_ports").unwrap().elements;
-    let want: Vec<(Vec<u8>, bool)> = vec![
-        (8080u16.to_be_bytes().to_vec(), false),
-        (8081u16.to_be_bytes().to_vec(), true),
-        (65000u16.to_be_bytes().to_vec(), false),
+    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, goto: None };
+    let want: Vec<RawElement> = vec![
+        raw(8080u16.to_be_bytes().to_vec(), false),
+        raw(8081u16.to_be_bytes().to_vec(), true),
+        raw(65000u16.to_be_bytes().to_vec(), false),
     ];
     assert_eq!(ports.iter().cloned().collect::<Vec<_>>(), {
         let mut w = want.clone();
@@ -183,9 +185,9 @@ fn interval_elements_are_half_open_and_stop_at_the_top_of_the_key_space() {
     });
     let nets = &v.sets.iter().find(|s| s.name == "excluded_nets").unwrap().elements;
     // 224.0.0.0/4 and 240.0.0.0/4 merge into 224.0.0.0/3, which runs to the top: no end key.
-    assert!(nets.contains(&(vec![224, 0, 0, 0], false)));
-    assert!(!nets.iter().any(|(k, end)| *end && k[0] >= 224));
-    assert!(nets.contains(&(vec![128, 0, 0, 0], true)), "127.0.0.0/8 ends at 128.0.0.0");
+    assert!(nets.contains(&raw(vec![224, 0, 0, 0], false)));
+    assert!(!nets.iter().any(|e| e.end && e.key[0] >= 224));
+    assert!(nets.contains(&raw(vec![128, 0, 0, 0], true)), "127.0.0.0/8 ends at 128.0.0.0");
 }
 
 #[test]
@@ -207,7 +209,7 @@ fn every_rule_carries_a_comment() {
 #[test]
 fn the_ipv6_half_lowers_to_ipv6_registers() {
     let v = view(&v6(CaptureMode::RedirectAll));
-    let set_lookup = |set: &str| Expr::Lookup { set: set.into(), sreg: 1, invert: false };
+    let set_lookup = |set: &str| Expr::Lookup { set: set.into(), sreg: 1, dreg: None, invert: false };
     assert_eq!(
         rule_exprs(&v, "egress_divert", "excluded destinations"),
         [Expr::Payload { base: NETWORK_HEADER, offset: 24, len: 16, dreg: 1 }, set_lookup("excluded_nets"), accept()]
@@ -233,8 +235,9 @@ fn the_ipv6_half_lowers_to_ipv6_registers() {
     let nets = &v.sets.iter().find(|s| s.name == "excluded_nets").unwrap();
     assert_eq!((nets.key_type, nets.key_len), (8, 16));
     let ff: std::net::Ipv6Addr = "ff00::".parse().unwrap();
-    assert!(nets.elements.contains(&(ff.octets().to_vec(), false)));
+    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, goto: None };
+    assert!(nets.elements.contains(&raw(ff.octets().to_vec(), false)));
     let loopback_end: std::net::Ipv6Addr = "::2".parse().unwrap();
-    assert!(nets.elements.contains(&(loopback_end.octets().to_vec(), true)), "::1/128 ends at ::2");
+    assert!(nets.elements.contains(&raw(loopback_end.octets().to_vec(), true)), "::1/128 ends at ::2");
     assert_eq!(nets.elements.len(), 5, "::1/128 and fe80::/10 have ends, ff00::/8 none: {:?}", nets.elements);
 }

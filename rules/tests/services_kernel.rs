@@ -1,7 +1,7 @@
 //! Root-gated: the Service layer programmed in a fresh netns, read back, changed by
 //! elements only, and its counters and demand read, with real packets.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aether_netns::Netns;
 use aether_rules::model::Proto;
@@ -14,6 +14,20 @@ fn in_ns<T: Send>(ns: &TestNetns, f: impl FnOnce() -> T + Send) -> T {
 
 fn port(vip: &str, proto: Proto, port: u16, has_endpoints: bool) -> ServicePort {
     ServicePort { vip: vip.parse().unwrap(), proto, port, has_endpoints }
+}
+
+/// `layer(mode)` with every Service's ports declared again by enough Services (VIPs 4,096
+/// apart in the range) that each profile has a chain of its own.
+fn chained(mode: LayerMode) -> ServiceLayer {
+    let mut l = layer(mode);
+    let base = l.ports.clone();
+    for k in 1..services::MIN_SERVICES_PER_PROFILE as u32 {
+        l.ports.extend(base.iter().map(|p| {
+            let IpAddr::V4(a) = p.vip else { unreachable!() };
+            ServicePort { vip: Ipv4Addr::from(u32::from(a) + 0x1000 * k).into(), ..*p }
+        }));
+    }
+    l
 }
 
 fn layer(mode: LayerMode) -> ServiceLayer {
@@ -111,6 +125,22 @@ fn layer_round_trip_and_element_only_updates() {
     let off = ServiceLayer { mode: LayerMode::Off, ..l3 };
     assert_eq!(in_ns(&ns, || services::apply(&off)).unwrap(), Applied::Removed(true));
     assert!(in_ns(&ns, services::counters).unwrap().is_none());
+}
+
+/// A layer whose profiles are shared widely enough to have chains: the kernel's own listing
+/// (reviewed in `services-refuse-profiles.txt`), read back intact.
+#[test]
+fn profile_chains_as_the_kernel_lists_them() {
+    if !root_or_skip("profile_chains_as_the_kernel_lists_them") {
+        return;
+    }
+    let ns = TestNetns::new("svc-prof");
+    let l = chained(LayerMode::Refuse);
+    assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Rebuilt);
+    let listing = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    aether_testkit::assert_golden("services-refuse-profiles.txt", &sorted_elements(&listing));
+    assert_eq!(in_ns(&ns, || services::verify(&l)).unwrap(), Vec::<String>::new());
+    assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Unchanged);
 }
 
 #[test]
@@ -224,33 +254,45 @@ fn count_mode_counts_each_class_once_and_changes_nothing() {
     if !root_or_skip("count_mode_counts_each_class_once_and_changes_nothing") {
         return;
     }
-    let p = pair("svc-count");
+    count_mode(&pair("svc-count"), &layer(LayerMode::Count));
+}
+
+/// The same through the Services' profile chains.
+#[test]
+fn count_mode_counts_each_class_once_through_profile_chains() {
+    if !root_or_skip("count_mode_counts_each_class_once_through_profile_chains") {
+        return;
+    }
+    count_mode(&pair("svc-countp"), &chained(LayerMode::Count));
+}
+
+fn count_mode(p: &Pair, l: &ServiceLayer) {
     // Negative control: without the layer every connection reaches the peer.
     for (a, port) in [("10.96.9.9", 80), ("10.96.1.2", 80), ("10.96.1.1", 8080)] {
-        assert_eq!(tcp(&p, a, port), Ok(()), "{a}:{port} without the layer");
+        assert_eq!(tcp(p, a, port), Ok(()), "{a}:{port} without the layer");
     }
-    in_ns(&p.pod, || services::apply(&layer(LayerMode::Count))).unwrap();
-    expect_counts(&p, [0; 6]);
+    in_ns(&p.pod, || services::apply(l)).unwrap();
+    expect_counts(p, [0; 6]);
     // [mesh, service, external, no_endpoints, port_not_declared, no_service]
-    assert_eq!(tcp(&p, "10.96.5.5", 80), Ok(()));
-    expect_counts(&p, [1, 0, 0, 0, 0, 0]);
-    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()));
-    expect_counts(&p, [1, 1, 0, 0, 0, 0]);
-    assert_eq!(tcp(&p, "192.0.2.10", 80), Ok(()));
-    expect_counts(&p, [1, 1, 1, 0, 0, 0]);
-    assert_eq!(tcp(&p, "10.96.1.2", 80), Ok(()));
-    expect_counts(&p, [1, 1, 1, 1, 0, 0]);
-    assert_eq!(tcp(&p, "10.96.1.1", 8080), Ok(()));
-    expect_counts(&p, [1, 1, 1, 1, 1, 0]);
-    assert_eq!(tcp(&p, "10.96.9.9", 80), Ok(()));
-    expect_counts(&p, [1, 1, 1, 1, 1, 1]);
+    assert_eq!(tcp(p, "10.96.5.5", 80), Ok(()));
+    expect_counts(p, [1, 0, 0, 0, 0, 0]);
+    assert_eq!(tcp(p, "10.96.1.1", 80), Ok(()));
+    expect_counts(p, [1, 1, 0, 0, 0, 0]);
+    assert_eq!(tcp(p, "192.0.2.10", 80), Ok(()));
+    expect_counts(p, [1, 1, 1, 0, 0, 0]);
+    assert_eq!(tcp(p, "10.96.1.2", 80), Ok(()));
+    expect_counts(p, [1, 1, 1, 1, 0, 0]);
+    assert_eq!(tcp(p, "10.96.1.1", 8080), Ok(()));
+    expect_counts(p, [1, 1, 1, 1, 1, 0]);
+    assert_eq!(tcp(p, "10.96.9.9", 80), Ok(()));
+    expect_counts(p, [1, 1, 1, 1, 1, 1]);
     // Port 53 is never classified; UDP is counted once per flow.
-    assert_eq!(tcp(&p, "10.96.9.9", 53), Ok(()));
-    expect_counts(&p, [1, 1, 1, 1, 1, 1]);
-    assert_eq!(udp(&p, "10.96.1.1"), Ok(()));
-    expect_counts(&p, [1, 2, 1, 1, 1, 1]);
-    assert_eq!(udp(&p, "10.96.9.9"), Ok(()));
-    expect_counts(&p, [1, 2, 1, 1, 1, 2]);
+    assert_eq!(tcp(p, "10.96.9.9", 53), Ok(()));
+    expect_counts(p, [1, 1, 1, 1, 1, 1]);
+    assert_eq!(udp(p, "10.96.1.1"), Ok(()));
+    expect_counts(p, [1, 2, 1, 1, 1, 1]);
+    assert_eq!(udp(p, "10.96.9.9"), Ok(()));
+    expect_counts(p, [1, 2, 1, 1, 1, 2]);
     let demand = in_ns(&p.pod, services::demand).unwrap();
     let shown: Vec<String> = demand.iter().map(|(a, pr, port)| format!("{a}/{}:{port}", pr.name())).collect();
     assert_eq!(
@@ -272,23 +314,54 @@ fn refuse_mode_refuses_by_reason_and_passes_the_rest() {
     if !root_or_skip("refuse_mode_refuses_by_reason_and_passes_the_rest") {
         return;
     }
-    let p = pair("svc-refuse");
-    in_ns(&p.pod, || services::apply(&layer(LayerMode::Refuse))).unwrap();
+    refuse_mode(&pair("svc-refuse"), &layer(LayerMode::Refuse));
+}
+
+/// The same through the Services' profile chains; and the negative control: without the
+/// profile chain's rule for port 80, that port is refused as not declared.
+#[test]
+fn refuse_mode_refuses_by_reason_through_profile_chains() {
+    if !root_or_skip("refuse_mode_refuses_by_reason_through_profile_chains") {
+        return;
+    }
+    let p = pair("svc-refusep");
+    let l = chained(LayerMode::Refuse);
+    refuse_mode(&p, &l);
+    let chain = "ports_tcp80_udp18082";
+    let listing = p.pod.exec("nft", &["-a", "list", "chain", "ip", services::TABLE, chain]);
+    let handle = listing
+        .lines()
+        .find(|l| l.contains("tcp dport 80 "))
+        .and_then(|l| l.rsplit("# handle ").next())
+        .unwrap_or_else(|| panic!("no rule for port 80 in\n{listing}"))
+        .trim()
+        .to_string();
+    p.pod.exec("nft", &["delete", "rule", "ip", services::TABLE, chain, "handle", &handle]);
+    assert_eq!(tcp(&p, "10.96.1.1", 80), Err(std::io::ErrorKind::ConnectionRefused), "port 80 without its rule");
+    expect_counts(&p, [1, 3, 1, 1, 2, 2]);
+    // And apply puts the chain right again (rebuilt: a chain's rules are not elements).
+    assert_eq!(in_ns(&p.pod, || services::apply(&l)).unwrap(), Applied::Rebuilt);
+    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()));
+    expect_counts(&p, [1, 4, 1, 1, 2, 2]);
+}
+
+fn refuse_mode(p: &Pair, l: &ServiceLayer) {
+    in_ns(&p.pod, || services::apply(l)).unwrap();
     let refused = Err(std::io::ErrorKind::ConnectionRefused);
-    assert_eq!(tcp(&p, "10.96.1.2", 80), refused, "no endpoints");
-    assert_eq!(tcp(&p, "10.96.1.1", 8080), refused, "port not declared");
-    assert_eq!(tcp(&p, "10.96.9.9", 80), refused, "no service");
-    expect_counts(&p, [0, 0, 0, 1, 1, 1]);
-    assert_eq!(tcp(&p, "10.96.5.5", 80), Ok(()), "mesh");
-    assert_eq!(tcp(&p, "10.96.1.1", 80), Ok(()), "service");
-    assert_eq!(tcp(&p, "192.0.2.10", 80), Ok(()), "external");
-    assert_eq!(tcp(&p, "10.96.0.1", 8080), Ok(()), "the API server address, even on an undeclared port");
-    assert_eq!(tcp(&p, "10.96.9.9", 53), Ok(()), "port 53");
-    expect_counts(&p, [1, 2, 1, 1, 1, 1]);
-    let err = udp(&p, "10.96.9.9").unwrap_err();
+    assert_eq!(tcp(p, "10.96.1.2", 80), refused, "no endpoints");
+    assert_eq!(tcp(p, "10.96.1.1", 8080), refused, "port not declared");
+    assert_eq!(tcp(p, "10.96.9.9", 80), refused, "no service");
+    expect_counts(p, [0, 0, 0, 1, 1, 1]);
+    assert_eq!(tcp(p, "10.96.5.5", 80), Ok(()), "mesh");
+    assert_eq!(tcp(p, "10.96.1.1", 80), Ok(()), "service");
+    assert_eq!(tcp(p, "192.0.2.10", 80), Ok(()), "external");
+    assert_eq!(tcp(p, "10.96.0.1", 8080), Ok(()), "the API server address, even on an undeclared port");
+    assert_eq!(tcp(p, "10.96.9.9", 53), Ok(()), "port 53");
+    expect_counts(p, [1, 2, 1, 1, 1, 1]);
+    let err = udp(p, "10.96.9.9").unwrap_err();
     assert!(err.starts_with("send:"), "UDP refusal is an error on send: {err}");
-    assert_eq!(udp(&p, "10.96.1.1"), Ok(()));
-    expect_counts(&p, [1, 3, 1, 1, 1, 2]);
+    assert_eq!(udp(p, "10.96.1.1"), Ok(()));
+    expect_counts(p, [1, 3, 1, 1, 1, 2]);
 }
 
 #[test]
@@ -331,9 +404,8 @@ fn a_hundred_thousand_service_ports_apply_and_verify() {
     assert_eq!(in_ns(&ns, || services::apply(&l100k)).unwrap(), Applied::Rebuilt);
     assert!(in_ns(&ns, || services::verify(&l100k)).unwrap().is_empty());
     match in_ns(&ns, || services::apply(&l30k)).unwrap() {
-        // 70,000 ports leave service_ports or empty_services, and their 70,000 VIPs leave
-        // service_vips.
-        Applied::Elements { removed, .. } => assert_eq!(removed, 140_000),
+        // 70,000 VIPs leave service_vips (their two profiles have chains: no keyed port).
+        Applied::Elements { removed, .. } => assert_eq!(removed, 70_000),
         other => panic!("expected an element-only update, got {other:?}"),
     }
     assert!(in_ns(&ns, || services::verify(&l30k)).unwrap().is_empty());

@@ -2,10 +2,23 @@
 //! (`/sys/fs/cgroup/memory/<this process's>/aeth-...`) or v2 (`/sys/fs/cgroup/aeth-...`,
 //! the memory controller enabled for the root's children as hosts do). Removed on drop, once
 //! the processes started in it are gone. Root only.
+//!
+//! Also what a piece of work charges the kernel, measured there: the kernel charges what it
+//! allocates for a process (nftables objects included) to the process's memory cgroup. The
+//! work runs in a child process (the test binary again, running one test, or a bench's own
+//! binary) started in a fresh cgroup, so nothing else is charged there (`charged_by_child`,
+//! `child_work`). cgroup v1: `memory.kmem.usage_in_bytes`, exact to a page; v2:
+//! `memory.stat`'s `kernel`.
 
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Set in a measuring child: the cgroup directory it was started in.
+const MEASURE: &str = "AETHER_MEMCG_MEASURE";
+/// What the measuring child prints: `<marker><bytes>`.
+const MARKER: &str = "aether-memcg-charged=";
 
 pub struct ScratchMemcg {
     pub dir: PathBuf,
@@ -135,6 +148,86 @@ impl ScratchMemcg {
                 Ok(())
             });
         }
+    }
+}
+
+impl ScratchMemcg {
+    /// The kernel memory charged to the cgroup now, in bytes.
+    pub fn kernel_bytes(&self) -> u64 {
+        kernel_bytes(&self.dir)
+    }
+
+    /// Runs the test `test` of the current test binary again, alone, in a child process
+    /// started in this cgroup; in the child, [`child_work`] does the work and reports what it
+    /// charged. Returns that, in bytes.
+    pub fn charged_by_child(&self, test: &str) -> u64 {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
+        self.charged_by(cmd, test)
+    }
+
+    /// Runs `cmd` (a program that calls [`child_work`] first thing) in this cgroup, and returns
+    /// what it reported, in bytes. `test` names it in a failure.
+    pub fn charged_by(&self, mut cmd: Command, test: &str) -> u64 {
+        self.enter_on_spawn(&mut cmd);
+        let out = cmd.env(MEASURE, &self.dir).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "the measuring child of {test} failed: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .find_map(|l| l.split_once(MARKER))
+            .and_then(|(_, v)| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("the measuring child of {test} reported no charge:\n{stdout}"))
+    }
+}
+
+/// `memory.kmem.usage_in_bytes` (v1) or `memory.stat`'s `kernel` (v2) of the cgroup `dir`.
+fn kernel_bytes(dir: &Path) -> u64 {
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| panic!("{}/{f}: {e}", dir.display()));
+    if dir.join("memory.kmem.usage_in_bytes").exists() {
+        return read("memory.kmem.usage_in_bytes").trim().parse().expect("a number");
+    }
+    read("memory.stat")
+        .lines()
+        .find_map(|l| l.strip_prefix("kernel "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("memory.stat has a kernel line")
+}
+
+/// In the child [`ScratchMemcg::charged_by`] starts: moves the calling thread into a fresh
+/// network namespace (gone with the process), runs `prepare` (work not measured, e.g.
+/// building the model), then `work` with what `prepare` made, and prints the kernel memory
+/// `work` charged, once the kernel's deferred frees have settled. Returns `false` when not in
+/// such a child (the caller then measures through `charged_by`).
+pub fn child_work<P>(prepare: impl FnOnce() -> P, work: impl FnOnce(&P)) -> bool {
+    let Some(dir) = std::env::var_os(MEASURE) else { return false };
+    let dir = PathBuf::from(dir);
+    assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare: {}", std::io::Error::last_os_error());
+    let made = prepare();
+    let before = settled_kernel_bytes(&dir);
+    work(&made);
+    let after = settled_kernel_bytes(&dir);
+    println!("\n{MARKER}{}", after.saturating_sub(before));
+    true
+}
+
+/// The cgroup's kernel memory once it has not moved for 200 ms (transactions free their
+/// objects from a work queue after the commit), at most 5 s.
+fn settled_kernel_bytes(dir: &Path) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut last = kernel_bytes(dir);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = kernel_bytes(dir);
+        if now == last || Instant::now() > deadline {
+            return now;
+        }
+        last = now;
     }
 }
 

@@ -556,30 +556,33 @@ pub(super) fn apply_to_pods(
 }
 
 /// Two stored layers (lists sorted) cut down to the Service VIPs and mesh VIPs whose
-/// elements differ between them, everything else kept: the element change between the cut
-/// layers is the change between the whole ones (a VIP's elements in every set depend on its
-/// own ports alone; ranges, and what follows from them, are kept whole), and costs what
-/// changed, not 10,000 Services' sets built and compared twice.
+/// elements differ, everything else kept: the change between the cut layers is the whole
+/// ones' and costs what changed. A VIP's elements depend on its ports and on which profiles
+/// have chains, decided over the whole layer: each cut keeps its whole layer's decision, and
+/// the VIPs of a profile that gained or lost its chain.
 pub(super) fn narrowed(
     old: &layer::ServiceLayer,
     new: &layer::ServiceLayer,
 ) -> (layer::ServiceLayer, layer::ServiceLayer) {
     let (gone, came) = sorted_difference(&old.ports, &new.ports);
     let mut vips: Vec<std::net::IpAddr> = gone.iter().chain(&came).map(|p| p.vip).collect();
+    let (old_chains, new_chains) = (old.profile_chains(), new.profile_chains());
+    vips.extend(layer::rechained_vips([old, new], &old_chains, &new_chains));
     vips.sort_unstable();
     vips.dedup();
     let (mesh_gone, mesh_came) = sorted_difference(&old.mesh_vips, &new.mesh_vips);
     let mut mesh: Vec<std::net::IpAddr> = mesh_gone.into_iter().chain(mesh_came).collect();
     mesh.sort_unstable();
-    let cut = |l: &layer::ServiceLayer| layer::ServiceLayer {
+    let cut = |l: &layer::ServiceLayer, chained: layer::ProfileChains| layer::ServiceLayer {
         mode: l.mode,
         ranges: l.ranges.clone(),
         mesh_vips: l.mesh_vips.iter().filter(|a| mesh.binary_search(a).is_ok()).copied().collect(),
         ports: vips.iter().flat_map(|&v| l.ports[layer::ports_of(&l.ports, v)].iter().copied()).collect(),
         dialled_timeout_secs: l.dialled_timeout_secs,
         divert_mark: l.divert_mark,
+        chained: Some(chained),
     };
-    (cut(old), cut(new))
+    (cut(old, old_chains), cut(new, new_chains))
 }
 
 /// (in `a` only, in `b` only) of two sorted lists.

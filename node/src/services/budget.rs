@@ -15,8 +15,6 @@ use std::sync::OnceLock;
 
 use aether_rules::model::Proto;
 use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer, ServicePort};
-use aether_rules::Family;
-use ipnet::IpNet;
 
 use super::apply::{narrowed, open_pod};
 use super::{ServicesDir, ServicesError, StoredLayer};
@@ -28,37 +26,12 @@ use crate::state::{Record, StateDir};
 /// the fallback refuses early rather than late.
 pub const FALLBACK_PER_ELEMENT: u64 = 512;
 
-/// The nftables elements `l` puts in the kernel, per pod: what its sets hold, an interval
-/// set's range counted twice (its start and its end are elements). Counted from the lists,
-/// without building the tables (a test holds it equal to what `services_tables` builds).
+/// The nftables elements `l` puts in the kernel, per pod: what its sets and its verdict map
+/// hold, an interval set's range counted twice (its start and its end are elements).
+/// Counted from the lists, without building the tables (`ServiceLayer::element_count`; a
+/// test holds it equal to what `services_tables` builds).
 pub fn layer_elements(l: &ServiceLayer) -> u64 {
-    if l.mode == LayerMode::Off {
-        return 0;
-    }
-    let mut n = 0u64;
-    for family in l.families() {
-        let ours = |a: &IpAddr| Family::of(*a) == family;
-        let ranges: Vec<IpNet> = l.ranges.iter().filter(|r| ours(&r.addr())).map(IpNet::trunc).collect();
-        let merged = IpNet::aggregate(&ranges).len() as u64;
-        let never_refused = l.never_refused().into_iter().filter(ours).count() as u64;
-        let mesh = l.mesh_vips.iter().filter(|a| ours(a)).collect::<std::collections::BTreeSet<_>>().len() as u64;
-        // Sorted: a VIP's ports are together, and equal keys next to each other.
-        let mut ports = 0u64;
-        let mut vips = 0u64;
-        let mut last: Option<&ServicePort> = None;
-        for p in l.ports.iter().filter(|p| ours(&p.vip)) {
-            if last.is_none_or(|q| (q.vip, q.proto, q.port) != (p.vip, p.proto, p.port)) {
-                ports += 1;
-            }
-            if last.is_none_or(|q| q.vip != p.vip) {
-                vips += 1;
-            }
-            last = Some(p);
-        }
-        let refusing = if l.mode == LayerMode::Refuse { 2 } else { 0 };
-        n += 2 * merged + mesh + ports + vips + never_refused + refusing;
-    }
-    n
+    l.element_count().map_or(0, |n| n as u64)
 }
 
 /// This process's memory cgroup and the bytes an element costs, found on first need.
@@ -104,16 +77,17 @@ fn sample_fits(memcg: &Memcg) -> Result<(), String> {
         .map_err(|over| format!("its sample does not fit: {} of {} bytes in use", over.in_use, over.limit))
 }
 
-/// A layer of `count` Services of `family` (and one of the other), two TCP ports each with
-/// endpoints: as agents send them.
+/// A layer of `v4` IPv4 and `v6` IPv6 Services, two TCP ports each with endpoints, the
+/// second port each Service's own: no port profile shared, so every Service is a map element
+/// and two keyed ports (the layer's costliest form, and a sample of few Services).
 fn sample_layer(v4: usize, v6: usize) -> ServiceLayer {
     let mut l = ServiceLayer::new(LayerMode::Refuse);
     l.ranges = vec!["10.96.0.0/12".parse().expect("a range"), "fd00:96::/108".parse().expect("a range")];
     let v4s = (0..v4).map(|i| IpAddr::V4(Ipv4Addr::from(0x0a60_0000u32 + 10 + i as u32)));
     let v6s =
         (0..v6).map(|i| IpAddr::V6(Ipv6Addr::from(0xfd00_0096_0000_0000_0000_0000_0000_0000u128 + 10 + i as u128)));
-    for vip in v4s.chain(v6s) {
-        for port in [80, 443] {
+    for (i, vip) in v4s.chain(v6s).enumerate() {
+        for port in [80, 1000 + (i % 60_000) as u16] {
             l.ports.push(ServicePort { vip, proto: Proto::Tcp, port, has_endpoints: true });
         }
     }

@@ -81,14 +81,21 @@ pub enum LayerFileError {
 pub struct StoredLayer {
     pub generation: u64,
     pub layer: ServiceLayer,
-    /// `quick_digest` of the encoded content: equal for equal layers, whatever the
-    /// generation. (It was FNV-1a, a byte at a time: a fifth of a millisecond for 20,000
-    /// ports on every change. After an upgrade, a pod whose file names the old digest is
-    /// rebuilt once.)
+    /// `content_digest` of the encoded content: equal for equal layers of one shape,
+    /// whatever the generation. (It was FNV-1a, a byte at a time: a fifth of a millisecond
+    /// for 20,000 ports on every change; then the content's alone, before the layer had
+    /// shapes. After an upgrade, a pod whose file names an old digest is rebuilt once.)
     pub digest: u64,
     /// `source_digest` of the document it was made from: the same document sent again need
     /// not be parsed again.
     pub source: u64,
+}
+
+/// `StoredLayer::digest`: the content's `quick_digest`, mixed with the layer's shape
+/// (`services::SHAPE`), so a pod whose file names the digest of an older shape (the content
+/// alone, before shapes) is rebuilt by the next apply.
+fn content_digest(content: &[u8]) -> u64 {
+    quick_digest(content) ^ aether_rules::services::SHAPE.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// The digest `StoredLayer::source` holds for a document: `quick_digest`. Every apply
@@ -140,7 +147,7 @@ impl StoredLayer {
         layer.ports.sort();
         layer.divert_mark = 0;
         let bytes = encode_parts(generation, source, &layer);
-        let digest = quick_digest(&bytes[CONTENT..bytes.len() - TRAILER]);
+        let digest = content_digest(&bytes[CONTENT..bytes.len() - TRAILER]);
         (StoredLayer { generation, digest, source, layer }, bytes)
     }
 
@@ -325,7 +332,7 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
         // before and after the next apply rewrites the file.
         return Ok(StoredLayer::new(generation, &l, source));
     }
-    Ok(StoredLayer { generation, digest: quick_digest(&b[CONTENT..end]), source, layer: l })
+    Ok(StoredLayer { generation, digest: content_digest(&b[CONTENT..end]), source, layer: l })
 }
 
 /// Reads the file; `Ok(None)` when there is none. Memory: the file, bounded by `MAX_BYTES`.
@@ -483,6 +490,19 @@ mod tests {
         let quick = quick_digest(&b[..end]);
         b[end..].copy_from_slice(&quick.to_be_bytes());
         assert_eq!(decode(p, &b).unwrap_err().to_string(), "layer.bin is damaged: checksum mismatch");
+    }
+
+    /// The digest a pod's file records names the layer's shape: it is not the content's
+    /// `quick_digest` (what a node recorded before the layer had shapes), so a pod holding the
+    /// older shape is not taken for one holding this layer.
+    #[test]
+    fn the_digest_names_the_layers_shape() {
+        let s = StoredLayer::new(7, &dual(), 1);
+        let b = s.encode();
+        let content = &b[CONTENT..b.len() - TRAILER];
+        assert_ne!(s.digest, quick_digest(content), "the digest before shapes");
+        assert_eq!(s.digest, content_digest(content));
+        assert_eq!(decode(Path::new("layer.bin"), &b).unwrap().digest, s.digest, "the same read back");
     }
 
     fn read_header_of(bytes: &[u8]) -> Option<(u64, u64)> {

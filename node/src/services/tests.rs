@@ -306,9 +306,11 @@ fn a_pods_file_reads_back_and_a_torn_one_is_none() {
     }
 }
 
-/// `narrowed` keeps, of each layer, every port of each VIP whose ports differ between them and
-/// nothing else: against the plain definition, on random layers with several ports per VIP in
-/// both families.
+/// `narrowed` keeps, of each layer, every port of each VIP whose ports differ between them
+/// (and, when a profile gains or loses its chain, its VIPs), and the change between the cut
+/// layers is exactly the change between the whole ones: on random layers with several ports
+/// per VIP in both families, whose profiles are shared by about ten Services each, so
+/// changes move profiles across the chain threshold.
 #[test]
 fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
     use aether_rules::model::Proto;
@@ -325,6 +327,7 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
             IpAddr::V6(Ipv6Addr::from(0xfd00_0000_0000_0000_0000_0000_0000_0000u128 + u128::from(i)))
         }
     };
+    let mut flips = 0;
     for round in 0..200 {
         let mut old = Vec::new();
         for i in 0..40 {
@@ -363,11 +366,25 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
         let differ: Vec<IpAddr> =
             old.iter().chain(&new).map(|p| p.vip).filter(|&v| of(&old, v) != of(&new, v)).collect();
         let want = |l: &[layer::ServicePort]| l.iter().filter(|p| differ.contains(&p.vip)).copied().collect::<Vec<_>>();
-        let at = |ports: Vec<layer::ServicePort>| layer::ServiceLayer { ports, ..Default::default() };
+        let at = |ports: Vec<layer::ServicePort>| {
+            let mut l = layer::ServiceLayer::new(layer::LayerMode::Count);
+            l.ranges = vec!["10.96.0.0/16".parse().unwrap(), "fd00::/64".parse().unwrap()];
+            l.ports = ports;
+            l
+        };
         let (a, b) = apply::narrowed(&at(old.clone()), &at(new.clone()));
-        assert_eq!(a.ports, want(&old), "round {round}: the old layer's cut");
-        assert_eq!(b.ports, want(&new), "round {round}: the new layer's cut");
+        let kept = |cut: &[layer::ServicePort], all: &[layer::ServicePort]| {
+            want(all).iter().all(|p| cut.contains(p)) && cut.iter().all(|p| all.contains(p))
+        };
+        assert!(kept(&a.ports, &old), "round {round}: the old layer's cut");
+        assert!(kept(&b.ports, &new), "round {round}: the new layer's cut");
+        let whole = layer::LayerChange::between(&at(old.clone()), &at(new.clone())).unwrap();
+        assert_eq!(layer::LayerChange::between(&a, &b).unwrap(), whole, "round {round}: the change");
+        if a.profile_chains() != b.profile_chains() {
+            flips += 1;
+        }
     }
+    assert!(flips > 10, "only {flips} rounds moved a profile across the chain threshold");
 }
 
 /// The report's text, written straight from the report, is byte for byte the pretty text of
@@ -405,4 +422,92 @@ fn a_report_s_text_is_its_json_value_s_text() {
     let empty = apply::ApplyReport { generation: 1, pods: vec![], warnings: vec![] };
     assert_eq!(empty.to_pretty_text(), "{\n  \"generation\": 1,\n  \"pods\": []\n}");
     assert_eq!(empty.pods_by_result(), "none");
+}
+
+/// The tables a node of the layer's first shape built for `doc(1)` in count mode (as its
+/// golden file showed them), with counts: `service_vips` a plain set of VIPs, each Service
+/// port a `VIP . proto . port` element.
+const FIRST_SHAPE: &str = r#"table ip aether_services {
+	counter mesh { packets 0 bytes 0 }
+	counter service { packets 5 bytes 300 }
+	counter external { packets 0 bytes 0 }
+	counter refused_no_endpoints { packets 0 bytes 0 }
+	counter refused_port_not_declared { packets 0 bytes 0 }
+	counter refused_no_service { packets 2 bytes 120 }
+	set service_ranges { type ipv4_addr; flags interval; elements = { 10.96.0.0/16 } }
+	set mesh_vips { type ipv4_addr; }
+	set service_ports { type ipv4_addr . inet_proto . inet_service; elements = { 10.96.1.1 . tcp . 1001 } }
+	set empty_services { type ipv4_addr . inet_proto . inet_service; }
+	set service_vips { type ipv4_addr; elements = { 10.96.1.1 } }
+	set never_refused { type ipv4_addr; elements = { 10.96.0.1 } }
+	set dialled { type ipv4_addr . inet_proto . inet_service; size 65535; flags dynamic,timeout; timeout 1h; }
+	set refusing { type inet_proto; }
+	chain egress_classify {
+		type filter hook output priority mangle + 10; policy accept;
+		meta mark 0x0000ae71 ct state new ct status ! confirmed jump classify
+	}
+	chain classify {
+		udp dport 53 accept
+		tcp dport 53 accept
+		ip daddr @mesh_vips counter name "mesh" accept
+		ip daddr != @service_ranges counter name "external" accept
+		update @dialled { ip daddr . meta l4proto . th dport }
+		ip daddr . meta l4proto . th dport @service_ports counter name "service" accept
+		ip daddr @never_refused counter name "service" accept
+		ip daddr . meta l4proto . th dport @empty_services counter name "refused_no_endpoints" jump refuse
+		ip daddr @service_vips counter name "refused_port_not_declared" jump refuse
+		counter name "refused_no_service" jump refuse
+	}
+	chain refuse {
+		meta l4proto != @refusing accept
+		reject with tcp reset
+		reject
+	}
+}
+"#;
+
+/// An upgrade from a node that built the layer's first shape: the pod's netns holds those
+/// tables, counts and all, and its file names the digest of that time (the content's
+/// alone). The next apply rebuilds it into this shape with its counts, once. The control: a
+/// pod whose file names this shape's digest over the same old tables is sent just the
+/// change, and is left in the old shape (what a digest without the shape would do to all).
+#[test]
+fn a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts() {
+    if !root_or_skip("a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts") {
+        return;
+    }
+    let state = tmp("shape");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let stored = dir.stored_layer().unwrap().unwrap();
+    let bytes = stored.encode();
+    let before_shapes = layer_file::quick_digest(&bytes[28..bytes.len() - 8]);
+    let (old, blind) = (TestNetns::new("svc-shape"), TestNetns::new("svc-blind"));
+    for (cid, ns, digest) in [("old", &old, before_shapes), ("blind", &blind, stored.digest)] {
+        let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
+        fs::write(&path, FIRST_SHAPE).unwrap();
+        ns.exec("nft", &["-f", path.to_str().unwrap()]);
+        let _ = fs::remove_file(&path);
+        StateDir::new(&state).write(&rec(cid, &ns.path())).unwrap();
+        let n = Netns::open_foreign(ns.path()).unwrap();
+        dir.set_pod_holds(&n, &PodHolds { digest, ..PodHolds::new(&stored, &n, 0xae71) }).unwrap();
+    }
+    let result = |report: &ApplyReport, cid: &str| {
+        report.pods.iter().find(|p| p.container_id == cid).unwrap().result.as_ref().unwrap().clone()
+    };
+    let report = apply_document(&dir, &doc(2)).unwrap();
+    assert_eq!(result(&report, "old"), layer::Applied::Rebuilt);
+    let two = dir.stored_layer().unwrap().unwrap().for_pod(0xae71);
+    let in_old = Netns::open_foreign(old.path()).unwrap();
+    assert_eq!(in_old.run(|| layer::verify(&two)).unwrap().unwrap(), Vec::<String>::new());
+    let counts = in_old.run(layer::counters).unwrap().unwrap().unwrap();
+    assert_eq!((counts["service"], counts["refused_no_service"]), (5, 2), "counts carried over");
+    // The control: the same old tables behind this shape's digest are taken as holding it.
+    assert!(matches!(result(&report, "blind"), layer::Applied::Elements { .. }));
+    let in_blind = Netns::open_foreign(blind.path()).unwrap();
+    assert!(!in_blind.run(|| layer::verify(&two)).unwrap().unwrap().is_empty(), "left in the old shape");
+    // Once: the rebuilt pod is sent only the next change.
+    let report = apply_document(&dir, &doc(3)).unwrap();
+    assert!(matches!(result(&report, "old"), layer::Applied::Elements { .. }));
+    let _ = fs::remove_dir_all(&state);
 }

@@ -96,8 +96,9 @@ pub enum Expr {
     /// A verdict: accept (1), drop (0), jump (-3) or goto (-4) to `chain`, return (-5)...
     Verdict { code: i32, chain: Option<String> },
     /// The key in `sreg` (and the registers after it, for a concatenation) is in the set,
-    /// or with `invert` is not.
-    Lookup { set: String, sreg: Reg, invert: bool },
+    /// or with `invert` is not; with `dreg`, the map's value for it goes there (`REG_VERDICT`:
+    /// a verdict map's verdict).
+    Lookup { set: String, sreg: Reg, dreg: Option<Reg>, invert: bool },
     /// Use a named stateful object (`NFT_OBJECT_COUNTER`: count in it).
     Objref { kind: u32, name: String },
     /// Add the key in `sreg_key` to the set, or refresh it (`op`: `NFT_DYNSET_OP_*`);
@@ -129,7 +130,7 @@ pub(crate) fn lower_match(m: &Match, family: Family) -> Vec<Expr> {
     let l4proto = |p: crate::model::Proto| vec![meta(libc::NFT_META_L4PROTO), eq(vec![p.number()])];
     let dport = || Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 2, len: 2, dreg: REG_1 };
     let daddr = || daddr(family, REG_1);
-    let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), sreg: REG_1, invert };
+    let lookup = |set: &String, invert: bool| Expr::Lookup { set: set.clone(), sreg: REG_1, dreg: None, invert };
     let ct = |key: i32| Expr::Ct { key: key as u32, dreg: REG_1 };
     let bits =
         |mask: u32| Expr::Bitwise { sreg: REG_1, dreg: REG_1, mask: mask.to_ne_bytes().to_vec(), xor: vec![0; 4] };
@@ -233,6 +234,12 @@ pub(crate) fn lower_action(a: &Action, family: Family) -> Vec<Expr> {
         Action::Jump(chain) => vec![jump(chain)],
         Action::CountAccept(c) => vec![counter(c), accept()],
         Action::CountJump(c, chain) => vec![counter(c), jump(chain)],
+        Action::DaddrVmap(map) => {
+            vec![
+                daddr(family, REG_1),
+                Expr::Lookup { set: map.clone(), sreg: REG_1, dreg: Some(REG_VERDICT), invert: false },
+            ]
+        }
         Action::UpdateServiceKeySet(set) => {
             let mut e = service_key(family);
             e.push(Expr::Dynset {
@@ -316,12 +323,13 @@ impl Expr {
                     Immediate::Data(DataAttribute::Verdict(v)),
                 ])
             }
-            Expr::Lookup { set, sreg, invert } => Expressions::Lookup(vec![
-                Lookup::SourceRegister(reg(*sreg)),
-                Lookup::Set(set.clone()),
+            Expr::Lookup { set, sreg, dreg, invert } => {
+                let mut attrs = vec![Lookup::SourceRegister(reg(*sreg)), Lookup::Set(set.clone())];
+                attrs.extend(dreg.map(|d| Lookup::DestinationRegister(reg(d))));
                 // The kernel always reports the flags word.
-                Lookup::Flags(if *invert { NFT_LOOKUP_F_INV } else { 0 }),
-            ]),
+                attrs.push(Lookup::Flags(if *invert { NFT_LOOKUP_F_INV } else { 0 }));
+                Expressions::Lookup(attrs)
+            }
             Expr::Ct { key, dreg } => other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_DREG, *dreg)]),
             Expr::CtSet { key, sreg } => {
                 other("ct", vec![u32_attr(attr::CT_KEY, *key), u32_attr(attr::CT_SREG, *sreg)])
@@ -510,17 +518,18 @@ fn decode_immediate(attrs: &[Immediate]) -> Option<Expr> {
 }
 
 fn decode_lookup(attrs: &[Lookup]) -> Option<Expr> {
-    let (mut set, mut sreg, mut flags) = (None, None, 0);
+    let (mut set, mut sreg, mut dreg, mut flags) = (None, None, None, 0);
     for a in attrs {
         match a {
             Lookup::Set(s) => set = Some(s.clone()),
             Lookup::SourceRegister(r) => sreg = Some(u32::from(*r)),
+            Lookup::DestinationRegister(r) => dreg = Some(u32::from(*r)),
             Lookup::Flags(f) => flags = *f,
             _ => return None,
         }
     }
     (flags & !NFT_LOOKUP_F_INV == 0).then_some(())?;
-    Some(Expr::Lookup { set: set?, sreg: sreg?, invert: flags & NFT_LOOKUP_F_INV != 0 })
+    Some(Expr::Lookup { set: set?, sreg: sreg?, dreg, invert: flags & NFT_LOOKUP_F_INV != 0 })
 }
 
 /// Decodes the expressions we encode ourselves from their raw attributes; any attribute we

@@ -63,6 +63,21 @@ fn proto_name(p: u8) -> String {
     }
 }
 
+/// One set element as the kernel holds it: its key bytes, whether it ends an interval (the
+/// key after a range's last), and in a verdict map the chain it goes to.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RawElement {
+    pub key: Vec<u8>,
+    pub end: bool,
+    pub goto: Option<String>,
+}
+
+impl RawElement {
+    pub fn key(key: Vec<u8>) -> RawElement {
+        RawElement { key, end: false, goto: None }
+    }
+}
+
 /// The key of one element of a set without intervals.
 pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
     match (key, e) {
@@ -74,13 +89,19 @@ pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
         (KeyType::ServiceKey, Element::Service(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
         (KeyType::ServiceKey6, Element::Service6(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
         (KeyType::InetProto, Element::Proto(p)) => vec![p.number()],
+        (KeyType::Ipv4Addr, Element::Goto(IpAddr::V4(a), _)) => a.octets().to_vec(),
+        (KeyType::Ipv6Addr, Element::Goto(IpAddr::V6(a), _)) => a.octets().to_vec(),
         (k, e) => panic!("element {e} does not fit a set of type {} without intervals", k.name()),
     }
 }
 
 /// Interval sets hold half-open ranges: the first key, then the key after the last with the
 /// interval-end flag (omitted when the range runs to the top of the key space).
-pub(crate) fn interval_keys(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
+pub(crate) fn interval_keys(key: KeyType, e: &Element) -> Vec<RawElement> {
+    interval_bounds(key, e).into_iter().map(|(key, end)| RawElement { key, end, goto: None }).collect()
+}
+
+fn interval_bounds(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
     match (key, e) {
         (KeyType::Ipv4Addr, Element::Net(n)) => {
             let mut v = vec![(n.network().octets().to_vec(), false)];
@@ -107,12 +128,30 @@ pub(crate) fn interval_keys(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
     }
 }
 
-/// The raw elements of a model set: (key, interval end).
-pub(crate) fn element_keys(set: &crate::model::Set, elements: &[Element]) -> Vec<(Vec<u8>, bool)> {
+/// The raw elements of a model set.
+pub(crate) fn element_keys(set: &crate::model::Set, elements: &[Element]) -> Vec<RawElement> {
+    let goto = |e: &Element| match e {
+        Element::Goto(_, i) => Some(set.goto_chains[usize::from(*i)].clone()),
+        _ => None,
+    };
     elements
         .iter()
-        .flat_map(|e| if set.interval { interval_keys(set.key, e) } else { vec![(plain_key(set.key, e), false)] })
+        .flat_map(|e| {
+            if set.interval {
+                interval_keys(set.key, e)
+            } else {
+                vec![RawElement { key: plain_key(set.key, e), end: false, goto: goto(e) }]
+            }
+        })
         .collect()
+}
+
+/// Prints a raw element the way a person reads it (`show_key`, and a map's ` : goto chain`).
+pub fn show_element(e: &RawElement) -> String {
+    match &e.goto {
+        Some(chain) => format!("{} : goto {chain}", show_key(&e.key, e.end)),
+        None => show_key(&e.key, e.end),
+    }
 }
 
 /// Prints a set key the way a person reads it: an address, a port, a protocol or a
@@ -136,16 +175,23 @@ pub fn show_key(key: &[u8], end: bool) -> String {
     }
 }
 
+/// `NFT_DATA_VERDICT`: a map's values are verdicts.
+pub const DATA_VERDICT: u32 = 0xffff_ff00;
+
 /// `NFT_SET_*` flags (nf_tables.h) as we use them.
 pub mod set_flags {
     pub const INTERVAL: u32 = 0x4;
+    pub const MAP: u32 = 0x8;
     pub const TIMEOUT: u32 = 0x10;
     pub const EVAL: u32 = 0x20;
 
-    /// The flags of a model set: `interval`, or `dynamic,timeout` for a set the datapath
-    /// fills.
+    /// The flags of a model set: `interval`, `map` for a verdict map, or `dynamic,timeout`
+    /// for a set the datapath fills.
     pub fn of(set: &crate::model::Set) -> u32 {
         let mut flags = if set.interval { INTERVAL } else { 0 };
+        if !set.goto_chains.is_empty() {
+            flags |= MAP;
+        }
         if set.timeout_secs.is_some() {
             flags |= TIMEOUT | EVAL;
         }

@@ -10,7 +10,7 @@ mod reg;
 mod render;
 
 pub use expr::{Expr, Exprs, Reg};
-pub use render::ElementChange;
+pub use render::{ElementChange, TableChange};
 
 use std::collections::BTreeMap;
 use std::io;
@@ -395,20 +395,20 @@ fn close_later(sock: Socket) {
     })
 }
 
-/// Deletes and adds set elements of the tables named `table` in the given families, all in
-/// one transaction; nothing else changes.
-pub(crate) fn change_elements(table: &str, changes: &[(Family, Vec<ElementChange>)]) -> Result<()> {
+/// Changes the tables named `table` in the given families (chains added and removed whole,
+/// set elements deleted and added), all in one transaction; nothing else changes.
+pub(crate) fn change_tables(table: &str, changes: &[(Family, TableChange)]) -> Result<()> {
     if changes.iter().all(|(_, c)| c.is_empty()) {
         return Ok(());
     }
-    encode_element_changes(table, changes).send()
+    encode_table_changes(table, changes).send()
 }
 
-/// The transaction of `change_elements`, encoded once (to be sent to many netns).
-pub(crate) fn encode_element_changes(table: &str, changes: &[(Family, Vec<ElementChange>)]) -> Encoded {
+/// The transaction of `change_tables`, encoded once (to be sent to many netns).
+pub(crate) fn encode_table_changes(table: &str, changes: &[(Family, TableChange)]) -> Encoded {
     let mut batch = render::Batch::default();
     for (family, c) in changes {
-        batch.append(render::element_changes(*family, table, c));
+        batch.append(render::table_change(*family, table, c));
     }
     Encoded::new(batch)
 }
@@ -427,10 +427,10 @@ pub fn counters(family: Family, table: &str) -> Result<Counts> {
     Ok(TableView::from_messages(table, &objs).counters)
 }
 
-/// The raw elements of one set of `table`: (key, interval end). Dumps that set's elements
+/// The raw elements of one set of `table`. Dumps that set's elements
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
-pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<(Vec<u8>, bool)>> {
+pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<key::RawElement>> {
     let messages = dump(&mut open()?, family, elements_request(table, set), table, "dump set elements")?;
     let mut out = Vec::new();
     for m in &messages {
@@ -445,9 +445,9 @@ pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<(Vec<u
     Ok(out)
 }
 
-/// The raw keys (key, interval end) `elements` of the model set `set` are sent as: what
-/// `ElementChange` carries.
-pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> Vec<(Vec<u8>, bool)> {
+/// The raw elements `elements` of the model set `set` are sent as: what `ElementChange`
+/// carries.
+pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> Vec<key::RawElement> {
     key::element_keys(set, elements)
 }
 

@@ -166,8 +166,11 @@ fn write_expr(e: &Expr, mark: bool, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         Expr::Immediate { dreg, data: d } => write!(f, "{} = {}", RegName(*dreg), data(d)),
         Expr::Verdict { code, chain: Some(c) } => write!(f, "{} {c}", verdict_name(*code)),
         Expr::Verdict { code, chain: None } => write!(f, "{}", verdict_name(*code)),
-        Expr::Lookup { set, sreg, invert } => {
+        Expr::Lookup { set, sreg, dreg: None, invert } => {
             write!(f, "{} {}in @{set}", RegName(*sreg), if *invert { "not " } else { "" })
+        }
+        Expr::Lookup { set, sreg, dreg: Some(dreg), invert } => {
+            write!(f, "{} = {} {}in map @{set}", RegName(*dreg), RegName(*sreg), if *invert { "not " } else { "" })
         }
         Expr::Objref { kind: NFT_OBJECT_COUNTER, name } => write!(f, "counter name {name:?}"),
         Expr::Objref { kind, name } => write!(f, "objref type {kind} name {name:?}"),

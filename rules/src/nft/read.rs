@@ -10,7 +10,7 @@ use netlink_packet_netfilter::nftables::{
 };
 
 use super::expr::{Expr, Exprs};
-use super::key::{set_flags, show_key};
+use super::key::{set_flags, show_element, RawElement};
 use super::render::{parse_counter, rule_comment};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -44,10 +44,11 @@ pub struct SetView {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
+    /// A map's data type (`NFT_DATA_VERDICT` for a verdict map; 0: a plain set).
+    pub data_type: u32,
     /// Default element timeout in milliseconds (0: none).
     pub timeout_ms: u64,
-    /// (key bytes, interval end)
-    pub elements: BTreeSet<(Vec<u8>, bool)>,
+    pub elements: BTreeSet<RawElement>,
 }
 
 impl SetView {
@@ -163,8 +164,15 @@ fn parse_rule(attrs: &[RuleAttribute], table: &str) -> Option<(String, RuleView)
 
 fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
     let mut t = None;
-    let mut v =
-        SetView { name: String::new(), flags: 0, key_type: 0, key_len: 0, timeout_ms: 0, elements: BTreeSet::new() };
+    let mut v = SetView {
+        name: String::new(),
+        flags: 0,
+        key_type: 0,
+        key_len: 0,
+        data_type: 0,
+        timeout_ms: 0,
+        elements: BTreeSet::new(),
+    };
     for a in attrs {
         match a {
             SetAttribute::Table(x) => t = Some(x.as_str()),
@@ -173,14 +181,14 @@ fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
             SetAttribute::KeyType(k) => v.key_type = *k,
             SetAttribute::KeyLen(k) => v.key_len = *k,
             SetAttribute::Timeout(ms) => v.timeout_ms = *ms,
+            SetAttribute::DataType(d) => v.data_type = *d,
             _ => {}
         }
     }
     (t? == table).then_some(v)
 }
 
-/// (key bytes, interval end) of each element.
-type Elements = Vec<(Vec<u8>, bool)>;
+type Elements = Vec<RawElement>;
 
 pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(String, Elements)> {
     let (mut t, mut set, mut elems) = (None, None, Vec::new());
@@ -191,18 +199,20 @@ pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(S
             SetElementList::Elements(list) => {
                 for e in list {
                     let netlink_packet_netfilter::nftables::ListAttribute::Element(e) = e else { continue };
-                    let mut key = Vec::new();
-                    let mut end = false;
+                    let mut raw = RawElement::key(Vec::new());
                     for x in e {
                         match x {
                             SetElementAttribute::Key(netlink_packet_netfilter::nftables::DataAttribute::Value(k)) => {
-                                key = k.clone()
+                                raw.key = k.clone()
                             }
-                            SetElementAttribute::Flags(f) => end = f.contains(SetElementFlags::IntervalEnd),
+                            SetElementAttribute::Flags(f) => raw.end = f.contains(SetElementFlags::IntervalEnd),
+                            SetElementAttribute::Data(netlink_packet_netfilter::nftables::DataAttribute::Verdict(
+                                v,
+                            )) => raw.goto = goto_chain(v),
                             _ => {}
                         }
                     }
-                    elems.push((key, end));
+                    elems.push(raw);
                 }
             }
             _ => {}
@@ -210,6 +220,20 @@ pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(S
     }
     (t? == table).then_some(())?;
     Some((set?, elems))
+}
+
+/// The chain of a `goto` verdict (what a verdict map's elements hold); `None` for another.
+fn goto_chain(v: &[netlink_packet_netfilter::nftables::VerdictAttribute]) -> Option<String> {
+    use netlink_packet_netfilter::nftables::VerdictAttribute;
+    let code = v.iter().find_map(|a| match a {
+        VerdictAttribute::Code(c) => Some(u32::from(*c) as i32),
+        _ => None,
+    });
+    (code? == libc::NFT_GOTO).then_some(())?;
+    v.iter().find_map(|a| match a {
+        VerdictAttribute::Chain(c) => Some(c.clone()),
+        _ => None,
+    })
 }
 
 /// A NEWRULE message read attribute by attribute, each expression then parsed by the crate:
@@ -260,8 +284,12 @@ pub(crate) fn fast_elements(bytes: &[u8]) -> Option<NfTablesMessage> {
     const LIST_SET: u16 = 2;
     const LIST_ELEMENTS: u16 = 3;
     const ELEM_KEY: u16 = 1;
+    const ELEM_DATA: u16 = 2;
     const ELEM_FLAGS: u16 = 3;
     const DATA_VALUE: u16 = 1;
+    const DATA_VERDICT: u16 = 2;
+    const VERDICT_CODE: u16 = 1;
+    const VERDICT_CHAIN: u16 = 2;
     if u16::from_ne_bytes(bytes.get(4..6)?.try_into().ok()?) != NEWSETELEM {
         return None;
     }
@@ -290,6 +318,27 @@ pub(crate) fn fast_elements(bytes: &[u8]) -> Option<NfTablesMessage> {
                             ELEM_FLAGS => {
                                 let f = u32::from_be_bytes(x.value().try_into().ok()?);
                                 elem.push(SetElementAttribute::Flags(SetElementFlags::from_bits_retain(f)));
+                            }
+                            ELEM_DATA => {
+                                use netlink_packet_netfilter::nftables::{Verdict, VerdictAttribute};
+                                for d in NlasIterator::new(x.value()) {
+                                    let d = d.ok()?;
+                                    if d.kind() & 0x3fff != DATA_VERDICT {
+                                        continue;
+                                    }
+                                    let mut verdict = Vec::new();
+                                    for v in NlasIterator::new(d.value()) {
+                                        let v = v.ok()?;
+                                        match v.kind() {
+                                            VERDICT_CODE => verdict.push(VerdictAttribute::Code(Verdict::from(
+                                                u32::from_be_bytes(v.value().try_into().ok()?),
+                                            ))),
+                                            VERDICT_CHAIN => verdict.push(VerdictAttribute::Chain(text(v.value()))),
+                                            _ => {}
+                                        }
+                                    }
+                                    elem.push(SetElementAttribute::Data(DataAttribute::Verdict(verdict)));
+                                }
                             }
                             _ => {}
                         }
@@ -340,10 +389,10 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
             out.push(format!("set {} is missing", e.name));
             continue;
         };
-        if (a.flags, a.key_type, a.key_len) != (e.flags, e.key_type, e.key_len) {
+        if (a.flags, a.key_type, a.key_len, a.data_type) != (e.flags, e.key_type, e.key_len, e.data_type) {
             out.push(format!(
-                "set {}: flags/key type/key length are {:#x}/{}/{}, expected {:#x}/{}/{}",
-                e.name, a.flags, a.key_type, a.key_len, e.flags, e.key_type, e.key_len
+                "set {}: flags/key type/key length/data type are {:#x}/{}/{}/{:#x}, expected {:#x}/{}/{}/{:#x}",
+                e.name, a.flags, a.key_type, a.key_len, a.data_type, e.flags, e.key_type, e.key_len, e.data_type
             ));
         }
         if a.timeout_ms != e.timeout_ms {
@@ -353,11 +402,11 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
             // Filled by the datapath: its contents are the kernel's own.
             continue;
         }
-        for (k, end) in e.elements.difference(&a.elements) {
-            out.push(format!("set {}: element {} is missing", e.name, show_key(k, *end)));
+        for k in e.elements.difference(&a.elements) {
+            out.push(format!("set {}: element {} is missing", e.name, show_element(k)));
         }
-        for (k, end) in a.elements.difference(&e.elements) {
-            out.push(format!("set {}: unexpected element {}", e.name, show_key(k, *end)));
+        for k in a.elements.difference(&e.elements) {
+            out.push(format!("set {}: unexpected element {}", e.name, show_element(k)));
         }
     }
     for a in &actual.sets {

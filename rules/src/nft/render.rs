@@ -7,12 +7,12 @@ use netlink_packet_core::{DefaultNla, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, DataAttribute, Hook, HookNumber, InetHookNumber, ListAttribute, NfTablesMessage,
     RuleAttribute, RuleMessage, SetAttribute, SetElementAttribute, SetElementFlags, SetElementList, SetElementMessage,
-    SetFlags, SetMessage, TableAttribute, TableMessage,
+    SetFlags, SetMessage, TableAttribute, TableMessage, Verdict, VerdictAttribute,
 };
 use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterProtoFamily};
 
 use super::expr::{self, lower_action, lower_match, Expr, NFT_OBJECT_COUNTER};
-use super::key;
+use super::key::{self, RawElement};
 use crate::family::Family;
 use crate::features::{self, Feature};
 use crate::model;
@@ -62,34 +62,49 @@ impl Part {
         match self {
             Part::Message(m) => m.clone(),
             Part::Elements { table, set, set_id, keys } => {
-                NfTablesMessage::NewSetElement(elements(table, set, *set_id, &keys.unpack()))
+                NfTablesMessage::NewSetElement(elements(table, set, *set_id, &keys.unpack(), true))
             }
         }
     }
 }
 
-/// Raw set elements (key, interval end), the keys back to back (a set's keys are all as
-/// long: its key type's length).
+/// Raw set elements, the keys back to back (a set's keys are all as long: its key type's
+/// length), a verdict map's chains named once each.
 pub(crate) struct PackedKeys {
     key_len: usize,
     bytes: Vec<u8>,
     ends: Vec<bool>,
+    /// Per element, its chain's index in `chains` (a verdict map's elements).
+    gotos: Vec<Option<u16>>,
+    chains: Vec<String>,
 }
 
 impl PackedKeys {
-    fn pack(keys: &[(Vec<u8>, bool)]) -> PackedKeys {
-        let key_len = keys.first().map_or(0, |(k, _)| k.len());
+    fn pack(keys: &[RawElement]) -> PackedKeys {
+        let key_len = keys.first().map_or(0, |e| e.key.len());
         let mut bytes = Vec::with_capacity(key_len * keys.len());
-        for (k, _) in keys {
-            assert_eq!(k.len(), key_len, "the keys of one set have one length");
-            bytes.extend_from_slice(k);
+        let mut chains: Vec<String> = Vec::new();
+        let mut gotos = Vec::with_capacity(keys.len());
+        for e in keys {
+            assert_eq!(e.key.len(), key_len, "the keys of one set have one length");
+            bytes.extend_from_slice(&e.key);
+            gotos.push(e.goto.as_ref().map(|c| match chains.iter().position(|x| x == c) {
+                Some(i) => i as u16,
+                None => {
+                    chains.push(c.clone());
+                    (chains.len() - 1) as u16
+                }
+            }));
         }
-        PackedKeys { key_len, bytes, ends: keys.iter().map(|(_, end)| *end).collect() }
+        PackedKeys { key_len, bytes, ends: keys.iter().map(|e| e.end).collect(), gotos, chains }
     }
 
-    fn unpack(&self) -> Vec<(Vec<u8>, bool)> {
+    fn unpack(&self) -> Vec<RawElement> {
         let keys = self.bytes.chunks(self.key_len.max(1)).map(<[u8]>::to_vec);
-        keys.zip(self.ends.iter().copied()).collect()
+        keys.zip(self.ends.iter().copied())
+            .zip(&self.gotos)
+            .map(|((key, end), goto)| RawElement { key, end, goto: goto.map(|i| self.chains[usize::from(i)].clone()) })
+            .collect()
     }
 }
 
@@ -221,17 +236,25 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
         b.add(family, counter(&table.name, name, start), NLM_F_CREATE, named(format!("counter {name}")));
         b.needing(vec![&features::COUNTER_OBJECT]);
     }
+    let mut ids = Vec::new();
     for set in &table.sets {
         b.next_set_id += 1;
         let id = b.next_set_id;
+        ids.push(id);
         b.add(family, set_message(&table.name, set, id), NLM_F_CREATE, named(format!("set {}", set.name)));
         b.needing(features::of_set(set));
+    }
+    let add_elements = |b: &mut Batch, set: &model::Set, id: u32| {
         // A netlink message holds at most 64 KiB: elements go in chunks.
         for chunk in set.elements.chunks(ELEMENTS_PER_MESSAGE) {
             let keys = PackedKeys::pack(&key::element_keys(set, chunk));
             let part = Part::Elements { table: table.name.clone(), set: set.name.clone(), set_id: Some(id), keys };
             b.add_part(family, part, NLM_F_CREATE, named(format!("elements of set {}", set.name)));
         }
+    };
+    // A verdict map's elements name chains, so they go after the chains.
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| s.goto_chains.is_empty()) {
+        add_elements(b, set, *id);
     }
     for c in &table.chains {
         b.add(
@@ -241,6 +264,9 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
             named(format!("chain {}", c.name)),
         );
         b.needing(features::of_chain(c));
+    }
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| !s.goto_chains.is_empty()) {
+        add_elements(b, set, *id);
     }
     for c in &table.chains {
         for (i, r) in c.rules.iter().enumerate() {
@@ -262,16 +288,59 @@ pub(crate) fn table_label(family: Family, name: &str) -> String {
     format!("table {} {name}", family.nft_name())
 }
 
-/// A change of set elements only: for each set, the raw keys (with their interval-end flag)
-/// to delete and to add, in one transaction. Sets are described as the kernel reports them.
-pub(crate) fn element_changes(family: Family, table: &str, changes: &[ElementChange]) -> Batch {
+/// A change of one table: chains added (with their rules), set elements deleted and added,
+/// chains deleted, in that order (an added element may go to an added chain; a deleted chain
+/// is no longer the target of a deleted element). Sets are described as the kernel reports
+/// them.
+pub(crate) fn table_change(family: Family, table: &str, change: &TableChange) -> Batch {
     let mut b = Batch::default();
+    for c in &change.add_chains {
+        b.add(family, NfTablesMessage::NewChain(chain(table, c)), NLM_F_CREATE, format!("chain {} added", c.name));
+        for (i, r) in c.rules.iter().enumerate() {
+            let exprs = rule_exprs(r, family);
+            let needs = features::of_rule(&exprs, family);
+            b.add(
+                family,
+                NfTablesMessage::NewRule(rule(table, &c.name, r, exprs)),
+                NLM_F_CREATE | NLM_F_APPEND,
+                format!("rule {} of chain {} added ({})", i + 1, c.name, r.comment),
+            );
+            b.needing(needs);
+        }
+    }
+    element_changes(&mut b, family, table, &change.elements);
+    for name in &change.delete_chains {
+        let msg = ChainMessage {
+            attributes: vec![ChainAttribute::Table(table.to_string()), ChainAttribute::Name(name.clone())],
+        };
+        b.add(family, NfTablesMessage::DeleteChain(msg), 0, format!("chain {name} removed"));
+    }
+    b
+}
+
+/// What changes in one table: chains that come and go whole, and set elements.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TableChange {
+    pub add_chains: Vec<model::Chain>,
+    pub elements: Vec<ElementChange>,
+    pub delete_chains: Vec<String>,
+}
+
+impl TableChange {
+    pub fn is_empty(&self) -> bool {
+        self.add_chains.is_empty() && self.elements.is_empty() && self.delete_chains.is_empty()
+    }
+}
+
+/// Set elements deleted and added: for each set, the raw elements to delete and to add.
+fn element_changes(b: &mut Batch, family: Family, table: &str, changes: &[ElementChange]) {
     for c in changes {
         // Changes of interval sets are rebuilt whole, so a chunk never splits a range.
         for chunk in c.delete.chunks(ELEMENTS_PER_MESSAGE) {
             b.add(
                 family,
-                NfTablesMessage::DeleteSetElement(elements(table, &c.set, None, chunk)),
+                // A map's element is deleted by its key alone.
+                NfTablesMessage::DeleteSetElement(elements(table, &c.set, None, chunk, false)),
                 0,
                 format!("{} element(s) removed from set {}", chunk.len(), c.set),
             );
@@ -279,21 +348,20 @@ pub(crate) fn element_changes(family: Family, table: &str, changes: &[ElementCha
         for chunk in c.add.chunks(ELEMENTS_PER_MESSAGE) {
             b.add(
                 family,
-                NfTablesMessage::NewSetElement(elements(table, &c.set, None, chunk)),
+                NfTablesMessage::NewSetElement(elements(table, &c.set, None, chunk, true)),
                 NLM_F_CREATE,
                 format!("{} element(s) added to set {}", chunk.len(), c.set),
             );
         }
     }
-    b
 }
 
-/// What changes in one set: raw (key, interval end) elements.
+/// What changes in one set: raw elements.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ElementChange {
     pub set: String,
-    pub delete: Vec<(Vec<u8>, bool)>,
-    pub add: Vec<(Vec<u8>, bool)>,
+    pub delete: Vec<RawElement>,
+    pub add: Vec<RawElement>,
 }
 
 /// The transaction that deletes `name` (with everything in it).
@@ -357,18 +425,28 @@ fn set_message(table: &str, set: &model::Set, id: u32) -> NfTablesMessage {
     if let Some(t) = set.timeout_secs {
         attrs.push(SetAttribute::Timeout(u64::from(t) * 1000));
     }
+    if !set.goto_chains.is_empty() {
+        attrs.push(SetAttribute::DataType(key::DATA_VERDICT));
+    }
     NfTablesMessage::NewSet(SetMessage { attributes: attrs })
 }
 
-fn elements(table: &str, set: &str, set_id: Option<u32>, keys: &[(Vec<u8>, bool)]) -> SetElementMessage {
+/// A NEWSETELEM or DELSETELEM message; `with_data`: a map's elements carry their verdicts.
+fn elements(table: &str, set: &str, set_id: Option<u32>, keys: &[RawElement], with_data: bool) -> SetElementMessage {
     let mut attrs = vec![SetElementList::Table(table.to_string()), SetElementList::Set(set.to_string())];
     attrs.extend(set_id.map(SetElementList::SetId));
     let elems = keys
         .iter()
-        .map(|(k, end)| {
-            let mut e = vec![SetElementAttribute::Key(DataAttribute::Value(k.clone()))];
-            if *end {
+        .map(|k| {
+            let mut e = vec![SetElementAttribute::Key(DataAttribute::Value(k.key.clone()))];
+            if k.end {
                 e.push(SetElementAttribute::Flags(SetElementFlags::IntervalEnd));
+            }
+            if let Some(chain) = k.goto.as_ref().filter(|_| with_data) {
+                e.push(SetElementAttribute::Data(DataAttribute::Verdict(vec![
+                    VerdictAttribute::Code(Verdict::from(libc::NFT_GOTO as u32)),
+                    VerdictAttribute::Chain(chain.clone()),
+                ])));
             }
             ListAttribute::Element(e)
         })

@@ -1,31 +1,44 @@
-//! The element change between two Service layers: what an apply sends a pod that holds the
-//! previous generation, computed from the models alone.
+//! The change between two Service layers: what an apply sends a pod that holds the previous
+//! generation, computed from the models alone. Set elements, and profile chains added or
+//! removed whole (a chain's name is its profile, so a chain of one name is the same chain).
 
-use super::{services_tables, Applied, ServiceLayer, TABLE};
+use super::{services_tables, Applied, ServiceLayer, CHAIN_BY_KEY, PROFILE_CHAIN_PREFIX, TABLE};
 use crate::error::Result;
 use crate::family::Family;
-use crate::model::Table;
+use crate::model::{Chain, Element, Table};
 use crate::nft;
 
-/// The set elements that turn the layer for `old` into the layer for `new`, computed from the
-/// models alone (no kernel involved), once per apply for every pod that holds `old`.
+/// Whether a chain of the layer is a profile chain (which a change may add or remove).
+fn is_profile_chain(c: &Chain) -> bool {
+    c.name.starts_with(PROFILE_CHAIN_PREFIX) && c.name != CHAIN_BY_KEY
+}
+
+/// The set elements and profile chains that turn the layer for `old` into the layer for
+/// `new`, computed from the models alone (no kernel involved), once per apply for every pod
+/// that holds `old`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LayerChange {
-    pub(super) changes: Vec<(Family, Vec<nft::ElementChange>)>,
+    pub(super) changes: Vec<(Family, nft::TableChange)>,
 }
 
 impl LayerChange {
-    /// The change between two layers, or `None` when more than the elements of hash sets
-    /// differ (a new range, family, timeout or mark, a mode `off`): those pods are rebuilt.
+    /// The change between two layers, or `None` when more than the elements of hash sets and
+    /// the profile chains differ (a new range, family, timeout or mark, a mode `off`): those
+    /// pods are rebuilt.
     pub fn between(old: &ServiceLayer, new: &ServiceLayer) -> Result<Option<LayerChange>> {
         let (old, new) = (services_tables(old)?, services_tables(new)?);
         let families = |t: &[Table]| t.iter().map(|t| t.family).collect::<Vec<_>>();
         if old.is_empty() || families(&old) != families(&new) {
             return Ok(None);
         }
+        // The table without its elements, the verdict map's chain list and the profile chains.
         let bare = |t: &Table| {
             let mut t = t.clone();
-            t.sets.iter_mut().for_each(|s| s.elements.clear());
+            t.sets.iter_mut().for_each(|s| {
+                s.elements.clear();
+                s.goto_chains.clear();
+            });
+            t.chains.retain(|c| !is_profile_chain(c));
             t
         };
         let mut out = Vec::new();
@@ -33,24 +46,42 @@ impl LayerChange {
             if bare(old) != bare(new) {
                 return Ok(None);
             }
-            let mut changes = Vec::new();
+            let profiles = |t: &Table| t.chains.iter().filter(|c| is_profile_chain(c)).cloned().collect::<Vec<_>>();
+            let (was, will) = (profiles(old), profiles(new));
+            let mut change = nft::TableChange {
+                add_chains: will.iter().filter(|c| !was.iter().any(|o| o.name == c.name)).cloned().collect(),
+                delete_chains: was
+                    .iter()
+                    .filter(|c| !will.iter().any(|n| n.name == c.name))
+                    .map(|c| c.name.clone())
+                    .collect(),
+                elements: Vec::new(),
+            };
+            let changes = &mut change.elements;
             for (o, n) in old.sets.iter().zip(&new.sets) {
-                if o.timeout_secs.is_some() || o.elements == n.elements {
+                // A map's elements compare by address and chain name (their chain indices
+                // are of each layer's own list).
+                if o.timeout_secs.is_some() || (o.elements == n.elements && o.goto_chains == n.goto_chains) {
                     continue;
                 }
                 if o.interval {
                     return Ok(None);
                 }
                 // Both sorted and without duplicates (built from ordered sets).
-                let (delete, add) = sorted_difference(&o.elements, &n.elements);
+                let (delete, add) = sorted_difference(&o.elements, &n.elements, |a, b| match (a, b) {
+                    (Element::Goto(x, i), Element::Goto(y, j)) => {
+                        x.cmp(y).then_with(|| o.goto_chains[usize::from(*i)].cmp(&n.goto_chains[usize::from(*j)]))
+                    }
+                    _ => a.cmp(b),
+                });
                 changes.push(nft::ElementChange {
                     set: o.name.clone(),
                     delete: nft::set_keys(o, &delete),
                     add: nft::set_keys(n, &add),
                 });
             }
-            if !changes.is_empty() {
-                out.push((old.family, changes));
+            if !change.is_empty() {
+                out.push((old.family, change));
             }
         }
         Ok(Some(LayerChange { changes: out }))
@@ -60,18 +91,20 @@ impl LayerChange {
         self.changes.is_empty()
     }
 
+    /// Set elements added.
     pub fn added(&self) -> usize {
-        self.changes.iter().flat_map(|(_, c)| c).map(|c| c.add.len()).sum()
+        self.changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum()
     }
 
+    /// Set elements removed.
     pub fn removed(&self) -> usize {
-        self.changes.iter().flat_map(|(_, c)| c).map(|c| c.delete.len()).sum()
+        self.changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.delete.len()).sum()
     }
 
     /// The change's transaction, encoded once: what a minimal sender (the bench's floor)
     /// sends to each netns.
     pub fn encode(&self) -> nft::Encoded {
-        nft::encode_element_changes(TABLE, &self.changes)
+        nft::encode_table_changes(TABLE, &self.changes)
     }
 
     /// `send`, already encoded (`encode`), on a socket kept in the pod's netns; with the
@@ -97,22 +130,23 @@ impl LayerChange {
         if self.is_empty() {
             return Ok(Applied::Unchanged);
         }
-        nft::change_elements(TABLE, &self.changes)?;
+        nft::change_tables(TABLE, &self.changes)?;
         Ok(Applied::Elements { added: self.added(), removed: self.removed() })
     }
 }
 
-/// (in `a` only, in `b` only) of two sorted lists without duplicates.
-fn sorted_difference<T: Ord + Clone>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
+/// (in `a` only, in `b` only) of two sorted lists without duplicates, `cmp` comparing an
+/// element of `a` with one of `b`.
+fn sorted_difference<T: Clone>(a: &[T], b: &[T], cmp: impl Fn(&T, &T) -> std::cmp::Ordering) -> (Vec<T>, Vec<T>) {
     let (mut only_a, mut only_b) = (Vec::new(), Vec::new());
     let (mut i, mut j) = (0, 0);
     while i < a.len() || j < b.len() {
         match (a.get(i), b.get(j)) {
-            (Some(x), Some(y)) if x == y => {
+            (Some(x), Some(y)) if cmp(x, y).is_eq() => {
                 i += 1;
                 j += 1;
             }
-            (Some(x), Some(y)) if x < y => {
+            (Some(x), Some(y)) if cmp(x, y).is_lt() => {
                 only_a.push(x.clone());
                 i += 1;
             }

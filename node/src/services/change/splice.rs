@@ -239,6 +239,7 @@ pub fn splice(
         ports: spliced_ports(&stored.ports, &gone, &came),
         dialled_timeout_secs: head.dialled_timeout_secs,
         divert_mark: stored.divert_mark,
+        chained: None,
     };
     Some(Spliced { text: out, layer })
 }
