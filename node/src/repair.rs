@@ -76,13 +76,35 @@ pub fn migrate(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
     // A record that names no ruleset, over a pod that holds the current one (a build from
     // before records named it): nothing to program, only the record to bring up to date.
     if now.ruleset.is_none() && matches!(crate::attachment::held_ruleset(&now, &netns), Ok(r) if r.is_current()) {
+        if older_shape(&netns) {
+            services::repair_pod_layer(state_dir, &netns, Some(cfg.divert_mark))?;
+        }
         StateDir::new(state_dir).write(&Record { ruleset: Some(capture::RulesetVersion::CURRENT.number()), ..now })?;
         return Ok(());
     }
     let ruleset = capture::capture_ruleset(cfg)?;
     netns.run(|| aether_rules::install(&ruleset, None))??;
+    // A Service layer of an earlier release's shape is rebuilt to the stored one, counts kept.
+    if older_shape(&netns) {
+        services::repair_pod_layer(state_dir, &netns, Some(cfg.divert_mark))?;
+    }
     StateDir::new(state_dir).write(&now.migrated())?;
     Ok(())
+}
+
+/// Whether `netns` holds a Service layer of an earlier release's shape (`services::SHAPE`).
+fn older_shape(netns: &aether_netns::Netns) -> bool {
+    use aether_rules::services::{held_shape, SHAPE};
+    matches!(netns.run(held_shape), Ok(Ok(Some(s))) if s < SHAPE)
+}
+
+/// Whether the pod's netns holds a Service layer of an earlier release's shape: its
+/// differences from the stored layer are an upgrade's, for `migrate`, never drift.
+pub fn holds_older_layer(record: &Record) -> bool {
+    match record.open_netns() {
+        Ok(PodNetns::Live(ns)) => older_shape(&ns),
+        _ => false,
+    }
 }
 
 /// The stored Service layer rebuilt in the pod's netns; false when it was found as stored

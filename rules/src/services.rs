@@ -769,6 +769,17 @@ pub fn remove() -> Result<bool> {
     Ok(removed)
 }
 
+/// The shape of the layer the current netns holds: `None` without one, 1 for the first shape
+/// (`service_vips` a plain set of VIPs), `SHAPE` for this one. Reads the tables' sets only.
+pub fn held_shape() -> Result<Option<u64>> {
+    for family in Family::ALL {
+        if let Some(flags) = nft::set_flags(family, TABLE, SET_VIPS)? {
+            return Ok(Some(if flags & nft::key::set_flags::MAP != 0 { SHAPE } else { 1 }));
+        }
+    }
+    Ok(None)
+}
+
 /// Compares the kernel's layer with `layer`; an empty list means intact. Differences in the
 /// IPv6 table are prefixed with its name.
 pub fn verify(layer: &ServiceLayer) -> Result<Vec<String>> {

@@ -222,10 +222,16 @@ impl NodeOps for NodeLib {
                 // The record names the ruleset the pod was compared with: one of an earlier
                 // release, found intact, is a migration to come, not drift; a later release's
                 // (a rollback) cannot be compared, and is migrated to this release's.
+                // So is a Service layer of an earlier release's shape.
                 let recorded = record.ruleset();
+                let older_layer = !services.is_empty() && capture.is_empty() && repair::holds_older_layer(record);
                 let d = Differences { capture, services };
                 match recorded {
                     Recorded::Unknown(_) => Observation::MigrationPending { from: recorded.to_string() },
+                    _ if older_layer && recorded.is_current() => {
+                        Observation::MigrationPending { from: "a Service layer of an earlier release's shape".into() }
+                    }
+                    _ if older_layer => Observation::MigrationPending { from: recorded.to_string() },
                     _ if !d.is_empty() => Observation::Drifted(d),
                     _ if recorded.is_current() => Observation::Intact,
                     _ => Observation::MigrationPending { from: recorded.to_string() },

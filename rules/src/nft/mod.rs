@@ -451,6 +451,13 @@ pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> 
     key::element_keys(set, elements)
 }
 
+/// The flags of the set `set` of `family`'s table `table` in the current netns (`None`: no
+/// such table or set). Dumps the table's sets only, not their elements.
+pub fn set_flags(family: Family, table: &str, set: &str) -> Result<Option<u32>> {
+    let messages = dump(&mut open()?, family, set_request(table), table, "dump sets")?;
+    Ok(TableView::from_messages(table, &messages).sets.iter().find(|s| s.name == set).map(|s| s.flags))
+}
+
 fn set_request(table: &str) -> NfTablesMessage {
     NfTablesMessage::GetSet(SetMessage { attributes: vec![SetAttribute::Table(table.to_string())] })
 }
