@@ -41,6 +41,15 @@ impl ScratchMemcg {
             Some(p) => (PathBuf::from("/sys/fs/cgroup/memory").join(p).join(name), false),
             None => (PathBuf::from("/sys/fs/cgroup").join(name), true),
         };
+        if v2 {
+            // A v2 child has memory.max only where its parent hands down the memory controller:
+            // systemd does at the root, a bare cgroup2 mount (the kernel matrix's VMs) does not.
+            let control = dir.parent().expect("under the root").join("cgroup.subtree_control");
+            let handed_down = std::fs::read_to_string(&control).unwrap_or_default();
+            if !handed_down.split_whitespace().any(|c| c == "memory") {
+                std::fs::write(&control, "+memory").unwrap_or_else(|e| panic!("{}: +memory: {e}", control.display()));
+            }
+        }
         std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("cannot make the memory cgroup {}: {e}", dir.display()));
         let cg = ScratchMemcg { dir, v2, owned: true };
         cg.set_limit(limit);
