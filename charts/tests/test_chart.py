@@ -131,6 +131,8 @@ def test_defaults():
         "--upgrade",
         "--cri-socket=/run/containerd/containerd.sock",
         "--cri-max-message-mib=16",
+        "--cri-timeout-seconds=5",
+        "--cri-pass-budget-seconds=10",
         "--missed-pods=restart",
         "--reconcile-period-seconds=10",
         "--reconcile-max-actions=5",
@@ -219,6 +221,8 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
         "reconciler": {
             "criSocket": "/run/k3s/containerd/containerd.sock",
             "criMaxMessageMiB": 32,
+            "criTimeoutSeconds": 2,
+            "criPassBudgetSeconds": 7,
             "missedPods": "capture",
             "periodSeconds": 3,
             "maxActionsPerPass": 2,
@@ -232,6 +236,8 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     assert c["args"][9:-1] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
         "--cri-max-message-mib=32",
+        "--cri-timeout-seconds=2",
+        "--cri-pass-budget-seconds=7",
         "--missed-pods=capture",
         "--reconcile-period-seconds=3",
         "--reconcile-max-actions=2",
@@ -313,7 +319,7 @@ def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:-9] == [
+    assert c["args"][9:-11] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",

@@ -112,6 +112,8 @@ BAD = [
     ({"reconciler": {"periodSeconds": 0}}, "/reconciler/periodSeconds", "minimum"),
     ({"reconciler": {"criSocket": "run/containerd/containerd.sock"}}, "/reconciler/criSocket", ""),
     ({"reconciler": {"criMaxMessageMiB": 0}}, "/reconciler/criMaxMessageMiB", "minimum"),
+    ({"reconciler": {"criPassBudgetSeconds": 0}}, "/reconciler/criPassBudgetSeconds", "minimum"),
+    ({"reconciler": {"criTimeoutSeconds": "5s"}}, "/reconciler/criTimeoutSeconds", "want integer"),
     ({"reconciler": {"enabled": "yes"}}, "/reconciler/enabled", "want boolean"),
     ({"updateStrategy": {"type": "Recreate"}}, "/updateStrategy/type", "must be one of"),
     ({"probes": {"readiness": {"periodSeconds": 0, "failureThreshold": 1}}}, "/probes/readiness/periodSeconds", "minimum"),
