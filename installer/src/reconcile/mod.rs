@@ -287,6 +287,9 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         };
         let records: BTreeMap<&str, &RecordView> = observed.iter().map(|(r, _)| (r.key.as_str(), r)).collect();
         let mut actions = Vec::new();
+        // Pods whose drift this pass already counted toward "fought": a pod whose capture and
+        // Service layer both drifted gets two repairs in one pass, but was undone once.
+        let mut counted_repairs: HashSet<String> = HashSet::new();
         for action in plan.actions {
             // The installer is stopping: nothing more starts (what was not done is found again
             // by the next installer's first pass).
@@ -295,10 +298,12 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             }
             let outcome = self.execute(&action, &sandboxes, &records);
             // A restart or capture counts whatever its outcome (the pod may come back
-            // uncaptured); a repair only when it failed (drift again later is repaired again),
-            // or when it is the latest of too many in a window (drift that is fought).
+            // uncaptured); a repair or migration only when it failed (drift again later is
+            // repaired again), or, for a repair of drift, when it is the latest of too many in a
+            // window (drift that is fought). A migration is no drift: it never counts as fought.
             let repair =
                 matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
+            let drift = matches!(action, Action::Repair { .. } | Action::RepairServices { .. });
             let now = Instant::now();
             match &outcome {
                 // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
@@ -315,7 +320,8 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
                 Outcome::Done if action.counts_as_attempt() && !repair => {
                     self.memory.acted(action.pod(), now, &self.limits)
                 }
-                Outcome::Done if repair => {
+                Outcome::Done if drift && !counted_repairs.insert(action.pod().history_key()) => {}
+                Outcome::Done if drift => {
                     if let Some(n) = self.memory.repaired(action.pod(), now) {
                         self.memory.acted(action.pod(), now, &self.limits);
                         self.memory.fought(

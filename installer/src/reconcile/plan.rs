@@ -97,7 +97,7 @@ impl PodRef {
 
     /// The key of the pod's history: its uid (a restarted pod keeps it, its sandbox ID does
     /// not), or its name where the uid is unknown.
-    fn history_key(&self) -> String {
+    pub(crate) fn history_key(&self) -> String {
         if self.uid.is_empty() {
             format!("{}/{}", self.namespace, self.name)
         } else {

@@ -55,6 +55,8 @@ struct FakeNode {
     repair_answer: Option<String>,
     /// Repairs leave the drift in place (something in the pod undoes them).
     fought: bool,
+    /// Repairs of the Service layer leave its drift in place too.
+    fought_services: bool,
     /// In-place captures are refused (the netns is another record's).
     refuse_capture: bool,
 }
@@ -108,7 +110,9 @@ impl NodeOps for FakeNode {
         if self.fail_repair {
             return Err("netlink: EPERM".into());
         }
-        self.cleared(&r.key, |d| d.services.clear());
+        if !self.fought_services {
+            self.cleared(&r.key, |d| d.services.clear());
+        }
         Ok(())
     }
     fn migrate(&mut self, r: &RecordView) -> Result<(), String> {
@@ -514,4 +518,28 @@ fn drift_that_is_fought_is_reported_and_backed_off() {
     let repairs = r.node.calls.iter().filter(|c| c.starts_with("repair ")).count();
     assert_eq!(repairs, plan::FOUGHT_REPAIRS, "repaired until fought, then backed off: {:?}", r.node.calls);
     assert_eq!(new_refusals, 1, "reported once");
+}
+
+/// A pod whose capture and Service layer are both undone after every repair gets two repairs a
+/// pass, but is undone once a pass: it is fought after FOUGHT_REPAIRS passes, as a pod with one
+/// drift is. Counting each repair (as before) backed it off after three passes.
+#[test]
+fn a_pass_that_repairs_capture_and_layer_counts_once_toward_fought() {
+    let drift = Differences { capture: vec!["x".into()], services: vec!["y".into()] };
+    let mut node = node_with_record("a", "a", Observation::Drifted(drift));
+    node.fought = true;
+    node.fought_services = true;
+    let rt = FakeRuntime { sandboxes: vec![sandbox("a", "shop", "a", &[])], ..Default::default() };
+    let mut r = Reconciler::new(Some(rt), node, Limits::default());
+    let mut fought_at = None;
+    for pass in 1..=12 {
+        let report = r.pass(Ok(()));
+        if fought_at.is_none() && report.refusals.iter().any(|x| x.kind == "drift-fought") {
+            fought_at = Some(pass);
+        }
+    }
+    assert_eq!(fought_at, Some(plan::FOUGHT_REPAIRS), "{:?}", r.node.calls);
+    let repairs = r.node.calls.iter().filter(|c| c.starts_with("repair ")).count();
+    let layer_repairs = r.node.calls.iter().filter(|c| c.starts_with("repair-services ")).count();
+    assert_eq!((repairs, layer_repairs), (plan::FOUGHT_REPAIRS, plan::FOUGHT_REPAIRS), "{:?}", r.node.calls);
 }
