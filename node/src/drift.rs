@@ -486,6 +486,8 @@ mod tests {
         dir.write(&unstated).unwrap();
         assert_eq!(check(), Vec::<String>::new(), "the current ruleset under a record naming none: intact");
         assert_eq!(attachment::held_ruleset(&unstated, &netns).unwrap(), Recorded::Known(RulesetVersion::CURRENT));
+        let from = crate::repair::migrating_from(&unstated);
+        assert!(from.starts_with("capture ruleset 2 (") && from.ends_with("under a record that names no ruleset"), "{from}");
         // Its migration only writes the record: the tables are not programmed again.
         let before = netns.run(aether_rules::nft::generation).unwrap().unwrap();
         crate::repair::migrate(&state, &unstated).unwrap();
@@ -499,6 +501,7 @@ mod tests {
         broken.halves[0].table.chains.pop();
         netns.run(|| aether_rules::install(&broken, None)).unwrap().unwrap();
         assert_eq!(attachment::held_ruleset(&unstated, &netns).unwrap(), Recorded::Known(RulesetVersion::FIRST));
+        assert!(crate::repair::migrating_from(&unstated).starts_with("capture ruleset 1 ("), "what the record names");
         assert!(!check().is_empty(), "a pod holding neither shape is not intact");
         drop(ns);
         let _ = std::fs::remove_dir_all(&state);

@@ -92,6 +92,23 @@ pub fn migrate(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
     Ok(())
 }
 
+/// The ruleset a pod awaiting migration holds, as people should read it: the one its record
+/// names, or, for a record that names none, the one its kernel holds (see
+/// [`crate::attachment::held_ruleset`]), said to be held under such a record.
+pub fn migrating_from(record: &Record) -> String {
+    let named = record.ruleset();
+    if record.ruleset.is_none() {
+        if let Ok(PodNetns::Live(ns)) = record.open_netns() {
+            if let Ok(held) = crate::attachment::held_ruleset(record, &ns) {
+                if held != named {
+                    return format!("{held} under a record that names no ruleset");
+                }
+            }
+        }
+    }
+    named.to_string()
+}
+
 /// Whether `netns` holds a Service layer of an earlier release's shape (`services::SHAPE`).
 fn older_shape(netns: &aether_netns::Netns) -> bool {
     use aether_rules::services::{held_shape, SHAPE};

@@ -234,7 +234,7 @@ impl NodeOps for NodeLib {
                     _ if older_layer => Observation::MigrationPending { from: recorded.to_string() },
                     _ if !d.is_empty() => Observation::Drifted(d),
                     _ if recorded.is_current() => Observation::Intact,
-                    _ => Observation::MigrationPending { from: recorded.to_string() },
+                    _ => Observation::MigrationPending { from: repair::migrating_from(record) },
                 }
             }
         }
