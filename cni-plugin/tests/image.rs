@@ -10,7 +10,6 @@ mod load;
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -108,11 +107,7 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\n\r\n").ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    Some((text.split_whitespace().nth(1)?.parse().ok()?, text.split_once("\r\n\r\n")?.1.to_string()))
+    aether_testkit::http::get(addr, path).filter(|(code, _)| *code != 0)
 }
 
 fn wait(what: &str, mut cond: impl FnMut() -> bool) {

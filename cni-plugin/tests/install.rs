@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -171,11 +171,7 @@ impl Drop for Installer {
 }
 
 fn get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    (text.split_whitespace().nth(1).unwrap().parse().unwrap(), text.split_once("\r\n\r\n").unwrap().1.to_string())
+    aether_testkit::http::get(addr, path).unwrap_or_else(|| panic!("nothing answers GET {path} on {addr}"))
 }
 
 fn wait(what: &str, mut cond: impl FnMut() -> bool) {

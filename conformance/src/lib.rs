@@ -30,6 +30,7 @@ pub mod demo;
 pub mod dns;
 pub mod layer;
 pub mod node;
+pub mod passes;
 pub mod probe;
 pub mod server;
 pub mod sock;

@@ -16,7 +16,7 @@
 //! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI),
 //! as they also do there when `make clients-deps` has not been run.
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use aether_conformance::clients::{assert_captured, capture_state, client, exec, must, records, terminate};
 use aether_conformance::containerd::{requirements, Containerd, NodeNet};
-use aether_conformance::{cni_bin, sock};
-use aether_testkit::root_or_skip;
+use aether_conformance::{cni_bin, passes, sock};
+use aether_testkit::{http, root_or_skip};
 use serde_json::{json, Value};
 
 const NET: NodeNet = NodeNet { bridge: "aerec0", subnet: "10.250.13.0/24", gateway: "10.250.13.1" };
@@ -89,13 +89,7 @@ impl Installer {
 
     /// GET `path`: (status code, body).
     fn get(&self, path: &str) -> Option<(u16, String)> {
-        let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+        http::get(self.addr, path)
     }
 
     /// Waits (up to 20 s) for `/readyz` to answer 200: the installer's first install runs beside
@@ -114,40 +108,19 @@ impl Installer {
 
     fn metric(&self, series: &str) -> f64 {
         let (_, body) = self.get("/metrics").expect("/metrics");
-        body.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
-            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
-    }
-
-    fn last_pass(&self) -> Option<Value> {
-        let text = std::fs::read_to_string(self.state_dir.join("reconciler-last-pass.json")).ok()?;
-        serde_json::from_str(&text).ok()
+        http::metric(&body, series).unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
     }
 
     /// The number of the last pass written (0: none yet). Pass `mark() + 1` may have started
     /// before now; `mark() + 2` starts after.
     fn mark(&self) -> u64 {
-        self.last_pass().map_or(0, |p| p["pass"].as_u64().unwrap())
+        passes::mark(&self.state_dir)
     }
 
-    /// Waits (up to 30 s) for a pass numbered `from` or later that satisfies `cond`.
     fn wait_pass(&mut self, from: u64, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(p) = self.last_pass() {
-                if p["pass"].as_u64().unwrap() >= from && cond(&p) {
-                    return p;
-                }
-            }
-            let exited = self.child.try_wait().unwrap();
-            assert!(
-                Instant::now() < deadline && exited.is_none(),
-                "no reconciler pass with {what} in 30 s (installer exited: {exited:?}); the last:\n{:#}\n--- installer\n{}",
-                self.last_pass().unwrap_or(Value::Null),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let log = self.log.clone();
+        let read_log = move || std::fs::read_to_string(&log).unwrap_or_default();
+        passes::wait_pass(&self.state_dir, &mut self.child, read_log, from, what, cond)
     }
 
     fn stop(mut self) -> String {

@@ -7,17 +7,16 @@
 //!
 //! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI).
 
-use std::io::{Read as _, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_conformance::clients::{assert_captured, records};
-use aether_conformance::{cni_bin, sock, Pod, SimNode, HOST_IP};
+use aether_conformance::{cni_bin, passes, sock, Pod, SimNode, HOST_IP};
 use aether_cri::api::PodSandbox;
 use aether_cri::fake::{self, FakeRuntime, Reply, Script};
-use aether_testkit::root_or_skip;
+use aether_testkit::{http, root_or_skip};
 use serde_json::{json, Value};
 
 /// The installer's probes and metrics, inside the node's netns.
@@ -147,49 +146,28 @@ impl Installer {
         let stream = sock::in_netns(&self.host, || {
             std::net::TcpStream::connect_timeout(&LISTEN.parse().unwrap(), Duration::from_secs(2)).ok()
         });
-        let mut s = stream?;
+        let s = stream?;
         s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+        http::exchange(s, "GET", path, None).ok()
     }
 
     fn metric(&self, series: &str) -> f64 {
         let (_, body) = self.get("/metrics").expect("/metrics");
-        body.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
-            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
+        http::metric(&body, series).unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
     }
 
     fn last_pass(&self) -> Option<Value> {
-        let text = std::fs::read_to_string(self.state_dir.join("reconciler-last-pass.json")).ok()?;
-        serde_json::from_str(&text).ok()
+        passes::last_pass(&self.state_dir)
     }
 
     fn mark(&self) -> u64 {
-        self.last_pass().map_or(0, |p| p["pass"].as_u64().unwrap())
+        passes::mark(&self.state_dir)
     }
 
-    /// Waits (up to 30 s) for a pass numbered `from` or later that satisfies `cond`.
     fn wait_pass(&mut self, from: u64, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(p) = self.last_pass() {
-                if p["pass"].as_u64().unwrap() >= from && cond(&p) {
-                    return p;
-                }
-            }
-            let exited = self.child.try_wait().unwrap();
-            assert!(
-                Instant::now() < deadline && exited.is_none(),
-                "no reconciler pass with {what} in 30 s (installer exited: {exited:?}); the last:\n{:#}\n--- installer\n{}",
-                self.last_pass().unwrap_or(Value::Null),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let log = self.log.clone();
+        let read_log = move || std::fs::read_to_string(&log).unwrap_or_default();
+        passes::wait_pass(&self.state_dir, &mut self.child, read_log, from, what, cond)
     }
 
     /// SIGTERM, then waits up to `patience` (SIGKILL after): the exit and how long it took.

@@ -17,7 +17,7 @@
 //! root each test skips with a loud line; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a
 //! failure.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -29,7 +29,7 @@ use aether_conformance::cni::cni_bin;
 use aether_conformance::layer::{apply, listing};
 use aether_conformance::{Pod, SimNode};
 use aether_testkit::memcg::ScratchMemcg;
-use aether_testkit::root_or_skip;
+use aether_testkit::{http, root_or_skip};
 use serde_json::{json, Value};
 
 const MIB: u64 = 1 << 20;
@@ -148,37 +148,20 @@ impl Installer {
     fn get(&self, path: &str) -> (u16, String) {
         let log = self.log();
         let line = log.lines().find(|l| l.contains("serving /healthz")).expect("the serving line");
-        let mut s = std::net::TcpStream::connect(line.rsplit(' ').next().unwrap()).unwrap();
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+        http::get(line.rsplit(' ').next().unwrap(), path).expect("the probes answer")
     }
 
     fn metric(&self, series: &str) -> f64 {
         let (_, text) = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
-            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+        http::metric(&text, series).unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
     }
 
     /// The document POSTed to the socket: (status, body), or `None` when the connection
     /// closed with no answer (the installer died).
     fn post(&self, doc: &[u8]) -> Option<(u16, String)> {
-        let mut s = UnixStream::connect(&self.socket).ok()?;
+        let s = UnixStream::connect(&self.socket).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        write!(
-            s,
-            "POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            doc.len()
-        )
-        .ok()?;
-        s.write_all(doc).ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let code = text.split_whitespace().nth(1)?.parse().ok()?;
-        Some((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+        http::exchange(s, "POST", "/services/apply", Some(doc)).ok().filter(|(code, _)| *code != 0)
     }
 
     /// Its exit status, waited for up to 20 s.
@@ -337,25 +320,13 @@ const CHART_LIMIT: &str = "658m";
 fn get_in(node: &SimNode, addr: &str, path: &str) -> u16 {
     let addr = addr.to_string();
     let path = path.to_string();
-    aether_conformance::sock::in_netns(&node.host.path(), move || {
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
-    })
+    aether_conformance::sock::in_netns(&node.host.path(), move || http::get(&addr, &path).map_or(0, |(code, _)| code))
 }
 
 fn post_socket(socket: &std::path::Path, doc: &[u8]) -> (u16, String) {
-    let mut s = UnixStream::connect(socket).unwrap();
+    let s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(s, "POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", doc.len())
-        .unwrap();
-    s.write_all(doc).unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    http::exchange(s, "POST", "/services/apply", Some(doc)).unwrap()
 }
 
 #[test]

@@ -14,7 +14,7 @@
 //! Root only: without root each test skips with a loud line; with
 //! `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a failure. Nothing leaves the namespaces made here.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use aether_conformance::cni::cni_bin;
 use aether_conformance::layer::{apply, listing};
 use aether_conformance::{control, Pod, SimNode};
-use aether_testkit::root_or_skip;
+use aether_testkit::{http, root_or_skip};
 use serde_json::{json, Value};
 
 fn node(test: &str, tag: &str) -> Option<SimNode> {
@@ -93,13 +93,8 @@ impl Installer {
     }
 
     fn metric(&self, series: &str) -> f64 {
-        let mut s = std::net::TcpStream::connect(self.probes()).unwrap();
-        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
-            .unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
+        let (_, text) = http::get(self.probes(), "/metrics").expect("the probes answer");
+        http::metric(&text, series).unwrap_or_else(|| panic!("no {series} in /metrics:\n{text}"))
     }
 
     fn signal(&self, sig: libc::c_int) {
@@ -137,24 +132,10 @@ impl Drop for Installer {
 
 /// One HTTP/1.1 request on the socket, spoken by hand: (status, body).
 fn post_raw(socket: &Path, method: &str, path: &str, body: Option<&[u8]>) -> std::io::Result<(u16, String)> {
-    let mut s = UnixStream::connect(socket)?;
+    let s = UnixStream::connect(socket)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let body = body.unwrap_or_default();
-    // Head and body in one write, as a client does: a server that answers from the head alone
-    // (404, 405) may close before a second write, which would then fail with EPIPE.
-    let mut request =
-        format!("{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
-            .into_bytes();
-    request.extend_from_slice(body);
-    s.write_all(&request)?;
-    read_answer(s)
-}
-
-fn read_answer(mut s: UnixStream) -> std::io::Result<(u16, String)> {
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let code = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    Ok((code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()))
+    // A request with a length even when empty: the socket's server speaks HTTP/1.1 only.
+    http::exchange(s, method, path, Some(body.unwrap_or_default()))
 }
 
 fn post(socket: &Path, doc: &[u8]) -> (u16, String) {
@@ -476,7 +457,7 @@ fn a_body_over_the_cap_is_refused_with_413_and_changes_nothing() {
     let mut s = UnixStream::connect(&inst.socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     write!(s, "POST /services/apply HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{{", CAP + 1).unwrap();
-    let (status, body) = read_answer(s).unwrap();
+    let (status, body) = http::read_answer(s).unwrap();
     assert_eq!(status, 413, "{body}");
     assert!(body.contains("larger than the limit of 67108864 bytes (64 MiB)"), "{body}");
     // Chunked, no length declared: read up to the cap, then refused.
@@ -495,7 +476,7 @@ fn a_body_over_the_cap_is_refused_with_413_and_changes_nothing() {
             }
         }
         let _ = s.write_all(b"0\r\n\r\n");
-        read_answer(s).unwrap()
+        http::read_answer(s).unwrap()
     };
     let mut huge = whole(2, &[], &[], "count");
     huge.truncate(huge.len() - 1);

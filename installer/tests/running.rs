@@ -5,8 +5,7 @@
 mod common;
 
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,12 +15,7 @@ use common::{fake_binary, snapshot, FakeNode, Switches};
 
 /// A plain HTTP/1.0 GET (test client): status code and body.
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let code = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    aether_testkit::http::get(addr, path).unwrap_or_else(|| panic!("nothing answers GET {path} on {addr}"))
 }
 
 /// Waits (up to 10 s) for `cond`; panics with `what` and the last /readyz body.

@@ -33,10 +33,7 @@ fn apply(socket: &Path, doc: &Value) -> (u16, Value) {
 fn raw(socket: &Path, request: &str) -> (u16, String) {
     let mut s = UnixStream::connect(socket).unwrap();
     s.write_all(request.as_bytes()).unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let code = text.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    aether_testkit::http::read_answer(s).unwrap()
 }
 
 #[test]

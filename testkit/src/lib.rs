@@ -4,6 +4,7 @@
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+pub mod http;
 pub mod memcg;
 
 /// A number unique in this process, for names.
