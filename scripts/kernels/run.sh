@@ -27,6 +27,7 @@ declare -A SUITE_TARGET=(
     [rules-kernel]=rules/tests/kernel.rs
     [services-kernel]=rules/tests/services_kernel.rs
     [services-memory]=rules/tests/services_memory.rs
+    [node-memcg]=node/tests/memcg.rs
     [rules-conntrack]=rules/tests/conntrack.rs
     [capture]=conformance/tests/capture.rs
     [datapath]=conformance/tests/datapath.rs
@@ -36,7 +37,7 @@ declare -A SUITE_TARGET=(
     [socket-lb]=conformance/tests/socket_lb.rs
     [doctor]=conformance/tests/cli.rs@doctor
 )
-ALL_SUITES="rules-kernel services-kernel services-memory rules-conntrack capture datapath services-datapath services-ipv6 doctor socket-lb kernel-features"
+ALL_SUITES="rules-kernel services-kernel services-memory node-memcg rules-conntrack capture datapath services-datapath services-ipv6 doctor socket-lb kernel-features"
 read -r -a suites <<< "${KERNEL_SUITES:-$ALL_SUITES}"
 for s in "${suites[@]}"; do
     [ -n "${SUITE_TARGET[$s]:-}" ] || { echo "kernels: unknown suite $s (known: $ALL_SUITES)" >&2; exit 2; }
