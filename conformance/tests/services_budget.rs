@@ -8,12 +8,12 @@
 //! | claim | test | control (must fail) |
 //! | --- | --- | --- |
 //! | the installer, its limit too small for a snapshot to every pod, answers 507 naming the memory needed, the limit and `resources.limits.memory`, changes nothing (every pod keeps its whole layer, the stored files), stays alive and ready, the metrics say so; with a limit large enough the same document applies to every pod | `the_installer_refuses_...` | with the check skipped (a fault-injection switch) the same document at the same limit gets the installer OOM-killed |
-//! | the installer's image run by podman as the chart runs it (`--memory` the chart's default limit, capabilities NET_ADMIN and SYS_ADMIN only, read-only root): a snapshot to every pod applies; its container's limit then lowered, the next one is refused (507) with the container alive and ready and every pod's layer whole | `the_installer_image_under_podman_...` | the same refusal's control is the first test's (the check switched off, OOM-killed) |
+//! | the installer's image run by podman as the chart runs it (`--memory` the chart's default limit, capabilities NET_ADMIN and SYS_ADMIN only, read-only root), at the node's scale (100 pods ADDed outside it, 10,000 Services sharing no port profile): the snapshot and then two change documents apply, every pod verified intact, the container never restarted nor OOM-killed; its limit then lowered, a snapshot of twice the Services is refused (507) with the container alive and ready and every pod verified whole at the generation before | `the_installer_image_under_podman_...` | the same refusal's control is the first test's (the check switched off, OOM-killed) |
 //! | an apply under way that no longer fits (the estimate before it skipped by fault injection, so the checks made pod by pod stop it) leaves every pod with a whole layer, the old or the new, some of each, the others failed naming the memory; raised, the next apply brings every pod to the new one | `work_under_way_...` | the pods' listings are compared with both whole layers: a pod holding neither fails it |
 //! | a one-shot `services apply` inside a small memory cgroup exits 2 with the same reason, nothing changed, not killed; raised, it applies | `a_one_shot_apply_refuses_...` | with the check skipped it is OOM-killed |
 //!
-//! Scale fits test time (a few thousand Services to a dozen pods, limits in proportion);
-//! the node figure (100 pods x 10,000 Services) is docs/operating.md's. Root only: without
+//! The podman test runs at the node's scale; the others fit test time (a few thousand
+//! Services to a dozen pods, limits in proportion). Root only: without
 //! root each test skips with a loud line; with `AETHER_REQUIRE_ROOT_TESTS=1` a skip is a
 //! failure.
 
@@ -311,6 +311,39 @@ fn a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed
     every_pod_holds(&pods, &new, "generation 2");
 }
 
+/// The node's scale the docs claim, for the image under the chart's limit: pods ADDed outside
+/// the container, Services that share no port profile (each pod's costliest layer).
+const NODE_PODS: usize = 100;
+const NODE_SERVICES: usize = 10_000;
+
+/// A change document on `base`: Service `s{n}` (the next `snapshot` would make) added.
+fn one_service_more(base: u64, n: usize) -> Vec<u8> {
+    let whole: Value = serde_json::from_slice(&snapshot(base, n + 1)).unwrap();
+    json!({"baseGeneration": base, "generation": base + 1, "servicesPut": [whole["services"][n].clone()]})
+        .to_string()
+        .into_bytes()
+}
+
+/// A change document on `base`: Service `s{i}` has no usable endpoint any more.
+fn endpoints_gone(base: u64, i: usize) -> Vec<u8> {
+    json!({"baseGeneration": base, "generation": base + 1,
+           "endpoints": [{"namespace": "shop", "name": format!("s{i}"), "usableEndpoints": false}]})
+    .to_string()
+    .into_bytes()
+}
+
+/// `services verify`: the stored layer is `generation` and every pod holds it, intact.
+fn every_pod_verified(node: &SimNode, generation: u64, what: &str) {
+    let out = node.services(&["verify"], b"");
+    assert!(out.ok, "{what}: services verify failed:\n{}\n{}", out.stdout, out.stderr);
+    let v = out.json();
+    assert_eq!(v["generation"].as_u64(), Some(generation), "{what}");
+    let pods = v["pods"].as_array().unwrap();
+    assert_eq!(pods.len(), NODE_PODS, "{what}: {}", out.stdout.chars().take(2000).collect::<String>());
+    let broken: Vec<&Value> = pods.iter().filter(|p| p["result"] != "intact").collect();
+    assert!(broken.is_empty(), "{what}: pods not intact: {broken:?}");
+}
+
 /// The chart's default `resources.limits.memory` (computed from `serviceLayerMemory`; the
 /// chart test holds it at 658Mi).
 const CHART_LIMIT: &str = "658m";
@@ -335,7 +368,7 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
     if !root_or_skip(test) {
         return;
     }
-    let (node, pods) = node_with_pods("bdgp");
+    let (node, pods) = node_with("bdgp", NODE_PODS);
     let dir = TempDir::new("budget-podman");
     let podman = Podman::new(&node.host, &dir, &dir.mkdir("cni-bin"), &dir.mkdir("podman-net"));
     let image = format!("localhost/aether-cni:budget-{}", std::process::id());
@@ -421,31 +454,38 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    // Lowered to what the container holds plus a little: a big snapshot to every pod is
-    // refused whole, the container alive and ready, every pod as it was.
+    let state = || podman.run(&["inspect", "--format", "{{.State.Status}} {{.RestartCount}}", &name]).stdout;
+    let running = |when: &str| {
+        assert_eq!(state().trim(), "running 0", "{when}: the container never restarts\n{}", log());
+        assert_eq!(cg.oom_kills(), 0, "{when}");
+    };
+
+    // At the chart's limit, the node's scale: the snapshot to every pod, then changes.
     let old = listing(&pods[0]);
+    let (status, body) = post_socket(&socket, &snapshot(2, NODE_SERVICES));
+    assert_eq!(status, 200, "{body}\n{}", log());
+    assert_ne!(listing(&pods[0]), old);
+    every_pod_verified(&node, 2, "the snapshot");
+    running("the snapshot");
+    let (status, body) = post_socket(&socket, &one_service_more(2, NODE_SERVICES));
+    assert_eq!(status, 200, "{body}\n{}", log());
+    let (status, body) = post_socket(&socket, &endpoints_gone(3, 0));
+    assert_eq!(status, 200, "{body}\n{}", log());
+    every_pod_verified(&node, 4, "the changes");
+    running("the changes");
+
+    // Lowered to what the container holds plus a little: a snapshot of twice the Services is
+    // refused whole, the container alive and ready, every pod as it was.
     let before = stored(&node);
     cg.settled_usage();
     cg.set_limit(cg.unreclaimable() + TIGHT);
-    let big = snapshot(2, BIG);
-    let (status, body) = post_socket(&socket, &big);
-    let state = || podman.run(&["inspect", "--format", "{{.State.Status}} {{.RestartCount}}", &name]).stdout;
+    let (status, body) = post_socket(&socket, &snapshot(5, 2 * NODE_SERVICES));
     assert_eq!(status, 507, "{body}\n{}\n{} oom kills {}", log(), state(), cg.oom_kills());
     names_the_budget(&body);
-    every_pod_holds(&pods, &old, "generation 1 after the refusal");
     assert_eq!(stored(&node), before);
+    every_pod_verified(&node, 4, "generation 4 after the refusal");
     assert_eq!(get_in(&node, &addr, "/readyz"), 200, "the node stays ready");
-    assert_eq!(state().trim(), "running 0", "{}", log());
-    assert_eq!(cg.oom_kills(), 0);
-    // Back at the chart's limit, the same document applies to every pod.
-    cg.set_limit(658 << 20);
-    let (status, body) = post_socket(&socket, &big);
-    assert_eq!(status, 200, "{body}\n{}", log());
-    let new = listing(&pods[0]);
-    assert_ne!(new, old);
-    every_pod_holds(&pods, &new, "generation 2");
-    assert_eq!(state().trim(), "running 0", "{}", log());
-    assert_eq!(cg.oom_kills(), 0);
+    running("the refusal");
     must("podman rm", podman.run(&["rm", "--force", "--time", "0", &name]));
 }
 
