@@ -1,29 +1,29 @@
 //! The Service layer's applier for a long-lived process (the installer, which serves it to the
-//! agent over a unix socket): `services apply` without a process per document.
+//! agent over a unix socket): `services apply` without a process per document. A cache in
+//! front of the one apply engine (`engine`), never a second one: what each pod gets is the
+//! engine's decision, done and recorded by the engine, whichever way the pod is reached.
 //!
 //! What a one-shot `services apply` pays for every document, this keeps between documents,
 //! each piece checked under the services lock before it is trusted: the stored canonical
 //! document and its layer (by the identity of the files), the attachment records (by the
 //! directory's), and for each pod its netns and a netfilter socket opened there (a socket
-//! stays in its netns, so a change is sent without entering it) with the layer the pod holds.
-//! The stored files stay the truth and are written as by `services apply`: whatever another
-//! writer (`services apply`, ADD, DEL, the reconciler, `verify`) changes is seen by the next
-//! document, and anything in doubt is read again or handed to the one-shot path.
+//! stays in its netns, so a change is sent without entering it) with the layer the pod holds
+//! and its file under `pods/` kept open. The stored files stay the truth and are written as by
+//! `services apply`: whatever another writer (`services apply`, ADD, DEL, the reconciler,
+//! `verify`) changes is seen by the next document, and anything in doubt is read again.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::Arc;
 
 use aether_netns::Netns;
 use aether_rules::nft::{Encoded, KeptSocket};
-use aether_rules::services::{self as layer, Applied, LayerChange};
 
-use super::apply::{
-    apply_change_with, apply_document_with, apply_to_pods, narrowed, open_pod, ApplyReport, PodHolds, PodOutcome,
-    PodReach, StoredText,
-};
-use super::{budget, change, flat, ServicesDir, ServicesError, StoredLayer};
+use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
+use super::engine::{self, open_pod, PodHolds, PodLink, Pods};
+use super::{change, flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
 use crate::PodError;
 
@@ -54,7 +54,7 @@ impl Applier {
     /// its netns alive, so this is called when idle, about once a second.
     pub fn tidy(&mut self) {
         let Ok(_lock) = self.dir.lock(false) else { return };
-        self.kept.records(&self.dir);
+        self.kept.read_records(&self.dir);
         let live: BTreeSet<String> = self.kept.records.as_ref().map_or_else(BTreeSet::new, |r| r.keys());
         self.kept.links.retain(|key, link| live.contains(key) && link.still_there());
     }
@@ -123,28 +123,37 @@ struct Link {
     recorded: Option<crate::state::NetnsIdentity>,
     ns: Netns,
     sock: KeptSocket,
-    /// The layer the pod holds, as this applier last sent it or read it from the pod's file;
-    /// `None`: unknown (rebuilt at the next document).
+    /// The layer the pod holds, as last recorded in or read from the pod's file; `None`:
+    /// unknown (rebuilt at the next document).
     holds: Option<PodHolds>,
     /// `holds` is to be read again from the pod's file before it is used.
     reread: bool,
     /// The pod's file under `pods/`, kept open: written in place with one system call while
     /// it is still the file at its name (anyone who replaces it unlinks this one first).
     file: Option<std::fs::File>,
-    /// `netns_key` of `ns`, made once.
-    key: String,
 }
 
 impl Link {
+    fn open(r: &Record) -> Result<Link, PodError> {
+        let ns = open_pod(r)?;
+        let sock = flat(ns.run(KeptSocket::open))?;
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
+    }
+
+    /// Whether the record's path still names the netns this link is in. A stat, not an open
+    /// (this runs for every pod once a second): the kept socket pins the netns, so no other
+    /// netns can show its (device, inode) while the link lives.
+    fn still_there(&self) -> bool {
+        let id = self.ns.id();
+        std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == id.dev && m.ino() == id.ino)
+    }
+
     /// Writes what the pod holds into its file: in place while the kept one is still linked,
     /// else as `set_pod_holds` does, and the new file kept.
-    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds, body: &mut String) -> Result<(), ServicesError> {
-        use std::fmt::Write;
-        body.clear();
-        write!(body, "{held}").expect("a String takes any text");
+    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds) -> Result<(), ServicesError> {
         if let Some(f) = &self.file {
             if let Some(m) = f.metadata().ok().filter(|m| m.nlink() > 0) {
-                if state::overwrite_file(f, body.as_bytes(), m.len()).is_ok() {
+                if state::overwrite_file(f, held.to_string().as_bytes(), m.len()).is_ok() {
                     return Ok(());
                 }
             }
@@ -155,20 +164,34 @@ impl Link {
     }
 }
 
-impl Link {
-    fn open(r: &Record) -> Result<Link, PodError> {
-        let ns = open_pod(r)?;
-        let sock = flat(ns.run(KeptSocket::open))?;
-        let key = super::apply::netns_key(&ns);
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None, key })
+impl PodLink for Link {
+    fn netns(&self) -> &Netns {
+        &self.ns
     }
 
-    /// Whether the record's path still names the netns this link is in. A stat, not an open
-    /// (this runs for every pod once a second): the kept socket pins the netns, so no other
-    /// netns can show its (device, inode) while the link lives.
-    fn still_there(&self) -> bool {
-        let id = self.ns.id();
-        std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == id.dev && m.ino() == id.ino)
+    fn held(&mut self, dir: &ServicesDir) -> Option<PodHolds> {
+        if self.reread {
+            (self.holds, self.reread) = (dir.pod_holds(&self.ns), false);
+        }
+        self.holds.clone()
+    }
+
+    fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError> {
+        self.reread = false;
+        let Some(held) = held else {
+            dir.forget_pod(self.ns.path());
+            (self.holds, self.file) = (None, None);
+            return Ok(());
+        };
+        let written = self.write_holds(dir, &held);
+        self.holds = written.is_ok().then_some(held);
+        written
+    }
+
+    fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
+        let before = if read_before { self.sock.generation().ok() } else { None };
+        let after = change.send_on(&mut self.sock).map_err(PodError::Kernel)?;
+        Ok((before, after))
     }
 }
 
@@ -187,15 +210,11 @@ struct Kept {
 impl Kept {
     /// The records, read again only when the attachments directory changed (records are
     /// written by rename and removed by unlink, each of which changes it).
-    fn records(&mut self, dir: &ServicesDir) -> &KeptRecords {
+    fn read_records(&mut self, dir: &ServicesDir) -> &KeptRecords {
         let now = FileId::of(&dir.state.join("attachments"));
         if self.records.as_ref().is_none_or(|k| now.is_none() || k.dir != now) {
             let scan = StateDir::new(&dir.state).scan();
-            let unreadable = scan
-                .unreadable
-                .iter()
-                .map(|u| format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why))
-                .collect();
+            let unreadable = scan.unreadable.iter().map(engine::unreadable).collect();
             self.records = Some(KeptRecords { dir: now, records: scan.records.into(), unreadable });
         }
         self.records.as_ref().expect("just read")
@@ -205,209 +224,32 @@ impl Kept {
     fn forget_beliefs(&mut self) {
         self.links.values_mut().for_each(|l| l.reread = true);
     }
+}
 
-    /// The fast visit: every recorded pod sent the element change on its kept socket, or
-    /// rebuilt in place. The caller has checked the cases it does not handle.
-    fn visit_pods(
-        &mut self,
-        dir: &ServicesDir,
-        new: &StoredLayer,
-        previous: &StoredLayer,
-        mut warnings: Vec<String>,
-    ) -> Result<ApplyReport, ServicesError> {
-        let node_mark = dir.divert_mark();
+impl Pods for Kept {
+    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool) {
         let rescanned = self.records.as_ref().map(|k| k.dir) != Some(FileId::of(&dir.state.join("attachments")));
-        let records = self.records(dir);
-        warnings.extend(records.unreadable.iter().cloned());
-        let records = records.records.clone();
+        let kept = self.read_records(dir);
+        warnings.extend(kept.unreadable.iter().cloned());
+        let records = kept.records.clone();
         if rescanned {
             let live: BTreeSet<String> = records.iter().map(Record::key).collect();
             self.links.retain(|k, _| live.contains(k));
-            dir.prune_pods(&records);
         }
-        // An apply stopped midway: no pod's file, nor what was believed, is trusted.
-        let interrupted = dir.begin_pods(new, &mut warnings)?;
-        let mut marks: BTreeMap<u32, Mark> = BTreeMap::new();
-        let mut cut: Option<(layer::ServiceLayer, layer::ServiceLayer)> = None;
-        let mut pods = Vec::with_capacity(records.len());
-        // A pod's file's text, made in one buffer for all.
-        let mut body = String::with_capacity(96);
-        for r in records.iter() {
-            let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-            let m = marks.entry(mark).or_insert_with(|| Mark::new(new, mark));
-            let key = r.key();
-            // Opened for this very record (`Link::open` checked the netns was its); a socket
-            // pins its netns, so what was checked then still holds.
-            if self.links.get(&key).is_some_and(|l| l.path != r.netns || l.recorded != r.netns_id) {
-                self.links.remove(&key);
-            }
-            let mut link = match self.links.entry(key) {
-                std::collections::btree_map::Entry::Occupied(o) => Ok(o.into_mut()),
-                std::collections::btree_map::Entry::Vacant(v) => Link::open(r).map(|l| v.insert(l)),
-            };
-            if let Ok(link) = &mut link {
-                if interrupted {
-                    (link.holds, link.reread) = (None, false);
-                } else if link.reread {
-                    (link.holds, link.reread) = (dir.pod_holds(&link.ns), false);
-                }
-            }
-            let result = match link {
-                Err(e) => Err(e),
-                Ok(link) => {
-                    // What this visit committed in the pod's netns: nothing, an element change
-                    // (with the generation its fence read), or a rebuild.
-                    let mut sent = Sent::Rebuild;
-                    let outcome = match &link.holds {
-                        Some(h) if h.is(new, mark) => Ok(Applied::Unchanged),
-                        Some(h) if h.is(previous, mark) => {
-                            let (from, to) = cut.get_or_insert_with(|| narrowed(&previous.layer, &new.layer));
-                            // Without a run to extend, the generation just before the change, so
-                            // that one can start at it (one more request, only then).
-                            let at = match link.holds.as_ref().and_then(|h| h.applied_run) {
-                                Some(_) => None,
-                                None => link.sock.generation().ok(),
-                            };
-                            // What it adds must fit what this process may still charge.
-                            let adds = match m.change(from, to).map(|(c, _)| c.added() as u64) {
-                                Some(added) => added,
-                                None => m.elements(),
-                            };
-                            if let Err(over) = budget::pod_fits(adds) {
-                                Err(PodError::OverBudget(over))
-                            } else {
-                                // Refused (the pod's layer is not what it was believed to hold): rebuilt.
-                                match m.change(from, to).map(|(c, encoded)| c.send_encoded_on(encoded, &mut link.sock))
-                                {
-                                    Some(Ok((Applied::Unchanged, _))) => {
-                                        sent = Sent::Nothing;
-                                        Ok(Applied::Unchanged)
-                                    }
-                                    Some(Ok((applied, generation))) => {
-                                        sent = Sent::Change { before: at, after: generation };
-                                        Ok(applied)
-                                    }
-                                    _ => m.rebuild(&link.ns),
-                                }
-                            }
-                        }
-                        _ => m.rebuild(&link.ns),
-                    };
-                    state::crash_point("services-pod-sent");
-                    match &outcome {
-                        Ok(_) if link.holds.as_ref().is_some_and(|h| h.is(new, mark)) => {}
-                        Ok(_) => {
-                            let before = link.holds.as_ref().and_then(|h| h.applied_run);
-                            let held = PodHolds {
-                                applied_run: sent.run(before),
-                                ..PodHolds::for_key(new, link.key.clone(), mark)
-                            };
-                            match link.write_holds(dir, &held, &mut body) {
-                                Ok(()) => link.holds = Some(held),
-                                Err(e) => {
-                                    warnings.push(e.to_string());
-                                    link.holds = None;
-                                }
-                            }
-                        }
-                        Err(_) => {
-                            dir.forget_pod(link.ns.path());
-                            (link.holds, link.file) = (None, None);
-                        }
-                    }
-                    outcome
-                }
-            };
-            pods.push(PodOutcome {
-                container_id: r.container_id.clone(),
-                ifname: r.ifname.clone(),
-                netns: r.netns.clone(),
-                result,
-            });
+        (records, rescanned)
+    }
+
+    fn reach(&mut self, r: &Record) -> Result<&mut dyn PodLink, PodError> {
+        let key = r.key();
+        // Opened for this very record (`Link::open` checked the netns was its); a socket
+        // pins its netns, so what was checked then still holds.
+        if self.links.get(&key).is_some_and(|l| l.path != r.netns || l.recorded != r.netns_id) {
+            self.links.remove(&key);
         }
-        dir.end_pods()?;
-        Ok(ApplyReport { generation: new.generation, pods, warnings })
-    }
-}
-
-/// What a visit committed in a pod's netns.
-enum Sent {
-    /// Nothing (the change had no element for it): its generation did not move.
-    Nothing,
-    /// The element change: the generation read just before it (when read), and the one its
-    /// transaction's fence read.
-    Change { before: Option<u32>, after: Option<u32> },
-    /// A rebuild (its generation is not followed).
-    Rebuild,
-}
-
-impl Sent {
-    /// The pod's run of generations made by this applier's element changes alone, after this
-    /// visit, from the one before it (`PodHolds::applied_run`). A change whose fence read one
-    /// past the run's last extends it, and one past the generation read just before it
-    /// starts one there: nothing else was committed in between (any commit moves the
-    /// generation by one). Any other change starts a run at its own generation: what came
-    /// before it (another commit, even one between the transaction and its fence) is not
-    /// claimed.
-    fn run(&self, run: Option<(u32, u32)>) -> Option<(u32, u32)> {
-        match (self, run) {
-            (Sent::Nothing, run) => run,
-            (Sent::Change { after: Some(after), .. }, Some((first, last))) if last.wrapping_add(1) == *after => {
-                Some((first, *after))
-            }
-            (Sent::Change { before: Some(before), after: Some(after) }, _) if before.wrapping_add(1) == *after => {
-                Some((*before, *after))
-            }
-            (Sent::Change { after: Some(after), .. }, _) => Some((*after, *after)),
-            (Sent::Change { after: None, .. }, _) | (Sent::Rebuild, _) => None,
-        }
-    }
-}
-
-/// What a visit makes once per divert mark in use (in practice one), on first need.
-struct Mark<'a> {
-    stored: &'a StoredLayer,
-    mark: u32,
-    /// The whole layer for this mark, made on first need (a rebuild): a copy of 20,000 ports.
-    layer: Option<layer::ServiceLayer>,
-    change: Option<Option<(LayerChange, Encoded)>>,
-    prepared: Option<Option<layer::Prepared>>,
-}
-
-impl<'a> Mark<'a> {
-    fn new(stored: &'a StoredLayer, mark: u32) -> Self {
-        Mark { stored, mark, layer: None, change: None, prepared: None }
-    }
-
-    /// The element change between the cut layers for this mark, encoded once.
-    fn change(&mut self, from: &layer::ServiceLayer, to: &layer::ServiceLayer) -> Option<&(LayerChange, Encoded)> {
-        let mark = self.mark;
-        self.change
-            .get_or_insert_with(|| {
-                let at = |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
-                let c = LayerChange::between(&at(from), &at(to)).ok().flatten()?;
-                let encoded = c.encode();
-                Some((c, encoded))
-            })
-            .as_ref()
-    }
-
-    /// The layer's elements: what a rebuild adds.
-    fn elements(&mut self) -> u64 {
-        let (stored, mark) = (self.stored, self.mark);
-        budget::layer_elements(self.layer.get_or_insert_with(|| stored.for_pod(mark)))
-    }
-
-    /// The pod's layer rebuilt, in its netns (entered in place: the caller is on a tour),
-    /// if it fits what this process may still charge (else the pod keeps what it has).
-    fn rebuild(&mut self, ns: &Netns) -> Result<Applied, PodError> {
-        budget::pod_fits(self.elements()).map_err(PodError::OverBudget)?;
-        let (stored, mark) = (self.stored, self.mark);
-        let l = self.layer.get_or_insert_with(|| stored.for_pod(mark));
-        match self.prepared.get_or_insert_with(|| layer::Prepared::new(l).ok().flatten()) {
-            Some(p) => flat(ns.run(|| p.rebuild())),
-            None => flat(ns.run(|| layer::rebuild(l))),
-        }
+        Ok(match self.links.entry(key) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => v.insert(Link::open(r)?),
+        })
     }
 }
 
@@ -450,19 +292,13 @@ impl PodReach for Kept {
         previous: Option<&StoredLayer>,
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError> {
-        // Mode `off` (counts folded, tables removed), a first layer, or pods still marked as
-        // folding: the one-shot path, which knows them; what pods hold is read again after.
-        let folding = dir.accumulator().map(|a| !a.folding.is_empty()).unwrap_or(true);
-        let simple = new.layer.mode != layer::LayerMode::Off && !folding;
-        match previous.filter(|_| simple) {
-            Some(previous) => aether_netns::tour_here(|| self.visit_pods(dir, new, previous, warnings))
-                .map_err(ServicesError::Tour)?,
-            None => {
-                self.forget_beliefs();
-                let _later = aether_rules::nft::CloseLater::new();
-                aether_netns::tour_here(|| apply_to_pods(dir, new, previous, warnings)).map_err(ServicesError::Tour)?
-            }
-        }
+        // On this thread (a tour of its own: `Netns::run` enters a pod in place), through the
+        // kept links.
+        aether_netns::tour_here(|| {
+            let _later = aether_rules::nft::CloseLater::new();
+            engine::apply_to_pods(dir, new, previous, warnings, self)
+        })
+        .map_err(ServicesError::Tour)?
     }
 }
 

@@ -1,84 +1,21 @@
-//! A Service document to every recorded pod (`services apply`), and the stored layer to a
-//! new pod (ADD). Which layer each pod netns holds is kept in `pods/`, so a pod one
-//! generation behind gets only the element change, sent without reading its sets back.
+//! A Service document checked and stored (`services apply`), then brought to every recorded
+//! pod by the apply engine (`engine`); and the stored layer to a new pod (ADD). Which layer
+//! each pod netns holds is kept in `pods/`, so a pod one generation behind gets only the
+//! element change, sent without reading its sets back.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use aether_netns::Netns;
-use aether_rules::services::{self as layer, Applied, LayerChange};
+use aether_rules::services::{self as layer, Applied};
 use serde_json::Value;
 
-use super::{budget, change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
-use crate::state::{PodNetns, Record, StateDir};
+use super::engine::{self, PodHolds};
+use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
-}
-
-/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line, and
-/// `first last` when the long-lived applier sent it (see `applied_run`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct PodHolds {
-    pub(super) generation: u64,
-    pub(super) digest: u64,
-    /// `Netns::id()` of the netns it was written for.
-    pub(super) netns: String,
-    pub(super) divert_mark: u32,
-    /// The netns's nftables generations from `first` to `last` were all made by the applier's
-    /// element changes of the Service layer, one after another (each transaction's fence read
-    /// the generation one past the last), and `last` is where this layer was sent. The
-    /// reconciler carries a pod's intact state over them instead of comparing it again.
-    pub(super) applied_run: Option<(u32, u32)>,
-}
-
-impl PodHolds {
-    pub(super) fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
-        PodHolds::for_key(stored, netns_key(ns), divert_mark)
-    }
-
-    /// `new` for the netns whose `netns_key` is `netns`.
-    pub(super) fn for_key(stored: &StoredLayer, netns: String, divert_mark: u32) -> Self {
-        PodHolds { generation: stored.generation, digest: stored.digest, netns, divert_mark, applied_run: None }
-    }
-
-    pub(super) fn parse(text: &str) -> Option<Self> {
-        // Written in place: a copy torn by a crash lacks the final newline, and is no file.
-        let mut f = text.strip_suffix('\n')?.split_whitespace();
-        let mut held = PodHolds {
-            generation: f.next()?.parse().ok()?,
-            digest: u64::from_str_radix(f.next()?, 16).ok()?,
-            netns: f.next()?.to_string(),
-            divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
-            applied_run: None,
-        };
-        if let Some(first) = f.next() {
-            held.applied_run = Some((first.parse().ok()?, f.next()?.parse().ok()?));
-        }
-        f.next().is_none().then_some(held)
-    }
-
-    /// Whether the pod holds `stored`'s layer for `divert_mark` (whatever the generation).
-    pub(super) fn is(&self, stored: &StoredLayer, divert_mark: u32) -> bool {
-        self.digest == stored.digest && self.divert_mark == divert_mark
-    }
-}
-
-/// A netns's identity as one word: `device:inode`.
-pub(super) fn netns_key(ns: &Netns) -> String {
-    format!("{}:{}", ns.id().dev, ns.id().ino)
-}
-
-impl std::fmt::Display for PodHolds {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)?;
-        if let Some((first, last)) = self.applied_run {
-            write!(f, " {first} {last}")?;
-        }
-        writeln!(f)
-    }
 }
 
 /// One pod's outcome in an apply.
@@ -317,9 +254,11 @@ fn store_and_apply(
 pub(super) type StoredText<'a> = (Cow<'a, [u8]>, StoredLayer);
 
 /// How an apply reaches the pods once the new layer is stored, and what it may keep of the
-/// stored document between applies.
+/// stored document between applies: a one-shot process (`Tour`), or the installer's
+/// long-lived applier (`applier::Kept`, a cache in front of the same engine).
 pub(super) trait PodReach {
-    /// Brings every recorded pod to `new` (`previous`: what was stored before).
+    /// Brings every recorded pod to `new` (`previous`: what was stored before): the engine's
+    /// `apply_to_pods` on a tour, through this reach's way into the pods (`engine::Pods`).
     fn apply_to_pods(
         &mut self,
         dir: &ServicesDir,
@@ -350,7 +289,7 @@ pub(super) trait PodReach {
 }
 
 /// A one-shot process's reach: one thread enters each pod's netns in turn, opening a socket
-/// there for each transaction.
+/// there for each transaction (`engine::Entering`).
 pub(super) struct Tour;
 
 impl PodReach for Tour {
@@ -365,7 +304,7 @@ impl PodReach for Tour {
             // One grace period for all the pods' sockets, not one per pod (a change that
             // deletes elements makes the kernel wait one at each close).
             let _later = aether_rules::nft::CloseLater::new();
-            apply_to_pods(dir, new, previous, warnings)
+            engine::apply_to_pods(dir, new, previous, warnings, &mut engine::Entering::default())
         })
         .map_err(ServicesError::Tour)?
     }
@@ -431,35 +370,6 @@ pub(super) fn apply_change_with(
     store_and_apply(dir, Cow::Owned(whole), (new, Some(file)), previous, warnings, true, reach)
 }
 
-/// Present while an apply changes pods: written before the first pod is visited and removed
-/// after the last. Found by the next apply, it says one was stopped midway, when a pod may
-/// hold a layer its `pods/` file does not name (sent, then killed before the file was
-/// written); trusting that file could leave the pod wrong for good (a later document with
-/// the file's content would find nothing to do), so that apply trusts no file and rebuilds
-/// every pod. One file per apply instead of a second write per pod.
-pub(super) const APPLYING: &str = "applying";
-
-impl ServicesDir {
-    /// Marks an apply's visit of the pods as begun; whether the last one was stopped midway.
-    pub(super) fn begin_pods(&self, new: &StoredLayer, warnings: &mut Vec<String>) -> Result<bool, ServicesError> {
-        let interrupted = !matches!(self.read(APPLYING), Ok(None));
-        if interrupted {
-            warnings.push(
-                "the last apply was stopped before it reached every pod: every pod's layer is rebuilt".to_string(),
-            );
-        }
-        let dir = self.open(true)?.expect("created");
-        dir.overwrite(APPLYING, format!("{}\n", new.generation).as_bytes())
-            .map_err(|source| ServicesError::Write { path: self.root.join(APPLYING), source })?;
-        Ok(interrupted)
-    }
-
-    /// Marks an apply's visit of the pods as finished.
-    pub(super) fn end_pods(&self) -> Result<(), ServicesError> {
-        self.remove(APPLYING)
-    }
-}
-
 /// Names the stored `snapshot.json` by the source digest `layer.bin` carries, and says
 /// whether it is in the canonical form a change writes: `<digest> canonical` or `<digest>
 /// as-sent`. Removed before the document is written and written after `layer.bin`, so while
@@ -484,236 +394,6 @@ impl ServicesDir {
             return Ok(None);
         }
         Ok(self.read("snapshot.json")?.map(|text| (text, layer)))
-    }
-}
-
-/// `apply_document` once `new` is stored: the layer to every recorded pod, each given the
-/// change from `previous` if its file says it holds that, nothing if it holds `new`, a
-/// rebuild otherwise. Runs on a tour (`aether_netns::tour`: one thread entering each pod's
-/// netns in turn), as a thread per pod cost more than the change it sends.
-pub(super) fn apply_to_pods(
-    dir: &ServicesDir,
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
-    mut warnings: Vec<String>,
-) -> Result<ApplyReport, ServicesError> {
-    let node_mark = dir.divert_mark();
-    let scan = StateDir::new(&dir.state).scan();
-    for u in &scan.unreadable {
-        warnings.push(format!("attachment record {} cannot be read, its pod is not reached: {}", u.file, u.why));
-    }
-    let records = scan.records;
-    // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
-    // it): the mark ends before a new layer starts counting from zero.
-    let folding = match dir.accumulator() {
-        Ok(acc) => acc.folding,
-        Err(e) => {
-            warnings
-                .push(format!("the node's Service totals cannot be read, stale fold marks are left as they are: {e}"));
-            Default::default()
-        }
-    };
-    let ended: Vec<String> = records
-        .iter()
-        .filter(|r| folding.contains_key(&r.key()))
-        .filter(|r| open_pod(r).is_ok_and(|ns| matches!(ns.run(layer::counters), Ok(Ok(None)))))
-        .map(Record::key)
-        .collect();
-    if !ended.is_empty() {
-        dir.end_folding(&ended)?;
-    }
-    // Mode `off` removes each pod's table: its counts join the node totals first (as at
-    // DEL), idempotently, so they never go backwards, also when this apply is killed.
-    let off = new.layer.mode == layer::LayerMode::Off;
-    let mut folded_keys = Vec::new();
-    if off {
-        let counts: Vec<(String, BTreeMap<String, u64>)> = records
-            .iter()
-            .filter_map(|r| Some((r.key(), flat(open_pod(r).ok()?.run(layer::counters)).ok()??)))
-            .collect();
-        dir.fold_pods(&counts)?;
-        folded_keys = counts.into_iter().map(|(k, _)| k).collect();
-    }
-    // Each pod's layer matches the divert mark its own capture sets.
-    let mark_of = |r: &Record| r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-    let mut marks: BTreeMap<u32, ForMark> = BTreeMap::new();
-    for r in &records {
-        marks.entry(mark_of(r)).or_insert_with(|| ForMark::new(new, mark_of(r)));
-    }
-    let interrupted = dir.begin_pods(new, &mut warnings)?;
-    let pass = Pass { dir, new, previous, marks: &marks, narrowed: Default::default(), distrust: interrupted };
-    let mut out = Visited::default();
-    let pods = records.iter().map(|r| pass.visit(r, mark_of(r), &mut out)).collect();
-    let Visited { warnings: more, mut removed_keys } = out;
-    warnings.extend(more);
-    dir.prune_pods(&records);
-    dir.end_pods()?;
-    if off {
-        removed_keys.retain(|k| folded_keys.contains(k));
-        dir.end_folding(&removed_keys)?;
-    }
-    Ok(ApplyReport { generation: new.generation, pods, warnings })
-}
-
-/// Two stored layers (lists sorted) cut down to the Service VIPs and mesh VIPs whose
-/// elements differ, everything else kept: the change between the cut layers is the whole
-/// ones' and costs what changed. A VIP's elements depend on its ports and on which profiles
-/// have chains, decided over the whole layer: each cut keeps its whole layer's decision, and
-/// the VIPs of a profile that gained or lost its chain.
-pub(super) fn narrowed(
-    old: &layer::ServiceLayer,
-    new: &layer::ServiceLayer,
-) -> (layer::ServiceLayer, layer::ServiceLayer) {
-    let (gone, came) = sorted_difference(&old.ports, &new.ports);
-    let mut vips: Vec<std::net::IpAddr> = gone.iter().chain(&came).map(|p| p.vip).collect();
-    let (old_chains, new_chains) = (old.profile_chains(), new.profile_chains());
-    vips.extend(layer::rechained_vips([old, new], &old_chains, &new_chains));
-    vips.sort_unstable();
-    vips.dedup();
-    let (mesh_gone, mesh_came) = sorted_difference(&old.mesh_vips, &new.mesh_vips);
-    let mut mesh: Vec<std::net::IpAddr> = mesh_gone.into_iter().chain(mesh_came).collect();
-    mesh.sort_unstable();
-    let cut = |l: &layer::ServiceLayer, chained: layer::ProfileChains| layer::ServiceLayer {
-        mode: l.mode,
-        ranges: l.ranges.clone(),
-        mesh_vips: l.mesh_vips.iter().filter(|a| mesh.binary_search(a).is_ok()).copied().collect(),
-        ports: vips.iter().flat_map(|&v| l.ports[layer::ports_of(&l.ports, v)].iter().copied()).collect(),
-        dialled_timeout_secs: l.dialled_timeout_secs,
-        divert_mark: l.divert_mark,
-        chained: Some(chained),
-    };
-    (cut(old, old_chains), cut(new, new_chains))
-}
-
-/// (in `a` only, in `b` only) of two sorted lists.
-fn sorted_difference<T: Ord + Copy>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
-    let (mut only_a, mut only_b) = (Vec::new(), Vec::new());
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() && j < b.len() {
-        match a[i].cmp(&b[j]) {
-            std::cmp::Ordering::Equal => (i, j) = (i + 1, j + 1),
-            std::cmp::Ordering::Less => {
-                only_a.push(a[i]);
-                i += 1;
-            }
-            std::cmp::Ordering::Greater => {
-                only_b.push(b[j]);
-                j += 1;
-            }
-        }
-    }
-    only_a.extend_from_slice(&a[i..]);
-    only_b.extend_from_slice(&b[j..]);
-    (only_a, only_b)
-}
-
-/// A record's netns, if it is still the pod's (a path reused by another namespace, a file
-/// or a directory is not: the pod is skipped as gone).
-pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
-    match r.open_netns() {
-        Ok(PodNetns::Live(ns)) => Ok(ns),
-        Ok(PodNetns::Gone(why)) => Err(PodError::Gone(why)),
-        Err(e) => Err(PodError::Netns(e)),
-    }
-}
-
-/// What an apply makes once per divert mark in use (in practice one): the layer, and, on
-/// first need, the change from the previous generation and the encoded layer.
-struct ForMark {
-    layer: layer::ServiceLayer,
-    /// The layer's elements (`budget::layer_elements`): what a rebuild adds.
-    elements: u64,
-    change: std::sync::OnceLock<Option<LayerChange>>,
-    prepared: std::sync::OnceLock<Option<layer::Prepared>>,
-}
-
-impl ForMark {
-    fn new(stored: &StoredLayer, mark: u32) -> Self {
-        let layer = stored.for_pod(mark);
-        let elements = budget::layer_elements(&layer);
-        ForMark { layer, elements, change: Default::default(), prepared: Default::default() }
-    }
-}
-
-/// One apply's walk over the pods.
-struct Pass<'a> {
-    dir: &'a ServicesDir,
-    new: &'a StoredLayer,
-    previous: Option<&'a StoredLayer>,
-    marks: &'a BTreeMap<u32, ForMark>,
-    /// The previous and the new layer cut down to where they differ (`narrowed`).
-    narrowed: std::sync::OnceLock<(layer::ServiceLayer, layer::ServiceLayer)>,
-    /// The last apply was stopped midway: no pod's file is trusted, every pod is rebuilt.
-    distrust: bool,
-}
-
-/// What the pods' visits gathered besides their outcomes: warnings, and the attachments
-/// whose layer mode `off` removed.
-#[derive(Default)]
-struct Visited {
-    warnings: Vec<String>,
-    removed_keys: Vec<String>,
-}
-
-impl Pass<'_> {
-    /// Brings one pod to the new layer: nothing if its file says it holds it, the change if
-    /// it holds the previous one, a rebuild otherwise.
-    fn visit(&self, r: &Record, mark: u32, out: &mut Visited) -> PodOutcome {
-        let (dir, new) = (self.dir, self.new);
-        let m = &self.marks[&mark];
-        let l = &m.layer;
-        let result = match open_pod(r) {
-            Err(e) => Err(e),
-            Ok(ns) if l.mode == layer::LayerMode::Off => {
-                dir.forget_pod(ns.path());
-                let outcome = flat(ns.run(|| layer::apply(l)));
-                if matches!(outcome, Ok(Applied::Removed(_))) {
-                    out.removed_keys.push(r.key());
-                }
-                outcome
-            }
-            Ok(ns) => {
-                let held = if self.distrust { None } else { dir.pod_holds(&ns) };
-                let change = match (&held, self.previous) {
-                    (Some(h), _) if h.is(new, mark) => None,
-                    (Some(h), Some(prev)) if h.is(prev, mark) => Some(
-                        m.change
-                            .get_or_init(|| {
-                                let (from, to) = self.narrowed.get_or_init(|| narrowed(&prev.layer, &new.layer));
-                                let at =
-                                    |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
-                                LayerChange::between(&at(from), &at(to)).ok().flatten()
-                            })
-                            .as_ref(),
-                    ),
-                    _ => Some(None),
-                };
-                // What it adds must fit what this process may still charge (else the pod
-                // keeps the whole layer it has).
-                let adds = change.map_or(0, |c| c.map_or(m.elements, |c| c.added() as u64));
-                let outcome = match (change, budget::pod_fits(adds)) {
-                    (_, Err(over)) => Err(PodError::OverBudget(over)),
-                    (None, _) => Ok(Applied::Unchanged),
-                    // Refused (the pod's layer is not what its file says): rebuilt.
-                    (Some(Some(c)), _) => flat(ns.run(|| c.send().or_else(|_| layer::rebuild(l)))),
-                    (Some(None), _) => match m.prepared.get_or_init(|| layer::Prepared::new(l).ok().flatten()) {
-                        Some(p) => flat(ns.run(|| p.rebuild())),
-                        None => flat(ns.run(|| layer::rebuild(l))),
-                    },
-                };
-                crate::state::crash_point("services-pod-sent");
-                if outcome.is_ok() && held.is_none_or(|h| !h.is(new, mark)) {
-                    if let Err(e) = dir.set_pod_holds(&ns, &PodHolds::new(new, &ns, mark)) {
-                        out.warnings.push(e.to_string());
-                    }
-                }
-                if outcome.is_err() {
-                    dir.forget_pod(ns.path());
-                }
-                outcome
-            }
-        };
-        PodOutcome { container_id: r.container_id.clone(), ifname: r.ifname.clone(), netns: r.netns.clone(), result }
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use aether_rules::model::Proto;
 use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer, ServicePort};
 
-use super::apply::{narrowed, open_pod};
+use super::engine::{decide, mark_of, narrowed, open_pod, Action};
 use super::{ServicesDir, ServicesError, StoredLayer};
 use crate::memcg::{self, Memcg, OverBudget, Reading};
 use crate::state::{Record, StateDir};
@@ -205,23 +205,24 @@ fn pods_elements(
     previous: Option<&StoredLayer>,
     whole: u64,
 ) -> u64 {
-    let distrust = !matches!(dir.read(super::apply::APPLYING), Ok(None));
+    let interrupted = !matches!(dir.read(super::engine::APPLYING), Ok(None));
     let node_mark = dir.divert_mark();
     let mut change: Option<u64> = None;
     let mut sum = 0;
     for r in records {
         let Ok(ns) = open_pod(r) else { continue };
-        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-        let held = if distrust { None } else { dir.pod_holds(&ns) };
-        sum += match (held, previous) {
-            (Some(h), _) if h.is(new, mark) => 0,
+        let mark = mark_of(r, node_mark);
+        let held = if interrupted { None } else { dir.pod_holds(&ns) };
+        // The engine's own decision, so the estimate counts what the apply will do.
+        sum += match (decide(held.as_ref(), interrupted, previous, new, mark), previous) {
+            (Action::Nothing | Action::Remove, _) => 0,
             // At most the new layer cut to the VIPs that differ: counted, not built (the
             // change's sets are what the apply will build; the estimate must not cost that).
-            (Some(h), Some(prev)) if h.is(prev, mark) => *change.get_or_insert_with(|| {
+            (Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
                 let (_, to) = narrowed(&prev.layer, &new.layer);
                 layer_elements(&to).min(whole)
             }),
-            _ => whole,
+            (Action::Change | Action::Rebuild, _) => whole,
         };
     }
     sum

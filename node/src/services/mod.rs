@@ -1,7 +1,9 @@
 //! The Service-range and refusal-counter layer's node side: what `aether-cni services` does
 //! for the agent, and the hooks a pod's attachment calls. Split by job: `snapshot` (the
-//! agent's document and its checks), `layer_file` (`layer.bin`), `apply` (a document to every
-//! pod, and the stored layer to a new one), `fold` (counts of removed layers), `report`
+//! agent's document and its checks), `layer_file` (`layer.bin`), `apply` (a document checked
+//! and stored, and the stored layer to a new pod), `engine` (the one apply engine: what each
+//! pod gets, done and recorded the same way whether it is reached by entering its netns or on
+//! a kept socket), `applier` (the long-lived applier: a cache in front of the engine), `fold` (counts of removed layers), `report`
 //! (counters, demand, verify, `inspect`'s view), `budget` (what the work will charge to this
 //! process's memory cgroup, refused before it starts when that crosses the limit).
 //!
@@ -14,7 +16,7 @@
 //!   a pod that holds the previous generation only the change, without reading its sets back,
 //!   and rebuilds any other (a missed generation, a crash, a new pod);
 //! - `applying`: present while an apply visits the pods; found by the next apply (one was
-//!   killed midway), no `pods/` file is trusted (see `apply::APPLYING`);
+//!   killed midway), no `pods/` file is trusted (see `engine::APPLYING`);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
@@ -30,6 +32,7 @@ pub mod applier;
 pub mod apply;
 pub mod budget;
 pub mod change;
+mod engine;
 pub mod fold;
 pub mod layer_file;
 pub mod report;
@@ -45,7 +48,8 @@ use crate::state::{self, Record};
 use crate::PodError;
 pub use applier::Applier;
 pub use apply::{apply_change, apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
-use apply::{generation_value, leading_generation, netns_key, PodHolds};
+use apply::{generation_value, leading_generation};
+use engine::{netns_key, PodHolds};
 pub use fold::{end_stale_fold, retire_layer, Retired};
 pub use layer_file::{LayerFileError, StoredLayer};
 pub use report::{

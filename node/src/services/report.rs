@@ -8,7 +8,8 @@ use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied, COUNTERS};
 use serde_json::{json, Value};
 
-use super::apply::{describe, PodHolds};
+use super::apply::describe;
+use super::engine::PodHolds;
 use super::{flat, layer_file, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;

@@ -372,7 +372,7 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
             l.ports = ports;
             l
         };
-        let (a, b) = apply::narrowed(&at(old.clone()), &at(new.clone()));
+        let (a, b) = engine::narrowed(&at(old.clone()), &at(new.clone()));
         let kept = |cut: &[layer::ServicePort], all: &[layer::ServicePort]| {
             want(all).iter().all(|p| cut.contains(p)) && cut.iter().all(|p| all.contains(p))
         };

@@ -340,6 +340,12 @@ impl KeptSocket {
             self.0.ask_raw(generation_message()).map_err(|source| Error::Nftables { op: "get generation", source })?;
         generation_of(&bytes)
     }
+
+    /// Closes the socket as [`Encoded::send`] closes its own: with the others while a
+    /// [`CloseLater`] of this thread is alive, else now.
+    pub fn close_later(self) {
+        close_later(self.0)
+    }
 }
 
 impl std::fmt::Debug for KeptSocket {

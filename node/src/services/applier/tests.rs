@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 use super::*;
 use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document};
 use crate::state::{NetnsIdentity, RECORD_VERSION};
+use aether_rules::services as layer;
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("aether-applier-{tag}-{}", std::process::id()));
@@ -308,4 +309,99 @@ fn tidy_lets_go_of_a_pod_whose_netns_path_is_gone() {
     assert_eq!(applier.kept_pods(), 0, "tidy kept a pod whose netns path is gone");
     assert!(eventually(|| !has_link(&peer, "peer0")), "the netns was not freed after tidy");
     let _ = std::fs::remove_dir_all(&state);
+}
+
+/// What a pod's file under `pods/` says, but for the netns's `device:inode` (each node's own):
+/// generation, digest, divert mark and the run of generations; `None` when there is no file.
+fn pod_file(state: &Path, ns: &TestNetns) -> Option<String> {
+    let text = std::fs::read_to_string(ServicesDir::new(state).pod_path(Path::new(&ns.path()))).ok()?;
+    let mut fields: Vec<&str> = text.split_whitespace().collect();
+    if fields.len() > 2 {
+        fields.remove(2);
+    }
+    Some(fields.join(" "))
+}
+
+/// The pod's nftables ruleset as `nft` lists it (the Service layer's tables, sets and
+/// elements, counters at zero: no traffic).
+fn kernel_sets(ns: &TestNetns) -> String {
+    ns.exec("nft", &["list", "ruleset"])
+}
+
+/// `doc` with its top-level `mode` replaced.
+fn with_mode(doc: Vec<u8>, mode: &str) -> Vec<u8> {
+    let mut v: Value = serde_json::from_slice(&doc).unwrap();
+    v["mode"] = json!(mode);
+    v.to_string().into_bytes()
+}
+
+/// The one engine, reached two ways: random documents (changes mostly; whole snapshots, some
+/// turning the layer `count`, `off` and back; an apply found stopped midway) sent to two nodes
+/// of three pods each, one through an `Applier` (kept sockets, its cache), one by the one-shot
+/// functions `services apply` calls (netns entered each time). At every step both nodes hold
+/// the same stored files, every pod the same file under `pods/` (generation, digest, mark and
+/// the run of generations the reconciler carries a pod over) and the same kernel sets, which
+/// are the stored layer's.
+#[test]
+fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
+    if !root_or_skip("the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets") {
+        return;
+    }
+    let (kept_state, once_state) = (tmp("prop-kept"), tmp("prop-once"));
+    let once_dir = ServicesDir::new(&once_state);
+    let mut rng =
+        Rng::seeded("AETHER_ENGINE_SEED", "the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets");
+    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
+    for _ in 0..12 {
+        let s = cluster.service();
+        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
+    }
+    let mut applier = Applier::new(&kept_state);
+    applier.apply(&cluster.whole()).unwrap();
+    apply_document(&once_dir, &cluster.whole()).unwrap();
+    let (mut kept_pods, mut once_pods) = (BTreeMap::new(), BTreeMap::new());
+    for cid in ["a", "b", "c"] {
+        kept_pods.insert(cid.to_string(), add_pod(&kept_state, cid));
+        once_pods.insert(cid.to_string(), add_pod(&once_state, cid));
+    }
+    let mut runs = 0;
+    for step in 1..=36 {
+        if step % 12 == 6 {
+            // An apply stopped midway on both nodes: the next trusts no pod's file.
+            for state in [&kept_state, &once_state] {
+                std::fs::write(state.join("services").join(engine::APPLYING), "1\n").unwrap();
+            }
+        }
+        let doc = match rng.below(8) {
+            0 | 1 => {
+                cluster.generation += 1;
+                let mode = ["refuse", "count", "off"][rng.below(3) as usize];
+                with_mode(cluster.whole(), mode)
+            }
+            _ => cluster.random_change(&mut rng),
+        };
+        let once =
+            if change::is_change(&doc) { apply_change(&once_dir, &doc) } else { apply_document(&once_dir, &doc) };
+        let (kept, once) = (applier.apply(&doc).unwrap(), once.unwrap());
+        let when = format!("step {step}: {}", String::from_utf8_lossy(&doc));
+        assert_eq!(outcomes(&kept), outcomes(&once), "{when}");
+        assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
+        for (cid, kept_ns) in &kept_pods {
+            let once_ns = &once_pods[cid];
+            let (kept_file, once_file) = (pod_file(&kept_state, kept_ns), pod_file(&once_state, once_ns));
+            assert_eq!(kept_file, once_file, "{when}: pod {cid}'s file");
+            runs += usize::from(kept_file.is_some_and(|f| f.split_whitespace().count() == 5));
+            assert_eq!(kernel_sets(kept_ns), kernel_sets(once_ns), "{when}: pod {cid}'s kernel sets");
+        }
+        assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
+        assert_eq!(drift(&once_state, &once_pods), Vec::<String>::new(), "{when}");
+    }
+    assert!(runs > 0, "RIG BROKEN: no element change recorded a run of generations (no change was sent)");
+    // Control: the comparisons see a difference made on one node only.
+    std::fs::write(ServicesDir::new(&once_state).pod_path(Path::new(&once_pods["a"].path())), "1 0 0:0 0xae71\n")
+        .unwrap();
+    assert_ne!(pod_file(&kept_state, &kept_pods["a"]), pod_file(&once_state, &once_pods["a"]), "RIG BROKEN: files");
+    once_pods["b"].exec("nft", &["add", "table", "ip", "someone_else"]);
+    assert_ne!(kernel_sets(&kept_pods["b"]), kernel_sets(&once_pods["b"]), "RIG BROKEN: a table added is not seen");
+    let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
 }
