@@ -100,6 +100,14 @@ impl ScratchMemcg {
         std::fs::read_to_string(&path).unwrap().trim().parse().unwrap()
     }
 
+    /// The most ever charged since the cgroup was made (v1 `memory.max_usage_in_bytes`, v2
+    /// `memory.peak`, Linux 5.19 and later).
+    pub fn peak(&self) -> u64 {
+        let path = self.file("memory.max_usage_in_bytes", "memory.peak");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        text.trim().parse().unwrap_or_else(|e| panic!("{}: {text:?}: {e}", path.display()))
+    }
+
     /// The usage once it has settled (two reads half a second apart within 256 KiB, up to
     /// 15 s): what a namespace torn down frees, the kernel frees a little later.
     pub fn settled_usage(&self) -> u64 {
