@@ -139,8 +139,14 @@ impl Batch {
         let mut out =
             crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchBegin), 0, first_seq);
         for (i, ((part, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
-            // One message built at a time, and dropped once it is bytes.
-            out.extend(crate::netlink::encode(message(*family, part.message()), *flags, first_seq + 1 + i as u32));
+            let seq = first_seq + 1 + i as u32;
+            match part {
+                Part::Elements { table, set, set_id, keys } => {
+                    encode_elements(&mut out, *family, table, set, *set_id, keys, *flags, seq)
+                }
+                // One message built at a time, and dropped once it is bytes.
+                Part::Message(_) => out.extend(crate::netlink::encode(message(*family, part.message()), *flags, seq)),
+            }
         }
         let end = first_seq + 1 + self.messages.len() as u32;
         out.extend(crate::netlink::encode(delimiter(netlink_packet_netfilter::none::ControlMessage::BatchEnd), 0, end));
@@ -159,6 +165,94 @@ impl Batch {
     pub fn seq_count(&self) -> u32 {
         self.messages.len() as u32 + 2
     }
+}
+
+/// `Part::Elements` as its NEWSETELEM message, written straight into `out`: byte for byte
+/// what `netlink::encode` writes of `part.message()` (a test holds them equal), without an
+/// attribute list built per element, whose nested lengths the generic encoder measures again
+/// at every level above them: that was a fifth of a pod start's CPU at 10,000 Services.
+#[allow(clippy::too_many_arguments)]
+fn encode_elements(
+    out: &mut Vec<u8>,
+    family: Family,
+    table: &str,
+    set: &str,
+    set_id: Option<u32>,
+    keys: &PackedKeys,
+    flags: u16,
+    seq: u32,
+) {
+    const NESTED: u16 = netlink_packet_core::NLA_F_NESTED;
+    const NFT_MSG_NEWSETELEM: u16 = 12;
+    const LIST_TABLE: u16 = 1;
+    const LIST_SET: u16 = 2;
+    const LIST_ELEMENTS: u16 = 3;
+    const LIST_SET_ID: u16 = 4;
+    const LIST_ELEM: u16 = 1;
+    const ELEM_KEY: u16 = 1;
+    const ELEM_DATA: u16 = 2;
+    const ELEM_FLAGS: u16 = 3;
+    const DATA_VALUE: u16 = 1;
+    const DATA_VERDICT: u16 = 2;
+    const VERDICT_CODE: u16 = 1;
+    const VERDICT_CHAIN: u16 = 2;
+    let start = out.len();
+    // nlmsghdr (its length filled in at the end), then nfgenmsg: family, version 0, res_id 0.
+    let kind = (u16::from(NFNL_SUBSYS_NFTABLES) << 8) | NFT_MSG_NEWSETELEM;
+    out.extend_from_slice(&0u32.to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(&(netlink_packet_core::NLM_F_REQUEST | flags).to_ne_bytes());
+    out.extend_from_slice(&seq.to_ne_bytes());
+    out.extend_from_slice(&0u32.to_ne_bytes());
+    let nfproto = match family {
+        Family::Ipv4 => libc::NFPROTO_IPV4,
+        Family::Ipv6 => libc::NFPROTO_IPV6,
+    };
+    out.extend_from_slice(&[nfproto as u8, 0, 0, 0]);
+    let text = |o: &mut Vec<u8>, t: &str| {
+        o.extend_from_slice(t.as_bytes());
+        o.push(0);
+    };
+    nla(out, LIST_TABLE, |o| text(o, table));
+    nla(out, LIST_SET, |o| text(o, set));
+    if let Some(id) = set_id {
+        nla(out, LIST_SET_ID, |o| o.extend_from_slice(&id.to_be_bytes()));
+    }
+    nla(out, LIST_ELEMENTS | NESTED, |o| {
+        let key_len = keys.key_len.max(1);
+        for (i, key) in keys.bytes.chunks(key_len).enumerate() {
+            nla(o, LIST_ELEM | NESTED, |o| {
+                nla(o, ELEM_KEY | NESTED, |o| nla(o, DATA_VALUE, |o| o.extend_from_slice(key)));
+                if keys.ends[i] {
+                    nla(o, ELEM_FLAGS, |o| {
+                        o.extend_from_slice(&(libc::NFT_SET_ELEM_INTERVAL_END as u32).to_be_bytes())
+                    });
+                }
+                if let Some(chain) = keys.gotos[i] {
+                    nla(o, ELEM_DATA | NESTED, |o| {
+                        nla(o, DATA_VERDICT | NESTED, |o| {
+                            nla(o, VERDICT_CODE, |o| o.extend_from_slice(&(libc::NFT_GOTO as u32).to_be_bytes()));
+                            nla(o, VERDICT_CHAIN, |o| text(o, &keys.chains[usize::from(chain)]));
+                        })
+                    });
+                }
+            });
+        }
+    });
+    let len = u32::try_from(out.len() - start).expect("a message within 4 GiB");
+    out[start..start + 4].copy_from_slice(&len.to_ne_bytes());
+}
+
+/// One netlink attribute: its header, what `value` writes, then padding to 4 bytes (the
+/// length counts the value, not the padding).
+fn nla(out: &mut Vec<u8>, kind: u16, value: impl FnOnce(&mut Vec<u8>)) {
+    let at = out.len();
+    out.extend_from_slice(&[0; 4]);
+    value(out);
+    let len = u16::try_from(out.len() - at).expect("an attribute within 64 KiB");
+    out[at..at + 2].copy_from_slice(&len.to_ne_bytes());
+    out[at + 2..at + 4].copy_from_slice(&kind.to_ne_bytes());
+    out.resize(at + usize::from(len).next_multiple_of(4), 0);
 }
 
 /// An nftables message about a table of `family` (`ip` or `ip6`; a dump of that family).
@@ -501,4 +595,44 @@ pub(crate) fn rule_comment(mut udata: &[u8]) -> String {
         udata = &udata[2 + len..];
     }
     String::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The direct encoder writes what the generic one writes of the same elements: keys
+    /// that need padding and keys that do not, interval ends, verdicts to several chains,
+    /// with and without a set ID, both families, none at all.
+    #[test]
+    fn elements_encoded_directly_are_the_generic_encoders_bytes() {
+        let element = |i: usize, len: usize, end: bool, goto: Option<&str>| RawElement {
+            key: (0..len).map(|b| (b ^ i) as u8).collect(),
+            end,
+            goto: goto.map(String::from),
+        };
+        let chains = ["ports_tcp80", "ports_tcp80_tcp8081-noep", "by_key"];
+        let cases: Vec<Vec<RawElement>> = vec![
+            (0..256).map(|i| element(i, 4, false, None)).collect(),
+            (0..40).map(|i| element(i, 13, i % 2 == 1, None)).collect(),
+            (0..50).map(|i| element(i, 12, false, Some(chains[i % 3]))).collect(),
+            (0..7).map(|i| element(i, 20, false, Some("c"))).collect(),
+            vec![],
+        ];
+        for keys in &cases {
+            for family in [Family::Ipv4, Family::Ipv6] {
+                for set_id in [None, Some(7)] {
+                    let keys = PackedKeys::pack(keys);
+                    let (table, set) = ("aether_services", "service_vips");
+                    let part = Part::Elements { table: table.into(), set: set.into(), set_id, keys };
+                    let generic = crate::netlink::encode(message(family, part.message()), NLM_F_CREATE, 42);
+                    let Part::Elements { keys, .. } = &part else { unreachable!() };
+                    let mut direct = vec![1, 2, 3, 4];
+                    encode_elements(&mut direct, family, table, set, set_id, keys, NLM_F_CREATE, 42);
+                    assert_eq!(&direct[..4], &[1, 2, 3, 4], "what was in the buffer before is kept");
+                    assert_eq!(direct[4..], generic[..], "{family:?}, set id {set_id:?}, {} elements", keys.ends.len());
+                }
+            }
+        }
+    }
 }
