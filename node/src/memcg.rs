@@ -120,7 +120,18 @@ impl Memcg {
                     let Some(up) = dir.parent() else { break };
                     dir = up;
                 }
-                let usage = read_bytes(&self.dir.join("memory.current"))?.unwrap_or(0);
+                let usage = match read_bytes(&self.dir.join("memory.current")) {
+                    // The host's root cgroup (a process outside any container, e.g. an agent
+                    // run on the node itself) has no usage file, and no limit binds it. A
+                    // container's cgroup namespace also shows its cgroup as `/`, but that one
+                    // has the file.
+                    Err(MemcgError::Read { source, .. })
+                        if source.kind() == std::io::ErrorKind::NotFound && self.dir == self.root =>
+                    {
+                        return Ok(Reading { limit, usage: 0, reclaimable: 0 });
+                    }
+                    other => other?.unwrap_or(0),
+                };
                 let reclaimable = stat_value(&self.dir.join("memory.stat"), "inactive_file")?.unwrap_or(0);
                 Ok(Reading { limit, usage, reclaimable })
             }
@@ -361,6 +372,13 @@ mod tests {
         assert_eq!(m.read().unwrap().limit, None);
         write(&root.join("a/b"), &[("memory.current", "lots\n")]);
         assert!(matches!(m.read(), Err(MemcgError::Parse { .. })), "a value that is no number is an error");
+        // The host's root cgroup: no usage file, no limit (found in the kernel matrix's VMs,
+        // where every process runs there: the budget warned "cannot be read" on each apply).
+        let at_root = Memcg::find("0::/\n", &only_v2).unwrap();
+        assert_eq!(at_root.read().unwrap(), Reading { limit: None, usage: 0, reclaimable: 0 });
+        // Below the root the file must be there.
+        std::fs::remove_file(root.join("a/b/memory.current")).unwrap();
+        assert!(matches!(m.read(), Err(MemcgError::Read { .. })));
         let _ = std::fs::remove_dir_all(&root);
     }
 
