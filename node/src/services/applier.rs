@@ -293,12 +293,11 @@ impl PodReach for Kept {
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError> {
         // On this thread (a tour of its own: `Netns::run` enters a pod in place), through the
-        // kept links.
-        aether_netns::tour_here(|| {
-            let _later = aether_rules::nft::CloseLater::new();
-            engine::apply_to_pods(dir, new, previous, warnings, self)
-        })
-        .map_err(ServicesError::Tour)?
+        // kept links. A rebuild's socket is closed at once, waiting for the kernel to destroy
+        // the layer it replaced before the next pod's: in a long-lived process under a memory
+        // limit, the old layers are not left pending together.
+        aether_netns::tour_here(|| engine::apply_to_pods(dir, new, previous, warnings, self))
+            .map_err(ServicesError::Tour)?
     }
 }
 
