@@ -108,7 +108,7 @@ fn drift_to_repaired(args: InstallArgs, pods: &[TestNetns]) -> (Vec<Duration>, V
     let (tx, rx) = mpsc::channel::<Option<(Instant, Duration, Duration)>>();
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let looping = std::thread::spawn(move || {
-        let mut r = Reconciler::new(None::<NoRuntime>, NodeLib::new(&args), Limits::default());
+        let mut r = Reconciler::new(None::<NoRuntime>, NodeLib::new(args.node_files()), Limits::default());
         // The first pass (all in full) done: the drifts may begin.
         r.pass(Ok(()));
         tx.send(None).unwrap();
@@ -201,7 +201,7 @@ fn main() {
     };
     // The pods, each captured by ADD's code (the reconciler's in-place capture) in its own netns.
     let pods: Vec<TestNetns> = (0..PODS).map(|_| TestNetns::new("pass")).collect();
-    let mut adder = NodeLib::new(&args());
+    let mut adder = NodeLib::new(args().node_files());
     adder.records().unwrap();
     for (i, ns) in pods.iter().enumerate() {
         let sandbox = Sandbox {
@@ -231,8 +231,9 @@ fn main() {
     for (generation, n) in [(1, 10), (2, 10_000)] {
         let applied = apply_document(&services, &snapshot(generation, n)).unwrap();
         assert!(!applied.failed(), "the apply failed: {:?}", applied.to_json());
-        let mut cheap = Reconciler::new(None::<NoRuntime>, NodeLib::new(&args()), Limits::default());
-        let mut full = Reconciler::new(None::<NoRuntime>, NodeLib::new(&args()).always_full(true), Limits::default());
+        let mut cheap = Reconciler::new(None::<NoRuntime>, NodeLib::new(args().node_files()), Limits::default());
+        let mut full =
+            Reconciler::new(None::<NoRuntime>, NodeLib::new(args().node_files()).always_full(true), Limits::default());
         // The first pass compares everything in full (nothing remembered yet): not counted.
         let first = measured(&mut cheap);
         assert_eq!(first.2, PODS);
@@ -305,7 +306,7 @@ fn main() {
         .into_bytes()
     };
     let mut applier = Applier::new(&state);
-    let mut cheap = Reconciler::new(None::<NoRuntime>, NodeLib::new(&args()), Limits::default());
+    let mut cheap = Reconciler::new(None::<NoRuntime>, NodeLib::new(args().node_files()), Limits::default());
     // Not counted: the first change (it reads the stored document in full, opens the pods'
     // sockets and starts their runs) and the first pass (all in full).
     assert!(!applier.apply(&change(0)).unwrap().failed());

@@ -9,7 +9,8 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use crate::chain::PLUGIN_TYPE;
-use crate::reconcile::{Limits, MissedPolicy};
+use crate::reconcile::node_lib::NodeFiles;
+use crate::reconcile::{self, Limits, MissedPolicy};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct InstallArgs {
@@ -261,6 +262,30 @@ impl InstallArgs {
 
     pub fn reconcile_period(&self) -> Duration {
         Duration::from_secs(self.reconcile_period_seconds.max(1))
+    }
+
+    /// The reconciler's settings from these flags.
+    pub fn reconciler(&self) -> reconcile::looper::Settings {
+        reconcile::looper::Settings {
+            enabled: self.reconcile,
+            cri_socket: self.cri_socket(),
+            cri_timeout: self.cri_timeout(),
+            cri_max_message_bytes: self.cri_max_message_bytes(),
+            cri_pass_budget: self.cri_pass_budget(),
+            period: self.reconcile_period(),
+            limits: self.reconcile_limits(),
+            state_dir: self.state_dir.clone(),
+        }
+    }
+
+    /// Where the reconciler's node library finds the node's files, and the entry it chains.
+    pub fn node_files(&self) -> NodeFiles {
+        NodeFiles {
+            state_dir: self.state_dir.clone(),
+            conf_dir: self.cni_conf_dir.clone(),
+            conflist_name: self.conflist_name.clone(),
+            entry: self.entry(),
+        }
     }
 
     pub fn reconcile_limits(&self) -> Limits {

@@ -149,9 +149,10 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
-    let ops = reconcile::node_lib::NodeLib::new(&args);
+    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
     let rt = running.server.runtime();
-    running.reconciler = reconcile::start(&args, running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
+    running.reconciler =
+        reconcile::looper::start(args.reconciler(), running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "stopping");
     }

@@ -1,9 +1,8 @@
-//! What can go wrong installing, keeping and serving, and the not-ready reason each stands for.
+//! What can go wrong installing, keeping and serving, and the not-ready reason each stands for
+//! (the reasons are defined here, below everything that reports them: the HTTP face shows them).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-
-use crate::serve::Reason;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -64,6 +63,53 @@ impl Error {
             Error::EntryRefused { .. } => Reason::Entry,
             Error::Kernel(_) => Reason::Kernel,
             _ => Reason::Chain,
+        }
+    }
+}
+
+/// Why the node is not ready, one per part of the installation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    /// The installer has not finished its first pass.
+    Starting,
+    /// The binary is not (yet) in the CNI bin directory.
+    Binary,
+    /// No usable primary configuration to chain onto (missing, invalid, outranked...).
+    Primary,
+    /// The plugin's parser refuses the entry (a node setting, or the list's cniVersion).
+    Entry,
+    /// The chained conflist could not be written.
+    Chain,
+    /// doctor's kernel checks fail.
+    Kernel,
+    /// Stopped: the entry and binary were removed.
+    Uninstalled,
+    /// The HTTP face stopped serving: the installer exits to be restarted.
+    Http,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 8] = [
+        Reason::Starting,
+        Reason::Binary,
+        Reason::Primary,
+        Reason::Entry,
+        Reason::Chain,
+        Reason::Kernel,
+        Reason::Uninstalled,
+        Reason::Http,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::Starting => "starting",
+            Reason::Binary => "binary",
+            Reason::Primary => "primary",
+            Reason::Entry => "entry",
+            Reason::Chain => "chain",
+            Reason::Kernel => "kernel",
+            Reason::Uninstalled => "uninstalled",
+            Reason::Http => "http",
         }
     }
 }

@@ -14,7 +14,8 @@ use serde_json::{Map, Value};
 use aether_node::state::StateDir;
 
 use crate::checks::{refusal, NodeChecks};
-use crate::serve::{Metrics, Reason, Shared};
+use crate::error::Reason;
+use crate::serve::{Metrics, Shared};
 use crate::watch::Watcher;
 use crate::{chain, files, Error, InstallArgs};
 

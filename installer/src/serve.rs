@@ -29,7 +29,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use crate::{Error, NodeChecks};
 
 mod status;
-pub use status::{Metrics, Reason, Shared, Status};
+pub use status::{Face, Metrics, Shared, Status};
 
 /// Requests whose head (request line and headers) is larger are answered 431 and closed.
 pub const MAX_HEAD_BYTES: usize = 8 * 1024;
@@ -55,29 +55,6 @@ const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// At most one log line per this period for each kind of repeated event.
 const LOG_PERIOD: Duration = Duration::from_secs(10);
-
-/// What a listener answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Face {
-    /// `/healthz`, `/readyz` and `/metrics` (loopback: the kubelet's probes).
-    Probes,
-    /// `/metrics` only (the node's address: Prometheus).
-    Metrics,
-    /// `POST /services/apply` (the node agent, on a unix socket: `services_socket`).
-    Services,
-}
-
-impl Face {
-    pub const ALL: [Face; 3] = [Face::Probes, Face::Metrics, Face::Services];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Face::Probes => "probes",
-            Face::Metrics => "metrics",
-            Face::Services => "services",
-        }
-    }
-}
 
 /// Where the HTTP face listens, and its connection limit per listener.
 #[derive(Debug, Clone)]

@@ -8,7 +8,8 @@ use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::sync::Arc;
 
-use aether_installer::serve::{Reason, Shared};
+use aether_installer::error::Reason;
+use aether_installer::serve::Shared;
 use aether_installer::Node;
 use common::{snapshot, FakeNode, Switches};
 

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use aether_cri::{Client, Sandbox};
 
-use super::looper::Stopping;
-use super::PodNetwork;
+use super::{PodNetwork, Stopping};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {

@@ -1,16 +1,17 @@
 //! The reconciler's thread: a pass each period and on cheap triggers (the installer's start,
 //! the node turning ready), its metrics, and the last pass written to the state directory for
-//! `aether-cni inspect`.
+//! `aether-cni inspect`; `start`, from the installer's settings, wires the CRI runtime and the
+//! node library into it.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::{action_kind, NodeOps, Outcome, PassReport, Reconciler, Runtime};
+use super::cri::CriRuntime;
+use super::{action_kind, Limits, NodeOps, Outcome, PassReport, Reconciler, Runtime, Stopping};
 use crate::serve::Shared;
 
 /// The last pass, in the state directory (read by `aether-cni inspect` with no argument).
@@ -26,40 +27,6 @@ enum Msg {
 /// its current node operation. Well inside the chart's `terminationGracePeriodSeconds` (30),
 /// with the uninstall still to come after it.
 pub const STOP_WAIT: Duration = Duration::from_secs(3);
-
-/// The installer is stopping: set once, seen by the pass (no action starts) and by the CRI
-/// calls (one in flight is cancelled).
-#[derive(Clone)]
-pub struct Stopping {
-    flag: Arc<AtomicBool>,
-    tx: Arc<tokio::sync::watch::Sender<bool>>,
-}
-
-impl Stopping {
-    pub fn new() -> Stopping {
-        Stopping { flag: Arc::new(AtomicBool::new(false)), tx: Arc::new(tokio::sync::watch::channel(false).0) }
-    }
-
-    pub fn set(&self) {
-        self.flag.store(true, Ordering::SeqCst);
-        self.tx.send_replace(true);
-    }
-
-    pub fn is_set(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-    }
-
-    /// For an async wait on the stop.
-    pub fn watch(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.tx.subscribe()
-    }
-}
-
-impl Default for Stopping {
-    fn default() -> Self {
-        Self::new()
-    }
-}
 
 /// Pokes the reconciler's thread (a pass now) and stops it.
 #[derive(Clone)]
@@ -245,4 +212,55 @@ fn write_last_pass(state_dir: &std::path::Path, report: &PassReport) {
     if let Err(e) = crate::files::write_atomic(&path, &body, 0o600) {
         tracing::warn!(file = %path.display(), "cannot write the reconciler's last pass: {e}");
     }
+}
+
+/// The reconciler's settings, from the installer's flags (`InstallArgs::reconciler`): the
+/// flags know the reconciler, never the other way round.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// `--reconcile`: whether the reconciler runs at all.
+    pub enabled: bool,
+    /// The runtime's CRI socket, if one is given.
+    pub cri_socket: Option<std::path::PathBuf>,
+    pub cri_timeout: Duration,
+    pub cri_max_message_bytes: usize,
+    pub cri_pass_budget: Duration,
+    pub period: Duration,
+    pub limits: Limits,
+    pub state_dir: std::path::PathBuf,
+}
+
+/// Starts the reconciler's thread for the installer (unless `--reconcile=false`): the
+/// runtime's CRI socket if one is given (on the installer's shared async runtime), the node
+/// library's operations in `node`.
+pub fn start<N>(
+    settings: Settings,
+    shared: Arc<Shared>,
+    node: N,
+    rt: Arc<tokio::runtime::Runtime>,
+) -> std::io::Result<Option<Looper>>
+where
+    N: NodeOps + Send + 'static,
+{
+    if !settings.enabled {
+        tracing::info!("the reconciler is off (--reconcile=false)");
+        return Ok(None);
+    }
+    let stopping = Stopping::new();
+    let runtime = match settings.cri_socket {
+        Some(socket) => {
+            tracing::info!(socket = %socket.display(), policy = settings.limits.missed.name(), "reconciling the runtime's pods every {} s", settings.period.as_secs());
+            Some(CriRuntime::new(
+                socket,
+                settings.cri_timeout,
+                settings.cri_max_message_bytes,
+                settings.cri_pass_budget,
+                stopping.clone(),
+                rt,
+            ))
+        }
+        None => None,
+    };
+    let reconciler = Reconciler::new(runtime, node, settings.limits);
+    spawn(reconciler, settings.period, shared, settings.state_dir, stopping).map(Some)
 }

@@ -27,6 +27,8 @@ pub mod plan;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use aether_cri::Sandbox;
@@ -201,7 +203,7 @@ pub struct Reconciler<R, N> {
     /// that hangs on a few sandboxes would otherwise stretch every pass).
     network_failed: HashMap<String, StatusFailure>,
     /// Set when the installer stops: no action starts after it.
-    pub stopping: looper::Stopping,
+    pub stopping: Stopping,
     /// Why each held pod got nothing, as last logged (one line per change, not per pass).
     held_logged: HashMap<String, String>,
     runtime_was_unseen: bool,
@@ -219,7 +221,7 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             memory: Memory::default(),
             network_cache: HashMap::new(),
             network_failed: HashMap::new(),
-            stopping: looper::Stopping::new(),
+            stopping: Stopping::new(),
             held_logged: HashMap::new(),
             runtime_was_unseen: false,
             refusing: HashSet::new(),
@@ -573,40 +575,39 @@ pub fn leftover_text(why: &Leftover) -> String {
     }
 }
 
+/// The installer is stopping: set once, seen by the pass (no action starts) and by the CRI
+/// calls (one in flight is cancelled).
+#[derive(Clone)]
+pub struct Stopping {
+    flag: Arc<AtomicBool>,
+    tx: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Stopping {
+    pub fn new() -> Stopping {
+        Stopping { flag: Arc::new(AtomicBool::new(false)), tx: Arc::new(tokio::sync::watch::channel(false).0) }
+    }
+
+    pub fn set(&self) {
+        self.flag.store(true, Ordering::SeqCst);
+        self.tx.send_replace(true);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// For an async wait on the stop.
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+}
+
+impl Default for Stopping {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 #[cfg(test)]
 mod tests;
-
-/// Starts the reconciler's thread for the installer (unless `--reconcile=false`): the
-/// runtime's CRI socket if one is given (on the installer's shared async runtime), the node
-/// library's operations in `node`.
-pub fn start<N>(
-    args: &crate::InstallArgs,
-    shared: std::sync::Arc<crate::serve::Shared>,
-    node: N,
-    rt: std::sync::Arc<tokio::runtime::Runtime>,
-) -> std::io::Result<Option<looper::Looper>>
-where
-    N: NodeOps + Send + 'static,
-{
-    if !args.reconcile {
-        tracing::info!("the reconciler is off (--reconcile=false)");
-        return Ok(None);
-    }
-    let stopping = looper::Stopping::new();
-    let runtime = match args.cri_socket() {
-        Some(socket) => {
-            tracing::info!(socket = %socket.display(), policy = args.missed_pods.name(), "reconciling the runtime's pods every {} s", args.reconcile_period().as_secs());
-            Some(cri::CriRuntime::new(
-                socket,
-                args.cri_timeout(),
-                args.cri_max_message_bytes(),
-                args.cri_pass_budget(),
-                stopping.clone(),
-                rt,
-            ))
-        }
-        None => None,
-    };
-    let reconciler = Reconciler::new(runtime, node, args.reconcile_limits());
-    looper::spawn(reconciler, args.reconcile_period(), shared, args.state_dir.clone(), stopping).map(Some)
-}

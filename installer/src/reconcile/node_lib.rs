@@ -68,9 +68,19 @@ pub struct NodeLib {
     compared: Comparisons,
 }
 
+/// Where the node's CNI files are and the plugin entry the installer chains (from the
+/// installer's flags: `InstallArgs::node_files`).
+#[derive(Debug, Clone)]
+pub struct NodeFiles {
+    pub state_dir: PathBuf,
+    pub conf_dir: PathBuf,
+    pub conflist_name: String,
+    pub entry: Map<String, Value>,
+}
+
 impl NodeLib {
-    pub fn new(args: &crate::InstallArgs) -> NodeLib {
-        let entry = args.entry();
+    pub fn new(files: NodeFiles) -> NodeLib {
+        let NodeFiles { state_dir, conf_dir, conflist_name, entry } = files;
         let stand_in = chain::Primary {
             path: PathBuf::from("(reconciler)"),
             bytes: br#"{"cniVersion":"1.1.0","name":"reconciler","plugins":[{"type":"main-cni"}]}"#.to_vec(),
@@ -78,9 +88,9 @@ impl NodeLib {
         };
         let standalone = chain::chain(&stand_in, &entry).ok().and_then(|(_, as_passed)| config::parse(&as_passed).ok());
         NodeLib {
-            state_dir: args.state_dir.clone(),
-            conf_dir: args.cni_conf_dir.clone(),
-            conflist_name: args.conflist_name.clone(),
+            state_dir,
+            conf_dir,
+            conflist_name,
             entry,
             conf: None,
             standalone,

@@ -8,51 +8,27 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use super::Face;
+use crate::error::Reason;
 
-/// Why the node is not ready, one per part of the installation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Reason {
-    /// The installer has not finished its first pass.
-    Starting,
-    /// The binary is not (yet) in the CNI bin directory.
-    Binary,
-    /// No usable primary configuration to chain onto (missing, invalid, outranked...).
-    Primary,
-    /// The plugin's parser refuses the entry (a node setting, or the list's cniVersion).
-    Entry,
-    /// The chained conflist could not be written.
-    Chain,
-    /// doctor's kernel checks fail.
-    Kernel,
-    /// Stopped: the entry and binary were removed.
-    Uninstalled,
-    /// The HTTP face stopped serving: the installer exits to be restarted.
-    Http,
+/// What a listener answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Face {
+    /// `/healthz`, `/readyz` and `/metrics` (loopback: the kubelet's probes).
+    Probes,
+    /// `/metrics` only (the node's address: Prometheus).
+    Metrics,
+    /// `POST /services/apply` (the node agent, on a unix socket: `services_socket`).
+    Services,
 }
 
-impl Reason {
-    pub const ALL: [Reason; 8] = [
-        Reason::Starting,
-        Reason::Binary,
-        Reason::Primary,
-        Reason::Entry,
-        Reason::Chain,
-        Reason::Kernel,
-        Reason::Uninstalled,
-        Reason::Http,
-    ];
+impl Face {
+    pub const ALL: [Face; 3] = [Face::Probes, Face::Metrics, Face::Services];
 
     pub fn name(self) -> &'static str {
         match self {
-            Reason::Starting => "starting",
-            Reason::Binary => "binary",
-            Reason::Primary => "primary",
-            Reason::Entry => "entry",
-            Reason::Chain => "chain",
-            Reason::Kernel => "kernel",
-            Reason::Uninstalled => "uninstalled",
-            Reason::Http => "http",
+            Face::Probes => "probes",
+            Face::Metrics => "metrics",
+            Face::Services => "services",
         }
     }
 }
