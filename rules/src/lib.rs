@@ -39,25 +39,18 @@ pub fn install(rs: &Ruleset, fail_before: Option<Step>) -> Result<()> {
     nft::program_tables(&tables)?;
     // What this call created, undone in reverse on a failure.
     let mut made: Vec<(&PolicyRoute, bool, bool)> = Vec::new();
-    let mut result = Ok(());
-    for half in &rs.halves {
-        let pr = &half.policy_route;
-        let rule = match gate(Step::PolicyRule).and_then(|()| pr.add_rule()) {
-            Ok(created) => created,
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        };
-        made.push((pr, rule, false));
-        match gate(Step::LocalRoute).and_then(|()| pr.add_route()) {
-            Ok(created) => made.last_mut().expect("pushed").2 = created,
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
+    // One rtnetlink socket for every rule and route.
+    let result = route::open().and_then(|mut sock| {
+        for half in &rs.halves {
+            let pr = &half.policy_route;
+            gate(Step::PolicyRule)?;
+            let rule = pr.add_rule_on(&mut sock)?;
+            made.push((pr, rule, false));
+            gate(Step::LocalRoute)?;
+            made.last_mut().expect("pushed").2 = pr.add_route_on(&mut sock)?;
         }
-    }
+        Ok(())
+    });
     if result.is_err() {
         for (pr, rule, route) in made.into_iter().rev() {
             if route {
@@ -96,10 +89,14 @@ pub fn remove(table: &str, policy_routes: &[PolicyRoute]) -> Result<Removed> {
             first_err.get_or_insert(e);
         }
     };
+    // One rtnetlink socket for every rule and route.
+    let mut sock = route::open().map_err(|e| note(Err(e), &mut removed.rule)).ok();
     for pr in policy_routes {
         note(nft::remove(pr.family, table), &mut removed.table);
-        note(pr.del_rule(), &mut removed.rule);
-        note(pr.del_route(), &mut removed.route);
+        if let Some(sock) = &mut sock {
+            note(pr.del_rule_on(sock), &mut removed.rule);
+            note(pr.del_route_on(sock), &mut removed.route);
+        }
     }
     match first_err {
         Some(e) => Err(e),

@@ -6,18 +6,22 @@
 //! ```
 //!
 //! One rule and one route per address family the pod has (the same mark, table and
-//! priority in each). Programmed over a blocking rtnetlink socket opened, per call, in the
-//! network namespace of the calling thread (the caller has already entered the pod netns).
+//! priority in each). Programmed over a blocking rtnetlink socket opened in the network
+//! namespace of the calling thread (the caller has already entered the pod netns), one for
+//! all of a change's rules and routes.
 
 use std::io;
 
-use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
-use netlink_packet_route::link::{LinkFlags, LinkMessage};
+use netlink_packet_core::{
+    DecodeError, Emitable, NetlinkDeserializable, NetlinkHeader, NetlinkSerializable, Parseable, NLM_F_CREATE,
+    NLM_F_EXCL,
+};
+use netlink_packet_route::link::{LinkFlags, LinkHeader};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage};
-use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+use netlink_packet_route::AddressFamily;
 
 use crate::error::{Error, Result};
 use crate::family::Family;
@@ -26,6 +30,75 @@ use crate::netlink::{Socket, NETLINK_ROUTE};
 
 /// `lo` is created first in every network namespace, so it is always ifindex 1.
 const LOOPBACK_IFINDEX: u32 = 1;
+
+/// rtnetlink message types (linux/rtnetlink.h).
+const RTM_SETLINK: u16 = 19;
+const RTM_NEWROUTE: u16 = 24;
+const RTM_DELROUTE: u16 = 25;
+const RTM_GETROUTE: u16 = 26;
+const RTM_NEWRULE: u16 = 32;
+const RTM_DELRULE: u16 = 33;
+const RTM_GETRULE: u16 = 34;
+
+/// The rtnetlink messages this crate sends and reads: rules, routes, and a link's flags set
+/// (`lo` up in doctor's private netns). Not netlink-packet-route's `RouteNetlinkMessage`: a
+/// message encoded or parsed as that enum links the code of every rtnetlink message (link
+/// kinds, traffic control, neighbours...), about a tenth of the plugin's file, none of which
+/// it runs. The messages themselves are still that crate's types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Rtnl {
+    NewRule(RuleMessage),
+    DelRule(RuleMessage),
+    GetRule(RuleMessage),
+    NewRoute(RouteMessage),
+    DelRoute(RouteMessage),
+    GetRoute(RouteMessage),
+    /// A link's header alone: its flags, no attributes.
+    SetLink(LinkHeader),
+}
+
+impl NetlinkSerializable for Rtnl {
+    fn message_type(&self) -> u16 {
+        match self {
+            Rtnl::NewRule(_) => RTM_NEWRULE,
+            Rtnl::DelRule(_) => RTM_DELRULE,
+            Rtnl::GetRule(_) => RTM_GETRULE,
+            Rtnl::NewRoute(_) => RTM_NEWROUTE,
+            Rtnl::DelRoute(_) => RTM_DELROUTE,
+            Rtnl::GetRoute(_) => RTM_GETROUTE,
+            Rtnl::SetLink(_) => RTM_SETLINK,
+        }
+    }
+
+    fn buffer_len(&self) -> usize {
+        match self {
+            Rtnl::NewRule(m) | Rtnl::DelRule(m) | Rtnl::GetRule(m) => m.buffer_len(),
+            Rtnl::NewRoute(m) | Rtnl::DelRoute(m) | Rtnl::GetRoute(m) => m.buffer_len(),
+            Rtnl::SetLink(h) => h.buffer_len(),
+        }
+    }
+
+    fn serialize(&self, buffer: &mut [u8]) {
+        match self {
+            Rtnl::NewRule(m) | Rtnl::DelRule(m) | Rtnl::GetRule(m) => m.emit(buffer),
+            Rtnl::NewRoute(m) | Rtnl::DelRoute(m) | Rtnl::GetRoute(m) => m.emit(buffer),
+            Rtnl::SetLink(h) => h.emit(buffer),
+        }
+    }
+}
+
+impl NetlinkDeserializable for Rtnl {
+    type Error = DecodeError;
+
+    /// What a dump of rules or routes answers; any other message is not read.
+    fn deserialize(header: &NetlinkHeader, payload: &[u8]) -> std::result::Result<Self, DecodeError> {
+        match header.message_type {
+            RTM_NEWRULE => RuleMessage::parse(payload).map(Rtnl::NewRule),
+            RTM_NEWROUTE => RouteMessage::parse(payload).map(Rtnl::NewRoute),
+            other => Err(DecodeError::from(format!("rtnetlink message type {other}: neither a rule nor a route"))),
+        }
+    }
+}
 
 /// What the kernel holds of one PolicyRoute, read back for CHECK.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -38,15 +111,25 @@ pub struct PolicyRouteState {
 impl PolicyRoute {
     /// Adds the rule. Ok(true) if created, Ok(false) if an identical rule already existed.
     pub fn add_rule(&self) -> Result<bool> {
+        self.add_rule_on(&mut open()?)
+    }
+
+    /// `add_rule` on a socket of the caller's (one for the rules and routes of a change).
+    pub(crate) fn add_rule_on(&self, sock: &mut Socket) -> Result<bool> {
         // NLM_F_EXCL matters: without it the kernel happily adds a duplicate rule.
-        let msg = RouteNetlinkMessage::NewRule(rule_message(self));
-        absent_ok(transact(msg, NLM_F_CREATE | NLM_F_EXCL), libc::EEXIST, "add rule")
+        let msg = Rtnl::NewRule(rule_message(self));
+        absent_ok(sock.transact(msg, NLM_F_CREATE | NLM_F_EXCL), libc::EEXIST, "add rule")
     }
 
     /// Adds the route. Ok(true) if created, Ok(false) if exactly this route already existed.
     pub fn add_route(&self) -> Result<bool> {
-        let msg = RouteNetlinkMessage::NewRoute(route_message(self, false));
-        let created = match transact(msg, NLM_F_CREATE | NLM_F_EXCL) {
+        self.add_route_on(&mut open()?)
+    }
+
+    /// `add_route` on a socket of the caller's.
+    pub(crate) fn add_route_on(&self, sock: &mut Socket) -> Result<bool> {
+        let msg = Rtnl::NewRoute(route_message(self, false));
+        let created = match sock.transact(msg, NLM_F_CREATE | NLM_F_EXCL) {
             // IPv6 refuses a route through a device that is down; runtimes bring a pod's `lo`
             // up before the network plugins run, so say which device and why.
             Err(e) if e.raw_os_error() == Some(libc::ENETDOWN) => {
@@ -59,7 +142,7 @@ impl PolicyRoute {
         };
         // The kernel's EEXIST only means "some route for 0.0.0.0/0 at metric 0 is in the
         // table", whatever its type or device: make sure it is ours before calling it done.
-        if !created && !self.read_state()?.route_present {
+        if !created && !self.read_state_on(sock)?.route_present {
             return Err(route_err("add route", io::Error::from_raw_os_error(libc::EEXIST)));
         }
         Ok(created)
@@ -67,16 +150,26 @@ impl PolicyRoute {
 
     /// Deletes the rule (matching fwmark, table, priority). Ok(false) if it was not there.
     pub fn del_rule(&self) -> Result<bool> {
-        let msg = RouteNetlinkMessage::DelRule(rule_message(self));
-        absent_ok(transact(msg, 0), libc::ENOENT, "delete rule")
+        self.del_rule_on(&mut open()?)
+    }
+
+    /// `del_rule` on a socket of the caller's.
+    pub(crate) fn del_rule_on(&self, sock: &mut Socket) -> Result<bool> {
+        let msg = Rtnl::DelRule(rule_message(self));
+        absent_ok(sock.transact(msg, 0), libc::ENOENT, "delete rule")
     }
 
     /// Deletes the route. Ok(false) if it was not there.
     pub fn del_route(&self) -> Result<bool> {
-        let msg = RouteNetlinkMessage::DelRoute(route_message(self, true));
+        self.del_route_on(&mut open()?)
+    }
+
+    /// `del_route` on a socket of the caller's.
+    pub(crate) fn del_route_on(&self, sock: &mut Socket) -> Result<bool> {
+        let msg = Rtnl::DelRoute(route_message(self, true));
         // A missing route is ESRCH for IPv4 (a table that never existed too); IPv6 says
         // ENOENT for a missing route and ESRCH for a table that never existed.
-        match (self.family, absent_ok(transact(msg, 0), libc::ESRCH, "delete route")) {
+        match (self.family, absent_ok(sock.transact(msg, 0), libc::ESRCH, "delete route")) {
             (Family::Ipv6, Err(Error::Route { source, .. })) if source.raw_os_error() == Some(libc::ENOENT) => {
                 Ok(false)
             }
@@ -87,10 +180,15 @@ impl PolicyRoute {
     /// Dumps rules and the routes of our table, and reports whether exactly our rule and our
     /// route are present, with a note for each near-miss.
     pub fn read_state(&self) -> Result<PolicyRouteState> {
+        self.read_state_on(&mut open()?)
+    }
+
+    /// `read_state` on a socket of the caller's.
+    pub(crate) fn read_state_on(&self, sock: &mut Socket) -> Result<PolicyRouteState> {
         let mut state = PolicyRouteState::default();
         let mut rule_copies = 0;
-        for msg in dump(RouteNetlinkMessage::GetRule(rule_dump_message(self.family)), "dump rules")? {
-            let RouteNetlinkMessage::NewRule(rule) = msg else {
+        for msg in dump(sock, Rtnl::GetRule(rule_dump_message(self.family)), "dump rules")? {
+            let Rtnl::NewRule(rule) = msg else {
                 continue;
             };
             let view = RuleView::of(&rule);
@@ -117,8 +215,8 @@ impl PolicyRoute {
         }
 
         let mut others = Vec::new();
-        for msg in dump(RouteNetlinkMessage::GetRoute(route_dump_message(self.family)), "dump routes")? {
-            let RouteNetlinkMessage::NewRoute(route) = msg else {
+        for msg in dump(sock, Rtnl::GetRoute(route_dump_message(self.family)), "dump routes")? {
+            let Rtnl::NewRoute(route) = msg else {
                 continue;
             };
             if route_table(&route) != self.table || route.header.address_family != address_family(self.family) {
@@ -334,11 +432,11 @@ fn route_dump_message(family: Family) -> RouteMessage {
 /// plugins run (IPv6 refuses a route through a device that is down: `ENETDOWN`). For a
 /// netns of our own making (doctor's private probe), never for a pod's.
 pub fn loopback_up() -> Result<()> {
-    let mut link = LinkMessage::default();
-    link.header.index = LOOPBACK_IFINDEX;
-    link.header.flags = LinkFlags::Up;
-    link.header.change_mask = LinkFlags::Up;
-    transact(RouteNetlinkMessage::SetLink(link), 0).map_err(|e| route_err("set lo up", e))
+    let mut link = LinkHeader::default();
+    link.index = LOOPBACK_IFINDEX;
+    link.flags = LinkFlags::Up;
+    link.change_mask = LinkFlags::Up;
+    open()?.transact(Rtnl::SetLink(link), 0).map_err(|e| route_err("set lo up", e))
 }
 
 fn route_err(op: &'static str, source: io::Error) -> Error {
@@ -354,14 +452,15 @@ fn absent_ok(res: io::Result<()>, benign: i32, op: &'static str) -> Result<bool>
     }
 }
 
-/// Sends one request on a fresh socket and waits for its acknowledgement.
-fn transact(payload: RouteNetlinkMessage, flags: u16) -> io::Result<()> {
-    Socket::open(NETLINK_ROUTE)?.transact(payload, flags)
+/// An rtnetlink socket in the calling thread's netns: one serves every rule and route of a
+/// change (a socket costs the kernel more to make and free than a request on it).
+pub(crate) fn open() -> Result<Socket> {
+    Socket::open(NETLINK_ROUTE).map_err(|e| route_err("open an rtnetlink socket", e))
 }
 
-/// Runs a dump on a fresh socket (read again if interrupted by a concurrent change).
-fn dump(payload: RouteNetlinkMessage, op: &'static str) -> Result<Vec<RouteNetlinkMessage>> {
-    Socket::open(NETLINK_ROUTE).and_then(|mut s| s.dump(payload)).map_err(|e| route_err(op, e))
+/// Runs a dump (read again if interrupted by a concurrent change).
+fn dump(sock: &mut Socket, payload: Rtnl, op: &'static str) -> Result<Vec<Rtnl>> {
+    sock.dump(payload).map_err(|e| route_err(op, e))
 }
 
 #[cfg(test)]
@@ -400,12 +499,21 @@ mod tests {
 
         // The wire form round-trips and carries the ACK/EXCL flags.
         use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST};
-        let payload = RouteNetlinkMessage::NewRule(rule);
+        let payload = Rtnl::NewRule(rule);
         let bytes = crate::netlink::encode(payload.clone(), NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL, 1);
-        let back = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap();
+        let back = NetlinkMessage::<Rtnl>::deserialize(&bytes).unwrap();
         assert_eq!(back.payload, NetlinkPayload::InnerMessage(payload));
         assert_eq!(back.header.flags, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
         assert_eq!(back.header.message_type, 32, "RTM_NEWRULE");
+        let route = Rtnl::NewRoute(route_message(&PR, false));
+        let bytes = crate::netlink::encode(route.clone(), NLM_F_ACK, 2);
+        assert_eq!(NetlinkMessage::<Rtnl>::deserialize(&bytes).unwrap().payload, NetlinkPayload::InnerMessage(route));
+        // Only rules and routes are read: a link message (lo set up, RTM_SETLINK) is not.
+        let mut lo = LinkHeader::default();
+        lo.index = LOOPBACK_IFINDEX;
+        let bytes = crate::netlink::encode(Rtnl::SetLink(lo), 0, 3);
+        assert_eq!(bytes.len(), 16 + 16, "a netlink header and a bare ifinfomsg");
+        assert!(NetlinkMessage::<Rtnl>::deserialize(&bytes).is_err());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use netlink_packet_core::{DefaultNla, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_core::{DefaultNla, Emitable, NetlinkSerializable, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, DataAttribute, Hook, HookNumber, InetHookNumber, ListAttribute, NfTablesMessage,
     RuleAttribute, RuleMessage, SetAttribute, SetElementAttribute, SetElementFlags, SetElementList, SetElementMessage,
@@ -144,8 +144,9 @@ impl Batch {
                 Part::Elements { table, set, set_id, keys } => {
                     encode_elements(&mut out, *family, table, set, *set_id, keys, *flags, seq)
                 }
-                // One message built at a time, and dropped once it is bytes.
-                Part::Message(_) => out.extend(crate::netlink::encode(message(*family, part.message()), *flags, seq)),
+                // Encoded where it is: a copy made to be encoded was a sixth of a fresh ADD's
+                // instructions, with its freeing.
+                Part::Message(m) => out.extend(crate::netlink::encode(ByRef::new(*family, m), *flags, seq)),
             }
         }
         let end = first_seq + 1 + self.messages.len() as u32;
@@ -257,11 +258,43 @@ fn nla(out: &mut Vec<u8>, kind: u16, value: impl FnOnce(&mut Vec<u8>)) {
 
 /// An nftables message about a table of `family` (`ip` or `ip6`; a dump of that family).
 pub(crate) fn message(family: Family, m: NfTablesMessage) -> NetfilterMessage {
+    NetfilterMessage::new(header(family), m)
+}
+
+fn header(family: Family) -> NetfilterHeader {
     let f = match family {
         Family::Ipv4 => NetfilterProtoFamily::IPv4,
         Family::Ipv6 => NetfilterProtoFamily::IPv6,
     };
-    NetfilterMessage::new(NetfilterHeader::new(f, 0, 0), m)
+    NetfilterHeader::new(f, 0, 0)
+}
+
+/// [`message`] of a message the caller keeps: the same bytes as the crate's
+/// `NetfilterMessage` (the header, then the message), which would own it.
+pub(crate) struct ByRef<'a> {
+    header: NetfilterHeader,
+    message: &'a NfTablesMessage,
+}
+
+impl<'a> ByRef<'a> {
+    pub fn new(family: Family, message: &'a NfTablesMessage) -> Self {
+        ByRef { header: header(family), message }
+    }
+}
+
+impl NetlinkSerializable for ByRef<'_> {
+    fn message_type(&self) -> u16 {
+        (NFNL_SUBSYS_NFTABLES << 8) | u16::from(u8::from(self.message.message_type()))
+    }
+
+    fn buffer_len(&self) -> usize {
+        self.header.buffer_len() + self.message.buffer_len()
+    }
+
+    fn serialize(&self, buffer: &mut [u8]) {
+        self.header.emit(buffer);
+        self.message.emit(&mut buffer[self.header.buffer_len()..]);
+    }
 }
 
 /// What a table batch does about a table of the same name the kernel may already hold.
