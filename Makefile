@@ -15,6 +15,10 @@ INSTALLER_BIN := target/release/aether-cni-installer
 # the flag off build scripts and proc-macros, which must stay dynamic.
 TARGET := x86_64-unknown-linux-gnu
 STATIC_RUSTFLAGS := -C target-feature=+crt-static
+# The plugin's link also packs its relative relocations (DT_RELR, glibc 2.36 and binutils
+# 2.38 on): the static PIE relocates itself at every start, and the 4,000-odd relocations of a
+# Rust program take 1.2 KiB instead of 100 KiB read at every pod start.
+PLUGIN_RUSTFLAGS := $(STATIC_RUSTFLAGS) -C link-arg=-Wl,-z,pack-relative-relocs
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 # make image: the image's name in podman's storage, and an OCI archive of it (for ctr import).
 IMAGE ?= localhost/aether-cni:$(VERSION)
@@ -39,8 +43,11 @@ INSTALLER_SBOM ?= target/image/aether-cni-installer-$(VERSION).cdx.json
 # builds its plugin from this clone's history into target/previous-release/, once).
 PREVIOUS_RELEASE := 7d8c46d
 PREVIOUS_BIN := target/previous-release/aether-cni
+# The same release's plugin as it shipped (static, its release profile), which make bench
+# runs beside this one's (AETHER_BENCH_OLD_BIN).
+PREVIOUS_RELEASE_BIN := target/previous-release/release/aether-cni
 
-.PHONY: deps build test previous-release test-kernels demo bench soak clean clients-deps image chart-test docs-picture notices sbom
+.PHONY: deps build test previous-release previous-release-static test-kernels demo bench soak clean clients-deps image chart-test docs-picture notices sbom
 
 ## deps: install the system packages the build and the tests need, if missing
 deps:
@@ -57,11 +64,24 @@ deps:
 clients-deps: deps
 	bash conformance/clients/deps.sh
 
-## build: the release binaries, static (target/release/aether-cni, target/release/aether-cni-installer)
+## build: the release binaries, static (target/release/aether-cni, shipped stripped with its
+## symbols in target/release/aether-cni.debug; target/release/aether-cni-installer)
+# The plugin with its own profile (Cargo.toml's `plugin`: release, a panic aborts) in a cargo
+# run of its own: the installer keeps unwinding.
 build: deps
-	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-cni -p aether-installer --target $(TARGET)
-	install -D -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
+	RUSTFLAGS="$(PLUGIN_RUSTFLAGS)" $(CARGO) build --profile plugin -p aether-cni --target $(TARGET)
+	RUSTFLAGS="$(STATIC_RUSTFLAGS)" $(CARGO) build --release -p aether-installer --target $(TARGET)
+	$(ship_plugin)
 	install -D -m 0755 target/$(TARGET)/release/aether-cni-installer $(INSTALLER_BIN)
+
+# The plugin as shipped: the file stripped (the symbol table is an eighth of it, and no node
+# needs it), its symbols and debug information kept in $(BIN).debug, which the file names by
+# a debug link: `gdb target/release/aether-cni core` finds them beside it.
+define ship_plugin
+	install -D -m 0755 target/$(TARGET)/plugin/aether-cni $(BIN)
+	objcopy --only-keep-debug $(BIN) $(BIN).debug
+	objcopy --strip-all --add-gnu-debuglink=$(BIN).debug $(BIN)
+endef
 
 # Without their release profiles' LTO: a tool's link is then a few seconds, not minutes of one
 # core, and how fast it runs does not matter here.
@@ -94,6 +114,11 @@ sbom: build $(CARGO_CYCLONEDX)
 ## previous-release: the previous release's plugin ($(PREVIOUS_BIN)), built from the history
 previous-release: deps
 	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE)
+
+## previous-release-static: the previous release's plugin as it shipped ($(PREVIOUS_RELEASE_BIN):
+## static, its release profile), for make bench, built from the history
+previous-release-static: deps
+	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE) release
 
 test: deps clients-deps build notices previous-release
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
@@ -135,21 +160,22 @@ demo: build
 ## bench: (root) 1. a pod's capture: install and remove apart, fresh ADD vs re-ADD, in-process;
 ## fresh-process ADD/CHECK/DEL of the static release binary vs Debian's `tuning` plugin vs
 ## shelling out to nft/ip, interleaved, wall and CPU time, over two floors (the binary's VERSION,
-## a static C no-op; AETHER_BENCH_OLD_BIN adds an older binary); 2. the Service layer at
+## a static C no-op) and beside the previous release's plugin ($(PREVIOUS_RELEASE_BIN)); 2. the Service layer at
 ## 1,000 and 10,000 ports: full build vs one Service more vs verify; 3. the Service layer at
 ## cluster scale (10,000 Services, 100 pods, vs the kernel floor; bench/results/services-scale.*);
 ## 4. the installer's repair latency. Medians and ratios.
-bench: deps build clients-deps
+bench: deps build clients-deps previous-release-static
 	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q 'install ok installed' || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
-	AETHER_BENCH_BIN=$(CURDIR)/target/$(TARGET)/release/aether-cni $(CARGO) bench -p aether-cni --bench capture
+	AETHER_BENCH_BIN=$(CURDIR)/target/$(TARGET)/plugin/aether-cni AETHER_BENCH_OLD_BIN=$(CURDIR)/$(PREVIOUS_RELEASE_BIN) \
+		$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
 	AETHER_INSTALLER_BIN=$(CURDIR)/$(INSTALLER_BIN) $(CARGO) bench -p aether-cni --bench services_scale
 	$(CARGO) bench -p aether-installer --bench repair
 	$(CARGO) bench -p aether-installer --bench reconcile_pass
 	@# cargo bench rebuilt target/release/aether-cni and aether-cni-installer (dynamic, for
 	@# CARGO_BIN_EXE): put the static ones back
-	install -m 0755 target/$(TARGET)/release/aether-cni $(BIN)
+	$(ship_plugin)
 	install -m 0755 target/$(TARGET)/release/aether-cni-installer $(INSTALLER_BIN)
 
 ## soak: pod churn against the real binary (ADD/CHECK/DEL of 20 pods per round with a

@@ -23,6 +23,7 @@ mod services;
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
 // Log call sites write `info!(...)` / `crate::warn!(...)`: tracing's macros.
@@ -121,6 +122,7 @@ fn run_cni() -> ExitCode {
     log::init(&log::Settings::lenient(&stdin));
     let env = env::Env::from_process();
     let command = std::env::var("CNI_COMMAND").unwrap_or_default();
+    answer_panics(&command, &stdin);
     let _span = match &env {
         Ok(e) => log::cni_span(
             &e.command,
@@ -138,6 +140,8 @@ fn run_cni() -> ExitCode {
     });
     let mut out = std::io::stdout().lock();
     match outcome {
+        // A panic was answered by the hook already (an unwinding build gets here after one).
+        _ if PANIC_ANSWERED.load(Ordering::SeqCst) => ExitCode::FAILURE,
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(result)) => {
             let _ = writeln!(out, "{result}");
@@ -151,4 +155,26 @@ fn run_cni() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Set once a panic's CNI error is on stdout: the runtime reads one answer.
+static PANIC_ANSWERED: AtomicBool = AtomicBool::new(false);
+
+/// A panic still answers the runtime with a CNI error on stdout (code 5, the panic's message
+/// in its details) and a log line. The shipped plugin aborts on a panic (Cargo.toml's
+/// `plugin` profile: no unwinding back to `run_cni`), so the answer is given here, before
+/// the abort, wherever the thread is (in the pod's netns too: harmless for a process about
+/// to end, whose namespaces end with it). A build that unwinds answers the same way, once.
+fn answer_panics(command: &str, stdin: &[u8]) {
+    let (command, stdin) = (command.to_string(), stdin.to_vec());
+    std::panic::set_hook(Box::new(move |info| {
+        let e = error::CniError::new(error::code::IO_FAILURE, "aether-cni stopped on an internal error (a panic)")
+            .with_details(info.to_string());
+        error!(code = e.code, details = %e.details, "{command} failed: {}", e.msg);
+        if !PANIC_ANSWERED.swap(true, Ordering::SeqCst) {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
+            let _ = out.flush();
+        }
+    }));
 }

@@ -421,6 +421,33 @@ fn a_failure_at_each_step_of_add_leaves_the_netns_unchanged() {
     assert_ne!(ns.snapshot(TABLE), before);
 }
 
+/// A panic inside the pod's netns (injected) still answers the runtime with one CNI error on
+/// stdout, code 5 with the panic's message, and leaves the netns and the records as they were.
+/// The shipped plugin aborts on a panic where this test build unwinds: the answer is the
+/// panic hook's in both, given before either.
+#[test]
+fn a_panic_inside_the_pods_netns_answers_a_cni_error() {
+    if !root_or_skip("a_panic_inside_the_pods_netns_answers_a_cni_error") {
+        return;
+    }
+    let c = conf("1.0.0", json!({}));
+    let ns = TestNetns::new("panic");
+    let before = ns.snapshot(TABLE);
+    let out = run_plugin("ADD", Some(&ns.path()), &c, &[("AETHER_CNI_INJECT_FAILURE", "panic")]);
+    assert!(!out.ok, "ADD ignored AETHER_CNI_INJECT_FAILURE=panic: the binary under test was built without --features fault-injection (make test builds it with)");
+    // One JSON document on stdout (`error` parses all of it as one).
+    let (code, text) = out.error();
+    assert_eq!(code, 5, "{text}");
+    assert!(text.contains("a panic") && text.contains("injected panic inside the pod's network namespace"), "{text}");
+    assert_eq!(out.json()["cniVersion"], "1.0.0", "{}", out.stdout);
+    assert_eq!(ns.snapshot(TABLE), before, "a panicking ADD left something behind");
+    let records = std::path::Path::new(c["stateDir"].as_str().unwrap()).join("attachments");
+    assert_eq!(std::fs::read_dir(&records).map(|d| d.count()).unwrap_or(0), 0, "a panicking ADD left a record");
+    // The control: without the injection the same ADD succeeds and programs the netns.
+    assert!(run_plugin("ADD", Some(&ns.path()), &c, &[]).ok);
+    assert_ne!(ns.snapshot(TABLE), before);
+}
+
 /// A re-ADD (a runtime retrying) replaces the table rather than failing or duplicating.
 #[test]
 fn add_twice_leaves_one_intact_ruleset() {

@@ -1,7 +1,8 @@
 //! The release binaries (`make build`: the plugin and the installer) are static PIEs that run
 //! on any node: no program interpreter, no shared library, read from their ELF headers; the
 //! plugin programs a fresh pod netns (ADD, CHECK, DEL) with nothing but the kernel; and the
-//! plugin, started at every pod start, links no async runtime, HTTP, gRPC or metrics crate.
+//! plugin, started at every pod start, links no async runtime, HTTP, gRPC or metrics crate,
+//! and is shipped in at most 4 MiB.
 
 mod common;
 
@@ -139,10 +140,58 @@ fn linked_crates(package: &str) -> Vec<String> {
     text.lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect()
 }
 
+/// The names of an ELF64 file's sections (from its section headers and their string table).
+fn section_names(elf: &[u8]) -> Vec<String> {
+    let (shoff, shentsize, shnum, shstrndx) = (
+        u64_at(elf, 0x28) as usize,
+        u16_at(elf, 0x3a) as usize,
+        u16_at(elf, 0x3c) as usize,
+        u16_at(elf, 0x3e) as usize,
+    );
+    let header = |i: usize| shoff + i * shentsize;
+    let strtab = u64_at(elf, header(shstrndx) + 0x18) as usize;
+    (0..shnum)
+        .map(|i| {
+            let name = strtab + u32_at(elf, header(i)) as usize;
+            let end = elf[name..].iter().position(|&b| b == 0).map_or(elf.len(), |n| name + n);
+            String::from_utf8_lossy(&elf[name..end]).into_owned()
+        })
+        .collect()
+}
+
+/// The most the plugin's file may weigh as shipped: it is copied to every node and mapped at
+/// every pod start.
+const PLUGIN_MAX_BYTES: u64 = 4 << 20;
+
 /// The plugin runs at every pod start: what only the installer's daemon runs (an async
-/// runtime, an HTTP server, gRPC, a metrics registry) must not be linked into it.
+/// runtime, an HTTP server, gRPC, a metrics registry) must not be linked into it, and the file
+/// `make build` ships is at most 4 MiB: stripped, its symbols in `aether-cni.debug` beside it
+/// (named by its debug link, where a debugger finds them for a crash's analysis).
 #[test]
 fn the_plugin_links_no_async_runtime_http_grpc_or_metrics() {
+    if let Some(bin) = release_bin_or_skip("the_plugin_links_no_async_runtime_http_grpc_or_metrics", PLUGIN) {
+        let size = std::fs::metadata(&bin).unwrap().len();
+        assert!(
+            size <= PLUGIN_MAX_BYTES,
+            "{} is {size} bytes ({:.2} MiB), over the 4 MiB the plugin may weigh as shipped",
+            bin.display(),
+            size as f64 / (1 << 20) as f64
+        );
+        let sections = section_names(&std::fs::read(&bin).unwrap());
+        assert!(sections.iter().any(|s| s == ".text"), "the section reader misses .text: {sections:?}");
+        assert!(!sections.iter().any(|s| s == ".symtab"), "{} is not stripped", bin.display());
+        assert!(sections.iter().any(|s| s == ".gnu_debuglink"), "{} names no debug file", bin.display());
+        let debug = bin.with_file_name("aether-cni.debug");
+        let debug_sections =
+            section_names(&std::fs::read(&debug).unwrap_or_else(|e| panic!("{}: {e}", debug.display())));
+        assert!(debug_sections.iter().any(|s| s == ".symtab"), "{} holds no symbols", debug.display());
+        // The control: the installer's file, read the same way, is over the bound and keeps its
+        // symbols.
+        if let Some(installer) = release_bin(INSTALLER) {
+            assert!(std::fs::metadata(&installer).unwrap().len() > PLUGIN_MAX_BYTES, "is the size read at all?");
+            assert!(section_names(&std::fs::read(&installer).unwrap()).iter().any(|s| s == ".symtab"));
+        }
+    }
     let daemon_only = ["tokio", "hyper", "h2", "tonic", "prost", "prometheus", "aether-installer", "aether-cri"];
     let plugin = linked_crates("aether-cni");
     let found: Vec<&str> = daemon_only.into_iter().filter(|c| plugin.iter().any(|p| p == c)).collect();

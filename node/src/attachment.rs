@@ -96,8 +96,8 @@ impl From<StateError> for AttachmentError {
 }
 
 /// The step of ADD a test asked to fail (`AETHER_CNI_INJECT_FAILURE`): one of the rules
-/// crate's steps, or `record`, or `services` (DEL's steps: `state::fails_here`). Compiled in
-/// only with `fault-injection`.
+/// crate's steps, or `record`, or `services`, or `panic` (a panic in the pod's netns; DEL's
+/// steps: `state::fails_here`). Compiled in only with `fault-injection`.
 #[cfg(feature = "fault-injection")]
 fn injected_failure() -> Option<String> {
     std::env::var("AETHER_CNI_INJECT_FAILURE").ok()
@@ -130,7 +130,13 @@ pub fn attach(
     let _lock = state.lock(false)?;
     let fail = injected_failure();
     let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
-    netns.run(|| aether_rules::install(&ruleset, fail_step))??;
+    netns.run(|| {
+        // A test's panic in the pod's netns: the plugin still answers with a CNI error.
+        if fail.as_deref() == Some("panic") {
+            panic!("injected panic inside the pod's network namespace");
+        }
+        aether_rules::install(&ruleset, fail_step)
+    })??;
     let record = Record::new(target.network, target.container_id, target.ifname, &netns, netns_path, pod, cfg.clone());
     let recorded = if fail.as_deref() == Some("record") {
         Err(AttachmentError::Injected("record".into()))
