@@ -498,7 +498,10 @@ mod tests {
         assert_eq!(check(), Vec::<String>::new(), "the current ruleset under a record naming none: intact");
         assert_eq!(attachment::held_ruleset(&unstated, &netns).unwrap(), Recorded::Known(RulesetVersion::CURRENT));
         let from = crate::repair::migrating_from(&unstated);
-        assert!(from.starts_with("capture ruleset 2 (") && from.ends_with("under a record that names no ruleset"), "{from}");
+        assert!(
+            from.starts_with("capture ruleset 2 (") && from.ends_with("under a record that names no ruleset"),
+            "{from}"
+        );
         // Its migration only writes the record: the tables are not programmed again.
         let before = netns.run(aether_rules::nft::generation).unwrap().unwrap();
         crate::repair::migrate(&state, &unstated).unwrap();

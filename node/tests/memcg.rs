@@ -45,7 +45,12 @@ fn the_library_reads_the_memory_cgroup_it_runs_in() {
     cg.enter_on_spawn(&mut cmd);
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "the child failed: {}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "the child failed: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     let line = stdout.lines().find_map(|l| l.strip_prefix("reading=")).unwrap_or_else(|| panic!("{stdout}"));
     let f: Vec<&str> = line.split_whitespace().collect();
     let [version, limit, usage, per] = f[..] else { panic!("{line}") };
