@@ -44,6 +44,15 @@ const TIGHT: u64 = 6 * MIB;
 /// Above the process's usage at rest: the big snapshot's charge and the headroom fit.
 const ROOMY: u64 = 64 * MIB;
 
+/// The tests here set memory limits from what a process holds at a moment and wait on its log:
+/// each runs alone, so one test's load (the podman test's 100 pods) never moves another's
+/// usage, limits or deadlines.
+static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ALONE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// A snapshot of `n` Services in 10.96.0.0/16, two TCP ports each, all with endpoints. Each
 /// Service's ports are its own (no two share a port profile), so each costs a pod the layer's
 /// most: its VIP and both ports as elements, whatever the layer makes of shared profiles.
@@ -199,6 +208,7 @@ fn the_installer_refuses_a_snapshot_over_its_memory_limit_and_applies_it_when_ra
     if !root_or_skip("the_installer_refuses_a_snapshot_over_its_memory_limit_and_applies_it_when_raised") {
         return;
     }
+    let _alone = alone();
     let (node, pods) = node_with_pods("bdgi");
     let old = listing(&pods[0]);
     every_pod_holds(&pods, &old, "generation 1");
@@ -284,6 +294,7 @@ fn a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed
     if !root_or_skip("a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed") {
         return;
     }
+    let _alone = alone();
     let (node, pods) = node_with_pods("bdgo");
     let old = listing(&pods[0]);
     let before = stored(&node);
@@ -368,6 +379,7 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
     if !root_or_skip(test) {
         return;
     }
+    let _alone = alone();
     let (node, pods) = node_with("bdgp", NODE_PODS);
     let dir = TempDir::new("budget-podman");
     let podman = Podman::new(&node.host, &dir, &dir.mkdir("cni-bin"), &dir.mkdir("podman-net"));
@@ -500,6 +512,7 @@ fn node_scale_100_pods_10000_services_in_128_mib() {
     if !root_or_skip("node_scale_100_pods_10000_services_in_128_mib") {
         return;
     }
+    let _alone = alone();
     let (node, pods) = node_with("bdgn", 100);
     let old = listing(&pods[0]);
     let cg = ScratchMemcg::new("nodescale", 128 * MIB);
@@ -533,6 +546,7 @@ fn work_under_way_that_no_longer_fits_leaves_every_pod_a_whole_layer() {
     if !root_or_skip("work_under_way_that_no_longer_fits_leaves_every_pod_a_whole_layer") {
         return;
     }
+    let _alone = alone();
     let (node, pods) = node_with_pods("bdgw");
     let old = listing(&pods[0]);
     let cg = ScratchMemcg::new("underway", 512 * MIB);
