@@ -2,6 +2,7 @@
 //! read it back. Messages are built and parsed with `netlink-packet-netfilter` (plus small
 //! encoders of ours in `expr`), and sent over the crate's one netlink conversation layer.
 
+mod abi;
 pub(crate) mod expr;
 pub mod key;
 mod notation;

@@ -241,13 +241,8 @@ fn goto_chain(v: &[netlink_packet_netfilter::nftables::VerdictAttribute]) -> Opt
 /// crate's parser of the expression list formats the whole list into an error context once
 /// per expression (quadratic in a rule's expressions; it doubled CHECK's time). Same result.
 pub(crate) fn fast_rule(bytes: &[u8]) -> Option<NfTablesMessage> {
+    use super::abi::{NEWRULE, RULE_CHAIN, RULE_EXPRESSIONS, RULE_TABLE, RULE_USERDATA};
     use netlink_packet_netfilter::nftables::RuleMessage;
-    // linux/netfilter/nf_tables.h
-    const NEWRULE: u16 = (10 << 8) | 6;
-    const RULE_TABLE: u16 = 1;
-    const RULE_CHAIN: u16 = 2;
-    const RULE_EXPRESSIONS: u16 = 4;
-    const RULE_USERDATA: u16 = 7;
     if u16::from_ne_bytes(bytes.get(4..6)?.try_into().ok()?) != NEWRULE {
         return None;
     }
@@ -279,10 +274,7 @@ pub(crate) fn fast_rule(bytes: &[u8]) -> Option<NfTablesMessage> {
 /// attribute of the data is parsed by the crate's parser of that expression type. Same result
 /// (`fast_rule_reads_as_the_crate_does`).
 fn expression(e: &NlaBuffer<&[u8]>) -> Option<ListAttribute<ExpressionAttribute>> {
-    // linux/netfilter/nf_tables.h
-    const LIST_ELEM: u16 = 1;
-    const EXPR_NAME: u16 = 1;
-    const EXPR_DATA: u16 = 2;
+    use super::abi::{EXPR_DATA, EXPR_NAME, LIST_ELEM};
     if e.kind() != LIST_ELEM {
         return ListAttribute::<ExpressionAttribute>::parse(e).ok();
     }
@@ -324,19 +316,11 @@ fn expression(e: &NlaBuffer<&[u8]>) -> Option<ListAttribute<ExpressionAttribute>
 /// message into an error context for every element it reads (quadratic in the elements of
 /// a message), which makes a 100,000-element dump take minutes. Same result, linear.
 pub(crate) fn fast_elements(bytes: &[u8]) -> Option<NfTablesMessage> {
+    use super::abi::{
+        DATA_VALUE, DATA_VERDICT, ELEM_DATA, ELEM_FLAGS, ELEM_KEY, NEWSETELEM, SET_ELEM_LIST_ELEMENTS,
+        SET_ELEM_LIST_SET, SET_ELEM_LIST_TABLE, VERDICT_CHAIN, VERDICT_CODE,
+    };
     use netlink_packet_netfilter::nftables::{DataAttribute, ListAttribute, SetElementMessage};
-    // linux/netfilter/nf_tables.h
-    const NEWSETELEM: u16 = (10 << 8) | 12;
-    const LIST_TABLE: u16 = 1;
-    const LIST_SET: u16 = 2;
-    const LIST_ELEMENTS: u16 = 3;
-    const ELEM_KEY: u16 = 1;
-    const ELEM_DATA: u16 = 2;
-    const ELEM_FLAGS: u16 = 3;
-    const DATA_VALUE: u16 = 1;
-    const DATA_VERDICT: u16 = 2;
-    const VERDICT_CODE: u16 = 1;
-    const VERDICT_CHAIN: u16 = 2;
     if u16::from_ne_bytes(bytes.get(4..6)?.try_into().ok()?) != NEWSETELEM {
         return None;
     }
@@ -345,9 +329,9 @@ pub(crate) fn fast_elements(bytes: &[u8]) -> Option<NfTablesMessage> {
     for a in NlasIterator::new(bytes.get(16 + 4..)?) {
         let a = a.ok()?;
         match a.kind() {
-            LIST_TABLE => attrs.push(SetElementList::Table(text(a.value()))),
-            LIST_SET => attrs.push(SetElementList::Set(text(a.value()))),
-            LIST_ELEMENTS => {
+            SET_ELEM_LIST_TABLE => attrs.push(SetElementList::Table(text(a.value()))),
+            SET_ELEM_LIST_SET => attrs.push(SetElementList::Set(text(a.value()))),
+            SET_ELEM_LIST_ELEMENTS => {
                 let mut elems = Vec::new();
                 for e in NlasIterator::new(a.value()) {
                     let mut elem = Vec::new();

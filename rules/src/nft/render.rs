@@ -20,8 +20,8 @@ use crate::model;
 /// Elements per NEWSETELEM/DELSETELEM message: well under the 64 KiB a message can hold
 /// (an element with a 12-byte key and an interval end takes under 100 bytes).
 const ELEMENTS_PER_MESSAGE: usize = 256;
-/// `NFNL_SUBSYS_NFTABLES`: the batch delimiters name the subsystem in `res_id`.
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// The batch delimiters name the subsystem in `res_id`.
+use super::abi::NFNL_SUBSYS_NFTABLES;
 /// Rule user data: a TLV list of (type u8, length u8, value); type 0 is the comment, a
 /// NUL-terminated string (libnftnl's layout, which `nft` reads).
 const UDATA_RULE_COMMENT: u8 = 0;
@@ -183,23 +183,14 @@ fn encode_elements(
     flags: u16,
     seq: u32,
 ) {
+    use super::abi::{
+        DATA_VALUE, DATA_VERDICT, ELEM_DATA, ELEM_FLAGS, ELEM_KEY, LIST_ELEM, NEWSETELEM, SET_ELEM_LIST_ELEMENTS,
+        SET_ELEM_LIST_SET, SET_ELEM_LIST_SET_ID, SET_ELEM_LIST_TABLE, VERDICT_CHAIN, VERDICT_CODE,
+    };
     const NESTED: u16 = netlink_packet_core::NLA_F_NESTED;
-    const NFT_MSG_NEWSETELEM: u16 = 12;
-    const LIST_TABLE: u16 = 1;
-    const LIST_SET: u16 = 2;
-    const LIST_ELEMENTS: u16 = 3;
-    const LIST_SET_ID: u16 = 4;
-    const LIST_ELEM: u16 = 1;
-    const ELEM_KEY: u16 = 1;
-    const ELEM_DATA: u16 = 2;
-    const ELEM_FLAGS: u16 = 3;
-    const DATA_VALUE: u16 = 1;
-    const DATA_VERDICT: u16 = 2;
-    const VERDICT_CODE: u16 = 1;
-    const VERDICT_CHAIN: u16 = 2;
     let start = out.len();
     // nlmsghdr (its length filled in at the end), then nfgenmsg: family, version 0, res_id 0.
-    let kind = (u16::from(NFNL_SUBSYS_NFTABLES) << 8) | NFT_MSG_NEWSETELEM;
+    let kind = NEWSETELEM;
     out.extend_from_slice(&0u32.to_ne_bytes());
     out.extend_from_slice(&kind.to_ne_bytes());
     out.extend_from_slice(&(netlink_packet_core::NLM_F_REQUEST | flags).to_ne_bytes());
@@ -214,12 +205,12 @@ fn encode_elements(
         o.extend_from_slice(t.as_bytes());
         o.push(0);
     };
-    nla(out, LIST_TABLE, |o| text(o, table));
-    nla(out, LIST_SET, |o| text(o, set));
+    nla(out, SET_ELEM_LIST_TABLE, |o| text(o, table));
+    nla(out, SET_ELEM_LIST_SET, |o| text(o, set));
     if let Some(id) = set_id {
-        nla(out, LIST_SET_ID, |o| o.extend_from_slice(&id.to_be_bytes()));
+        nla(out, SET_ELEM_LIST_SET_ID, |o| o.extend_from_slice(&id.to_be_bytes()));
     }
-    nla(out, LIST_ELEMENTS | NESTED, |o| {
+    nla(out, SET_ELEM_LIST_ELEMENTS | NESTED, |o| {
         let key_len = keys.key_len.max(1);
         for (i, key) in keys.bytes.chunks(key_len).enumerate() {
             nla(o, LIST_ELEM | NESTED, |o| {

@@ -1,0 +1,38 @@
+//! nf_tables' message and attribute numbers (`linux/netfilter/nf_tables.h`) that our own byte
+//! writers and readers use, where they step around the crates' generic encoder and parser
+//! (`render`'s set elements, `read`'s rules and set elements): one place, so the writer and
+//! the reader of a layout cannot drift apart.
+
+/// `NFNL_SUBSYS_NFTABLES`: a message's type is `subsystem << 8 | NFT_MSG_*`.
+pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// `NFT_MSG_NEWRULE` and `NFT_MSG_NEWSETELEM`, with the subsystem.
+pub const NEWRULE: u16 = (NFNL_SUBSYS_NFTABLES << 8) | 6;
+pub const NEWSETELEM: u16 = (NFNL_SUBSYS_NFTABLES << 8) | 12;
+
+/// `NFTA_RULE_*`.
+pub const RULE_TABLE: u16 = 1;
+pub const RULE_CHAIN: u16 = 2;
+pub const RULE_EXPRESSIONS: u16 = 4;
+pub const RULE_USERDATA: u16 = 7;
+
+/// `NFTA_LIST_ELEM`: an item of a nested list (expressions, set elements).
+pub const LIST_ELEM: u16 = 1;
+/// `NFTA_EXPR_*`.
+pub const EXPR_NAME: u16 = 1;
+pub const EXPR_DATA: u16 = 2;
+
+/// `NFTA_SET_ELEM_LIST_*`.
+pub const SET_ELEM_LIST_TABLE: u16 = 1;
+pub const SET_ELEM_LIST_SET: u16 = 2;
+pub const SET_ELEM_LIST_ELEMENTS: u16 = 3;
+pub const SET_ELEM_LIST_SET_ID: u16 = 4;
+/// `NFTA_SET_ELEM_*`.
+pub const ELEM_KEY: u16 = 1;
+pub const ELEM_DATA: u16 = 2;
+pub const ELEM_FLAGS: u16 = 3;
+/// `NFTA_DATA_*`.
+pub const DATA_VALUE: u16 = 1;
+pub const DATA_VERDICT: u16 = 2;
+/// `NFTA_VERDICT_*`.
+pub const VERDICT_CODE: u16 = 1;
+pub const VERDICT_CHAIN: u16 = 2;
