@@ -214,10 +214,7 @@ impl ServiceLayer {
             let never_refused = self.never_refused().into_iter().filter(ours).count();
             let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
             let services = service_profiles(self, family);
-            let chained = match &self.chained {
-                Some(c) => c.get(&family).cloned().unwrap_or_default(),
-                None => chained_profiles(&services),
-            };
+            let chained = self.chained_in(family, &services);
             // One map element per VIP, and the ports of those without a profile chain.
             let keyed: usize =
                 services.iter().filter(|(_, p)| chained.binary_search(p).is_err()).map(|(_, p)| p.len()).sum();
@@ -291,10 +288,7 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
     let ours = |a: &IpAddr| Family::of(*a) == family;
     let addrs = |set: BTreeSet<IpAddr>| set.into_iter().filter(ours).map(addr_element).collect::<Vec<_>>();
     let services = service_profiles(layer, family);
-    let chained = match &layer.chained {
-        Some(c) => c.get(&family).cloned().unwrap_or_default(),
-        None => chained_profiles(&services),
-    };
+    let chained = layer.chained_in(family, &services);
     // The map's chains: the lookup by key first, then each chained profile's.
     let mut goto_chains = vec![CHAIN_BY_KEY.to_string()];
     goto_chains.extend(chained.iter().map(profile_chain));

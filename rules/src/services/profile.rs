@@ -60,6 +60,16 @@ fn choose_chained(counts: Vec<(Profile, usize)>) -> Vec<Profile> {
 }
 
 impl ServiceLayer {
+    /// The profiles of `services` (this layer's in `family`, from `service_profiles`) that get
+    /// chains: as `chained` says when set (a family it does not name has none), else decided
+    /// over them.
+    pub(crate) fn chained_in(&self, family: Family, services: &[(IpAddr, Profile)]) -> Vec<Profile> {
+        match &self.chained {
+            Some(c) => c.get(&family).cloned().unwrap_or_default(),
+            None => chained_profiles(services),
+        }
+    }
+
     /// The profiles that get chains in each family this layer has Services of (`chained`
     /// when set): counted over its sorted ports without a list per Service, for a node that
     /// decides it over two whole layers on every change.
