@@ -117,6 +117,16 @@ fn files(state: &Path) -> (Vec<u8>, Vec<u8>) {
 }
 
 /// What each pod's file under `pods/` says it holds: (generation, digest), sorted.
+/// `doc` applied by the applier and by the one-shot apply, each to its own node: both answer
+/// the same for every pod. Returns the step's name for the caller's messages.
+fn through_both(applier: &mut Applier, once_dir: &ServicesDir, doc: &[u8], step: usize) -> String {
+    let once = if change::is_change(doc) { apply_change(once_dir, doc) } else { apply_document(once_dir, doc) };
+    let (kept, once) = (applier.apply(doc).unwrap(), once.unwrap());
+    let when = format!("step {step}: {}", String::from_utf8_lossy(doc));
+    assert_eq!(outcomes(&kept), outcomes(&once), "{when}");
+    when
+}
+
 fn holds_files(state: &Path) -> Vec<String> {
     let mut out: Vec<String> = std::fs::read_dir(state.join("services/pods"))
         .unwrap()
@@ -200,11 +210,7 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
         } else {
             cluster.random_change(&mut rng)
         };
-        let once =
-            if change::is_change(&doc) { apply_change(&once_dir, &doc) } else { apply_document(&once_dir, &doc) };
-        let (kept, once) = (applier.apply(&doc).unwrap(), once.unwrap());
-        let when = format!("step {step}: {}", String::from_utf8_lossy(&doc));
-        assert_eq!(outcomes(&kept), outcomes(&once), "{when}");
+        let when = through_both(&mut applier, &once_dir, &doc, step);
         assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(applier.kept_pods(), kept_pods.len(), "{when}: a socket per pod is kept");
@@ -380,11 +386,7 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
             }
             _ => cluster.random_change(&mut rng),
         };
-        let once =
-            if change::is_change(&doc) { apply_change(&once_dir, &doc) } else { apply_document(&once_dir, &doc) };
-        let (kept, once) = (applier.apply(&doc).unwrap(), once.unwrap());
-        let when = format!("step {step}: {}", String::from_utf8_lossy(&doc));
-        assert_eq!(outcomes(&kept), outcomes(&once), "{when}");
+        let when = through_both(&mut applier, &once_dir, &doc, step);
         assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
         for (cid, kept_ns) in &kept_pods {
             let once_ns = &once_pods[cid];
