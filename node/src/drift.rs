@@ -351,20 +351,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let conf = node_conf(&dir);
         let record = |netns: &std::path::Path| Record {
-            version: crate::state::RECORD_VERSION,
             network: "net".into(),
-            container_id: "c1".into(),
-            ifname: "eth0".into(),
-            netns: netns.display().to_string(),
-            netns_id: None,
-            pod_namespace: None,
-            pod_name: None,
-            pod_uid: None,
-            config_digest: String::new(),
-            capture: None,
-            ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
-            migrated_from: None,
-            defaulted: Vec::new(),
+            ..Record::bare("c1", &netns.display().to_string())
         };
         let mut drift = Drift::new();
         let gone = drift.look(&conf, &record(&dir.join("cni-1234")), &Ok(None));

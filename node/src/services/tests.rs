@@ -11,22 +11,7 @@ fn tmp(tag: &str) -> PathBuf {
 }
 
 fn rec(cid: &str, netns: &str) -> Record {
-    Record {
-        version: crate::state::RECORD_VERSION,
-        network: "k8s-pod-network".into(),
-        container_id: cid.into(),
-        ifname: "eth0".into(),
-        netns: netns.into(),
-        netns_id: None,
-        pod_namespace: Some("shop".into()),
-        pod_name: Some(cid.into()),
-        pod_uid: None,
-        config_digest: "0".into(),
-        capture: None,
-        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
-        migrated_from: None,
-        defaulted: Vec::new(),
-    }
+    Record::bare(cid, netns)
 }
 
 /// A snapshot whose content tells its generation apart (one Service port per generation).

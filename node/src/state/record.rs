@@ -165,6 +165,29 @@ impl Record {
         }
     }
 
+    /// A record for tests: pod `container_id` of namespace `shop` in network
+    /// `k8s-pod-network`, its netns at `netns` with no identity, no capture, the current
+    /// ruleset. Tests set what they need over it.
+    #[cfg(test)]
+    pub(crate) fn bare(container_id: &str, netns: &str) -> Record {
+        Record {
+            version: RECORD_VERSION,
+            network: "k8s-pod-network".into(),
+            container_id: container_id.into(),
+            ifname: "eth0".into(),
+            netns: netns.into(),
+            netns_id: None,
+            pod_namespace: Some("shop".into()),
+            pod_name: Some(container_id.into()),
+            pod_uid: None,
+            config_digest: "0".into(),
+            capture: None,
+            ruleset: Some(RulesetVersion::CURRENT.number()),
+            migrated_from: None,
+            defaulted: Vec::new(),
+        }
+    }
+
     /// This record once its pod holds the current ruleset in place of the one it names.
     pub fn migrated(&self) -> Record {
         Record {

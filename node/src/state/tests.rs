@@ -11,20 +11,11 @@ fn rec(id: &str) -> Record {
     let mut capture = aether_rules::CaptureConfig::new(aether_rules::CaptureMode::Scoped);
     capture.rule_priority = 31000;
     Record {
-        version: RECORD_VERSION,
-        network: "k8s-pod-network".into(),
-        container_id: id.into(),
-        ifname: "eth0".into(),
-        netns: "/run/netns/x".into(),
         netns_id: Some(NetnsIdentity { dev: 4, ino: 4026532177, cookie: Some(4103) }),
-        pod_namespace: Some("shop".into()),
         pod_name: Some("cart-0".into()),
-        pod_uid: None,
         config_digest: config_digest(&capture),
         capture: Some(capture),
-        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
-        migrated_from: None,
-        defaulted: Vec::new(),
+        ..Record::bare(id, "/run/netns/x")
     }
 }
 

@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document};
-use crate::state::{NetnsIdentity, RECORD_VERSION};
+use crate::state::NetnsIdentity;
 use aether_rules::services as layer;
 
 fn tmp(tag: &str) -> PathBuf {
@@ -18,22 +18,7 @@ fn tmp(tag: &str) -> PathBuf {
 fn add_pod(state: &Path, cid: &str) -> TestNetns {
     let ns = TestNetns::new("applier");
     let opened = Netns::open_foreign(ns.path()).unwrap();
-    let r = Record {
-        version: RECORD_VERSION,
-        network: "k8s-pod-network".into(),
-        container_id: cid.into(),
-        ifname: "eth0".into(),
-        netns: ns.path(),
-        netns_id: Some(NetnsIdentity::of(&opened)),
-        pod_namespace: Some("shop".into()),
-        pod_name: Some(cid.into()),
-        pod_uid: None,
-        config_digest: "0".into(),
-        capture: None,
-        ruleset: Some(aether_rules::RulesetVersion::CURRENT.number()),
-        migrated_from: None,
-        defaulted: Vec::new(),
-    };
+    let r = Record { netns_id: Some(NetnsIdentity::of(&opened)), ..Record::bare(cid, &ns.path()) };
     StateDir::new(state).write(&r).unwrap();
     apply_current_snapshot_in_netns(state, &opened, 0xae71).unwrap();
     ns

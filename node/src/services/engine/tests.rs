@@ -69,22 +69,7 @@ fn the_decision_table() {
 /// A pod's layer matches the divert mark its own capture sets, else the node's.
 #[test]
 fn a_pods_mark_is_its_captures_else_the_nodes() {
-    let mut r = crate::state::Record {
-        version: crate::state::RECORD_VERSION,
-        network: "net".into(),
-        container_id: "c1".into(),
-        ifname: "eth0".into(),
-        netns: "/run/netns/x".into(),
-        netns_id: None,
-        pod_namespace: None,
-        pod_name: None,
-        pod_uid: None,
-        config_digest: String::new(),
-        capture: None,
-        ruleset: None,
-        migrated_from: None,
-        defaulted: Vec::new(),
-    };
+    let mut r = crate::state::Record { network: "net".into(), ..crate::state::Record::bare("c1", "/run/netns/x") };
     assert_eq!(mark_of(&r, OTHER_MARK), OTHER_MARK, "no capture recorded: the node's");
     let conf = crate::config::parse(
         serde_json::json!({"cniVersion": "1.0.0", "name": "net", "type": "aether-cni", "hostIP": "10.0.0.1",
