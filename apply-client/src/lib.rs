@@ -12,9 +12,10 @@ use std::time::Duration;
 
 /// The only path the socket serves.
 pub const APPLY_PATH: &str = "/services/apply";
-/// A connection's whole life on the socket: its body waits its turn behind the document
-/// being applied, and a whole snapshot to every pod can take seconds.
-pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(120);
+/// How long the socket gives a document to be read and to wait for its turn behind the
+/// document being applied; then 503. The apply itself is not bounded by it: the answer comes
+/// when the apply is done.
+pub const WAIT_DEADLINE: Duration = Duration::from_secs(120);
 
 /// Headers an answer may have: the installer sends four.
 const MAX_HEADERS: usize = 32;

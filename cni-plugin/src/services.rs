@@ -34,6 +34,12 @@ enum ServicesCommand {
         /// applying it in this process: the same checks, output and exit codes.
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
+        /// With --socket: how long to wait for the installer's answer. It comes when the
+        /// document is applied (a whole snapshot to every pod of a loaded node can take
+        /// minutes), or, when the document got no turn within 120 s, as a refusal.
+        #[arg(long = "timeout-seconds", value_name = "SECONDS", default_value_t = 600, requires = "socket",
+              value_parser = clap::value_parser!(u64).range(1..))]
+        timeout_seconds: u64,
     },
     /// Print node totals and per-pod counters.
     Counters {
@@ -89,20 +95,15 @@ fn print_result(text: &str) {
     }
 }
 
-/// How long `apply --socket` waits for the installer's answer: the socket's own deadline
-/// for a connection, and a little more.
-const SOCKET_TIMEOUT: std::time::Duration =
-    aether_apply_client::CONNECTION_DEADLINE.saturating_add(std::time::Duration::from_secs(10));
-
 /// `services apply --socket`: the document sent to the installer; its answer printed as the
 /// in-process apply prints its outcome (the report on stdout; each reason on stderr) with the
 /// same exit codes (0; 1 some pod failed, the document stored; 2 not applied).
-fn apply_through(socket: &Path, text: &[u8]) -> ExitCode {
+fn apply_through(socket: &Path, text: &[u8], timeout: std::time::Duration) -> ExitCode {
     let fail = |why: &str| {
         eprintln!("aether-cni services apply: {why}");
         ExitCode::from(2)
     };
-    let (status, body) = match aether_apply_client::post_apply(socket, text, SOCKET_TIMEOUT) {
+    let (status, body) = match aether_apply_client::post_apply(socket, text, timeout) {
         Ok(answer) => answer,
         Err(e) => return fail(&e),
     };
@@ -134,9 +135,9 @@ fn apply_through(socket: &Path, text: &[u8]) -> ExitCode {
 pub fn run(args: ServicesArgs) -> ExitCode {
     // Through the socket the installer works on its state directory: the agent's pod need
     // not mount it.
-    if let ServicesCommand::Apply { file, socket: Some(socket) } = &args.command {
+    if let ServicesCommand::Apply { file, socket: Some(socket), timeout_seconds } = &args.command {
         return match read_snapshot(file.as_deref()) {
-            Ok(text) => apply_through(socket, &text),
+            Ok(text) => apply_through(socket, &text, std::time::Duration::from_secs(*timeout_seconds)),
             Err(e) => {
                 eprintln!("aether-cni services apply: {e}");
                 ExitCode::from(2)
@@ -149,7 +150,7 @@ pub fn run(args: ServicesArgs) -> ExitCode {
     }
     let dir = ServicesDir::new(&args.state_dir);
     let out = match args.command {
-        ServicesCommand::Apply { file, socket: _ } => {
+        ServicesCommand::Apply { file, .. } => {
             let text = match read_snapshot(file.as_deref()) {
                 Ok(text) => text,
                 Err(e) => {

@@ -9,6 +9,7 @@
 //! | the in-process CLI and the socket interleaved on one node: every document sees the other's, every pod at the stored generation | `the_cli_and_the_socket_interleaved_...` | a change based on a generation the other one replaced answers 409 |
 //! | a body over the cap answers 413 naming the cap (declared length, and a chunked body), nothing changed | `a_body_over_the_cap_...` | the same chunked client with a body under the cap gets 200 |
 //! | the applier, idle, lets go of a gone pod's socket (and netns) within seconds, and goes on with the others | `the_applier_lets_go_...` | before the pod goes, the installer holds a socket for each pod (the counts the test watches fall) |
+//! | an apply that outlasts the socket's deadlines is still answered (the deadline bounds reading and the wait for the turn, not the apply); a document that gets no turn in time is answered 503 and changes nothing | `an_apply_that_outlasts_...` | a client whose own timeout is shorter than the apply gets no answer, and the document is applied all the same |
 //! | the socket is 0600, gone after SIGTERM; a SIGKILLed installer's socket is replaced at restart; something else at the path is refused and left | `the_socket_is_root_only_...` | after SIGKILL the socket file is still there (nobody else removes it) and refuses connections |
 //!
 //! Root only: without root each test skips with a loud line; with
@@ -52,6 +53,10 @@ impl Installer {
     }
 
     fn spawn(node: &SimNode, tag: &str, extra: &[&str]) -> Installer {
+        Installer::spawn_env(node, tag, extra, &[])
+    }
+
+    fn spawn_env(node: &SimNode, tag: &str, extra: &[&str], env: &[(&str, &str)]) -> Installer {
         let dir = std::env::temp_dir().join(format!("aether-sock-{tag}-{}", std::process::id()));
         for d in ["bin", "conf"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
@@ -64,6 +69,7 @@ impl Installer {
             .arg(format!("--state-dir={}", node.state_dir().display()))
             .args(["--listen=127.0.0.1:0", "--host-ip=10.244.0.1", "--reconcile=false"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -150,6 +156,11 @@ fn cli_socket(socket: &Path, doc: &[u8]) -> (i32, String, String) {
 /// `services --state-dir DIR apply` in this process's netns: (exit code, stdout, stderr).
 fn cli_here(node: &SimNode, doc: &[u8]) -> (i32, String, String) {
     cli(&["services", "--state-dir", node.state_dir().to_str().unwrap(), "apply"], doc)
+}
+
+/// `services apply --socket PATH --timeout-seconds N`: (exit code, stdout, stderr).
+fn cli_socket_within(socket: &Path, doc: &[u8], seconds: u64) -> (i32, String, String) {
+    cli(&["services", "apply", "--socket", socket.to_str().unwrap(), "--timeout-seconds", &seconds.to_string()], doc)
 }
 
 fn cli(args: &[&str], doc: &[u8]) -> (i32, String, String) {
@@ -598,4 +609,50 @@ fn the_applier_lets_go_of_a_gone_pod_when_idle() {
     assert_eq!(report["pods"].as_array().unwrap().len(), 1, "{body}");
     assert!(listing(&stays).contains("10.96.1.1 . tcp . 80"), "{}", listing(&stays));
     println!("{test}: {sockets} sockets with both pods kept, {now} after the gone pod was let go");
+}
+
+#[test]
+fn an_apply_that_outlasts_the_deadlines_is_answered_and_a_document_without_a_turn_gets_503() {
+    let test = "an_apply_that_outlasts_the_deadlines_is_answered_and_a_document_without_a_turn_gets_503";
+    let Some(mut node) = node(test, "sockslow") else { return };
+    let pod = node.add_pod("a");
+    pod.add(json!({}));
+    // Fault-injection build: the socket's deadlines (the wait for the turn, the answer's
+    // write) are 1 s, and every apply takes 4 s more.
+    let env = [("AETHER_INSTALLER_SERVICES_DEADLINES_MS", "1000"), ("AETHER_INSTALLER_SLOW_APPLY_MS", "4000")];
+    let inst = Installer::spawn_env(&node, "slow", &[], &env);
+    inst.wait_serving();
+    let first = whole(1, &[service("cart", "10.96.1.1", 80, true)], &[], "count");
+    let second =
+        whole(2, &[service("cart", "10.96.1.1", 80, true), service("shop", "10.96.1.2", 81, true)], &[], "count");
+    std::thread::scope(|s| {
+        let socket = &inst.socket;
+        let slow = s.spawn(|| cli_socket_within(socket, &first, 30));
+        // The second document arrives while the first is applied, and waits for its turn
+        // longer than the socket lets it.
+        std::thread::sleep(Duration::from_millis(1500));
+        let (status, body) = post(socket, &second);
+        assert_eq!(status, 503, "{body}\n{}", inst.log());
+        assert!(body.contains("send it again") && body.contains("nothing changed"), "{body}");
+        let (code, out, err) = slow.join().unwrap();
+        assert_eq!(code, 0, "the apply that outlasted the deadlines was not answered: {out}\n{err}\n{}", inst.log());
+        let report: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(report["generation"], 1, "{out}");
+        assert_eq!(results(&report), ["rebuilt"], "{out}");
+    });
+    let (generation, intact, said) = verify(&node);
+    assert_eq!(generation, Some(1), "the refused document changed the stored generation:\n{said}");
+    assert!(intact, "{said}");
+    assert!(!listing(&pod).contains("10.96.1.2 "), "the refused document reached the pod");
+    assert_eq!(inst.metric(r#"aether_cni_installer_services_applies_total{kind="unread",outcome="busy"}"#), 1.0);
+    // Control: a client that gives up before the apply ends gets no answer, and the document
+    // is applied all the same: the answer of the first was no accident of timing.
+    let (code, _, err) = cli_socket_within(&inst.socket, &second, 1);
+    control(code == 2 && err.contains("no answer"), "a client that waits less than the apply", &err);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while verify(&node).0 != Some(2) {
+        assert!(Instant::now() < deadline, "the document the client gave up on was not applied:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(listing(&pod).contains("10.96.1.2 "), "the pod lacks the document the client gave up on");
 }

@@ -397,21 +397,19 @@ where
     let gauge = app.shared.metrics.http_connections.with_label_values(&[face.name()]);
     gauge.inc();
     let _counted = Counted(gauge);
+    let (deadline, moved) = crate::services_socket::Deadline::new();
     let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
         head_read.store(true, Ordering::Relaxed);
-        let app = app.clone();
+        let (app, deadline) = (app.clone(), deadline.clone());
         async move {
             Ok::<_, Infallible>(match (face, &app.services) {
-                (Face::Services, Some(services)) => services.respond(request).await,
+                (Face::Services, Some(services)) => services.respond(request, &deadline).await,
                 _ => app.respond(face, request.uri().path()).await,
             })
         }
     });
-    let (buffer, deadline) = match face {
-        // A document's body is read through it: larger reads (the head's limit stays).
-        Face::Services => (64 * 1024, crate::services_socket::CONNECTION_DEADLINE),
-        _ => (MAX_HEAD_BYTES, CONNECTION_DEADLINE),
-    };
+    // A document's body is read through it: larger reads (the head's limit stays).
+    let buffer = if face == Face::Services { 64 * 1024 } else { MAX_HEAD_BYTES };
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
@@ -419,7 +417,11 @@ where
         .max_header_size(MAX_HEAD_BYTES)
         .keep_alive(false)
         .serve_connection(TokioIo::new(stream), service);
-    let _ = tokio::time::timeout(deadline, connection).await;
+    match face {
+        // Its deadline moves with the document (read, wait for the turn, applied, answered).
+        Face::Services => crate::services_socket::within_deadline(connection, moved).await,
+        _ => drop(tokio::time::timeout(CONNECTION_DEADLINE, connection).await),
+    }
 }
 
 const TEXT: &str = "text/plain; charset=utf-8";

@@ -21,8 +21,10 @@
 //! body adds `storedGeneration`); 400 refused; 413 over the cap; 507 not started because
 //! the kernel memory it would charge to the installer's memory cgroup crosses its limit (the
 //! reasons name the memory needed, the limit and `resources.limits.memory`; nothing
-//! changed; the metrics `..._over_budget_*` say the same); 500 any other error;
-//! 404/405 for anything but `POST /services/apply`.
+//! changed; the metrics `..._over_budget_*` say the same); 408 the body did not arrive in
+//! time, 503 no turn in time (both within [`WAIT_DEADLINE`] of connecting; nothing changed);
+//! 500 any other error; 404/405 for anything but `POST /services/apply`. An apply under way
+//! is never cut off by a deadline: its answer comes when it is done ([`Deadline`]).
 
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -37,10 +39,9 @@ use hyper::body::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
 use serde_json::{json, Value};
 
-/// The only path served, and a connection's whole life (its body waits its turn behind the
-/// document being applied, and a whole snapshot to every pod can take seconds): shared with
-/// the CLI's client.
-pub use aether_apply_client::{APPLY_PATH, CONNECTION_DEADLINE};
+/// The only path served, and how long a document may take to be read and to wait for its
+/// turn: shared with the CLI's client.
+pub use aether_apply_client::{APPLY_PATH, WAIT_DEADLINE};
 /// The socket's file name in the default directory, `<state-dir>/agent/`.
 pub const DEFAULT_DIR: &str = "agent";
 pub const DEFAULT_NAME: &str = "services.sock";
@@ -55,6 +56,83 @@ pub const BODY_IDLE: Duration = Duration::from_secs(10);
 const READING_SLOTS: usize = 2;
 /// How often the idle applier lets go of pods that went.
 const TIDY_PERIOD: Duration = Duration::from_secs(1);
+/// Once the answer is ready, the client has this long to read it.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(20);
+
+/// A connection's deadline, which its request moves. It starts [`WAIT_DEADLINE`] away and
+/// bounds reading the document and waiting for the apply turn (answered 408 and 503 when it
+/// passes); it is lifted while the document is applied (an apply under way is never cut off,
+/// so its answer always says what it did: a whole snapshot to every pod of a loaded node can
+/// take minutes); once answered, it is now. The connection itself is closed
+/// [`ANSWER_DEADLINE`] after it, the time a client has to read its answer.
+#[derive(Clone)]
+pub struct Deadline(Arc<tokio::sync::watch::Sender<Option<tokio::time::Instant>>>);
+
+pub type DeadlineWatch = tokio::sync::watch::Receiver<Option<tokio::time::Instant>>;
+
+impl Deadline {
+    /// A deadline [`WAIT_DEADLINE`] from now.
+    pub fn new() -> (Deadline, DeadlineWatch) {
+        let (tx, rx) = tokio::sync::watch::channel(Some(tokio::time::Instant::now() + deadlines().0));
+        (Deadline(Arc::new(tx)), rx)
+    }
+
+    /// When the wait ends (`None`: lifted).
+    fn at(&self) -> Option<tokio::time::Instant> {
+        *self.0.borrow()
+    }
+
+    fn lift(&self) {
+        self.0.send_replace(None);
+    }
+
+    fn now(&self) {
+        self.0.send_replace(Some(tokio::time::Instant::now()));
+    }
+}
+
+/// Drives `connection` until it ends or [`ANSWER_DEADLINE`] after its deadline, as
+/// [`Deadline`] moves it.
+pub async fn within_deadline<F: std::future::Future>(connection: F, mut deadline: DeadlineWatch) {
+    let closes = |at: Option<tokio::time::Instant>| async move {
+        match at {
+            Some(at) => tokio::time::sleep_until(at + deadlines().1).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(connection);
+    loop {
+        let at = *deadline.borrow_and_update();
+        tokio::select! {
+            _ = &mut connection => return,
+            _ = closes(at) => return,
+            moved = deadline.changed() => if moved.is_err() {
+                // Nobody can move it any more: the last one stands.
+                tokio::select! { _ = &mut connection => {}, _ = closes(at) => {} }
+                return;
+            },
+        }
+    }
+}
+
+/// [`WAIT_DEADLINE`] and [`ANSWER_DEADLINE`]; a test's fault-injection build may shorten
+/// both (`AETHER_INSTALLER_SERVICES_DEADLINES_MS`).
+fn deadlines() -> (Duration, Duration) {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("AETHER_INSTALLER_SERVICES_DEADLINES_MS").ok().and_then(|v| v.parse().ok()) {
+        return (Duration::from_millis(ms), Duration::from_millis(ms));
+    }
+    (WAIT_DEADLINE, ANSWER_DEADLINE)
+}
+
+/// A test's fault-injection build may make every apply this much longer
+/// (`AETHER_INSTALLER_SLOW_APPLY_MS`): an apply that outlasts the connection's wait deadline.
+fn injected_apply_delay() {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("AETHER_INSTALLER_SLOW_APPLY_MS").ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
 
 /// The socket's identity, to remove on shutdown only the file this installer made.
 pub struct Bound {
@@ -140,7 +218,8 @@ impl Bound {
     }
 }
 
-/// Applies by kind (`change`, `whole`; `unread` for a body over the cap) and outcome, and
+/// Applies by kind (`change`, `whole`; `unread` for one that never reached the applier) and
+/// outcome, and
 /// their duration on the applier thread.
 pub struct ServicesMetrics {
     pub applies: IntCounterVec,
@@ -162,7 +241,7 @@ impl ServicesMetrics {
         let applies = IntCounterVec::new(
             Opts::new(
                 "aether_cni_installer_services_applies_total",
-                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap, or its body stopped arriving) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large; stalled: nothing sent for 10 s, 408).",
+                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap, its body stopped arriving, or it waited too long for its turn) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large; stalled: nothing sent for 10 s, or not all of it within 120 s, 408; busy: no turn within 120 s of connecting, 503).",
             ),
             &["kind", "outcome"],
         )
@@ -184,6 +263,7 @@ impl ServicesMetrics {
         }
         applies.with_label_values(&["unread", "too-large"]);
         applies.with_label_values(&["unread", "stalled"]);
+        applies.with_label_values(&["unread", "busy"]);
         let kept_pods = IntGauge::new(
             "aether_cni_installer_services_kept_pods",
             "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
@@ -280,9 +360,10 @@ fn applier_loop(state_dir: &Path, rx: mpsc::Receiver<Job>, metrics: &ServicesMet
     loop {
         match rx.recv_timeout(next_tidy.saturating_duration_since(Instant::now())) {
             Ok(job) => {
+                injected_apply_delay();
                 let answer = apply_one(&mut applier, state_dir, &job.body, metrics);
                 metrics.kept_pods.set(applier.kept_pods() as i64);
-                // The client may have gone (deadline, hung up): the document stays applied.
+                // The client may have gone (hung up, evicted): the document stays applied.
                 let _ = job.reply.send(answer);
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -435,7 +516,11 @@ fn error_answer(status: u16, why: &str) -> hyper::Response<Full<Bytes>> {
 
 impl Applying {
     /// Answers one request of the socket.
-    pub async fn respond(&self, request: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Full<Bytes>> {
+    pub async fn respond(
+        &self,
+        request: hyper::Request<hyper::body::Incoming>,
+        deadline: &Deadline,
+    ) -> hyper::Response<Full<Bytes>> {
         if request.uri().path() != APPLY_PATH {
             return error_answer(404, &format!("not found: this socket serves POST {APPLY_PATH}"));
         }
@@ -459,7 +544,14 @@ impl Applying {
         let Ok(_reading) = self.reading.acquire().await else {
             return error_answer(500, "the Service layer's applier is stopping");
         };
-        let body = match read_body(request.into_body(), declared).await {
+        let wait_until = deadline.at().unwrap_or_else(|| tokio::time::Instant::now() + WAIT_DEADLINE);
+        let waited = || format!("{} s", deadlines().0.as_secs_f64());
+        let Ok(read) = tokio::time::timeout_at(wait_until, read_body(request.into_body(), declared)).await else {
+            tracing::warn!("a document did not arrive on the socket within {}: 408", waited());
+            self.applies.with_label_values(&["unread", "stalled"]).inc();
+            return error_answer(408, &format!("the document did not arrive within {}", waited()));
+        };
+        let body = match read {
             Ok(b) => Bytes::from(b),
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return self.too_large(),
             Err(e) if e.downcast_ref::<Stalled>().is_some() => {
@@ -469,14 +561,31 @@ impl Applying {
             }
             Err(e) => return error_answer(400, &format!("cannot read the document: {e}")),
         };
-        let Ok(_turn) = self.turn.acquire().await else {
-            return error_answer(500, "the Service layer's applier is stopping");
+        let _turn = match tokio::time::timeout_at(wait_until, self.turn.acquire()).await {
+            Ok(Ok(turn)) => turn,
+            Ok(Err(_)) => return error_answer(500, "the Service layer's applier is stopping"),
+            Err(_) => {
+                tracing::warn!("a document waited {} for its turn behind another being applied: 503", waited());
+                self.applies.with_label_values(&["unread", "busy"]).inc();
+                return error_answer(
+                    503,
+                    &format!(
+                        "another document has been applying for the whole {} this one waited; nothing changed: send it again",
+                        waited()
+                    ),
+                );
+            }
         };
         let (reply, answered) = tokio::sync::oneshot::channel();
+        // The turn is this document's: the applier thread takes it now. From here the
+        // connection waits for the apply, however long it takes.
+        deadline.lift();
         if self.jobs.send(Job { body, reply }).is_err() {
             return error_answer(500, "the Service layer's applier has stopped");
         }
-        match answered.await {
+        let answered = answered.await;
+        deadline.now();
+        match answered {
             Ok(a) => answer(a.status, a.body),
             Err(_) => error_answer(500, "the Service layer's applier stopped before it answered"),
         }
