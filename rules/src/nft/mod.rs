@@ -9,6 +9,7 @@ mod notation;
 pub mod read;
 mod reg;
 mod render;
+mod wire;
 
 pub use expr::{Expr, Exprs, Reg};
 pub use render::{ElementChange, TableChange};

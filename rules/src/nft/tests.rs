@@ -24,7 +24,7 @@ fn intact(t: &Table) {
 
 /// The tables of every capture mode and exclusion mix, and the Service layer in count
 /// and refuse mode.
-fn all_tables() -> Vec<Table> {
+pub(super) fn all_tables() -> Vec<Table> {
     use crate::services::{services_tables, LayerMode, ServiceLayer, ServicePort};
     let mut out = Vec::new();
     for mode in [crate::CaptureMode::RedirectAll, crate::CaptureMode::Scoped] {
