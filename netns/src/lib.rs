@@ -127,30 +127,7 @@ impl Netns {
     /// the same inode number back, so a path reused for a new namespace (or
     /// `/proc/<pid>/ns/net` after PID reuse) shows the old (device, inode).
     pub fn cookie(&self) -> Result<u64, Error> {
-        let err = |source| Error::Cookie { path: self.path.clone(), source };
-        self.run(|| {
-            // Any socket belongs to the namespace of the thread that created it.
-            let fd =
-                unsafe { nix::libc::socket(nix::libc::AF_UNIX, nix::libc::SOCK_DGRAM | nix::libc::SOCK_CLOEXEC, 0) };
-            if fd < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let mut cookie: u64 = 0;
-            let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
-            let rc = unsafe {
-                nix::libc::getsockopt(
-                    fd,
-                    nix::libc::SOL_SOCKET,
-                    SO_NETNS_COOKIE,
-                    (&mut cookie as *mut u64).cast(),
-                    &mut len,
-                )
-            };
-            let result = if rc == 0 { Ok(cookie) } else { Err(std::io::Error::last_os_error()) };
-            unsafe { nix::libc::close(fd) };
-            result
-        })?
-        .map_err(err)
+        self.run(current_cookie)?.map_err(|source| Error::Cookie { path: self.path.clone(), source })
     }
 
     /// Whether this is the namespace the calling thread runs in (for the plugin: the host's).
@@ -218,6 +195,24 @@ impl Netns {
         }
         result.map_err(|_| Error::WorkerPanicked { path: self.path.clone() })
     }
+}
+
+/// The cookie ([`Netns::cookie`]) of the namespace the calling thread is in: for work already
+/// inside a namespace (`Netns::run`), which would otherwise enter it again to ask.
+pub fn current_cookie() -> std::io::Result<u64> {
+    // Any socket belongs to the namespace of the thread that created it.
+    let fd = unsafe { nix::libc::socket(nix::libc::AF_UNIX, nix::libc::SOCK_DGRAM | nix::libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
+    let rc = unsafe {
+        nix::libc::getsockopt(fd, nix::libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len)
+    };
+    let result = if rc == 0 { Ok(cookie) } else { Err(std::io::Error::last_os_error()) };
+    unsafe { nix::libc::close(fd) };
+    result
 }
 
 thread_local! {
@@ -334,12 +329,14 @@ mod tests {
         }
         let own = Netns::current().unwrap();
         assert_eq!(own.cookie().unwrap(), own.cookie().unwrap(), "a cookie is stable");
+        assert_eq!(current_cookie().unwrap(), own.cookie().unwrap(), "read in place, the thread's namespace's");
         // Namespaces made and freed one after another: the kernel hands the freed inode
         // number to the next one (seen on 6.18), never the cookie.
         let mut seen = Vec::new();
         for _ in 0..5 {
             let id_and_cookie = run_in_private(|| {
                 let ns = Netns::current().unwrap();
+                assert_eq!(current_cookie().unwrap(), ns.cookie().unwrap(), "read in place, not the caller's");
                 (ns.id(), ns.cookie().unwrap())
             })
             .unwrap();

@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::NetConf;
 use crate::services::{self, fold::RetireError, ServicesError};
-use crate::state::{PodIdentity, PodNetns, Record, Recorded, StateDir, StateError};
+use crate::state::{NetnsIdentity, PodIdentity, PodNetns, Record, Recorded, StateDir, StateError};
 
 /// Which attachment: the network (the configuration's `name`), the container, the interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,14 +130,17 @@ pub fn attach(
     let _lock = state.lock(false)?;
     let fail = injected_failure();
     let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
-    netns.run(|| {
+    // The record's netns cookie is read on this visit: asking `netns` for it would enter the
+    // pod's netns a second time.
+    let cookie = netns.run(|| {
         // A test's panic in the pod's netns: the plugin still answers with a CNI error.
         if fail.as_deref() == Some("panic") {
             panic!("injected panic inside the pod's network namespace");
         }
-        aether_rules::install(&ruleset, fail_step)
+        aether_rules::install(&ruleset, fail_step).map(|()| aether_netns::current_cookie().ok())
     })??;
-    let record = Record::new(target.network, target.container_id, target.ifname, &netns, netns_path, pod, cfg.clone());
+    let netns_id = NetnsIdentity::with_cookie(&netns, cookie);
+    let record = Record::new(target.network, target.container_id, target.ifname, netns_id, netns_path, pod, cfg.clone());
     let recorded = if fail.as_deref() == Some("record") {
         Err(AttachmentError::Injected("record".into()))
     } else {

@@ -43,8 +43,14 @@ pub struct NetnsIdentity {
 
 impl NetnsIdentity {
     pub fn of(ns: &Netns) -> Self {
+        Self::with_cookie(ns, ns.cookie().ok())
+    }
+
+    /// `ns`'s identity with its cookie read already, on a visit made for other work
+    /// (`aether_netns::current_cookie`): ADD reads it while it programs the pod.
+    pub fn with_cookie(ns: &Netns, cookie: Option<u64>) -> Self {
         let id = ns.id();
-        NetnsIdentity { dev: id.dev, ino: id.ino, cookie: ns.cookie().ok() }
+        NetnsIdentity { dev: id.dev, ino: id.ino, cookie }
     }
 
     /// Whether `ns` is this namespace (the cookie compared when both sides have one).
@@ -136,13 +142,13 @@ pub enum PodNetns {
 }
 
 impl Record {
-    /// A record for what ADD just programmed in `ns`.
+    /// A record for what ADD just programmed in the netns `netns_id` (at `netns_path`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         network: &str,
         container_id: &str,
         ifname: &str,
-        ns: &Netns,
+        netns_id: NetnsIdentity,
         netns_path: &str,
         pod: &PodIdentity,
         capture: aether_rules::CaptureConfig,
@@ -153,7 +159,7 @@ impl Record {
             container_id: container_id.into(),
             ifname: ifname.into(),
             netns: netns_path.into(),
-            netns_id: Some(NetnsIdentity::of(ns)),
+            netns_id: Some(netns_id),
             pod_namespace: pod.namespace.clone(),
             pod_name: pod.name.clone(),
             pod_uid: pod.uid.clone(),
