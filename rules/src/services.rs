@@ -40,7 +40,7 @@ pub const SHAPE: u64 = 2;
 mod change;
 mod profile;
 pub use change::LayerChange;
-pub use profile::{chained_profiles, profile_chain, rechained_vips, service_profiles, Profile};
+pub use profile::{chained_profiles, profile_chain, rechained_vips, service_profiles, Profile, ProfileCounts};
 pub const CHAIN_EGRESS: &str = "egress_classify";
 pub const CHAIN_CLASSIFY: &str = "classify";
 pub const CHAIN_REFUSE: &str = "refuse";

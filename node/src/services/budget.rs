@@ -219,7 +219,7 @@ fn pods_elements(
             // At most the new layer cut to the VIPs that differ: counted, not built (the
             // change's sets are what the apply will build; the estimate must not cost that).
             (Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
-                let (_, to) = narrowed(&prev.layer, &new.layer);
+                let (_, to) = narrowed(prev, new);
                 layer_elements(&to).min(whole)
             }),
             (Action::Change | Action::Rebuild, _) => whole,

@@ -357,7 +357,10 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
             l.ports = ports;
             l
         };
-        let (a, b) = engine::narrowed(&at(old.clone()), &at(new.clone()));
+        let stored = |ports: &[layer::ServicePort]| StoredLayer::new(round, &at(ports.to_vec()), 0);
+        let (mut a, mut b) = engine::narrowed(&stored(&old), &stored(&new));
+        // Stored layers hold no mark; each pod's is set on the way to it.
+        (a.divert_mark, b.divert_mark) = (at(vec![]).divert_mark, at(vec![]).divert_mark);
         let kept = |cut: &[layer::ServicePort], all: &[layer::ServicePort]| {
             want(all).iter().all(|p| cut.contains(p)) && cut.iter().all(|p| all.contains(p))
         };

@@ -3,7 +3,7 @@
 //! from a layer's sorted ports), the chains' names, and the VIPs a change of that decision
 //! moves.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 
 use super::{
@@ -71,8 +71,7 @@ impl ServiceLayer {
     }
 
     /// The profiles that get chains in each family this layer has Services of (`chained`
-    /// when set): counted over its sorted ports without a list per Service, for a node that
-    /// decides it over two whole layers on every change.
+    /// when set): counted over its sorted ports without a list per Service.
     pub fn profile_chains(&self) -> ProfileChains {
         if let Some(c) = &self.chained {
             return c.clone();
@@ -81,25 +80,59 @@ impl ServiceLayer {
         if !sorted.is_sorted() {
             sorted.to_mut().sort();
         }
-        let mut counts: BTreeMap<Family, std::collections::HashMap<Vec<u8>, usize>> = BTreeMap::new();
-        let mut key: Vec<u8> = Vec::new();
-        let mut flush = |vip: IpAddr, key: &mut Vec<u8>| {
-            let family = counts.entry(Family::of(vip)).or_default();
-            match family.get_mut(&key[..]) {
-                Some(n) => *n += 1,
-                None => {
-                    family.insert(key.clone(), 1);
-                }
-            }
-            key.clear();
+        ProfileCounts::of(&sorted).chains()
+    }
+}
+
+/// How many Services of each family declare each profile: what the decision of which
+/// profiles get chains (`chains`) is made from. A node that decides over two whole layers on
+/// every change keeps the counts of the last layer and moves them by the Services a change
+/// touches (`moved`), so the decision costs what changed, not the whole layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProfileCounts(BTreeMap<Family, HashMap<Vec<u8>, usize>>);
+
+impl ProfileCounts {
+    /// Counted over `ports` (sorted by VIP): each VIP's ports are one Service's profile.
+    pub fn of(ports: &[ServicePort]) -> ProfileCounts {
+        let mut counts = ProfileCounts::default();
+        counts.add(ports, true);
+        counts
+    }
+
+    /// These counts with the Services of `gone` taken out and those of `came` put in (each
+    /// sorted by VIP, every port of each of their VIPs: a Service whose ports changed is in
+    /// both, with its old ports and its new ones).
+    pub fn moved(&self, gone: &[ServicePort], came: &[ServicePort]) -> ProfileCounts {
+        let mut counts = self.clone();
+        counts.add(gone, false);
+        counts.add(came, true);
+        counts
+    }
+
+    /// The profiles that get chains, per family (the one decision, `choose_chained`).
+    pub fn chains(&self) -> ProfileChains {
+        let profile = |b: &[u8]| -> Profile {
+            b.chunks(4)
+                .map(|c| (if c[0] == 6 { Proto::Tcp } else { Proto::Udp }, u16::from_be_bytes([c[1], c[2]]), c[3] != 0))
+                .collect()
         };
+        self.0
+            .iter()
+            .map(|(f, c)| (*f, choose_chained(c.iter().map(|(k, n)| (profile(k), *n)).collect())))
+            .filter(|(_, chained)| !chained.is_empty())
+            .collect()
+    }
+
+    /// Counts each VIP's profile in `ports` once, up or down.
+    fn add(&mut self, ports: &[ServicePort], up: bool) {
+        let mut key: Vec<u8> = Vec::new();
         // A profile as bytes: (protocol, port, has endpoints) per port, a port listed twice
         // merged as `service_profiles` merges it.
-        for (i, p) in sorted.iter().enumerate() {
+        for (i, p) in ports.iter().enumerate() {
             let last = key.len().checked_sub(4);
             match last {
                 Some(at)
-                    if sorted[i - 1].vip == p.vip
+                    if ports[i - 1].vip == p.vip
                         && key[at..at + 3] == [p.proto.number(), (p.port >> 8) as u8, p.port as u8] =>
                 {
                     key[at + 3] |= p.has_endpoints as u8;
@@ -108,19 +141,24 @@ impl ServiceLayer {
                     key.extend_from_slice(&[p.proto.number(), (p.port >> 8) as u8, p.port as u8, p.has_endpoints as u8])
                 }
             }
-            if sorted.get(i + 1).is_none_or(|n| n.vip != p.vip) {
-                flush(p.vip, &mut key);
+            if ports.get(i + 1).is_none_or(|n| n.vip != p.vip) {
+                let family = self.0.entry(Family::of(p.vip)).or_default();
+                match (family.get_mut(&key[..]), up) {
+                    (Some(n), true) => *n += 1,
+                    (None, true) => {
+                        family.insert(key.clone(), 1);
+                    }
+                    (Some(n), false) if *n > 1 => *n -= 1,
+                    (Some(_), false) => {
+                        family.remove(&key[..]);
+                    }
+                    // Counted out but never counted in: the caller's layers disagree; the
+                    // decision stays that of the Services counted.
+                    (None, false) => {}
+                }
+                key.clear();
             }
         }
-        let profile = |b: &[u8]| -> Profile {
-            b.chunks(4)
-                .map(|c| (if c[0] == 6 { Proto::Tcp } else { Proto::Udp }, u16::from_be_bytes([c[1], c[2]]), c[3] != 0))
-                .collect()
-        };
-        counts
-            .into_iter()
-            .map(|(f, c)| (f, choose_chained(c.into_iter().map(|(k, n)| (profile(&k), n)).collect())))
-            .collect()
     }
 }
 

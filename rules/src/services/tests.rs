@@ -159,6 +159,65 @@ fn profile_chains_decide_as_the_builder_does() {
     }
 }
 
+/// Counts moved by the Services a change touches decide as counts made over the new layer,
+/// change after change (here 300 of them, each a few Services added, removed, re-ported or
+/// flipped, in both families); and counts moved by the wrong Services do not.
+#[test]
+fn counts_moved_by_a_change_decide_as_counts_made_anew() {
+    let mut seed = 0x51ed_2701_u64;
+    let mut next = move |m: u64| {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (seed >> 33) % m
+    };
+    let vip = |i: u64| -> IpAddr {
+        if i % 3 == 0 {
+            std::net::Ipv6Addr::from(0xfd00_0010_0096_0000_0000_0000_0001_0000u128 + u128::from(i)).into()
+        } else {
+            std::net::Ipv4Addr::from(0x0a60_1000 + i as u32).into()
+        }
+    };
+    let next_ports = |v: IpAddr, next: &mut dyn FnMut(u64) -> u64| -> Vec<ServicePort> {
+        (0..1 + next(2))
+            .map(|_| ServicePort { vip: v, proto: Proto::Tcp, port: 80 + next(2) as u16, has_endpoints: next(4) != 0 })
+            .collect()
+    };
+    let mut ports: Vec<ServicePort> = (0..400).flat_map(|i| next_ports(vip(i), &mut next)).collect();
+    ports.sort();
+    let mut counts = ProfileCounts::of(&ports);
+    let touched_ports = |ports: &[ServicePort], touched: &[IpAddr]| -> Vec<ServicePort> {
+        ports.iter().filter(|p| touched.binary_search(&p.vip).is_ok()).copied().collect()
+    };
+    for round in 0..300 {
+        let mut touched: Vec<IpAddr> = (0..1 + next(4)).map(|_| vip(next(500))).collect();
+        touched.sort();
+        touched.dedup();
+        let gone = touched_ports(&ports, &touched);
+        let mut new: Vec<ServicePort> =
+            ports.iter().filter(|p| touched.binary_search(&p.vip).is_err()).copied().collect();
+        // Each touched VIP: removed (one in four), or given ports anew.
+        for &v in &touched {
+            if next(4) != 0 {
+                new.extend(next_ports(v, &mut next));
+            }
+        }
+        new.sort();
+        let came = touched_ports(&new, &touched);
+        counts = counts.moved(&gone, &came);
+        assert_eq!(counts.chains(), ProfileCounts::of(&new).chains(), "round {round}");
+        ports = new;
+    }
+    assert!(!counts.chains().is_empty(), "the rounds never gave a profile a chain: the test proves nothing");
+    // Control: counts moved by only half of what changed decide otherwise, somewhere.
+    let wrong = ProfileCounts::of(&ports);
+    let mut differed = false;
+    for _ in 0..200 {
+        let v = vip(next(400));
+        ports.retain(|p| p.vip != v);
+        differed |= wrong.chains() != ProfileCounts::of(&ports).chains();
+    }
+    assert!(differed, "counts that never took a removed Service out decided as the right ones");
+}
+
 /// One element per Service where profiles are shared; three where none is.
 #[test]
 fn the_layers_size_counts_one_element_per_service_where_profiles_are_shared() {
