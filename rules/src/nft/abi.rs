@@ -36,3 +36,15 @@ pub const DATA_VERDICT: u16 = 2;
 /// `NFTA_VERDICT_*`.
 pub const VERDICT_CODE: u16 = 1;
 pub const VERDICT_CHAIN: u16 = 2;
+
+/// `NFTA_OBJ_*`, `NFTA_COUNTER_*`: a named counter object.
+pub const OBJ_TABLE: u16 = 1;
+pub const OBJ_NAME: u16 = 2;
+pub const OBJ_TYPE: u16 = 3;
+pub const OBJ_DATA: u16 = 4;
+pub const COUNTER_BYTES: u16 = 1;
+pub const COUNTER_PACKETS: u16 = 2;
+
+/// Rule user data: a TLV list of (type u8, length u8, value); type 0 is the comment, a
+/// NUL-terminated string (libnftnl's layout, which `nft` reads).
+pub const UDATA_RULE_COMMENT: u8 = 0;

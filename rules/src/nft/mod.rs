@@ -497,9 +497,19 @@ pub(crate) fn remove(family: Family, name: &str) -> Result<bool> {
 }
 
 /// What the kernel will hold after `program(table)`, read from the very messages ADD sends.
+///
+/// A rule's view is taken from the typed expressions its bytes are written from (reading our
+/// own bytes back through the crate's attribute parsers was two fifths of a CHECK):
+/// `every_batch_parses_back_from_its_bytes_to_the_same_view` holds the two equal.
 pub fn expected_view(table: &Table) -> TableView {
     let b = render::table_batch(table, Existing::Refuse);
-    TableView::from_messages(&table.name, &b.built())
+    let (rules, others): (Vec<_>, Vec<_>) = b.messages.iter().map(|(p, _)| p).partition(|p| p.rule().is_some());
+    let others: Vec<NfTablesMessage> = others.into_iter().map(render::Part::message).collect();
+    let mut view = TableView::from_messages(&table.name, &others);
+    for r in rules.into_iter().filter_map(render::Part::rule) {
+        view.append_rule(r.chain().to_string(), r.view());
+    }
+    view
 }
 
 /// The flags of table `name` (e.g. dormant), or `None` when there is no such table.

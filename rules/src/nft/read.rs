@@ -12,7 +12,6 @@ use netlink_packet_netfilter::nftables::{
 
 use super::expr::{Expr, Exprs};
 use super::key::{set_flags, show_element, RawElement};
-use super::render::{parse_counter, rule_comment};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TableView {
@@ -91,10 +90,7 @@ impl TableView {
                 }
                 NfTablesMessage::NewRule(r) => {
                     if let Some((chain, rule)) = parse_rule(&r.attributes, table) {
-                        match view.chains.iter_mut().find(|c| c.name == chain) {
-                            Some(c) => c.rules.push(rule),
-                            None => view.chains.push(ChainView { name: chain, hook: None, rules: vec![rule] }),
-                        }
+                        view.append_rule(chain, rule);
                     }
                 }
                 NfTablesMessage::NewObject(attrs) => {
@@ -118,6 +114,14 @@ impl TableView {
             }
         }
         view
+    }
+
+    /// Appends `rule` to `chain` (a chain of that name, made if there is none yet).
+    pub(crate) fn append_rule(&mut self, chain: String, rule: RuleView) {
+        match self.chains.iter_mut().find(|c| c.name == chain) {
+            Some(c) => c.rules.push(rule),
+            None => self.chains.push(ChainView { name: chain, hook: None, rules: vec![rule] }),
+        }
     }
 }
 
@@ -161,6 +165,49 @@ fn parse_rule(attrs: &[RuleAttribute], table: &str) -> Option<(String, RuleView)
     }
     (t? == table).then_some(())?;
     Some((chain?, RuleView { exprs: Exprs(exprs), comment }))
+}
+
+/// A counter object's (name, (packets, bytes)) in `table`, from a NEWOBJ message.
+fn parse_counter(attrs: &[netlink_packet_core::DefaultNla], table: &str) -> Option<(String, (u64, u64))> {
+    use super::abi::{COUNTER_BYTES, COUNTER_PACKETS, OBJ_DATA, OBJ_NAME, OBJ_TABLE, OBJ_TYPE};
+    use super::expr::NFT_OBJECT_COUNTER;
+    use netlink_packet_core::{Nla, NLA_TYPE_MASK};
+    let value = |n: &netlink_packet_core::DefaultNla| {
+        let mut v = vec![0; n.value_len()];
+        n.emit_value(&mut v);
+        v
+    };
+    let find = |k: u16| attrs.iter().find(|n| n.kind() & NLA_TYPE_MASK == k).map(value);
+    let text = |v: Vec<u8>| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(&v)).into_owned();
+    if find(OBJ_TABLE).map(text)? != table || find(OBJ_TYPE)? != NFT_OBJECT_COUNTER.to_be_bytes() {
+        return None;
+    }
+    let name = find(OBJ_NAME).map(text)?;
+    let (mut packets, mut bytes) = (0, 0);
+    if let Some(data) = find(OBJ_DATA) {
+        for nla in NlasIterator::new(&data[..]).flatten() {
+            let v = u64::from_be_bytes(nla.value().try_into().unwrap_or([0; 8]));
+            match nla.kind() {
+                COUNTER_BYTES => bytes = v,
+                COUNTER_PACKETS => packets = v,
+                _ => {}
+            }
+        }
+    }
+    Some((name, (packets, bytes)))
+}
+
+/// The comment in a rule's user data, if any.
+fn rule_comment(mut udata: &[u8]) -> String {
+    while udata.len() >= 2 {
+        let (kind, len) = (udata[0], udata[1] as usize);
+        let Some(value) = udata.get(2..2 + len) else { break };
+        if kind == super::abi::UDATA_RULE_COMMENT {
+            return String::from_utf8_lossy(value.strip_suffix(&[0]).unwrap_or(value)).into_owned();
+        }
+        udata = &udata[2 + len..];
+    }
+    String::new()
 }
 
 fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {

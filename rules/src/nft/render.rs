@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use netlink_packet_core::{DefaultNla, Emitable, NetlinkSerializable, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_core::{Emitable, NetlinkSerializable, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, DataAttribute, Hook, HookNumber, InetHookNumber, ListAttribute, NfTablesMessage,
     SetAttribute, SetElementAttribute, SetElementFlags, SetElementList, SetElementMessage, SetFlags, SetMessage,
@@ -23,16 +23,7 @@ use crate::model;
 const ELEMENTS_PER_MESSAGE: usize = 256;
 /// The batch delimiters name the subsystem in `res_id`.
 use super::abi::NFNL_SUBSYS_NFTABLES;
-/// Rule user data: a TLV list of (type u8, length u8, value); type 0 is the comment, a
-/// NUL-terminated string (libnftnl's layout, which `nft` reads).
-const UDATA_RULE_COMMENT: u8 = 0;
-/// nf_tables.h: `NFTA_OBJ_*`, `NFTA_COUNTER_*`.
-const OBJ_TABLE: u16 = 1;
-const OBJ_NAME: u16 = 2;
-const OBJ_TYPE: u16 = 3;
-const OBJ_DATA: u16 = 4;
-const COUNTER_BYTES: u16 = 1;
-const COUNTER_PACKETS: u16 = 2;
+use super::abi::{COUNTER_BYTES, COUNTER_PACKETS, OBJ_DATA, OBJ_NAME, OBJ_TABLE, OBJ_TYPE, UDATA_RULE_COMMENT};
 
 /// The messages of one transaction, each with its netlink flags and what it is.
 #[derive(Default)]
@@ -87,6 +78,17 @@ impl Rule {
     }
 }
 
+impl Rule {
+    pub fn chain(&self) -> &str {
+        &self.chain
+    }
+
+    /// What a dump of this rule reads as (`read::RuleView`).
+    pub fn view(&self) -> super::read::RuleView {
+        super::read::RuleView { exprs: super::expr::Exprs(self.exprs.clone()), comment: self.comment.clone() }
+    }
+}
+
 /// Rule user data holding `comment`.
 fn comment_udata(out: &mut Vec<u8>, comment: &str) {
     let len = u8::try_from(comment.len() + 1).expect("comments are short constants");
@@ -96,6 +98,14 @@ fn comment_udata(out: &mut Vec<u8>, comment: &str) {
 }
 
 impl Part {
+    /// The rule, if this is one.
+    pub fn rule(&self) -> Option<&Rule> {
+        match self {
+            Part::Rule(r) => Some(r),
+            _ => None,
+        }
+    }
+
     /// The message, built (a rule: read back from the bytes the batch sends of it).
     pub fn message(&self) -> NfTablesMessage {
         match self {
@@ -167,11 +177,6 @@ impl Batch {
     /// The last message's object needs `features`.
     fn needing(&mut self, features: Vec<&'static Feature>) {
         *self.needs.last_mut().expect("a message") = features;
-    }
-
-    /// Every message, built (for reading the batch as the kernel will hold it).
-    pub fn built(&self) -> Vec<NfTablesMessage> {
-        self.messages.iter().map(|(p, _)| p.message()).collect()
     }
 
     /// The wire form: batch begin, the messages, batch end, numbered from `first_seq`
@@ -529,34 +534,6 @@ fn counter(table: &str, name: &str, (packets, bytes): (u64, u64)) -> NfTablesMes
     ])
 }
 
-/// A counter object's (name, (packets, bytes)) in `table`, from a NEWOBJ message.
-pub(crate) fn parse_counter(attrs: &[DefaultNla], table: &str) -> Option<(String, (u64, u64))> {
-    use netlink_packet_core::{Nla, NlasIterator, NLA_TYPE_MASK};
-    let value = |n: &DefaultNla| {
-        let mut v = vec![0; n.value_len()];
-        n.emit_value(&mut v);
-        v
-    };
-    let find = |k: u16| attrs.iter().find(|n| n.kind() & NLA_TYPE_MASK == k).map(value);
-    let text = |v: Vec<u8>| String::from_utf8_lossy(v.strip_suffix(&[0]).unwrap_or(&v)).into_owned();
-    if find(OBJ_TABLE).map(text)? != table || find(OBJ_TYPE)? != NFT_OBJECT_COUNTER.to_be_bytes() {
-        return None;
-    }
-    let name = find(OBJ_NAME).map(text)?;
-    let (mut packets, mut bytes) = (0, 0);
-    if let Some(data) = find(OBJ_DATA) {
-        for nla in NlasIterator::new(&data[..]).flatten() {
-            let v = u64::from_be_bytes(nla.value().try_into().unwrap_or([0; 8]));
-            match nla.kind() {
-                COUNTER_BYTES => bytes = v,
-                COUNTER_PACKETS => packets = v,
-                _ => {}
-            }
-        }
-    }
-    Some((name, (packets, bytes)))
-}
-
 fn set_message(table: &str, set: &model::Set, id: u32) -> NfTablesMessage {
     let mut attrs = vec![
         SetAttribute::Table(table.to_string()),
@@ -621,19 +598,6 @@ pub(crate) fn rule_exprs(r: &model::Rule, family: Family) -> Vec<Expr> {
 
 fn rule(family: Family, table: &str, chain: &str, r: &model::Rule, exprs: Vec<Expr>) -> Part {
     Part::Rule(Rule { family, table: table.to_string(), chain: chain.to_string(), exprs, comment: r.comment.clone() })
-}
-
-/// The comment in a rule's user data, if any.
-pub(crate) fn rule_comment(mut udata: &[u8]) -> String {
-    while udata.len() >= 2 {
-        let (kind, len) = (udata[0], udata[1] as usize);
-        let Some(value) = udata.get(2..2 + len) else { break };
-        if kind == UDATA_RULE_COMMENT {
-            return String::from_utf8_lossy(value.strip_suffix(&[0]).unwrap_or(value)).into_owned();
-        }
-        udata = &udata[2 + len..];
-    }
-    String::new()
 }
 
 #[cfg(test)]
