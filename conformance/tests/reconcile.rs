@@ -1192,9 +1192,12 @@ fn upgrade_from_the_previous_release_passes_check_and_is_migrated_keeping_connec
         0.0,
         "the previous release's Service layer was taken for drift"
     );
-    // The migration rebuilt it in this release's shape (a verdict map of VIPs).
+    // The migration rebuilt it in this release's shape (a data map of VIPs to profile numbers).
     let layer = in_netns(&netns, &["nft", "list", "table", "ip", "aether_services"]);
-    assert!(layer.contains("map service_vips"), "the migration left the earlier shape:\n{layer}");
+    assert!(
+        layer.contains("map service_vips") && layer.contains("map profile_chains"),
+        "the migration left the earlier shape:\n{layer}"
+    );
     let log = inst.stop();
     assert!(log.contains("migrated from capture ruleset 1"), "the migration's log line:\n{log}");
     assert!(!log.contains("drift"), "the migration was logged as drift:\n{log}");

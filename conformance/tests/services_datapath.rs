@@ -258,6 +258,18 @@ fn count_mode_counts_each_new_captured_connection_once_by_class_and_changes_no_p
     assert_eq!(c["generation"], 1);
     assert_eq!(node_totals(&c), now, "{c}");
 
+    // Control: the Service's profile number reaches `profile_chains` through the mark, and
+    // `by_key` sets capture's divert mark back first; without that rule the connection leaves
+    // the layer marked with its number (0), and capture's listener never gets it.
+    a.delete_rule_of("ip", "aether_services", "by_key", "meta mark set 0x0000ae71");
+    let unrestored = a.tcp(sa(VIP, 80));
+    control(
+        unrestored != capture(&a, "tcp", sa(VIP, 80)),
+        "by_key's divert mark set back deleted",
+        format!("{unrestored:?}\n{}", a.ruleset()),
+    );
+    now = pod_counts(&counters(&node), &a).unwrap();
+
     // Control: with the layer's jump to `classify` deleted, the same connection is not counted
     // (the counts above come from the layer's rules).
     a.delete_rule_of("ip", "aether_services", "egress_classify", "jump classify");

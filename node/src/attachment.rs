@@ -140,7 +140,8 @@ pub fn attach(
         aether_rules::install(&ruleset, fail_step).map(|()| aether_netns::current_cookie().ok())
     })??;
     let netns_id = NetnsIdentity::with_cookie(&netns, cookie);
-    let record = Record::new(target.network, target.container_id, target.ifname, netns_id, netns_path, pod, cfg.clone());
+    let record =
+        Record::new(target.network, target.container_id, target.ifname, netns_id, netns_path, pod, cfg.clone());
     let recorded = if fail.as_deref() == Some("record") {
         Err(AttachmentError::Injected("record".into()))
     } else {

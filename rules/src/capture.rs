@@ -326,7 +326,7 @@ fn capture_table(cfg: &CaptureConfig, family: Family, shape: &Shape) -> Table {
         elements: excluded_nets(cfg, family),
         comment: "destinations never captured nor DNATed".into(),
         timeout_secs: None,
-        goto_chains: Vec::new(),
+        data: SetData::None,
     };
     ports.sort();
     let excluded_ports = Set {
@@ -336,7 +336,7 @@ fn capture_table(cfg: &CaptureConfig, family: Family, shape: &Shape) -> Table {
         elements: merge_ports(ports).into_iter().map(Element::Ports).collect(),
         comment: "TCP destination ports never captured".into(),
         timeout_secs: None,
-        goto_chains: Vec::new(),
+        data: SetData::None,
     };
 
     let dns = cfg.dns_for(family);

@@ -74,9 +74,31 @@ pub struct Set {
     /// Elements added by the datapath (`update @set`) expire after this many seconds; such a
     /// set is `dynamic` and its contents are the kernel's, never compared.
     pub timeout_secs: Option<u32>,
-    /// Not empty: the set is a verdict map (`type <key> : verdict`), and each of its elements
-    /// (`Element::Goto`) goes to one of these chains, by index.
-    pub goto_chains: Vec<String>,
+    /// What the set maps its keys to: nothing (a plain set), a number, or a chain.
+    pub data: SetData,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum SetData {
+    /// A plain set: keys only.
+    #[default]
+    None,
+    /// A data map to a 32-bit number (`type <key> : mark`: nft's 32-bit type it prints as a
+    /// number; nothing to do with a packet's mark): its elements are `Element::Numbered`.
+    Number,
+    /// A verdict map (`type <key> : verdict`): each element (`Element::Goto`) goes to one of
+    /// these chains, by index.
+    Goto(Vec<String>),
+}
+
+impl SetData {
+    /// The chains of a verdict map (none for another set).
+    pub fn chains(&self) -> &[String] {
+        match self {
+            SetData::Goto(c) => c,
+            _ => &[],
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +112,8 @@ pub enum KeyType {
     ServiceKey6,
     /// `inet_proto`: a transport protocol.
     InetProto,
+    /// `mark`: a 32-bit number (a profile's number; its bytes: `nft::key::number_bytes`).
+    Mark,
 }
 
 /// nft's concatenated datatype: each component's type in 6 bits, first one highest.
@@ -116,6 +140,8 @@ impl KeyType {
             // TYPE_IP6ADDR . TYPE_INET_PROTOCOL . TYPE_INET_SERVICE
             KeyType::ServiceKey6 => concat_type(&[8, 12, 13]),
             KeyType::InetProto => 12,
+            // TYPE_MARK
+            KeyType::Mark => 19,
         }
     }
 
@@ -129,6 +155,7 @@ impl KeyType {
             // The address fills four registers, then protocol and port one each.
             KeyType::ServiceKey6 => 24,
             KeyType::InetProto => 1,
+            KeyType::Mark => 4,
         }
     }
 
@@ -156,6 +183,7 @@ impl KeyType {
             KeyType::ServiceKey => "ipv4_addr . inet_proto . inet_service",
             KeyType::ServiceKey6 => "ipv6_addr . inet_proto . inet_service",
             KeyType::InetProto => "inet_proto",
+            KeyType::Mark => "mark",
         }
     }
 }
@@ -175,9 +203,12 @@ pub enum Element {
     Service6(Ipv6Addr, Proto, u16),
     /// A transport protocol.
     Proto(Proto),
-    /// In a verdict map: an address (of the map's family) and the index in the map's
-    /// `goto_chains` of the chain it goes to (`10.96.1.1 : goto ports_0`).
-    Goto(IpAddr, u16),
+    /// In a data map to numbers: an address (of the map's family) and its number
+    /// (`10.96.1.1 : 0x00000001`).
+    Numbered(IpAddr, u32),
+    /// In a verdict map keyed by number: the number and the index in the map's chains
+    /// (`SetData::Goto`) of the chain it goes to (`0x00000001 : goto ports_tcp80`).
+    Goto(u32, u16),
 }
 
 /// An inclusive port range; a single port is `first == last`.
@@ -361,9 +392,19 @@ pub enum Action {
     CountAccept(String),
     /// `counter name "<counter>" jump <chain>`
     CountJump(String, String),
-    /// `ip daddr vmap @map` (`ip6 daddr` in an IPv6 table): the verdict map's verdict for the
-    /// destination; the next rule when the address is not in it.
-    DaddrVmap(String),
+    /// `meta mark set ip daddr map @map meta mark vmap @vmap` (`ip6 daddr` in an IPv6 table):
+    /// the destination's number in the data map `map`, looked up in the verdict map `vmap`;
+    /// the next rule when the address is not in `map` (the mark untouched), or its number not
+    /// in `vmap` (the mark holding the number). The number goes from one lookup to the next
+    /// through the packet's mark, not a register alone: Debian 12's nft (1.0.6) aborts
+    /// listing a lookup keyed by another lookup's result. So every chain `vmap` goes to
+    /// starts by setting the mark back (`SetMark`).
+    DaddrMapVmap {
+        map: String,
+        vmap: String,
+    },
+    /// `meta mark set <mark>`, then the next rule.
+    SetMark(u32),
     /// `update @set { ip daddr . meta l4proto . th dport }`, then the next rule.
     UpdateServiceKeySet(String),
     /// `reject with tcp reset`
@@ -421,7 +462,10 @@ impl fmt::Display for InFamily<'_, Action> {
             Action::Jump(c) => write!(f, "jump {c}"),
             Action::CountAccept(c) => write!(f, "counter name {c:?} accept"),
             Action::CountJump(c, chain) => write!(f, "counter name {c:?} jump {chain}"),
-            Action::DaddrVmap(map) => write!(f, "{ip} daddr vmap @{map}"),
+            Action::DaddrMapVmap { map, vmap } => {
+                write!(f, "meta mark set {ip} daddr map @{map} meta mark vmap @{vmap}")
+            }
+            Action::SetMark(m) => write!(f, "meta mark set {m:#010x}"),
             Action::UpdateServiceKeySet(s) => write!(f, "update @{s} {{ {ip} daddr . meta l4proto . th dport }}"),
             Action::RejectTcpReset => write!(f, "reject with tcp reset"),
             Action::RejectIcmpPortUnreachable if self.1 == Family::Ipv6 => {
@@ -458,7 +502,8 @@ impl fmt::Display for Element {
             Element::Service(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
             Element::Service6(a, p, port) => write!(f, "{a} . {} . {port}", p.name()),
             Element::Proto(p) => write!(f, "{}", p.name()),
-            Element::Goto(a, chain) => write!(f, "{a} : goto #{chain}"),
+            Element::Numbered(a, n) => write!(f, "{a} : {n:#010x}"),
+            Element::Goto(n, chain) => write!(f, "{n:#010x} : goto #{chain}"),
         }
     }
 }
@@ -478,13 +523,17 @@ impl fmt::Display for Table {
                 (false, Some(t)) => format!("; flags dynamic,timeout; timeout {t}s"),
                 (false, None) => String::new(),
             };
-            let data = if set.goto_chains.is_empty() { "" } else { " : verdict" };
+            let data = match set.data {
+                SetData::None => "",
+                SetData::Number => " : mark",
+                SetData::Goto(_) => " : verdict",
+            };
             writeln!(f, "\t\ttype {}{data}{flags}", set.key.name())?;
             let elems: Vec<String> = set
                 .elements
                 .iter()
                 .map(|e| match e {
-                    Element::Goto(a, i) => format!("{a} : goto {}", set.goto_chains[usize::from(*i)]),
+                    Element::Goto(n, i) => format!("{n:#010x} : goto {}", set.data.chains()[usize::from(*i)]),
                     e => e.to_string(),
                 })
                 .collect();

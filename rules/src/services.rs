@@ -34,13 +34,18 @@ pub const TABLE: &str = "aether_services";
 /// The layer's shape: raised whenever the same snapshot comes to be built differently in the
 /// kernel. A node's record of what a pod holds names the shape (`layer_file`'s digest mixes it
 /// in), so after an upgrade every pod holding an older shape is rebuilt once, counters
-/// carried over. 2: Services as one verdict map element each, to a profile chain.
-pub const SHAPE: u64 = 2;
+/// carried over. 2: Services as one verdict map element each, to a profile chain. 3: Services
+/// as one data map element each, to their profile's number, and a small verdict map from
+/// number to chain (adding a `goto` element makes the kernel validate every verdict map of
+/// the table: the large one now holds numbers).
+pub const SHAPE: u64 = 3;
 
 mod change;
 mod profile;
 pub use change::LayerChange;
-pub use profile::{chained_profiles, profile_chain, rechained_vips, service_profiles, Profile, ProfileCounts};
+pub use profile::{
+    chained_profiles, profile_chain, profile_number, rechained_vips, service_profiles, Profile, ProfileCounts,
+};
 pub const CHAIN_EGRESS: &str = "egress_classify";
 pub const CHAIN_CLASSIFY: &str = "classify";
 pub const CHAIN_REFUSE: &str = "refuse";
@@ -65,8 +70,12 @@ pub const SET_RANGES: &str = "service_ranges";
 pub const SET_MESH_VIPS: &str = "mesh_vips";
 pub const SET_SERVICE_PORTS: &str = "service_ports";
 pub const SET_EMPTY: &str = "empty_services";
-/// A verdict map: each Service VIP to `goto` its port profile's chain.
+/// A data map: each Service VIP to its port profile's number (0: `by_key`, i + 1: the i-th
+/// chained profile, in profile order).
 pub const SET_VIPS: &str = "service_vips";
+/// A verdict map: each profile number to `goto` its chain (at most `MAX_PROFILE_CHAINS` + 1
+/// elements).
+pub const SET_PROFILE_CHAINS: &str = "profile_chains";
 pub const SET_NEVER_REFUSED: &str = "never_refused";
 pub const SET_DIALLED: &str = "dialled";
 /// The protocols refused: TCP and UDP in `refuse` mode, none in `count` mode. The mode is
@@ -215,10 +224,11 @@ impl ServiceLayer {
             let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
             let services = service_profiles(self, family);
             let chained = self.chained_in(family, &services);
-            // One map element per VIP, and the ports of those without a profile chain.
+            // One map element per VIP, and the ports of those without a profile chain; a
+            // number per chain in the verdict map (`by_key`'s and each profile's).
             let keyed: usize =
                 services.iter().filter(|(_, p)| chained.binary_search(p).is_err()).map(|(_, p)| p.len()).sum();
-            n += ranges + mesh + never_refused + refusing + services.len() + keyed;
+            n += ranges + mesh + never_refused + refusing + services.len() + keyed + chained.len() + 1;
         }
         Ok(n)
     }
@@ -283,28 +293,26 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
         elements,
         comment: comment.into(),
         timeout_secs: None,
-        goto_chains: Vec::new(),
+        data: SetData::None,
     };
     let ours = |a: &IpAddr| Family::of(*a) == family;
     let addrs = |set: BTreeSet<IpAddr>| set.into_iter().filter(ours).map(addr_element).collect::<Vec<_>>();
     let services = service_profiles(layer, family);
     let chained = layer.chained_in(family, &services);
-    // The map's chains: the lookup by key first, then each chained profile's.
+    // The profile numbers' chains: the lookup by key (0) first, then each chained profile's.
     let mut goto_chains = vec![CHAIN_BY_KEY.to_string()];
     goto_chains.extend(chained.iter().map(profile_chain));
     let (mut vips, mut with_endpoints, mut without) = (Vec::new(), Vec::new(), Vec::new());
     for (vip, profile) in &services {
-        match chained.binary_search(profile) {
-            Ok(i) => vips.push(Element::Goto(*vip, (i + 1) as u16)),
-            Err(_) => {
-                vips.push(Element::Goto(*vip, 0));
-                for &(proto, port, ok) in profile {
-                    let e = service_element((*vip, proto, port));
-                    if ok {
-                        with_endpoints.push(e)
-                    } else {
-                        without.push(e)
-                    }
+        let number = profile::number_in(&chained, profile);
+        vips.push(Element::Numbered(*vip, number));
+        if number == 0 {
+            for &(proto, port, ok) in profile {
+                let e = service_element((*vip, proto, port));
+                if ok {
+                    with_endpoints.push(e)
+                } else {
+                    without.push(e)
                 }
             }
         }
@@ -313,8 +321,12 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
     let mut dialled =
         set(SET_DIALLED, service_key, false, Vec::new(), "VIP . proto . port dialled in the Service ranges (demand)");
     dialled.timeout_secs = Some(layer.dialled_timeout_secs);
-    let mut service_vips = set(SET_VIPS, addr_key, false, vips, "every Service VIP: goto its port profile's chain");
-    service_vips.goto_chains = goto_chains;
+    let mut service_vips = set(SET_VIPS, addr_key, false, vips, "every Service VIP: its port profile's number");
+    service_vips.data = SetData::Number;
+    let numbers = (0..goto_chains.len()).map(|i| Element::Goto(i as u32, i as u16)).collect();
+    let mut profile_chains =
+        set(SET_PROFILE_CHAINS, KeyType::Mark, false, numbers, "every port profile's number: goto its chain");
+    profile_chains.data = SetData::Goto(goto_chains);
     let sets = vec![
         set(SET_RANGES, addr_key, true, range_elements(&layer.ranges, family), "ServiceCIDRs and ClusterSetIPs"),
         set(SET_MESH_VIPS, addr_key, false, addrs(layer.mesh_vips.iter().copied().collect()), "VIPs of mesh Services"),
@@ -333,6 +345,7 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
             "ports without a usable endpoint of Services without a profile chain",
         ),
         service_vips,
+        profile_chains,
         set(
             SET_NEVER_REFUSED,
             addr_key,
@@ -355,6 +368,10 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
 
     let rule = |matches: Vec<Match>, action: Action, comment: &str| Rule { matches, action, comment: comment.into() };
     let refusal = |counter: &str| Action::CountJump(counter.into(), CHAIN_REFUSE.into());
+    // The profile's number reaches `profile_chains` through the mark (`Action::DaddrMapVmap`):
+    // each chain it goes to sets capture's divert mark back first.
+    let restore = Action::SetMark(layer.divert_mark);
+    const RESTORED: &str = "the divert mark back (classify carried the profile's number in it)";
     let egress = vec![rule(
         vec![Match::Mark(layer.divert_mark), Match::CtStateNew, Match::CtUnconfirmed],
         Action::Jump(CHAIN_CLASSIFY.into()),
@@ -383,10 +400,16 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
             Action::CountAccept("service".into()),
             "the API server Service is never refused, whatever the snapshot says",
         ),
-        rule(vec![], Action::DaddrVmap(SET_VIPS.into()), "a Service VIP: its port profile decides"),
+        rule(
+            vec![],
+            Action::DaddrMapVmap { map: SET_VIPS.into(), vmap: SET_PROFILE_CHAINS.into() },
+            "a Service VIP: its port profile decides",
+        ),
+        rule(vec![], restore.clone(), "the divert mark back, if a number with no chain was left in it"),
         rule(vec![], refusal("refused_no_service"), "in a Service range, and no Service owns the address"),
     ];
     let by_key = vec![
+        rule(vec![], restore.clone(), RESTORED),
         rule(
             vec![Match::ServiceKeyInSet(SET_SERVICE_PORTS.into())],
             Action::CountAccept("service".into()),
@@ -409,21 +432,15 @@ fn family_table(layer: &ServiceLayer, family: Family) -> Table {
         Chain { name: CHAIN_BY_KEY.into(), hook: None, rules: by_key },
     ];
     for profile in &chained {
-        let mut rules: Vec<Rule> = profile
-            .iter()
-            .map(|&(proto, port, ok)| match ok {
-                true => rule(
-                    vec![Match::Dport(proto, port)],
-                    Action::CountAccept("service".into()),
-                    "declared, with endpoints",
-                ),
-                false => rule(
-                    vec![Match::Dport(proto, port)],
-                    refusal("refused_no_endpoints"),
-                    "declared, no usable endpoint",
-                ),
-            })
-            .collect();
+        let mut rules = vec![rule(vec![], restore.clone(), RESTORED)];
+        rules.extend(profile.iter().map(|&(proto, port, ok)| match ok {
+            true => {
+                rule(vec![Match::Dport(proto, port)], Action::CountAccept("service".into()), "declared, with endpoints")
+            }
+            false => {
+                rule(vec![Match::Dport(proto, port)], refusal("refused_no_endpoints"), "declared, no usable endpoint")
+            }
+        }));
         rules.push(rule(vec![], refusal("refused_port_not_declared"), "a port the Service does not declare"));
         chains.push(Chain { name: profile_chain(profile), hook: None, rules });
     }
@@ -637,11 +654,16 @@ pub fn remove() -> Result<bool> {
 }
 
 /// The shape of the layer the current netns holds: `None` without one, 1 for the first shape
-/// (`service_vips` a plain set of VIPs), `SHAPE` for this one. Reads the tables' sets only.
+/// (`service_vips` a plain set of VIPs), 2 for the second (a verdict map), `SHAPE` for this
+/// one (a data map to numbers). Reads the tables' sets only.
 pub fn held_shape() -> Result<Option<u64>> {
     for family in Family::ALL {
-        if let Some(flags) = nft::set_flags(family, TABLE, SET_VIPS)? {
-            return Ok(Some(if flags & nft::key::set_flags::MAP != 0 { SHAPE } else { 1 }));
+        if let Some(vips) = nft::set_kind(family, TABLE, SET_VIPS)? {
+            return Ok(Some(match vips.data_type {
+                _ if vips.flags & nft::key::set_flags::MAP == 0 => 1,
+                nft::key::DATA_VERDICT => 2,
+                _ => SHAPE,
+            }));
         }
     }
     Ok(None)

@@ -172,7 +172,7 @@ fn interval_elements_are_half_open_and_stop_at_the_top_of_the_key_space() {
     cfg.excluded_cidrs = vec!["240.0.0.0/4".parse().unwrap()];
     let v = view(&cfg);
     let ports = &v.sets.iter().find(|s| s.name == "excluded_ports").unwrap().elements;
-    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, goto: None };
+    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, value: None, goto: None };
     let want: Vec<RawElement> = vec![
         raw(8080u16.to_be_bytes().to_vec(), false),
         raw(8081u16.to_be_bytes().to_vec(), true),
@@ -235,7 +235,7 @@ fn the_ipv6_half_lowers_to_ipv6_registers() {
     let nets = &v.sets.iter().find(|s| s.name == "excluded_nets").unwrap();
     assert_eq!((nets.key_type, nets.key_len), (8, 16));
     let ff: std::net::Ipv6Addr = "ff00::".parse().unwrap();
-    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, goto: None };
+    let raw = |key: Vec<u8>, end: bool| RawElement { key, end, value: None, goto: None };
     assert!(nets.elements.contains(&raw(ff.octets().to_vec(), false)));
     let loopback_end: std::net::Ipv6Addr = "::2".parse().unwrap();
     assert!(nets.elements.contains(&raw(loopback_end.octets().to_vec(), true)), "::1/128 ends at ::2");

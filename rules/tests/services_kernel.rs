@@ -162,6 +162,37 @@ fn tampering_is_reported() {
     let _ = Ipv4Addr::LOCALHOST;
 }
 
+/// The two maps changed behind our back: a Service's number changed (its VIP now leads to
+/// another profile's chain) and a number's chain taken out of the verdict map. Both are
+/// reported, each in its map's notation, and apply puts both back by elements.
+#[test]
+fn a_changed_number_and_a_missing_profile_chain_element_are_reported() {
+    if !root_or_skip("a_changed_number_and_a_missing_profile_chain_element_are_reported") {
+        return;
+    }
+    let ns = TestNetns::new("svc-tamper-map");
+    let l = chained(LayerMode::Refuse);
+    in_ns(&ns, || services::apply(&l)).unwrap();
+    assert_eq!(in_ns(&ns, || services::verify(&l)).unwrap(), Vec::<String>::new());
+    // Profiles in order: tcp80-noep (1), tcp80 with udp18082 (2), tcp443 (3).
+    let nft = |args: &[&str]| ns.exec("nft", args);
+    nft(&["delete", "element", "ip", services::TABLE, services::SET_VIPS, "{ 10.96.1.1 }"]);
+    nft(&["add", "element", "ip", services::TABLE, services::SET_VIPS, "{ 10.96.1.1 : 3 }"]);
+    nft(&["delete", "element", "ip", services::TABLE, services::SET_PROFILE_CHAINS, "{ 1 }"]);
+    let mut diffs = in_ns(&ns, || services::verify(&l)).unwrap();
+    diffs.sort();
+    assert_eq!(
+        diffs,
+        [
+            "set profile_chains: element 0x00000001 : goto ports_tcp80-noep is missing",
+            "set service_vips: element 10.96.1.1 : 0x00000002 is missing",
+            "set service_vips: unexpected element 10.96.1.1 : 0x00000003",
+        ]
+    );
+    assert_eq!(in_ns(&ns, || services::apply(&l)).unwrap(), Applied::Elements { added: 2, removed: 1 });
+    assert_eq!(in_ns(&ns, || services::verify(&l)).unwrap(), Vec::<String>::new());
+}
+
 /// A pod netns and a peer netns joined by a veth. The peer holds the Service VIPs and an
 /// external address on its `lo`, with TCP listeners on 53, 80, 443, 8080 and a UDP socket
 /// on 18082. In the pod, a stand-in for capture's divert decision marks TCP and UDP 18082

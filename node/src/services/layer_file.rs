@@ -95,7 +95,16 @@ pub struct StoredLayer {
 /// (`services::SHAPE`), so a pod whose file names the digest of an older shape (the content
 /// alone, before shapes) is rebuilt by the next apply.
 fn content_digest(content: &[u8]) -> u64 {
-    quick_digest(content) ^ aether_rules::services::SHAPE.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    shape_digest(content, aether_rules::services::SHAPE)
+}
+
+/// The digest a release building the layer's `shape` gave `content` (shape 1 had none: its
+/// digest was `quick_digest` alone).
+pub(crate) fn shape_digest(content: &[u8], shape: u64) -> u64 {
+    match shape {
+        1 => quick_digest(content),
+        _ => quick_digest(content) ^ shape.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    }
 }
 
 /// The digest `StoredLayer::source` holds for a document: `quick_digest`. Every apply

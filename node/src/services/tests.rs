@@ -454,9 +454,54 @@ const FIRST_SHAPE: &str = r#"table ip aether_services {
 }
 "#;
 
-/// An upgrade from a node that built the layer's first shape: the pod's netns holds those
-/// tables, counts and all, and its file names the digest of that time (the content's
-/// alone). The next apply rebuilds it into this shape with its counts, once. The control: a
+/// The tables a node of the layer's second shape built for `doc(1)` in count mode (as its
+/// golden file showed them), with counts: `service_vips` a verdict map, each Service an
+/// element to its profile's chain (here `by_key`, the one Service's profile being unshared).
+const SECOND_SHAPE: &str = r#"table ip aether_services {
+	counter mesh { packets 0 bytes 0 }
+	counter service { packets 5 bytes 300 }
+	counter external { packets 0 bytes 0 }
+	counter refused_no_endpoints { packets 0 bytes 0 }
+	counter refused_port_not_declared { packets 0 bytes 0 }
+	counter refused_no_service { packets 2 bytes 120 }
+	set service_ranges { type ipv4_addr; flags interval; elements = { 10.96.0.0/16 } }
+	set mesh_vips { type ipv4_addr; }
+	set service_ports { type ipv4_addr . inet_proto . inet_service; elements = { 10.96.1.1 . tcp . 1001 } }
+	set empty_services { type ipv4_addr . inet_proto . inet_service; }
+	set never_refused { type ipv4_addr; elements = { 10.96.0.1 } }
+	set dialled { type ipv4_addr . inet_proto . inet_service; size 65535; flags dynamic,timeout; timeout 1h; }
+	set refusing { type inet_proto; }
+	chain egress_classify {
+		type filter hook output priority mangle + 10; policy accept;
+		meta mark 0x0000ae71 ct state new ct status ! confirmed jump classify
+	}
+	chain by_key {
+		ip daddr . meta l4proto . th dport @service_ports counter name "service" accept
+		ip daddr . meta l4proto . th dport @empty_services counter name "refused_no_endpoints" jump refuse
+		counter name "refused_port_not_declared" jump refuse
+	}
+	chain refuse {
+		meta l4proto != @refusing accept
+		reject with tcp reset
+		reject
+	}
+	map service_vips { type ipv4_addr : verdict; elements = { 10.96.1.1 : goto by_key } }
+	chain classify {
+		udp dport 53 accept
+		tcp dport 53 accept
+		ip daddr @mesh_vips counter name "mesh" accept
+		ip daddr != @service_ranges counter name "external" accept
+		update @dialled { ip daddr . meta l4proto . th dport }
+		ip daddr @never_refused counter name "service" accept
+		ip daddr vmap @service_vips
+		counter name "refused_no_service" jump refuse
+	}
+}
+"#;
+
+/// An upgrade from a node that built an older shape of the layer (the first, or the second):
+/// the pod's netns holds those tables, counts and all, and its file names the digest of that
+/// time. The next apply rebuilds it into this shape with its counts, once. The control: a
 /// pod whose file names this shape's digest over the same old tables is sent just the
 /// change, and is left in the old shape (what a digest without the shape would do to all).
 #[test]
@@ -464,34 +509,42 @@ fn a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts() {
     if !root_or_skip("a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts") {
         return;
     }
-    let state = tmp("shape");
+    for (shape, tables) in [(1, FIRST_SHAPE), (2, SECOND_SHAPE)] {
+        older_shape_rebuilt_once(shape, tables);
+    }
+}
+
+fn older_shape_rebuilt_once(shape: u64, tables: &str) {
+    let state = tmp(&format!("shape{shape}"));
     let dir = ServicesDir::new(&state);
     apply_document(&dir, &doc(1)).unwrap();
     let stored = dir.stored_layer().unwrap().unwrap();
     let bytes = stored.encode();
-    let before_shapes = layer_file::quick_digest(&bytes[28..bytes.len() - 8]);
-    let (old, blind) = (TestNetns::new("svc-shape"), TestNetns::new("svc-blind"));
-    for (cid, ns, digest) in [("old", &old, before_shapes), ("blind", &blind, stored.digest)] {
+    let then = layer_file::shape_digest(&bytes[28..bytes.len() - 8], shape);
+    let (old, blind) = (TestNetns::new(&format!("svc-shape{shape}")), TestNetns::new(&format!("svc-blind{shape}")));
+    for (cid, ns, digest) in [("old", &old, then), ("blind", &blind, stored.digest)] {
         let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
-        fs::write(&path, FIRST_SHAPE).unwrap();
+        fs::write(&path, tables).unwrap();
         ns.exec("nft", &["-f", path.to_str().unwrap()]);
         let _ = fs::remove_file(&path);
         StateDir::new(&state).write(&rec(cid, &ns.path())).unwrap();
         let n = Netns::open_foreign(ns.path()).unwrap();
+        assert_eq!(n.run(layer::held_shape).unwrap().unwrap(), Some(shape), "the old tables read as their shape");
         dir.set_pod_holds(&n, &PodHolds { digest, ..PodHolds::new(&stored, &n, 0xae71) }).unwrap();
     }
     let result = |report: &ApplyReport, cid: &str| {
         report.pods.iter().find(|p| p.container_id == cid).unwrap().result.as_ref().unwrap().clone()
     };
     let report = apply_document(&dir, &doc(2)).unwrap();
-    assert_eq!(result(&report, "old"), layer::Applied::Rebuilt);
+    assert_eq!(result(&report, "old"), layer::Applied::Rebuilt, "shape {shape}");
     let two = dir.stored_layer().unwrap().unwrap().for_pod(0xae71);
     let in_old = Netns::open_foreign(old.path()).unwrap();
     assert_eq!(in_old.run(|| layer::verify(&two)).unwrap().unwrap(), Vec::<String>::new());
+    assert_eq!(in_old.run(layer::held_shape).unwrap().unwrap(), Some(layer::SHAPE));
     let counts = in_old.run(layer::counters).unwrap().unwrap().unwrap();
     assert_eq!((counts["service"], counts["refused_no_service"]), (5, 2), "counts carried over");
     // The control: the same old tables behind this shape's digest are taken as holding it.
-    assert!(matches!(result(&report, "blind"), layer::Applied::Elements { .. }));
+    assert!(matches!(result(&report, "blind"), layer::Applied::Elements { .. }), "shape {shape}");
     let in_blind = Netns::open_foreign(blind.path()).unwrap();
     assert!(!in_blind.run(|| layer::verify(&two)).unwrap().unwrap().is_empty(), "left in the old shape");
     // Once: the rebuilt pod is sent only the next change.

@@ -256,12 +256,19 @@ pub(crate) fn lower_action(a: &Action, family: Family) -> Vec<Expr> {
         Action::Jump(chain) => vec![jump(chain)],
         Action::CountAccept(c) => vec![counter(c), accept()],
         Action::CountJump(c, chain) => vec![counter(c), jump(chain)],
-        Action::DaddrVmap(map) => {
-            vec![
-                daddr(family, REG_1),
-                Expr::Lookup { set: map.clone(), sreg: REG_1, dreg: Some(REG_VERDICT), invert: false },
-            ]
-        }
+        // The number the data map gives the address, into the mark and loaded back as the
+        // verdict map's key: what nft itself makes of the rule (see the action).
+        Action::DaddrMapVmap { map, vmap } => vec![
+            daddr(family, REG_1),
+            Expr::Lookup { set: map.clone(), sreg: REG_1, dreg: Some(REG_1), invert: false },
+            Expr::MetaSet { key: libc::NFT_META_MARK as u32, sreg: REG_1 },
+            Expr::Meta { key: libc::NFT_META_MARK as u32, dreg: REG_1 },
+            Expr::Lookup { set: vmap.clone(), sreg: REG_1, dreg: Some(REG_VERDICT), invert: false },
+        ],
+        Action::SetMark(mark) => vec![
+            Expr::Immediate { dreg: REG_1, data: mark.to_ne_bytes().to_vec() },
+            Expr::MetaSet { key: libc::NFT_META_MARK as u32, sreg: REG_1 },
+        ],
         Action::UpdateServiceKeySet(set) => {
             let mut e = service_key(family);
             e.push(Expr::Dynset {

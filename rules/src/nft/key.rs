@@ -64,18 +64,33 @@ fn proto_name(p: u8) -> String {
 }
 
 /// One set element as the kernel holds it: its key bytes, whether it ends an interval (the
-/// key after a range's last), and in a verdict map the chain it goes to.
+/// key after a range's last), in a data map its number, and in a verdict map the chain it
+/// goes to.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RawElement {
     pub key: Vec<u8>,
     pub end: bool,
+    pub value: Option<u32>,
     pub goto: Option<String>,
 }
 
 impl RawElement {
     pub fn key(key: Vec<u8>) -> RawElement {
-        RawElement { key, end: false, goto: None }
+        RawElement { key, end: false, value: None, goto: None }
     }
+}
+
+/// A number as a `mark` key or data: 32 bits, big-endian. nft reads (and writes, for `nft
+/// add element`) a mark in a set that carries no byte-order note of its own, as ours do, as
+/// big-endian; the kernel only compares the bytes, and carries them from the data map to
+/// the verdict map's key unchanged (through the mark, which holds them swapped meanwhile).
+pub fn number_bytes(n: u32) -> [u8; 4] {
+    n.to_be_bytes()
+}
+
+/// `number_bytes` read back.
+pub fn number_of(bytes: [u8; 4]) -> u32 {
+    u32::from_be_bytes(bytes)
 }
 
 /// The key of one element of a set without intervals.
@@ -89,8 +104,9 @@ pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
         (KeyType::ServiceKey, Element::Service(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
         (KeyType::ServiceKey6, Element::Service6(a, proto, port)) => service_key((*a).into(), proto.number(), *port),
         (KeyType::InetProto, Element::Proto(p)) => vec![p.number()],
-        (KeyType::Ipv4Addr, Element::Goto(IpAddr::V4(a), _)) => a.octets().to_vec(),
-        (KeyType::Ipv6Addr, Element::Goto(IpAddr::V6(a), _)) => a.octets().to_vec(),
+        (KeyType::Ipv4Addr, Element::Numbered(IpAddr::V4(a), _)) => a.octets().to_vec(),
+        (KeyType::Ipv6Addr, Element::Numbered(IpAddr::V6(a), _)) => a.octets().to_vec(),
+        (KeyType::Mark, Element::Goto(n, _)) => number_bytes(*n).to_vec(),
         (k, e) => panic!("element {e} does not fit a set of type {} without intervals", k.name()),
     }
 }
@@ -98,7 +114,7 @@ pub(crate) fn plain_key(key: KeyType, e: &Element) -> Vec<u8> {
 /// Interval sets hold half-open ranges: the first key, then the key after the last with the
 /// interval-end flag (omitted when the range runs to the top of the key space).
 pub(crate) fn interval_keys(key: KeyType, e: &Element) -> Vec<RawElement> {
-    interval_bounds(key, e).into_iter().map(|(key, end)| RawElement { key, end, goto: None }).collect()
+    interval_bounds(key, e).into_iter().map(|(key, end)| RawElement { key, end, value: None, goto: None }).collect()
 }
 
 fn interval_bounds(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
@@ -131,7 +147,11 @@ fn interval_bounds(key: KeyType, e: &Element) -> Vec<(Vec<u8>, bool)> {
 /// The raw elements of a model set.
 pub(crate) fn element_keys(set: &crate::model::Set, elements: &[Element]) -> Vec<RawElement> {
     let goto = |e: &Element| match e {
-        Element::Goto(_, i) => Some(set.goto_chains[usize::from(*i)].clone()),
+        Element::Goto(_, i) => Some(set.data.chains()[usize::from(*i)].clone()),
+        _ => None,
+    };
+    let value = |e: &Element| match e {
+        Element::Numbered(_, n) => Some(*n),
         _ => None,
     };
     elements
@@ -140,17 +160,24 @@ pub(crate) fn element_keys(set: &crate::model::Set, elements: &[Element]) -> Vec
             if set.interval {
                 interval_keys(set.key, e)
             } else {
-                vec![RawElement { key: plain_key(set.key, e), end: false, goto: goto(e) }]
+                vec![RawElement { key: plain_key(set.key, e), end: false, value: value(e), goto: goto(e) }]
             }
         })
         .collect()
 }
 
-/// Prints a raw element the way a person reads it (`show_key`, and a map's ` : goto chain`).
-pub fn show_element(e: &RawElement) -> String {
-    match &e.goto {
-        Some(chain) => format!("{} : goto {chain}", show_key(&e.key, e.end)),
-        None => show_key(&e.key, e.end),
+/// Prints a raw element of a set of nft type `key_type` the way a person reads it
+/// (`show_key`; a `mark` key as a number), with a data map's ` : number` or a verdict map's
+/// ` : goto chain`.
+pub fn show_element(key_type: u32, e: &RawElement) -> String {
+    let key = match <[u8; 4]>::try_from(&e.key[..]) {
+        Ok(n) if key_type == KeyType::Mark.nft_type() => format!("{:#010x}", number_of(n)),
+        _ => show_key(&e.key, e.end),
+    };
+    match (&e.goto, e.value) {
+        (Some(chain), _) => format!("{key} : goto {chain}"),
+        (None, Some(n)) => format!("{key} : {n:#010x}"),
+        (None, None) => key,
     }
 }
 
@@ -185,11 +212,11 @@ pub mod set_flags {
     pub const TIMEOUT: u32 = 0x10;
     pub const EVAL: u32 = 0x20;
 
-    /// The flags of a model set: `interval`, `map` for a verdict map, or `dynamic,timeout`
-    /// for a set the datapath fills.
+    /// The flags of a model set: `interval`, `map` for a data or verdict map, or
+    /// `dynamic,timeout` for a set the datapath fills.
     pub fn of(set: &crate::model::Set) -> u32 {
         let mut flags = if set.interval { INTERVAL } else { 0 };
-        if !set.goto_chains.is_empty() {
+        if set.data != crate::model::SetData::None {
             flags |= MAP;
         }
         if set.timeout_secs.is_some() {

@@ -459,11 +459,11 @@ pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> 
     key::element_keys(set, elements)
 }
 
-/// The flags of the set `set` of `family`'s table `table` in the current netns (`None`: no
-/// such table or set). Dumps the table's sets only, not their elements.
-pub fn set_flags(family: Family, table: &str, set: &str) -> Result<Option<u32>> {
+/// The set `set` of `family`'s table `table` in the current netns, without its elements
+/// (its flags, key and data types; `None`: no such table or set). Dumps the table's sets only.
+pub fn set_kind(family: Family, table: &str, set: &str) -> Result<Option<read::SetView>> {
     let messages = dump(&mut open()?, family, set_request(table), table, "dump sets")?;
-    Ok(TableView::from_messages(table, &messages).sets.iter().find(|s| s.name == set).map(|s| s.flags))
+    Ok(TableView::from_messages(table, &messages).sets.into_iter().find(|s| s.name == set))
 }
 
 fn set_request(table: &str) -> NfTablesMessage {

@@ -44,8 +44,10 @@ pub struct SetView {
     pub flags: u32,
     pub key_type: u32,
     pub key_len: u32,
-    /// A map's data type (`NFT_DATA_VERDICT` for a verdict map; 0: a plain set).
+    /// A map's data type (`NFT_DATA_VERDICT` for a verdict map, nft's type number for a data
+    /// map; 0: a plain set) and its length (0 where the kernel reports none).
     pub data_type: u32,
+    pub data_len: u32,
     /// Default element timeout in milliseconds (0: none).
     pub timeout_ms: u64,
     pub elements: BTreeSet<RawElement>,
@@ -218,6 +220,7 @@ fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
         key_type: 0,
         key_len: 0,
         data_type: 0,
+        data_len: 0,
         timeout_ms: 0,
         elements: BTreeSet::new(),
     };
@@ -230,8 +233,14 @@ fn parse_set(attrs: &[SetAttribute], table: &str) -> Option<SetView> {
             SetAttribute::KeyLen(k) => v.key_len = *k,
             SetAttribute::Timeout(ms) => v.timeout_ms = *ms,
             SetAttribute::DataType(d) => v.data_type = *d,
+            SetAttribute::DataLen(d) => v.data_len = *d,
             _ => {}
         }
+    }
+    // A verdict's length is the kernel's own (its struct's size, which differs by
+    // architecture), not what we asked for: compared by data type alone.
+    if v.data_type == super::key::DATA_VERDICT {
+        v.data_len = 0;
     }
     (t? == table).then_some(v)
 }
@@ -257,6 +266,11 @@ pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(S
                             SetElementAttribute::Data(netlink_packet_netfilter::nftables::DataAttribute::Verdict(
                                 v,
                             )) => raw.goto = goto_chain(v),
+                            // A data map's number (any other length is not one of ours: kept
+                            // as no number, so it differs from what we expect).
+                            SetElementAttribute::Data(netlink_packet_netfilter::nftables::DataAttribute::Value(v)) => {
+                                raw.value = <[u8; 4]>::try_from(&v[..]).ok().map(super::key::number_of)
+                            }
                             _ => {}
                         }
                     }
@@ -401,6 +415,10 @@ pub(crate) fn fast_elements(bytes: &[u8]) -> Option<NfTablesMessage> {
                                 use netlink_packet_netfilter::nftables::{Verdict, VerdictAttribute};
                                 for d in NlasIterator::new(x.value()) {
                                     let d = d.ok()?;
+                                    if d.kind() & 0x3fff == DATA_VALUE {
+                                        elem.push(SetElementAttribute::Data(DataAttribute::Value(d.value().to_vec())));
+                                        continue;
+                                    }
                                     if d.kind() & 0x3fff != DATA_VERDICT {
                                         continue;
                                     }
@@ -467,10 +485,22 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
             out.push(format!("set {} is missing", e.name));
             continue;
         };
-        if (a.flags, a.key_type, a.key_len, a.data_type) != (e.flags, e.key_type, e.key_len, e.data_type) {
+        let kind = |s: &SetView| (s.flags, s.key_type, s.key_len, s.data_type, s.data_len);
+        if kind(a) != kind(e) {
             out.push(format!(
-                "set {}: flags/key type/key length/data type are {:#x}/{}/{}/{:#x}, expected {:#x}/{}/{}/{:#x}",
-                e.name, a.flags, a.key_type, a.key_len, a.data_type, e.flags, e.key_type, e.key_len, e.data_type
+                "set {}: flags/key type/key length/data type/data length are {:#x}/{}/{}/{:#x}/{}, \
+                 expected {:#x}/{}/{}/{:#x}/{}",
+                e.name,
+                a.flags,
+                a.key_type,
+                a.key_len,
+                a.data_type,
+                a.data_len,
+                e.flags,
+                e.key_type,
+                e.key_len,
+                e.data_type,
+                e.data_len
             ));
         }
         if a.timeout_ms != e.timeout_ms {
@@ -481,10 +511,10 @@ pub fn diff(expected: &TableView, actual: &TableView) -> Vec<String> {
             continue;
         }
         for k in e.elements.difference(&a.elements) {
-            out.push(format!("set {}: element {} is missing", e.name, show_element(k)));
+            out.push(format!("set {}: element {} is missing", e.name, show_element(e.key_type, k)));
         }
         for k in a.elements.difference(&e.elements) {
-            out.push(format!("set {}: unexpected element {}", e.name, show_element(k)));
+            out.push(format!("set {}: unexpected element {}", e.name, show_element(e.key_type, k)));
         }
     }
     for a in &actual.sets {

@@ -123,11 +123,13 @@ impl Part {
 }
 
 /// Raw set elements, the keys back to back (a set's keys are all as long: its key type's
-/// length), a verdict map's chains named once each.
+/// length), a data map's numbers, a verdict map's chains named once each.
 pub(crate) struct PackedKeys {
     key_len: usize,
     bytes: Vec<u8>,
     ends: Vec<bool>,
+    /// Per element, its number (a data map's elements).
+    values: Vec<Option<u32>>,
     /// Per element, its chain's index in `chains` (a verdict map's elements).
     gotos: Vec<Option<u16>>,
     chains: Vec<String>,
@@ -150,14 +152,21 @@ impl PackedKeys {
                 }
             }));
         }
-        PackedKeys { key_len, bytes, ends: keys.iter().map(|e| e.end).collect(), gotos, chains }
+        let values = keys.iter().map(|e| e.value).collect();
+        PackedKeys { key_len, bytes, ends: keys.iter().map(|e| e.end).collect(), values, gotos, chains }
     }
 
     fn unpack(&self) -> Vec<RawElement> {
         let keys = self.bytes.chunks(self.key_len.max(1)).map(<[u8]>::to_vec);
         keys.zip(self.ends.iter().copied())
+            .zip(&self.values)
             .zip(&self.gotos)
-            .map(|((key, end), goto)| RawElement { key, end, goto: goto.map(|i| self.chains[usize::from(i)].clone()) })
+            .map(|(((key, end), value), goto)| RawElement {
+                key,
+                end,
+                value: *value,
+                goto: goto.map(|i| self.chains[usize::from(i)].clone()),
+            })
             .collect()
     }
 }
@@ -262,6 +271,11 @@ fn encode_elements(
                     if keys.ends[i] {
                         nla(o, ELEM_FLAGS, |o| {
                             o.extend_from_slice(&(libc::NFT_SET_ELEM_INTERVAL_END as u32).to_be_bytes())
+                        });
+                    }
+                    if let Some(n) = keys.values[i] {
+                        nla(o, ELEM_DATA | NESTED, |o| {
+                            nla(o, DATA_VALUE, |o| o.extend_from_slice(&key::number_bytes(n)))
                         });
                     }
                     if let Some(chain) = keys.gotos[i] {
@@ -402,7 +416,8 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
         }
     };
     // A verdict map's elements name chains, so they go after the chains.
-    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| s.goto_chains.is_empty()) {
+    let verdicts = |s: &model::Set| matches!(s.data, model::SetData::Goto(_));
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| !verdicts(s)) {
         add_elements(b, set, *id);
     }
     for c in &table.chains {
@@ -414,7 +429,7 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
         );
         b.needing(features::of_chain(c));
     }
-    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| !s.goto_chains.is_empty()) {
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| verdicts(s)) {
         add_elements(b, set, *id);
     }
     for c in &table.chains {
@@ -546,13 +561,19 @@ fn set_message(table: &str, set: &model::Set, id: u32) -> NfTablesMessage {
     if let Some(t) = set.timeout_secs {
         attrs.push(SetAttribute::Timeout(u64::from(t) * 1000));
     }
-    if !set.goto_chains.is_empty() {
-        attrs.push(SetAttribute::DataType(key::DATA_VERDICT));
+    match set.data {
+        model::SetData::None => {}
+        model::SetData::Number => {
+            attrs.push(SetAttribute::DataType(model::KeyType::Mark.nft_type()));
+            attrs.push(SetAttribute::DataLen(model::KeyType::Mark.byte_len()));
+        }
+        model::SetData::Goto(_) => attrs.push(SetAttribute::DataType(key::DATA_VERDICT)),
     }
     NfTablesMessage::NewSet(SetMessage { attributes: attrs })
 }
 
-/// A NEWSETELEM or DELSETELEM message; `with_data`: a map's elements carry their verdicts.
+/// A NEWSETELEM or DELSETELEM message; `with_data`: a map's elements carry their numbers or
+/// verdicts.
 fn elements(table: &str, set: &str, set_id: Option<u32>, keys: &[RawElement], with_data: bool) -> SetElementMessage {
     let mut attrs = vec![SetElementList::Table(table.to_string()), SetElementList::Set(set.to_string())];
     attrs.extend(set_id.map(SetElementList::SetId));
@@ -562,6 +583,9 @@ fn elements(table: &str, set: &str, set_id: Option<u32>, keys: &[RawElement], wi
             let mut e = vec![SetElementAttribute::Key(DataAttribute::Value(k.key.clone()))];
             if k.end {
                 e.push(SetElementAttribute::Flags(SetElementFlags::IntervalEnd));
+            }
+            if let Some(n) = k.value.filter(|_| with_data) {
+                e.push(SetElementAttribute::Data(DataAttribute::Value(key::number_bytes(n).to_vec())));
             }
             if let Some(chain) = k.goto.as_ref().filter(|_| with_data) {
                 e.push(SetElementAttribute::Data(DataAttribute::Verdict(vec![
@@ -702,37 +726,49 @@ mod tests {
     }
 
     /// The direct encoder writes what the generic one writes of the same elements: keys
-    /// that need padding and keys that do not, interval ends, verdicts to several chains,
-    /// with and without a set ID, both families, none at all.
+    /// that need padding and keys that do not, interval ends, a data map's numbers, verdicts
+    /// to several chains, with and without a set ID, both families, none at all.
     #[test]
     fn elements_encoded_directly_are_the_generic_encoders_bytes() {
-        let element = |i: usize, len: usize, end: bool, goto: Option<&str>| RawElement {
+        let element = |i: usize, len: usize, end: bool, value: Option<u32>, goto: Option<&str>| RawElement {
             key: (0..len).map(|b| (b ^ i) as u8).collect(),
             end,
+            value,
             goto: goto.map(String::from),
         };
         let chains = ["ports_tcp80", "ports_tcp80_tcp8081-noep", "by_key"];
         let cases: Vec<Vec<RawElement>> = vec![
-            (0..256).map(|i| element(i, 4, false, None)).collect(),
-            (0..40).map(|i| element(i, 13, i % 2 == 1, None)).collect(),
-            (0..50).map(|i| element(i, 12, false, Some(chains[i % 3]))).collect(),
-            (0..7).map(|i| element(i, 20, false, Some("c"))).collect(),
+            (0..256).map(|i| element(i, 4, false, None, None)).collect(),
+            (0..40).map(|i| element(i, 13, i % 2 == 1, None, None)).collect(),
+            (0..50).map(|i| element(i, 12, false, None, Some(chains[i % 3]))).collect(),
+            (0..7).map(|i| element(i, 20, false, None, Some("c"))).collect(),
+            (0..256).map(|i| element(i, 4, false, Some((i % 5) as u32), None)).collect(),
+            (0..30).map(|i| element(i, 16, false, Some(u32::MAX - i as u32), None)).collect(),
             vec![],
         ];
+        let (table, set) = ("aether_services", "service_vips");
+        let both = |keys: &[RawElement], family, set_id| {
+            let part = Part::Elements { table: table.into(), set: set.into(), set_id, keys: PackedKeys::pack(keys) };
+            let generic = crate::netlink::encode(message(family, part.message()), NLM_F_CREATE, 42);
+            let Part::Elements { keys, .. } = &part else { unreachable!() };
+            let mut direct = vec![1, 2, 3, 4];
+            encode_elements(&mut direct, family, table, set, set_id, keys, NLM_F_CREATE, 42);
+            assert_eq!(&direct[..4], &[1, 2, 3, 4], "what was in the buffer before is kept");
+            (direct[4..].to_vec(), generic)
+        };
         for keys in &cases {
             for family in [Family::Ipv4, Family::Ipv6] {
                 for set_id in [None, Some(7)] {
-                    let keys = PackedKeys::pack(keys);
-                    let (table, set) = ("aether_services", "service_vips");
-                    let part = Part::Elements { table: table.into(), set: set.into(), set_id, keys };
-                    let generic = crate::netlink::encode(message(family, part.message()), NLM_F_CREATE, 42);
-                    let Part::Elements { keys, .. } = &part else { unreachable!() };
-                    let mut direct = vec![1, 2, 3, 4];
-                    encode_elements(&mut direct, family, table, set, set_id, keys, NLM_F_CREATE, 42);
-                    assert_eq!(&direct[..4], &[1, 2, 3, 4], "what was in the buffer before is kept");
-                    assert_eq!(direct[4..], generic[..], "{family:?}, set id {set_id:?}, {} elements", keys.ends.len());
+                    let (direct, generic) = both(keys, family, set_id);
+                    assert_eq!(direct, generic, "{family:?}, set id {set_id:?}, {} elements", keys.len());
                 }
             }
         }
+        // The control: one element's number changed on one side only is seen.
+        let mut other = cases[4].clone();
+        other[100].value = Some(99);
+        let (direct, _) = both(&cases[4], Family::Ipv4, None);
+        let (_, generic) = both(&other, Family::Ipv4, None);
+        assert_ne!(direct, generic, "a changed number changes the bytes");
     }
 }

@@ -5,7 +5,7 @@
 use super::{services_tables, Applied, ServiceLayer, CHAIN_BY_KEY, PROFILE_CHAIN_PREFIX, TABLE};
 use crate::error::Result;
 use crate::family::Family;
-use crate::model::{Chain, Element, Table};
+use crate::model::{Chain, Element, SetData, Table};
 use crate::nft;
 
 /// Whether a chain of the layer is a profile chain (which a change may add or remove).
@@ -36,7 +36,9 @@ impl LayerChange {
             let mut t = t.clone();
             t.sets.iter_mut().for_each(|s| {
                 s.elements.clear();
-                s.goto_chains.clear();
+                if let SetData::Goto(chains) = &mut s.data {
+                    chains.clear();
+                }
             });
             t.chains.retain(|c| !is_profile_chain(c));
             t
@@ -59,9 +61,9 @@ impl LayerChange {
             };
             let changes = &mut change.elements;
             for (o, n) in old.sets.iter().zip(&new.sets) {
-                // A map's elements compare by address and chain name (their chain indices
-                // are of each layer's own list).
-                if o.timeout_secs.is_some() || (o.elements == n.elements && o.goto_chains == n.goto_chains) {
+                // A verdict map's elements compare by number and chain name (their chain
+                // indices are of each layer's own list); a data map's by address and number.
+                if o.timeout_secs.is_some() || (o.elements == n.elements && o.data == n.data) {
                     continue;
                 }
                 if o.interval {
@@ -70,7 +72,7 @@ impl LayerChange {
                 // Both sorted and without duplicates (built from ordered sets).
                 let (delete, add) = sorted_difference(&o.elements, &n.elements, |a, b| match (a, b) {
                     (Element::Goto(x, i), Element::Goto(y, j)) => {
-                        x.cmp(y).then_with(|| o.goto_chains[usize::from(*i)].cmp(&n.goto_chains[usize::from(*j)]))
+                        x.cmp(y).then_with(|| o.data.chains()[usize::from(*i)].cmp(&n.data.chains()[usize::from(*j)]))
                     }
                     _ => a.cmp(b),
                 });

@@ -162,18 +162,30 @@ impl ProfileCounts {
     }
 }
 
-/// The Service VIPs of `layers` whose profile has a chain in one of two decisions and not in
-/// the other (none when they are equal): their map elements change with the decision.
+/// The number a Service of `profile` has in `family`'s table under the decision `chained`: 0
+/// (`by_key`) without a chain, i + 1 for the i-th chained profile (in profile order).
+pub fn profile_number(chained: &ProfileChains, family: Family, profile: &Profile) -> u32 {
+    chained.get(&family).map_or(0, |c| number_in(c, profile))
+}
+
+/// The number of a Service of `profile` when `chained` (sorted) get chains.
+pub(super) fn number_in(chained: &[Profile], profile: &Profile) -> u32 {
+    chained.binary_search(profile).map_or(0, |i| i as u32 + 1)
+}
+
+/// The Service VIPs of `layers` whose profile's number differs between two decisions (none
+/// when they are equal): their map elements change with the decision. A profile that gains
+/// or loses its chain moves its own Services, and renumbers those of the profiles after it.
 pub fn rechained_vips(layers: [&ServiceLayer; 2], a: &ProfileChains, b: &ProfileChains) -> Vec<IpAddr> {
     if a == b {
         return Vec::new();
     }
-    let chained = |c: &ProfileChains, f, p: &Profile| c.get(&f).is_some_and(|v| v.binary_search(p).is_ok());
     let mut out = Vec::new();
     for l in layers {
         for f in Family::ALL {
-            let flipped = service_profiles(l, f).into_iter().filter(|(_, p)| chained(a, f, p) != chained(b, f, p));
-            out.extend(flipped.map(|(vip, _)| vip));
+            let renumbered =
+                service_profiles(l, f).into_iter().filter(|(_, p)| profile_number(a, f, p) != profile_number(b, f, p));
+            out.extend(renumbered.map(|(vip, _)| vip));
         }
     }
     out

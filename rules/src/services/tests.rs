@@ -90,18 +90,26 @@ fn copies(l: &ServiceLayer, n: u32) -> ServiceLayer {
     out
 }
 
-/// Each Service VIP is one element of the verdict map: to its profile's chain when
-/// `MIN_SERVICES_PER_PROFILE` Services share it, else to `by_key`, its ports then in the
-/// keyed sets. A profile chain has a rule per port, then "not declared".
+/// Each Service VIP is one element of the data map, to its profile's number, which the
+/// small verdict map sends to the profile's chain when `MIN_SERVICES_PER_PROFILE` Services
+/// share it, else (0) to `by_key`, its ports then in the keyed sets. A profile chain has a
+/// rule per port, then "not declared".
 #[test]
 fn a_service_is_one_map_element_to_its_profiles_chain() {
     let map_of = |t: &Table| {
         let map = t.sets.iter().find(|s| s.name == SET_VIPS).unwrap().clone();
+        let chains = t.sets.iter().find(|s| s.name == SET_PROFILE_CHAINS).unwrap().clone();
+        assert_eq!((&map.data, chains.key), (&SetData::Number, KeyType::Mark));
+        let chain_of = |n: u32| match chains.elements.iter().find(|e| matches!(e, Element::Goto(k, _) if *k == n)) {
+            Some(Element::Goto(_, i)) => chains.data.chains()[usize::from(*i)].clone(),
+            e => panic!("number {n} in the verdict map: {e:?}"),
+        };
+        assert_eq!(chains.elements.len(), chains.data.chains().len(), "a number per chain, no more");
         map.elements
             .iter()
             .map(|e| match e {
-                Element::Goto(a, i) => (a.to_string(), map.goto_chains[usize::from(*i)].clone()),
-                e => panic!("{e} in a verdict map"),
+                Element::Numbered(a, n) => (a.to_string(), chain_of(*n)),
+                e => panic!("{e} in the data map"),
             })
             .collect::<BTreeMap<String, String>>()
     };
@@ -117,9 +125,10 @@ fn a_service_is_one_map_element_to_its_profiles_chain() {
     assert_eq!(map.len(), 2 * MIN_SERVICES_PER_PROFILE);
     assert_eq!(keyed(&t), 0);
     let chain = t.chains.iter().find(|c| c.name == "ports_tcp80-noep").unwrap();
-    assert_eq!(chain.rules[0].matches, [Match::Dport(Proto::Tcp, 80)]);
-    assert_eq!(chain.rules[0].action, Action::CountJump("refused_no_endpoints".into(), CHAIN_REFUSE.into()));
-    assert_eq!(chain.rules[1].action, Action::CountJump("refused_port_not_declared".into(), CHAIN_REFUSE.into()));
+    assert_eq!(chain.rules[0].action, Action::SetMark(crate::capture::DIVERT_MARK), "the mark set back first");
+    assert_eq!(chain.rules[1].matches, [Match::Dport(Proto::Tcp, 80)]);
+    assert_eq!(chain.rules[1].action, Action::CountJump("refused_no_endpoints".into(), CHAIN_REFUSE.into()));
+    assert_eq!(chain.rules[2].action, Action::CountJump("refused_port_not_declared".into(), CHAIN_REFUSE.into()));
 }
 
 /// `profile_chains` (the count over sorted ports a node makes on every change) decides as
@@ -223,8 +232,9 @@ fn counts_moved_by_a_change_decide_as_counts_made_anew() {
 fn the_layers_size_counts_one_element_per_service_where_profiles_are_shared() {
     let fixed = ServiceLayer { ports: Vec::new(), ..layer() }.size().unwrap();
     let shared = copies(&layer(), 100).size().unwrap();
-    // layer(): 10.96.1.1 (two ports) and 10.96.1.2, each now shared by 100 Services.
-    assert_eq!(shared.elements, fixed.elements + 200);
+    // layer(): 10.96.1.1 (two ports) and 10.96.1.2, each now shared by 100 Services; and
+    // the two profiles' numbers in the verdict map.
+    assert_eq!(shared.elements, fixed.elements + 200 + 2);
     assert_eq!(shared.chains, fixed.chains + 2);
     let mut unshared = ServiceLayer { ports: Vec::new(), ..layer() };
     for i in 0..100u32 {
@@ -241,8 +251,8 @@ fn the_layers_size_counts_one_element_per_service_where_profiles_are_shared() {
 }
 
 /// A profile that comes to be shared by `MIN_SERVICES_PER_PROFILE` Services gets its
-/// chain by a change (no rebuild): the chain added, its Services' map elements pointed
-/// at it, their keyed ports removed; and back.
+/// chain by a change (no rebuild): the chain added with its number in the verdict map, its
+/// Services' map elements given that number, their keyed ports removed; and back.
 #[test]
 fn a_profile_chain_comes_and_goes_by_a_change() {
     let mut one = ServiceLayer { ports: Vec::new(), ..layer() };
@@ -257,12 +267,12 @@ fn a_profile_chain_comes_and_goes_by_a_change() {
     let n = MIN_SERVICES_PER_PROFILE;
     let up = LayerChange::between(&below, &at).unwrap().expect("a change, not a rebuild");
     assert_eq!(up.changes[0].1.add_chains.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["ports_tcp443"]);
-    // n map elements added (n - 1 of them again, to the new chain), n - 1 deleted and
-    // n - 1 keyed ports deleted.
-    assert_eq!((up.added(), up.removed()), (n, 2 * (n - 1)));
+    // n map elements added (n - 1 of them again, with the new number) and the number's
+    // chain, n - 1 deleted and n - 1 keyed ports deleted.
+    assert_eq!((up.added(), up.removed()), (n + 1, 2 * (n - 1)));
     let down = LayerChange::between(&at, &below).unwrap().unwrap();
     assert_eq!(down.changes[0].1.delete_chains, ["ports_tcp443"]);
-    assert_eq!((down.added(), down.removed()), (2 * (n - 1), n));
+    assert_eq!((down.added(), down.removed()), (2 * (n - 1), n + 1));
 }
 
 #[test]
@@ -303,9 +313,10 @@ fn each_family_with_ranges_gets_its_table_with_its_own_elements() {
     assert_eq!(elements(v6, SET_MESH_VIPS), ["fd00:10:96::5:5"]);
     assert_eq!(elements(v6, SET_SERVICE_PORTS), ["fd00:10:96::1:1 . tcp . 80"]);
     assert_eq!(elements(v6, SET_EMPTY), ["fd00:10:96::1:2 . udp . 53"]);
-    assert_eq!(elements(v6, SET_VIPS), ["fd00:10:96::1:1 : goto #0", "fd00:10:96::1:2 : goto #0"]);
-    let map = v6.sets.iter().find(|s| s.name == SET_VIPS).unwrap();
-    assert_eq!(map.goto_chains, [CHAIN_BY_KEY]);
+    assert_eq!(elements(v6, SET_VIPS), ["fd00:10:96::1:1 : 0x00000000", "fd00:10:96::1:2 : 0x00000000"]);
+    assert_eq!(elements(v6, SET_PROFILE_CHAINS), ["0x00000000 : goto #0"]);
+    let map = v6.sets.iter().find(|s| s.name == SET_PROFILE_CHAINS).unwrap();
+    assert_eq!(map.data.chains(), [CHAIN_BY_KEY]);
     assert_eq!(elements(v6, SET_NEVER_REFUSED), ["fd00:10:96::1", "fd00:200::7"]);
     assert_eq!(elements(v6, SET_REFUSING), ["tcp", "udp"]);
     let key = |t: &Table, set: &str| t.sets.iter().find(|s| s.name == set).unwrap().key;
