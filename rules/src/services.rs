@@ -584,6 +584,11 @@ impl Prepared {
         Ok(Some(Prepared { tables, create }))
     }
 
+    /// The transaction that creates the layer's tables where there is none.
+    pub fn create(&self) -> &nft::Encoded {
+        &self.create
+    }
+
     /// `rebuild` in the current netns: the encoded transaction where there is no layer yet,
     /// otherwise the tables replaced with their counters carried over.
     pub fn rebuild(&self) -> Result<Applied> {

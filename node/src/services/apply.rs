@@ -10,8 +10,8 @@ use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied};
 use serde_json::Value;
 
-use super::engine::{self, PodHolds};
-use super::{change, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use super::engine::{self, netns_key, PodHolds};
+use super::{change, encoded, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
@@ -412,6 +412,26 @@ pub fn apply_current_snapshot_in_netns(
     if dir.divert_mark() != divert_mark {
         dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes())?;
     }
+    // The transaction the last ADD of this layer and mark sent, kept (`encoded`): sent as
+    // it is, without reading `layer.bin` or building the layer.
+    let key = encoded::Key::now(&dir, divert_mark);
+    if let Some(c) = key.as_ref().and_then(|k| encoded::read(&dir, k)) {
+        dir.forget_pod(netns.path());
+        let (generation, digest, seq_count) = (c.generation, c.digest, c.seq_count);
+        let mut bytes = Some(c.bytes.into_owned());
+        match flat(netns.run(|| aether_rules::nft::send_bytes(bytes.take().unwrap_or_default(), seq_count))) {
+            Ok(()) => {
+                let held = PodHolds::for_key_of(generation, digest, netns_key(netns), divert_mark);
+                if let Err(e) = dir.set_pod_holds(netns, &held) {
+                    tracing::warn!("{e}");
+                }
+                return Ok(Some(generation));
+            }
+            // A layer there already (made by an apply since the record was written), or
+            // anything else: the layer is built, which replaces it or names what is refused.
+            Err(e) => tracing::debug!("the kept transaction of the Service layer was not taken ({e}): built"),
+        }
+    }
     // A stored layer that cannot be read must not keep pods from starting: the pod starts
     // without the layer (fail open, as before any snapshot), and the agent's next apply, which
     // replaces the damaged file, reaches it through its record.
@@ -429,7 +449,19 @@ pub fn apply_current_snapshot_in_netns(
     // The file goes first: killed after the rebuild, a file naming an older layer would be
     // trusted by the next apply (one sending that older content again would leave the pod).
     dir.forget_pod(netns.path());
-    flat(netns.run(|| layer::rebuild(&l)))?;
+    let prepared = layer::Prepared::new(&l).map_err(PodError::Kernel)?;
+    drop(l);
+    // Encoded once: the bytes the pod is sent are the ones kept for the next pod.
+    let kept = prepared.as_ref().filter(|_| key.is_some()).map(|p| p.create().bytes_at_zero());
+    match &prepared {
+        Some(p) => flat(netns.run(|| p.rebuild()))?,
+        None => flat(netns.run(|| layer::remove().map(Applied::Removed)))?,
+    };
+    if let (Some((bytes, seq_count)), Some(key)) = (kept, &key) {
+        let c =
+            encoded::Cached { generation: stored.generation, digest: stored.digest, seq_count, bytes: bytes.into() };
+        encoded::write(&dir, key, &c);
+    }
     if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
         // Costs the pod a rebuild at the next apply instead of a change; nothing more.
         tracing::warn!("{e}");

@@ -41,7 +41,12 @@ impl PodHolds {
 
     /// `new` for the netns whose `netns_key` is `netns`.
     pub(super) fn for_key(stored: &StoredLayer, netns: String, divert_mark: u32) -> Self {
-        PodHolds { generation: stored.generation, digest: stored.digest, netns, divert_mark, applied_run: None }
+        PodHolds::for_key_of(stored.generation, stored.digest, netns, divert_mark)
+    }
+
+    /// `for_key` of the stored layer of `generation` and `digest`.
+    pub(super) fn for_key_of(generation: u64, digest: u64, netns: String, divert_mark: u32) -> Self {
+        PodHolds { generation, digest, netns, divert_mark, applied_run: None }
     }
 
     pub(super) fn parse(text: &str) -> Option<Self> {

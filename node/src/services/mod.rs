@@ -20,6 +20,9 @@
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
+//! - `encoded-<mark>`: the transaction the first ADD of the stored layer sent for that divert
+//!   mark, which the next ADDs send as it is (`encoded`: valid only for the very `layer.bin`
+//!   and binary that wrote it);
 //! - `lock`: `services apply` holds it exclusively while it stores the snapshot and applies
 //!   it to every recorded pod; ADD holds it shared while it applies the stored snapshot to
 //!   its pod. ADD must call `apply_current_snapshot_in_netns` after its attachment record is
@@ -32,6 +35,7 @@ pub mod applier;
 pub mod apply;
 pub mod budget;
 pub mod change;
+mod encoded;
 mod engine;
 pub mod fold;
 pub mod layer_file;

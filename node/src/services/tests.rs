@@ -552,3 +552,78 @@ fn older_shape_rebuilt_once(shape: u64, tables: &str) {
     assert!(matches!(result(&report, "old"), layer::Applied::Elements { .. }));
     let _ = fs::remove_dir_all(&state);
 }
+
+/// ADD's kept transaction (`encoded`): the first pod of a layer and mark keeps what it was
+/// sent; the next is sent those bytes, without a rewrite of the file, and holds the very same
+/// tables; a new layer is built and kept anew; a pod that has a layer already is built as
+/// before. Control: bytes of another layer planted under this layer's key reach the pod (the
+/// hit path sends what is kept) and `verify` finds that pod wrong.
+#[test]
+fn add_sends_the_kept_transaction_of_the_stored_layer() {
+    use std::os::unix::fs::MetadataExt;
+    if !root_or_skip("add_sends_the_kept_transaction_of_the_stored_layer") {
+        return;
+    }
+    let state = tmp("kept");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let add = |tag: &str, generation: u64| -> TestNetns {
+        let ns = TestNetns::new(tag);
+        StateDir::new(&state).write(&rec(tag, &ns.path())).unwrap();
+        let n = Netns::open_foreign(ns.path()).unwrap();
+        assert_eq!(apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap(), Some(generation), "{tag}");
+        ns
+    };
+    let list = |ns: &TestNetns| ns.exec("nft", &["list", "table", "ip", layer::TABLE]);
+    let kept = state.join("services/encoded-0000ae71");
+    let inode = || fs::metadata(&kept).map(|m| m.ino()).ok();
+    let intact = |what: &str| {
+        let report = verify_pods(&dir).unwrap();
+        let wrong: Vec<String> = report
+            .pods
+            .iter()
+            .filter(|p| !matches!(&p.result, Ok((d, _)) if d.is_empty()))
+            .map(|p| format!("{}: {:?}", p.container_id, p.result.as_ref().map(|r| &r.0)))
+            .collect();
+        assert!(wrong.is_empty(), "{what}: {wrong:?}");
+    };
+    let a = add("kept-a", 1);
+    let first = inode().expect("the first pod of the layer keeps its transaction");
+    let b = add("kept-b", 1);
+    assert_eq!(inode(), Some(first), "the second pod was built (the kept file was written again), not sent it");
+    assert_eq!(list(&a), list(&b), "the kept transaction made other tables than the build");
+    assert!(list(&b).contains("1001"), "{}", list(&b));
+    intact("two pods of generation 1");
+    // A new layer: the kept file no longer answers for it; the next pod is built and kept anew.
+    apply_document(&dir, &doc(2)).unwrap();
+    let c = add("kept-c", 2);
+    assert_ne!(inode(), Some(first), "the kept transaction of generation 1 was sent for generation 2");
+    assert!(list(&c).contains("1002"), "{}", list(&c));
+    intact("after generation 2");
+    // A pod holding a layer already: the kept transaction (an exclusive create) is refused,
+    // and the layer is built over it.
+    let d = TestNetns::new("kept-d");
+    let stored = dir.stored_layer().unwrap().unwrap();
+    Netns::open_foreign(d.path()).unwrap().run(|| layer::rebuild(&stored.for_pod(0xae71))).unwrap().unwrap();
+    StateDir::new(&state).write(&rec("kept-d", &d.path())).unwrap();
+    let n = Netns::open_foreign(d.path()).unwrap();
+    assert_eq!(apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap(), Some(2));
+    assert_eq!(list(&d), list(&c));
+    intact("a pod that held a layer");
+    // Control: another layer's transaction kept under this layer's key is what the next pod
+    // gets, and verify sees it.
+    let other = snapshot::parse(&doc(7)).unwrap().layer(0xae71);
+    let planted = layer::Prepared::new(&other).unwrap().unwrap();
+    let (bytes, seq_count) = planted.create().bytes_at_zero();
+    let key = encoded::Key::now(&dir, 0xae71).unwrap();
+    let c2 = encoded::Cached { generation: 2, digest: stored.digest, seq_count, bytes: bytes.into() };
+    encoded::write(&dir, &key, &c2);
+    let e = add("kept-e", 2);
+    assert!(list(&e).contains("1007"), "the planted transaction was not sent: {}", list(&e));
+    let report = verify_pods(&dir).unwrap();
+    let flagged =
+        report.pods.iter().any(|p| p.container_id == "kept-e" && !matches!(&p.result, Ok((d, _)) if d.is_empty()));
+    assert!(flagged, "RIG BROKEN: verify does not see a pod sent another layer's kept transaction");
+    drop((a, b, c, d, e));
+    let _ = fs::remove_dir_all(&state);
+}

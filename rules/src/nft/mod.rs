@@ -309,10 +309,19 @@ impl Encoded {
     pub fn send(&self) -> Result<()> {
         let mut sock = open()?;
         // Encoded for this send: a whole layer's batch, sent once, is not kept as bytes
-        // beside itself (ADD's memory).
-        let result = commit(&mut sock, &self.0);
+        // beside itself (ADD's memory), unless kept already (`bytes_at_zero`).
+        let result = match self.1.get() {
+            Some(bytes) => commit_encoded(&mut sock, &self.0, bytes).map(drop),
+            None => commit(&mut sock, &self.0),
+        };
         close_later(sock);
         result
+    }
+
+    /// The transaction's bytes from sequence number 0, and how many sequence numbers it
+    /// takes: what a cache keeps to send it again from another process (`send_bytes`).
+    pub fn bytes_at_zero(&self) -> (&[u8], u32) {
+        (self.bytes(), self.0.seq_count())
     }
 
     /// Sends the transaction on `sock` (in the netns it was opened in) and waits for the
@@ -320,6 +329,20 @@ impl Encoded {
     pub fn send_on(&self, sock: &mut KeptSocket) -> Result<Option<u32>> {
         commit_encoded(&mut sock.0, &self.0, self.bytes())
     }
+}
+
+/// Sends a transaction kept as bytes from sequence number 0 (`Encoded::bytes_at_zero`, by
+/// a process before this one; renumbered in place) in the current netns, and waits for the kernel's verdict. The
+/// bytes carry no labels: a refusal names no object, and the caller falls back to the model,
+/// which does.
+pub fn send_bytes(mut bytes: Vec<u8>, seq_count: u32) -> Result<()> {
+    let batch = Batch::unlabelled(seq_count.saturating_sub(2) as usize);
+    let mut sock = open()?;
+    let first = sock.take_seqs(seq_count);
+    crate::netlink::renumber(&mut bytes, first);
+    let result = commit_bytes(&mut sock, &batch, bytes, first).map(drop);
+    close_later(sock);
+    result
 }
 
 /// A netfilter socket opened in one netns and kept open for many transactions there (a

@@ -228,6 +228,18 @@ impl Batch {
     }
 
     /// Sequence numbers the batch uses (begin, messages, end).
+    /// A batch of `messages` kept only as bytes (`nft::send_bytes`): each is labelled as
+    /// such, for the error that names one.
+    pub fn unlabelled(messages: usize) -> Batch {
+        Batch {
+            messages: Vec::new(),
+            labels: vec!["a transaction kept as bytes".to_string(); messages],
+            needs: vec![Vec::new(); messages],
+            families: Vec::new(),
+            next_set_id: 0,
+        }
+    }
+
     pub fn seq_count(&self) -> u32 {
         self.messages.len() as u32 + 2
     }
