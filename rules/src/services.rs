@@ -529,8 +529,7 @@ pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
 fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<Applied> {
     // A layer table always has counters: none means no table (one small dump per family).
     let mut held = BTreeMap::new();
-    for family in Family::ALL {
-        let counts = nft::counters(family, TABLE)?;
+    for (family, counts) in Family::ALL.into_iter().zip(nft::counters_each(&Family::ALL, TABLE)?) {
         if !counts.is_empty() {
             held.insert(family, counts);
         }
@@ -651,11 +650,7 @@ fn table_diff(
 /// Removes the layer (the tables of both families) from the current netns; `Ok(false)` when
 /// it was absent.
 pub fn remove() -> Result<bool> {
-    let mut removed = false;
-    for family in Family::ALL {
-        removed |= nft::remove(family, TABLE)?;
-    }
-    Ok(removed)
+    nft::remove_each(&Family::ALL, TABLE)
 }
 
 /// The shape of the layer the current netns holds: `None` without one, 1 for the first shape
@@ -699,8 +694,7 @@ pub fn verify(layer: &ServiceLayer) -> Result<Vec<String>> {
 /// connections. `None` when the netns has no layer.
 pub fn counters() -> Result<Option<BTreeMap<String, u64>>> {
     let mut sum: Option<BTreeMap<String, u64>> = None;
-    for family in Family::ALL {
-        let c = nft::counters(family, TABLE)?;
+    for c in nft::counters_each(&Family::ALL, TABLE)? {
         if c.is_empty() {
             continue;
         }

@@ -454,8 +454,19 @@ fn obj_request(table: &str) -> NfTablesMessage {
 /// The named counters of `family`'s table `table` in the current netns (empty when there is
 /// no such table).
 pub fn counters(family: Family, table: &str) -> Result<Counts> {
-    let objs = dump(&mut open()?, family, obj_request(table), table, "dump counters")?;
-    Ok(TableView::from_messages(table, &objs).counters)
+    Ok(counters_each(&[family], table)?.remove(0))
+}
+
+/// [`counters`] of `table` in each of `families`, in that order, read on one socket (a
+/// socket made and closed is a good share of a small dump's cost).
+pub fn counters_each(families: &[Family], table: &str) -> Result<Vec<Counts>> {
+    let mut sock = open()?;
+    let mut out = Vec::with_capacity(families.len());
+    for &family in families {
+        let objs = dump(&mut sock, family, obj_request(table), table, "dump counters")?;
+        out.push(TableView::from_messages(table, &objs).counters);
+    }
+    Ok(out)
 }
 
 /// The raw elements of one set of `table`. Dumps that set's elements
@@ -507,16 +518,26 @@ fn elements_request(table: &str, set: &str) -> NfTablesMessage {
 /// too (~8 ms, measured on 6.18); that one is the kernel's: `NFT_MSG_DESTROYTABLE` (which
 /// would also spare the lookup) measured the same, and is not in kernels before 6.3.
 pub(crate) fn remove(family: Family, name: &str) -> Result<bool> {
+    remove_each(&[family], name)
+}
+
+/// [`remove`] of the tables `name` of each of `families`, in turn, on one socket; `Ok(true)`
+/// when any was there.
+pub(crate) fn remove_each(families: &[Family], name: &str) -> Result<bool> {
     let mut sock = open()?;
-    if table_flags(&mut sock, family, name)?.is_none() {
-        return Ok(false);
+    let mut removed = false;
+    for &family in families {
+        if table_flags(&mut sock, family, name)?.is_none() {
+            continue;
+        }
+        match commit(&mut sock, &render::delete_table(family, name)) {
+            Ok(()) => removed = true,
+            // Deleted by someone else since the lookup.
+            Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e),
+        }
     }
-    match commit(&mut sock, &render::delete_table(family, name)) {
-        Ok(()) => Ok(true),
-        // Deleted by someone else since the lookup.
-        Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-        Err(e) => Err(e),
-    }
+    Ok(removed)
 }
 
 /// What the kernel will hold after `program(table)`, read from the very messages ADD sends.
