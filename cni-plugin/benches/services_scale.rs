@@ -613,8 +613,7 @@ struct AtScale {
     /// The installer gone (OOM-killed or otherwise), and the cgroup's OOM kills.
     died: bool,
     oom_kills: u64,
-    /// The snapshot's connection closed by the socket's deadline without an answer, the
-    /// installer still applying it.
+    /// The snapshot's connection closed without an answer, the installer still applying it.
     unanswered: bool,
     /// The cgroup's peak charge and its kernel memory once done, bytes.
     peak: u64,
@@ -675,8 +674,9 @@ fn installer_at_scale(state: &Path, pods: usize, limit: u64) -> AtScale {
             false
         }
         Err(e) if running(pid) => {
-            // The socket's connection deadline passed: the installer goes on applying, and its
-            // log says when it is done ("applied in", or "not applied").
+            // The connection closed without an answer (the socket's deadlines cover reading
+            // and the wait for the turn, not the apply): the installer goes on applying, and
+            // its log says when it is done ("applied in", or "not applied").
             at.unanswered = true;
             let deadline = Instant::now() + Duration::from_secs(1800);
             let done = loop {
@@ -1298,7 +1298,7 @@ fn main() {
         Figure::value(
             "installer_node_unanswered",
             &at(
-                "the snapshot's answer lost: its connection closed at the socket's 120 s deadline while it was applied",
+                "the snapshot's answer lost: its connection closed while it was applied (the socket's deadline no longer covers an apply under way)",
             ),
             big.unanswered as u8 as f64,
             "",
