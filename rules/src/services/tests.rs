@@ -179,7 +179,7 @@ fn counts_moved_by_a_change_decide_as_counts_made_anew() {
         (seed >> 33) % m
     };
     let vip = |i: u64| -> IpAddr {
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             std::net::Ipv6Addr::from(0xfd00_0010_0096_0000_0000_0000_0001_0000u128 + u128::from(i)).into()
         } else {
             std::net::Ipv4Addr::from(0x0a60_1000 + i as u32).into()
