@@ -418,8 +418,8 @@ pub fn apply_current_snapshot_in_netns(
     if let Some(c) = key.as_ref().and_then(|k| encoded::read(&dir, k)) {
         dir.forget_pod(netns.path());
         let (generation, digest, seq_count) = (c.generation, c.digest, c.seq_count);
-        let mut bytes = Some(c.bytes.into_owned());
-        match flat(netns.run(|| aether_rules::nft::send_bytes(bytes.take().unwrap_or_default(), seq_count))) {
+        let bytes = c.bytes.into_owned();
+        match flat(netns.run(move || aether_rules::nft::send_bytes(bytes, seq_count))) {
             Ok(()) => {
                 let held = PodHolds::for_key_of(generation, digest, netns_key(netns), divert_mark);
                 if let Err(e) = dir.set_pod_holds(netns, &held) {
