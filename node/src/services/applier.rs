@@ -23,7 +23,7 @@ use aether_rules::nft::{Encoded, KeptSocket};
 
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
 use super::engine::{self, open_pod, PodHolds, PodLink, Pods};
-use super::{change, flat, ServicesDir, ServicesError, StoredLayer};
+use super::{change, flat, FileId, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
 use crate::PodError;
 
@@ -62,30 +62,6 @@ impl Applier {
     /// How many pods' sockets are kept (for metrics and tests).
     pub fn kept_pods(&self) -> usize {
         self.kept.links.len()
-    }
-}
-
-/// A file's identity: a rewritten file (a new inode by rename, or new times) differs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime_ns: i128,
-    ctime_ns: i128,
-}
-
-impl FileId {
-    fn of(path: &Path) -> Option<FileId> {
-        let m = std::fs::symlink_metadata(path).ok()?;
-        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
-        Some(FileId {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
-            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
-        })
     }
 }
 

@@ -8,27 +8,18 @@
 //! them, checksummed, and anything the kernel refuses falls back to building the layer,
 //! which names what it refused. CHECK and `verify` compare the kernel with the model as ever.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::layer_file::quick_digest;
-use super::ServicesDir;
+use super::{FileId, ServicesDir};
 
 const MAGIC: &[u8; 8] = b"AETHENC1";
-
-/// The identity of a file: rewritten (a new inode by rename, or new times), it differs.
-fn identity(path: &Path) -> Option<[u64; 7]> {
-    let m = std::fs::metadata(path).ok()?;
-    let t = |s: i64, n: i64| (s as u64, n as u64);
-    let ((ms, mn), (cs, cn)) = (t(m.mtime(), m.mtime_nsec()), t(m.ctime(), m.ctime_nsec()));
-    Some([m.dev(), m.ino(), m.size(), ms, mn, cs, cn])
-}
 
 /// What the cached bytes are valid for: the stored layer file, the binary, the divert mark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Key {
-    layer: [u64; 7],
-    binary: [u64; 7],
+    layer: FileId,
+    binary: FileId,
     mark: u32,
 }
 
@@ -36,14 +27,17 @@ impl Key {
     /// The key now (under the services lock, so `layer.bin` cannot change meanwhile); `None`
     /// without `layer.bin` or when the binary cannot be looked at.
     pub(super) fn now(dir: &ServicesDir, mark: u32) -> Option<Key> {
-        Some(Key { layer: identity(&dir.layer_path())?, binary: identity(Path::new("/proc/self/exe"))?, mark })
+        Some(Key {
+            layer: FileId::of(&dir.layer_path())?,
+            binary: FileId::of_target(Path::new("/proc/self/exe"))?,
+            mark,
+        })
     }
 
     fn bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(14 * 8 + 4);
-        for v in self.layer.iter().chain(&self.binary) {
-            b.extend_from_slice(&v.to_le_bytes());
-        }
+        let mut b = Vec::with_capacity(2 * 56 + 4);
+        b.extend_from_slice(&self.layer.bytes());
+        b.extend_from_slice(&self.binary.bytes());
         b.extend_from_slice(&self.mark.to_le_bytes());
         b
     }
@@ -115,8 +109,12 @@ pub(super) fn write(dir: &ServicesDir, key: &Key, c: &Cached) {
 mod tests {
     use super::*;
 
+    fn id(n: u64) -> FileId {
+        FileId { dev: n, ino: n + 1, size: n + 2, mtime_ns: i128::from(n + 3), ctime_ns: i128::from(n + 4) }
+    }
+
     fn key() -> Key {
-        Key { layer: [1, 2, 3, 4, 5, 6, 7], binary: [8, 9, 10, 11, 12, 13, 14], mark: 0xae71 }
+        Key { layer: id(1), binary: id(8), mark: 0xae71 }
     }
 
     fn cached() -> Cached<'static> {
@@ -131,8 +129,8 @@ mod tests {
         assert_eq!((back.generation, back.digest, back.seq_count, &back.bytes), (7, 0xdead_beef, 12, &c.bytes));
         // Another layer file, another binary, another mark: not this file's.
         for other in [
-            Key { layer: [1, 2, 3, 4, 5, 6, 8], ..k },
-            Key { binary: [0, 9, 10, 11, 12, 13, 14], ..k },
+            Key { layer: FileId { ctime_ns: 99, ..id(1) }, ..k },
+            Key { binary: FileId { dev: 0, ..id(8) }, ..k },
             Key { mark: 0x1, ..k },
         ] {
             assert!(decode(&other, b.clone()).is_none(), "{other:?}");

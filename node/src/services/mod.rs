@@ -61,6 +61,52 @@ pub use report::{
     verify_pods, AppliedRun, LayerHeader, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
 };
 
+/// A file's identity: a rewritten file (a new inode by rename, or new times) differs. What
+/// vouches for a kept copy of a stored file (the applier's, ADD's kept transaction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl FileId {
+    /// The identity of `path` itself (a symlink's own).
+    fn of(path: &Path) -> Option<FileId> {
+        fs::symlink_metadata(path).ok().map(|m| FileId::from(&m))
+    }
+
+    /// The identity of the file `path` names, through symlinks (`/proc/self/exe`).
+    fn of_target(path: &Path) -> Option<FileId> {
+        fs::metadata(path).ok().map(|m| FileId::from(&m))
+    }
+
+    fn from(m: &fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+        }
+    }
+
+    /// Its fields as bytes (little-endian), for a file that records it.
+    fn bytes(&self) -> [u8; 56] {
+        let mut b = [0u8; 56];
+        for (at, v) in [(0, self.dev), (8, self.ino), (16, self.size)] {
+            b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        b[24..40].copy_from_slice(&self.mtime_ns.to_le_bytes());
+        b[40..56].copy_from_slice(&self.ctime_ns.to_le_bytes());
+        b
+    }
+}
+
 /// Why the Service layer's node state cannot do what was asked.
 #[derive(Debug, thiserror::Error)]
 pub enum ServicesError {
