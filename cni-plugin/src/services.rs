@@ -54,6 +54,9 @@ enum ServicesCommand {
     /// Read every pod's layer back, compare it with the stored snapshot and repair what
     /// differs (applies send changes without reading back; this is the check).
     Verify,
+    /// Print the stored snapshot as it stands: the document as the agent sent it, or in
+    /// canonical form once a change document was applied to it. Exits 1 when none is stored.
+    Snapshot,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -185,6 +188,20 @@ pub fn run(args: ServicesArgs) -> ExitCode {
             DemandFormat::Json => serde_json::to_string_pretty(&json!({ "demand": d })).unwrap(),
             DemandFormat::Text => d.join("\n"),
         }),
+        ServicesCommand::Snapshot => match dir.current_snapshot() {
+            Ok(Some(text)) => {
+                use std::io::Write;
+                return match std::io::stdout().lock().write_all(&text) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("aether-cni services snapshot: {e}");
+                        ExitCode::FAILURE
+                    }
+                };
+            }
+            Ok(None) => Err(services::ServicesError::NoSnapshot),
+            Err(e) => Err(e),
+        },
         ServicesCommand::Verify => match services::verify_pods(&dir) {
             Ok(report) => {
                 println!("{}", serde_json::to_string_pretty(&report.to_json()).unwrap());

@@ -23,7 +23,7 @@ use aether_rules::nft::{Encoded, KeptSocket};
 
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
 use super::engine::{self, open_pod, PodHolds, PodLink, Pods};
-use super::{change, flat, FileId, ServicesDir, ServicesError, StoredLayer};
+use super::{change, flat, journal, layer_file, FileId, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
 use crate::PodError;
 
@@ -65,18 +65,31 @@ impl Applier {
     }
 }
 
-/// The three stored files whose identities vouch for a kept copy.
-const STORED_FILES: [&str; 3] = ["snapshot.json", "layer.bin", super::apply::SOURCE];
+/// The stored files whose identities vouch for a kept copy.
+const STORED_FILES: [&str; 4] = ["snapshot.json", "layer.bin", super::apply::SOURCE, journal::JOURNAL];
 
-fn stored_ids(dir: &ServicesDir) -> [Option<FileId>; 3] {
+fn stored_ids(dir: &ServicesDir) -> [Option<FileId>; 4] {
     STORED_FILES.map(|name| FileId::of(&dir.root.join(name)))
+}
+
+/// The identities of `layer.bin` and the journal.
+fn layer_ids(dir: &ServicesDir) -> (Option<FileId>, Option<FileId>) {
+    (FileId::of(&dir.layer_path()), FileId::of(&dir.journal_path()))
 }
 
 /// The canonical stored document and its layer as this applier stored them.
 struct KeptStored {
     text: Vec<u8>,
     layer: StoredLayer,
-    files: [Option<FileId>; 3],
+    files: [Option<FileId>; 4],
+}
+
+/// The journal this applier writes, kept open for appending while it is the file at its
+/// name as this applier left it.
+struct KeptJournal {
+    file: std::fs::File,
+    id: Option<FileId>,
+    entries: usize,
 }
 
 /// The attachment records as last read, with the directory's identity then.
@@ -176,9 +189,10 @@ struct Kept {
     stored: Option<KeptStored>,
     records: Option<KeptRecords>,
     links: BTreeMap<String, Link>,
-    /// `layer.bin`'s identity after this applier last wrote or checked it: the links'
-    /// beliefs hold only while no one else has stored a layer since.
-    layer_bin: Option<FileId>,
+    /// The identities of `layer.bin` and the journal after this applier last wrote or
+    /// checked them: the links' beliefs hold only while no one else has stored a layer since.
+    layer_bin: (Option<FileId>, Option<FileId>),
+    journal: Option<KeptJournal>,
     /// The spare files `snapshot.json` and `layer.bin` are written through.
     spares: BTreeMap<String, state::Spare>,
 }
@@ -233,11 +247,47 @@ impl PodReach for Kept {
     fn locked(&mut self, dir: &ServicesDir) {
         // Another writer stored a layer since this applier's last: nothing kept about the
         // stored document or what pods hold is trusted.
-        let now = FileId::of(&dir.layer_path());
-        if now.is_none() || now != self.layer_bin {
+        let now = layer_ids(dir);
+        if now.0.is_none() || now != self.layer_bin {
             self.stored = None;
             self.forget_beliefs();
         }
+    }
+
+    fn journal_room(&mut self, dir: &ServicesDir) -> bool {
+        let now = FileId::of(&dir.journal_path());
+        match &self.journal {
+            // Its own journal, as it left it, with room.
+            Some(j) => j.id.is_some() && j.id == now && j.entries < journal::MAX_ENTRIES,
+            // A new journal, over the `layer.bin` the kept copy is of (`canonical_stored`
+            // checked the files); never over one another process left (its entries would go).
+            None => now.is_none(),
+        }
+    }
+
+    fn append_journal(&mut self, dir: &ServicesDir, entry: &journal::Entry) -> Result<(), ServicesError> {
+        let path = dir.journal_path();
+        let write = |source| ServicesError::Write { path: path.clone(), source };
+        let bytes = entry.encode();
+        match &mut self.journal {
+            Some(j) => {
+                // Whatever happens, the identity it had is no longer vouched for.
+                j.id = None;
+                std::io::Write::write_all(&mut j.file, &bytes).map_err(write)?;
+                j.id = FileId::of(&path);
+                j.entries += 1;
+            }
+            None => {
+                let base = layer_file::read_base(&dir.layer_path())?
+                    .ok_or_else(|| write(std::io::Error::other("layer.bin is gone")))?;
+                let mut whole = journal::header(&base);
+                whole.extend_from_slice(&bytes);
+                dir.write_atomic(journal::JOURNAL, &whole)?;
+                let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(write)?;
+                self.journal = Some(KeptJournal { file, id: FileId::of(&path), entries: 1 });
+            }
+        }
+        Ok(())
     }
 
     fn write_stored(&mut self, dir: &ServicesDir, name: &str, body: &[u8]) -> Result<(), ServicesError> {
@@ -256,7 +306,11 @@ impl PodReach for Kept {
     }
 
     fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: StoredLayer, canonical: bool) {
-        self.layer_bin = FileId::of(&dir.layer_path());
+        self.layer_bin = layer_ids(dir);
+        if self.journal.as_ref().is_some_and(|j| j.id.is_none() || j.id != self.layer_bin.1) {
+            // Written whole (the journal removed), or not as this applier left it.
+            self.journal = None;
+        }
         // Kept only when the marker vouches for the document (it names the layer's source).
         self.stored = canonical.then(|| KeptStored { text: text.into_owned(), layer, files: stored_ids(dir) });
     }

@@ -11,7 +11,7 @@ use aether_rules::services::{self as layer, Applied};
 use serde_json::Value;
 
 use super::engine::{self, netns_key, PodHolds};
-use super::{change, encoded, flat, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use super::{change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
@@ -157,7 +157,7 @@ pub(super) fn apply_document_with(
     // only its generation changed (an agent resyncing without news).
     let source = layer_file::source_digest(text);
     let made_from_it = |stored: Option<StoredLayer>| stored.filter(|s| s.source == source);
-    let stored_header = layer_file::read_header(&dir.layer_path()).ok().flatten();
+    let stored_header = dir.stored_header().ok().flatten();
     let stored_source = stored_header.map(|(_, source)| source);
     // A look without the lock, to spare the reading; made again under it, where the stored
     // files are what the last finished apply left (one killed midway leaves no
@@ -189,7 +189,6 @@ pub(super) fn apply_document_with(
         (from == prev.source).then(|| StoredLayer { generation, source, ..prev.clone() })
     });
     let new = match made_from_it(previous.clone()).or(renamed) {
-        Some(same) => (same, None),
         None => {
             let (generation, layer) = match parsed.take() {
                 Some(read) => read,
@@ -197,10 +196,20 @@ pub(super) fn apply_document_with(
                 None => snapshot::parse_layer(text).map_err(refused)?,
             };
             let (new, file) = StoredLayer::with_file(generation, layer, source);
-            (new, Some(file))
+            (new, Storing::Whole(Some(file)))
         }
+        Some(same) => (same, Storing::Whole(None)),
     };
     store_and_apply(dir, Cow::Borrowed(text), new, previous, warnings, false, reach)
+}
+
+/// How an apply stores its document and layer.
+pub(super) enum Storing<'a> {
+    /// `snapshot.json` and `layer.bin` written whole (with the file's bytes when already
+    /// encoded), the journal removed.
+    Whole(Option<Vec<u8>>),
+    /// An entry appended to the applier's journal (`PodReach::append_journal`).
+    Journal(journal::Entry<'a>),
 }
 
 /// The end of an apply, under the exclusive lock, once the document `text` is checked and
@@ -209,7 +218,7 @@ pub(super) fn apply_document_with(
 fn store_and_apply(
     dir: &ServicesDir,
     text: Cow<'_, [u8]>,
-    (new, file): (StoredLayer, Option<Vec<u8>>),
+    (new, storing): (StoredLayer, Storing<'_>),
     previous: Option<StoredLayer>,
     mut warnings: Vec<String>,
     canonical: bool,
@@ -227,13 +236,25 @@ fn store_and_apply(
     // Before anything is stored: work that would cross this process's memory limit is
     // refused whole (the OOM killer would stop it midway).
     super::budget::apply_fits(dir, &new, previous.as_ref())?;
-    // Whether `snapshot.source` names `text` as the canonical document `new` was made from.
+    // Whether `snapshot.source` names `text` as the canonical document `new` was made from
+    // (with the journal: names the canonical document the journal's changes apply to).
+    let file = match storing {
+        Storing::Journal(entry) => {
+            reach.append_journal(dir, &entry)?;
+            let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
+            reach.stored(dir, text, new, canonical);
+            return report;
+        }
+        Storing::Whole(file) => file,
+    };
     let canonical_vouched = if previous.as_ref().is_none_or(|old| old.source != source) {
         // The marker goes before the document changes, and comes back only once the layer
         // matches it: killed in between, the next apply reads the stored document in full.
         dir.remove(SOURCE)?;
         reach.write_stored(dir, "snapshot.json", &text)?;
         reach.write_stored(dir, "layer.bin", &file.unwrap_or_else(|| new.encode()))?;
+        // A journal over the layer before is stale now (readers pass it by); gone with it.
+        dir.remove(journal::JOURNAL)?;
         let form = if canonical { "canonical" } else { "as-sent" };
         match dir.write_atomic(SOURCE, format!("{source:016x} {form}\n").as_bytes()) {
             Ok(()) => canonical,
@@ -275,6 +296,20 @@ pub(super) trait PodReach {
 
     /// Told that the exclusive lock is taken: what was kept may be checked now.
     fn locked(&mut self, _dir: &ServicesDir) {}
+
+    /// Whether the next change may be stored as a journal entry (`append_journal`): only a
+    /// long-lived applier's, to a journal it wrote itself, while it has room.
+    fn journal_room(&mut self, _dir: &ServicesDir) -> bool {
+        false
+    }
+
+    /// Appends `entry` to the journal (`journal_room` said there is room).
+    fn append_journal(&mut self, dir: &ServicesDir, _entry: &journal::Entry) -> Result<(), ServicesError> {
+        Err(ServicesError::Write {
+            path: dir.journal_path(),
+            source: std::io::Error::other("only the installer's applier keeps a journal"),
+        })
+    }
 
     /// The stored document, when canonical, and its layer (`ServicesDir::canonical_stored`);
     /// called under the exclusive lock.
@@ -338,13 +373,33 @@ pub(super) fn apply_change_with(
             return Err(ServicesError::StaleBase { base: c.base_generation, stored: prev.generation });
         }
         if let Some(s) = change::splice::splice(stored_text, &prev.layer, prev.generation, &c) {
+            let mut layer = s.layer;
+            layer.mesh_vips.sort_unstable();
+            if reach.journal_room(dir) {
+                // Stored as what changed: the layer's digest moved by the change alone.
+                let digest = layer_file::moved_digest(prev.digest, &prev.layer, &layer, &s.gone, &s.came);
+                let entry = journal::Entry {
+                    from: prev.generation,
+                    generation: c.generation,
+                    mode: layer.mode,
+                    dialled_timeout_secs: layer.dialled_timeout_secs,
+                    mesh_vips: layer.mesh_vips.clone(),
+                    gone: s.gone,
+                    came: s.came,
+                    change: Cow::Borrowed(text),
+                };
+                let new = StoredLayer { generation: c.generation, digest, source: 0, layer };
+                let storing = (new, Storing::Journal(entry));
+                return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
+            }
             let source = layer_file::source_digest(&s.text);
-            let (new, file) = StoredLayer::with_file(c.generation, s.layer, source);
-            return store_and_apply(dir, Cow::Owned(s.text), (new, Some(file)), Some(prev), Vec::new(), true, reach);
+            let (new, file) = StoredLayer::with_file(c.generation, layer, source);
+            let storing = (new, Storing::Whole(Some(file)));
+            return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
         }
     }
     let path = dir.root.join("snapshot.json");
-    let Some(stored) = dir.read("snapshot.json")? else {
+    let Some(stored) = dir.stored_text()? else {
         return Err(ServicesError::NoBase { base: c.base_generation });
     };
     // Each form let go of as soon as the next is made: at 100,000 Services a snapshot's
@@ -367,7 +422,7 @@ pub(super) fn apply_change_with(
         None
     });
     let (new, file) = StoredLayer::with_file(generation, layer, layer_file::source_digest(&whole));
-    store_and_apply(dir, Cow::Owned(whole), (new, Some(file)), previous, warnings, true, reach)
+    store_and_apply(dir, Cow::Owned(whole), (new, Storing::Whole(Some(file))), previous, warnings, true, reach)
 }
 
 /// Names the stored `snapshot.json` by the source digest `layer.bin` carries, and says
@@ -387,13 +442,50 @@ impl ServicesDir {
 
     /// The stored document and its layer when the document is canonical and the one the
     /// layer was made from; `None` otherwise.
+    /// With the journal's changes applied to both.
     pub(super) fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
         let Some((named, true)) = self.source_marker() else { return Ok(None) };
-        let Ok(Some(layer)) = layer_file::read(&self.layer_path()) else { return Ok(None) };
+        let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(None) };
         if layer.source != named {
             return Ok(None);
         }
-        Ok(self.read("snapshot.json")?.map(|text| (text, layer)))
+        let Some(text) = self.read("snapshot.json")? else { return Ok(None) };
+        let entries = self.journal(&base)?;
+        if entries.is_empty() {
+            return Ok(Some((text, layer)));
+        }
+        let text = self.folded_text(text, &layer, &entries)?;
+        Ok(Some((text, journal::fold(layer, &entries))))
+    }
+
+    /// `services snapshot`: the stored document as it stands, under the shared lock (never
+    /// halfway through an apply).
+    pub fn current_snapshot(&self) -> Result<Option<Vec<u8>>, ServicesError> {
+        let Some(_lock) = self.read_lock()? else { return Ok(None) };
+        self.stored_text()
+    }
+
+    /// The stored document as it stands: `snapshot.json` with the journal's changes applied.
+    pub(super) fn stored_text(&self) -> Result<Option<Vec<u8>>, ServicesError> {
+        let Some(text) = self.read("snapshot.json")? else { return Ok(None) };
+        let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(Some(text)) };
+        let entries = self.journal(&base)?;
+        if entries.is_empty() {
+            return Ok(Some(text));
+        }
+        self.folded_text(text, &layer, &entries).map(Some)
+    }
+
+    fn folded_text(
+        &self,
+        text: Vec<u8>,
+        layer: &StoredLayer,
+        entries: &[journal::Entry],
+    ) -> Result<Vec<u8>, ServicesError> {
+        journal::fold_text(text, layer, entries).ok_or_else(|| ServicesError::StoredInvalid {
+            path: self.journal_path(),
+            reasons: vec!["its changes do not apply to snapshot.json; send a whole snapshot".into()],
+        })
     }
 }
 

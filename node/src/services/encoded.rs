@@ -4,7 +4,7 @@
 //! every pod of a layer; the first ADD of a layer writes the bytes it sent, and each later
 //! one sends them as they are. A cache in front of the one engine, never a second one: the
 //! bytes are the engine's own (`Prepared`), trusted only for the very `layer.bin` (its
-//! identity: device, inode, size, times) and the very binary (`/proc/self/exe`'s) that wrote
+//! identity: device, inode, size, times, and its journal's) and the very binary (`/proc/self/exe`'s) that wrote
 //! them, checksummed, and anything the kernel refuses falls back to building the layer,
 //! which names what it refused. CHECK and `verify` compare the kernel with the model as ever.
 
@@ -19,6 +19,8 @@ const MAGIC: &[u8; 8] = b"AETHENC1";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Key {
     layer: FileId,
+    /// The journal over `layer.bin`, if any: the stored layer is both.
+    journal: Option<FileId>,
     binary: FileId,
     mark: u32,
 }
@@ -29,14 +31,16 @@ impl Key {
     pub(super) fn now(dir: &ServicesDir, mark: u32) -> Option<Key> {
         Some(Key {
             layer: FileId::of(&dir.layer_path())?,
+            journal: FileId::of(&dir.journal_path()),
             binary: FileId::of_target(Path::new("/proc/self/exe"))?,
             mark,
         })
     }
 
     fn bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(2 * 56 + 4);
+        let mut b = Vec::with_capacity(3 * 56 + 4);
         b.extend_from_slice(&self.layer.bytes());
+        b.extend_from_slice(&self.journal.map_or([0; 56], |j| j.bytes()));
         b.extend_from_slice(&self.binary.bytes());
         b.extend_from_slice(&self.mark.to_le_bytes());
         b
@@ -114,7 +118,7 @@ mod tests {
     }
 
     fn key() -> Key {
-        Key { layer: id(1), binary: id(8), mark: 0xae71 }
+        Key { layer: id(1), journal: None, binary: id(8), mark: 0xae71 }
     }
 
     fn cached() -> Cached<'static> {

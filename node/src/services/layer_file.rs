@@ -49,8 +49,9 @@ const VERSION_1: u32 = 1;
 /// Everything up to the counts: magic, version, generation, source digest, mode, timeout.
 const FIXED: usize = 8 + 4 + 8 + 8 + 4 + 4;
 const HEADER: usize = FIXED + 6 * 4;
-/// Where the content (everything the digest covers) starts: after the generation and the
-/// source digest.
+/// Where the content starts: after the generation and the source digest (what older shapes'
+/// digests covered).
+#[cfg(test)]
 const CONTENT: usize = 28;
 const TRAILER: usize = 8;
 /// Bytes per item, by family: (IPv4, IPv6).
@@ -91,15 +92,110 @@ pub struct StoredLayer {
     pub source: u64,
 }
 
-/// `StoredLayer::digest`: the content's `quick_digest`, mixed with the layer's shape
-/// (`services::SHAPE`), so a pod whose file names the digest of an older shape (the content
-/// alone, before shapes) is rebuilt by the next apply.
-fn content_digest(content: &[u8]) -> u64 {
-    shape_digest(content, aether_rules::services::SHAPE)
+/// Which `layer.bin` a journal extends: its generation, source digest and checksum (the
+/// file's last eight bytes, over all before them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Base {
+    pub generation: u64,
+    pub source: u64,
+    pub checksum: u64,
 }
 
-/// The digest a release building the layer's `shape` gave `content` (shape 1 had none: its
-/// digest was `quick_digest` alone).
+impl Base {
+    /// The base of an encoded file (`encode`'s bytes).
+    pub fn of(bytes: &[u8]) -> Option<Base> {
+        let word = |at: usize| Some(u64::from_be_bytes(bytes.get(at..at + 8)?.try_into().ok()?));
+        Some(Base { generation: word(12)?, source: word(20)?, checksum: word(bytes.len().checked_sub(TRAILER)?)? })
+    }
+}
+
+/// `StoredLayer::digest`: a sum (wrapping) of one word per item, each Service port and each
+/// mesh VIP, and one for everything else (mode, timeout, ranges, and the layer's shape, so
+/// a pod whose file names an older shape's layer is rebuilt by the next apply). A sum, so a
+/// layer a change makes has the previous digest with the changed items' words taken out and
+/// put in (`moved_digest`), at the cost of the change and not of the layer; and equal
+/// content gives one digest whatever the order and whatever the way it was reached (a whole
+/// snapshot, `layer.bin` and its journal, or the applier's changes in memory).
+pub(crate) fn content_digest(l: &ServiceLayer) -> u64 {
+    let ports = l.ports.iter().fold(0u64, |sum, p| sum.wrapping_add(port_word(p)));
+    let mesh = l.mesh_vips.iter().fold(0u64, |sum, &a| sum.wrapping_add(mesh_word(a)));
+    head_word(l).wrapping_add(ports).wrapping_add(mesh)
+}
+
+/// `content_digest(next)` from `content_digest(prev)` = `digest`, where `next`'s ports are
+/// `prev`'s without those of the VIPs `gone` and with `came` (its head and mesh VIPs, short
+/// lists, are taken whole).
+pub(crate) fn moved_digest(
+    digest: u64,
+    prev: &ServiceLayer,
+    next: &ServiceLayer,
+    gone: &[IpAddr],
+    came: &[ServicePort],
+) -> u64 {
+    let sum = |words: &mut dyn Iterator<Item = u64>| words.fold(0u64, u64::wrapping_add);
+    let out = sum(&mut gone
+        .iter()
+        .flat_map(|&v| prev.ports[aether_rules::services::ports_of(&prev.ports, v)].iter().map(port_word)));
+    let mesh_out = sum(&mut prev.mesh_vips.iter().map(|&a| mesh_word(a)));
+    let mesh_in = sum(&mut next.mesh_vips.iter().map(|&a| mesh_word(a)));
+    digest
+        .wrapping_sub(head_word(prev))
+        .wrapping_add(head_word(next))
+        .wrapping_sub(out)
+        .wrapping_add(sum(&mut came.iter().map(port_word)))
+        .wrapping_sub(mesh_out)
+        .wrapping_add(mesh_in)
+}
+
+/// One item's word: its words folded in turn by a bijective step (a xor, a multiply, a
+/// rotate: items that differ in one word never share the state after it), then finished by
+/// MurmurHash3's mix, so that a sum of words does not cancel by structure.
+fn item_word(tag: u64, words: &[u64]) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let h = words.iter().fold(tag.wrapping_mul(0xff51_afd7_ed55_8ccd), |h, &w| (h ^ w).wrapping_mul(K).rotate_left(29));
+    let h = (h ^ (h >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    let h = (h ^ (h >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// An address as two words and its family.
+fn addr_words(a: IpAddr) -> (u64, u64, u64) {
+    match a {
+        IpAddr::V4(a) => (4, 0, u64::from(u32::from(a))),
+        IpAddr::V6(a) => {
+            let v = u128::from(a);
+            (6, (v >> 64) as u64, v as u64)
+        }
+    }
+}
+
+fn port_word(p: &ServicePort) -> u64 {
+    let (family, hi, lo) = addr_words(p.vip);
+    let rest = u64::from(p.proto.number()) << 24 | u64::from(p.port) << 8 | u64::from(p.has_endpoints);
+    item_word(1, &[family, hi, lo, rest])
+}
+
+fn mesh_word(a: IpAddr) -> u64 {
+    let (family, hi, lo) = addr_words(a);
+    item_word(2, &[family, hi, lo])
+}
+
+fn head_word(l: &ServiceLayer) -> u64 {
+    let mut words =
+        vec![aether_rules::services::SHAPE, u64::from(mode_byte(l.mode)), u64::from(l.dialled_timeout_secs)];
+    let mut ranges = l.ranges.clone();
+    ranges.sort();
+    for r in &ranges {
+        let (family, hi, lo) = addr_words(r.addr());
+        words.extend([family, hi, lo, u64::from(r.prefix_len())]);
+    }
+    item_word(0, &words)
+}
+
+/// The digest a release building the older `shape` (1 or 2) gave a layer: its encoded
+/// content's `quick_digest` (shape 1), mixed with the shape (shape 2). What an upgraded
+/// node's pods' files name.
+#[cfg(test)]
 pub(crate) fn shape_digest(content: &[u8], shape: u64) -> u64 {
     match shape {
         1 => quick_digest(content),
@@ -156,7 +252,7 @@ impl StoredLayer {
         layer.ports.sort();
         layer.divert_mark = 0;
         let bytes = encode_parts(generation, source, &layer);
-        let digest = content_digest(&bytes[CONTENT..bytes.len() - TRAILER]);
+        let digest = content_digest(&layer);
         (StoredLayer { generation, digest, source, layer }, bytes)
     }
 
@@ -337,15 +433,20 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
         }
     }
     if version == VERSION_1 {
-        // The digest is always of the current encoding, so a pod's record compares the same
-        // before and after the next apply rewrites the file.
+        // Sorted as the current encoding sorts, so a pod's record compares the same before
+        // and after the next apply rewrites the file.
         return Ok(StoredLayer::new(generation, &l, source));
     }
-    Ok(StoredLayer { generation, digest: content_digest(&b[CONTENT..end]), source, layer: l })
+    Ok(StoredLayer { generation, digest: content_digest(&l), source, layer: l })
 }
 
 /// Reads the file; `Ok(None)` when there is none. Memory: the file, bounded by `MAX_BYTES`.
 pub fn read(path: &Path) -> Result<Option<StoredLayer>, LayerFileError> {
+    Ok(read_with_base(path)?.map(|(l, _)| l))
+}
+
+/// `read`, and which file it was (what a journal over it names).
+pub fn read_with_base(path: &Path) -> Result<Option<(StoredLayer, Base)>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
@@ -357,12 +458,18 @@ pub fn read(path: &Path) -> Result<Option<StoredLayer>, LayerFileError> {
     if bytes.len() > MAX_BYTES {
         return Err(LayerFileError::TooLarge { path: path.to_path_buf(), max: MAX_BYTES });
     }
-    decode(path, &bytes).map(Some)
+    let layer = decode(path, &bytes)?;
+    Ok(Base::of(&bytes).map(|base| (layer, base)))
 }
 
 /// The generation and the source digest in the file's header, reading the header only
 /// (for `counters`, and for `apply` to tell the stored document sent again).
 pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
+    Ok(read_base(path)?.map(|b| (b.generation, b.source)))
+}
+
+/// The file's header and its checksum, without the rest: which file it is (`Base`).
+pub fn read_base(path: &Path) -> Result<Option<Base>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
@@ -378,7 +485,11 @@ pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
         return Err(LayerFileError::Version { path: path.to_path_buf(), found: be32(&head, 8) });
     }
     let word = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().unwrap());
-    Ok(Some((word(12), word(20))))
+    let mut sum = [0u8; TRAILER];
+    let len = f.metadata().map_err(io)?.len();
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut sum, len.saturating_sub(TRAILER as u64))
+        .map_err(|_| LayerFileError::Damaged { path: path.to_path_buf(), what: "no checksum" })?;
+    Ok(Some(Base { generation: word(12), source: word(20), checksum: u64::from_be_bytes(sum) }))
 }
 
 #[cfg(test)]
@@ -501,17 +612,97 @@ mod tests {
         assert_eq!(decode(p, &b).unwrap_err().to_string(), "layer.bin is damaged: checksum mismatch");
     }
 
-    /// The digest a pod's file records names the layer's shape: it is not the content's
-    /// `quick_digest` (what a node recorded before the layer had shapes), so a pod holding the
-    /// older shape is not taken for one holding this layer.
+    /// The digest a pod's file records names the layer's shape: it is not what a node of an
+    /// older shape recorded for the same content, so a pod holding the older shape is not
+    /// taken for one holding this layer.
     #[test]
     fn the_digest_names_the_layers_shape() {
         let s = StoredLayer::new(7, &dual(), 1);
         let b = s.encode();
         let content = &b[CONTENT..b.len() - TRAILER];
-        assert_ne!(s.digest, quick_digest(content), "the digest before shapes");
-        assert_eq!(s.digest, content_digest(content));
+        for shape in [1, 2] {
+            assert_ne!(s.digest, shape_digest(content, shape), "shape {shape}'s digest");
+        }
         assert_eq!(decode(Path::new("layer.bin"), &b).unwrap().digest, s.digest, "the same read back");
+    }
+
+    /// Every field of the content moves the digest; the mark and the order do not (above).
+    #[test]
+    fn every_field_of_the_content_moves_the_digest() {
+        let base = dual();
+        let d = content_digest(&base);
+        let mut edits: Vec<Box<dyn Fn(&mut ServiceLayer)>> = vec![
+            Box::new(|l| l.mode = LayerMode::Count),
+            Box::new(|l| l.dialled_timeout_secs += 1),
+            Box::new(|l| l.ranges[0] = "10.96.0.0/17".parse().unwrap()),
+            Box::new(|l| l.mesh_vips.truncate(l.mesh_vips.len() - 1)),
+            Box::new(|l| l.ports[0].port += 1),
+            Box::new(|l| l.ports[0].proto = if l.ports[0].proto == Proto::Udp { Proto::Tcp } else { Proto::Udp }),
+            Box::new(|l| l.ports[0].has_endpoints = !l.ports[0].has_endpoints),
+            Box::new(|l| l.ports[0].vip = "10.96.9.9".parse().unwrap()),
+            Box::new(|l| l.ports.truncate(l.ports.len() - 1)),
+        ];
+        for (i, edit) in edits.iter_mut().enumerate() {
+            let mut l = base.clone();
+            edit(&mut l);
+            assert_ne!(content_digest(&l), d, "edit {i}");
+        }
+    }
+
+    /// The digest of a layer a change makes, moved by the change alone, is the digest of the
+    /// layer made anew, over random changes of both families. Control: leaving out the words
+    /// of the ports a change takes out gives another digest.
+    #[test]
+    fn the_moved_digest_is_the_digest_of_the_new_layer() {
+        let mut rng = aether_testkit::Rng::new(0x5eed_d16e);
+        let vip = |rng: &mut aether_testkit::Rng| -> IpAddr {
+            if rng.below(4) == 0 {
+                IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, rng.below(200) as u16))
+            } else {
+                IpAddr::V4(Ipv4Addr::new(10, 96, 0, rng.below(200) as u8))
+            }
+        };
+        let port = |rng: &mut aether_testkit::Rng, v: IpAddr| ServicePort {
+            vip: v,
+            proto: if rng.below(2) == 0 { Proto::Tcp } else { Proto::Udp },
+            port: 1 + rng.below(3) as u16,
+            has_endpoints: rng.below(3) != 0,
+        };
+        let mut l = StoredLayer::new(1, &dual(), 1);
+        let mut controls = 0;
+        for round in 0..300 {
+            let mut gone: Vec<IpAddr> = (0..rng.below(3)).map(|_| vip(&mut rng)).collect();
+            gone.sort();
+            gone.dedup();
+            let mut came: Vec<ServicePort> = Vec::new();
+            for _ in 0..rng.below(3) {
+                let v = vip(&mut rng);
+                let free = l.layer.ports.iter().all(|p| p.vip != v || gone.contains(&v));
+                if free && came.iter().all(|p| p.vip != v) {
+                    came.extend((0..1 + rng.below(2)).map(|_| port(&mut rng, v)));
+                }
+            }
+            came.sort();
+            came.dedup_by(|a, b| (a.vip, a.proto, a.port) == (b.vip, b.proto, b.port));
+            let mut next = l.layer.clone();
+            next.ports.retain(|p| !gone.contains(&p.vip));
+            next.ports.extend(&came);
+            if rng.below(10) == 0 {
+                next.mode = LayerMode::Count;
+            }
+            if rng.below(10) == 0 {
+                next.mesh_vips.push(vip(&mut rng));
+            }
+            let made = StoredLayer::new(round + 2, &next, 1);
+            let moved = moved_digest(l.digest, &l.layer, &made.layer, &gone, &came);
+            assert_eq!(moved, made.digest, "round {round}");
+            if gone.iter().any(|&v| l.layer.ports.iter().any(|p| p.vip == v)) {
+                assert_ne!(moved_digest(l.digest, &l.layer, &made.layer, &[], &came), made.digest, "the control");
+                controls += 1;
+            }
+            l = made;
+        }
+        assert!(controls > 20, "the control ran {controls} times");
     }
 
     fn read_header_of(bytes: &[u8]) -> Option<(u64, u64)> {

@@ -12,6 +12,8 @@
 //! - `layer.bin`: the same snapshot as the layer needs it, compact and checksummed
 //!   (`layer_file`), written after `snapshot.json`: what ADD loads (never the JSON), and the
 //!   generation the next apply computes its element change from;
+//! - `layer.journal`: the changes the installer's applier stored since the two files above
+//!   were written whole, which every reader folds in (`journal`);
 //! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
 //!   a pod that holds the previous generation only the change, without reading its sets back,
 //!   and rebuilds any other (a missed generation, a crash, a new pod);
@@ -38,6 +40,7 @@ pub mod change;
 mod encoded;
 mod engine;
 pub mod fold;
+mod journal;
 pub mod layer_file;
 pub mod report;
 pub mod snapshot;
@@ -141,6 +144,8 @@ pub enum ServicesError {
     StaleBase { base: u64, stored: u64 },
     #[error("baseGeneration: {base}, but no snapshot is stored; send a whole snapshot; nothing changed")]
     NoBase { base: u64 },
+    #[error("no Service snapshot is stored")]
+    NoSnapshot,
     #[error("generation: {0} is already stored with different content; a new snapshot needs a new generation")]
     GenerationReused(u64),
     /// The pods' network namespaces cannot be toured (a thread, or the way home).
@@ -237,8 +242,8 @@ impl ServicesDir {
     /// `snapshot.json`: it is parsed instead, within the snapshot limits, until the next
     /// apply writes `layer.bin`.
     pub fn stored_layer(&self) -> Result<Option<StoredLayer>, ServicesError> {
-        if let Some(l) = layer_file::read(&self.layer_path())? {
-            return Ok(Some(l));
+        if let Some((l, base)) = layer_file::read_with_base(&self.layer_path())? {
+            return Ok(Some(journal::fold(l, &self.journal(&base)?)));
         }
         let path = self.root.join("snapshot.json");
         let mut text = Vec::new();
@@ -254,6 +259,27 @@ impl ServicesDir {
             // No source digest: the next apply, whatever it sends, writes `layer.bin`.
             .map(|s| Some(StoredLayer::new(s.generation, &s.layer(0), 0)))
             .map_err(|r| ServicesError::StoredInvalid { path, reasons: r.reasons })
+    }
+
+    fn journal_path(&self) -> PathBuf {
+        self.root.join(journal::JOURNAL)
+    }
+
+    /// The journal's entries over `layer.bin` (`base`).
+    fn journal(&self, base: &layer_file::Base) -> Result<Vec<journal::Entry<'static>>, ServicesError> {
+        let path = self.journal_path();
+        journal::read(&path, base).map_err(|source| ServicesError::Read { path, source })
+    }
+
+    /// The stored generation and source digest, from `layer.bin`'s header and the journal
+    /// (a source digest of 0 while the journal extends it: no document is known whole by its
+    /// digest).
+    pub(super) fn stored_header(&self) -> Result<Option<(u64, u64)>, ServicesError> {
+        let Some(base) = layer_file::read_base(&self.layer_path())? else { return Ok(None) };
+        Ok(Some(match self.journal(&base)?.last() {
+            Some(e) => (e.generation, 0),
+            None => (base.generation, base.source),
+        }))
     }
 
     /// The generation of `text` when `text` is the stored `snapshot.json` byte for byte but

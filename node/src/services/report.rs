@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use super::apply::describe;
 use super::engine::PodHolds;
-use super::{flat, layer_file, ServicesDir, ServicesError, StoredLayer};
+use super::{flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
 
@@ -114,7 +114,7 @@ pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, ServicesError> {
         }
     }
     let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
-    let generation = layer_file::read_header(&dir.layer_path()).ok().flatten().map(|(generation, _)| generation);
+    let generation = dir.stored_header().ok().flatten().map(|(generation, _)| generation);
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
 
@@ -247,12 +247,12 @@ pub fn applied_run(state_dir: &Path, netns: &Netns) -> Option<AppliedRun> {
 /// `layer.bin`'s (generation, source digest): which stored layer is in force.
 pub type LayerHeader = (u64, u64);
 
-/// Which stored layer is in force: `layer.bin`'s (generation, source digest), `None` when
-/// there is none. Every apply that stores another layer changes it; reading it costs one
+/// Which stored layer is in force: its (generation, source digest), from `layer.bin`'s
+/// header and its journal, `None` when there is none. Every apply that stores another layer changes it; reading it costs one
 /// small read, never the layer itself (the reconciler's signal that the stored layer is the
 /// one it last compared a pod with).
 pub fn stored_header(state_dir: &Path) -> Result<Option<LayerHeader>, ServicesError> {
-    Ok(layer_file::read_header(&ServicesDir::new(state_dir).layer_path())?)
+    ServicesDir::new(state_dir).stored_header()
 }
 
 /// One pod's layer compared with the stored one (`services verify`'s comparison of one pod,
@@ -266,8 +266,8 @@ pub fn verify_pod_layer(
 ) -> Result<(Vec<String>, Option<LayerHeader>), ServicesError> {
     let dir = ServicesDir::new(state_dir);
     let _lock = dir.read_lock()?;
-    let header = layer_file::read_header(&dir.layer_path())?;
     let stored = dir.stored_layer()?;
+    let header = stored.as_ref().map(|s| (s.generation, s.source));
     let mark = divert_mark.unwrap_or_else(|| dir.divert_mark());
     let l = stored.as_ref().map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
     let diffs = flat(netns.run(|| layer::verify(&l)))?;

@@ -4,7 +4,7 @@ use aether_testkit::{root_or_skip, Rng, TestNetns};
 use serde_json::{json, Value};
 
 use super::*;
-use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document};
+use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file};
 use crate::state::NetnsIdentity;
 use aether_rules::services as layer;
 
@@ -96,9 +96,12 @@ fn outcomes(report: &ApplyReport) -> Vec<(String, String)> {
         .collect()
 }
 
-fn files(state: &Path) -> (Vec<u8>, Vec<u8>) {
-    let read = |f: &str| std::fs::read(state.join("services").join(f)).unwrap();
-    (read("snapshot.json"), read("layer.bin"))
+/// The stored state as every reader sees it (the files, with the applier's journal folded
+/// in): the document, and the layer's generation, digest and content.
+fn files(state: &Path) -> (Vec<u8>, (u64, u64, layer::ServiceLayer)) {
+    let dir = ServicesDir::new(state);
+    let l = dir.stored_layer().unwrap().unwrap();
+    (dir.stored_text().unwrap().unwrap(), (l.generation, l.digest, l.layer))
 }
 
 /// What each pod's file under `pods/` says it holds: (generation, digest), sorted.
@@ -205,6 +208,78 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
     let vip = cluster.services.values().next().unwrap()["vip"].as_str().unwrap().to_string();
     kept_pods["a"].exec("nft", &["delete", "element", "ip", "aether_services", "service_vips", "{", &vip, "}"]);
     assert!(!drift(&kept_state, &kept_pods).is_empty(), "RIG BROKEN: a VIP deleted by hand is not seen");
+    let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
+}
+
+/// The journal's entries over `layer.bin` (0 without a journal).
+fn journal_entries(state: &Path) -> usize {
+    let dir = ServicesDir::new(state);
+    let base = layer_file::read_base(&dir.layer_path()).unwrap().unwrap();
+    dir.journal(&base).unwrap().len()
+}
+
+/// The applier stores a change as a journal entry, not by writing `snapshot.json` and
+/// `layer.bin` whole; every reader folds the journal in. Random changes (no pods: no root
+/// needed) to two nodes, the applier's and the one-shot functions': at every step both read
+/// back the same document and layer, whose digest the applier moved by the change alone.
+/// Past `MAX_ENTRIES` the applier writes the files whole and starts a new journal; a one-shot
+/// change reads a journal and writes the files whole; an append torn by a kill leaves the
+/// state of the entry before it, and the next change over the lost one is refused as
+/// stale. Control: `layer.bin` alone is behind the journaled state.
+#[test]
+fn the_applier_journals_its_changes_and_every_reader_folds_them() {
+    let (kept_state, once_state) = (tmp("journal-kept"), tmp("journal-once"));
+    let (kept_dir, once_dir) = (ServicesDir::new(&kept_state), ServicesDir::new(&once_state));
+    let mut rng = Rng::seeded("AETHER_APPLIER_SEED", "the_applier_journals_its_changes_and_every_reader_folds_them");
+    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
+    for _ in 0..30 {
+        let s = cluster.service();
+        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
+    }
+    let mut applier = Applier::new(&kept_state);
+    applier.apply(&cluster.whole()).unwrap();
+    apply_document(&once_dir, &cluster.whole()).unwrap();
+    let (mut most, mut compacted, mut behind) = (0, 0, 0);
+    for step in 1..=2 * journal::MAX_ENTRIES + 10 {
+        let doc = cluster.random_change(&mut rng);
+        let before = journal_entries(&kept_state);
+        if step == journal::MAX_ENTRIES + 5 {
+            // Another writer: a one-shot change reads the journal, writes the files whole.
+            apply_change(&kept_dir, &doc).unwrap();
+            apply_change(&once_dir, &doc).unwrap();
+            assert_eq!(journal_entries(&kept_state), 0, "step {step}: the journal stays after a whole write");
+        } else {
+            through_both(&mut applier, &once_dir, &doc, step);
+        }
+        let now = journal_entries(&kept_state);
+        most = most.max(now);
+        compacted += usize::from(now < before && step != journal::MAX_ENTRIES + 5);
+        assert!(files(&kept_state) == files(&once_state), "step {step}: the stored state differs");
+        assert_eq!(kept_dir.stored_header().unwrap().unwrap().0, cluster.generation, "step {step}");
+        let alone = layer_file::read(&kept_dir.layer_path()).unwrap().unwrap();
+        behind += usize::from(alone.generation < cluster.generation);
+    }
+    assert_eq!(most, journal::MAX_ENTRIES, "the journal grows to its bound");
+    assert!(compacted >= 1, "the applier never wrote the files whole again");
+    assert!(behind > journal::MAX_ENTRIES, "RIG BROKEN: layer.bin alone was never behind ({behind})");
+    // An append torn by a kill: the state is the entry before's, and a change over the lost
+    // one is refused (the agent then sends a whole snapshot).
+    let doc = cluster.random_change(&mut rng);
+    applier.apply(&doc).unwrap();
+    let path = kept_dir.journal_path();
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 3).unwrap();
+    assert_eq!(kept_dir.stored_header().unwrap().unwrap().0, cluster.generation - 1);
+    let doc = cluster.random_change(&mut rng);
+    match applier.apply(&doc) {
+        Err(ServicesError::StaleBase { base, stored }) => {
+            assert_eq!((base, stored), (cluster.generation - 1, base - 1))
+        }
+        other => panic!("a change over a lost entry: {other:?}"),
+    }
+    applier.apply(&cluster.whole()).unwrap();
+    apply_document(&once_dir, &cluster.whole()).unwrap();
+    assert!(files(&kept_state) == files(&once_state), "after the whole snapshot");
     let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
 }
 

@@ -21,10 +21,14 @@ use memchr::memmem;
 use super::{render_head, render_service, Change, SERVICES_END};
 use crate::services::snapshot::{self, Service, MAX_MESH_VIPS, MAX_SERVICES, MAX_SERVICE_PORTS};
 
-/// What the change makes: the new canonical document and its layer (lists not yet sorted).
+/// What the change makes: the new canonical document and its layer (ports sorted, the
+/// other lists not yet), and the layer's change: every port of the VIPs `gone` taken out,
+/// then `came` put in (both sorted).
 pub struct Spliced {
     pub text: Vec<u8>,
     pub layer: ServiceLayer,
+    pub gone: Vec<IpAddr>,
+    pub came: Vec<ServicePort>,
 }
 
 /// Where the stored document's Services are: the `[`...`]` of `"services"`.
@@ -241,13 +245,17 @@ pub fn splice(
         divert_mark: stored.divert_mark,
         chained: None,
     };
-    Some(Spliced { text: out, layer })
+    Some(Spliced { text: out, layer, gone, came })
 }
 
 /// The sorted `ports` without every port of the VIPs in `gone`, with `came` merged in (both
 /// sorted; none of `came` among the ports kept): sorted, in one pass of copies rather than a
 /// copy, a filter and a sort of 20,000 ports.
-fn spliced_ports(ports: &[ServicePort], gone: &[IpAddr], came: &[ServicePort]) -> Vec<ServicePort> {
+pub(in crate::services) fn spliced_ports(
+    ports: &[ServicePort],
+    gone: &[IpAddr],
+    came: &[ServicePort],
+) -> Vec<ServicePort> {
     let mut out = Vec::with_capacity(ports.len() + came.len());
     let mut came = came.iter().copied().peekable();
     let mut from = 0;
