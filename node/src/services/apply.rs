@@ -235,7 +235,7 @@ fn store_and_apply(
     }
     // Before anything is stored: work that would cross this process's memory limit is
     // refused whole (the OOM killer would stop it midway).
-    super::budget::apply_fits(dir, &new, previous.as_ref())?;
+    super::budget::apply_fits(dir, &new, previous.as_ref(), &mut || reach.budget_records(dir))?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from
     // (with the journal: names the canonical document the journal's changes apply to).
     let file = match storing {
@@ -296,6 +296,11 @@ pub(super) trait PodReach {
 
     /// Told that the exclusive lock is taken: what was kept may be checked now.
     fn locked(&mut self, _dir: &ServicesDir) {}
+
+    /// The attachment records, for the budget's estimate before the apply.
+    fn budget_records(&mut self, dir: &ServicesDir) -> std::sync::Arc<Vec<crate::state::Record>> {
+        std::sync::Arc::new(crate::state::StateDir::new(&dir.state).scan().records)
+    }
 
     /// Whether the next change may be stored as a journal entry (`append_journal`): only a
     /// long-lived applier's, to a journal it wrote itself, while it has room.
@@ -375,6 +380,8 @@ pub(super) fn apply_change_with(
         if let Some(s) = change::splice::splice(stored_text, &prev.layer, prev.generation, &c) {
             let mut layer = s.layer;
             layer.mesh_vips.sort_unstable();
+            // What the engine's cut compares (`narrowed`): only these VIPs' ports can differ.
+            let touched: Vec<std::net::IpAddr> = s.gone.iter().copied().chain(s.came.iter().map(|p| p.vip)).collect();
             if reach.journal_room(dir) {
                 // Stored as what changed: the layer's digest moved by the change alone.
                 let digest = layer_file::moved_digest(prev.digest, &prev.layer, &layer, &s.gone, &s.came);
@@ -389,11 +396,13 @@ pub(super) fn apply_change_with(
                     change: Cow::Borrowed(text),
                 };
                 let new = StoredLayer { generation: c.generation, digest, source: 0, layer };
+                engine::note_touched(&prev, &new, touched);
                 let storing = (new, Storing::Journal(entry));
                 return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
             }
             let source = layer_file::source_digest(&s.text);
             let (new, file) = StoredLayer::with_file(c.generation, layer, source);
+            engine::note_touched(&prev, &new, touched);
             let storing = (new, Storing::Whole(Some(file)));
             return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
         }

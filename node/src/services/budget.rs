@@ -19,7 +19,7 @@ use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer
 use super::engine::{decide, mark_of, narrowed, open_pod, Action};
 use super::{ServicesDir, ServicesError, StoredLayer};
 use crate::memcg::{self, Memcg, OverBudget, Reading};
-use crate::state::{Record, StateDir};
+use crate::state::Record;
 
 /// Used when the measurement cannot be made (no private netns, an unreadable cgroup):
 /// above every figure measured on the kernels we test (docs/operating.md, "Memory"), so
@@ -177,17 +177,19 @@ pub fn layers_fit(dir: &ServicesDir, pods: u64) -> Result<(), ServicesError> {
 /// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
 /// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
 /// read to tell the pods that need nothing or only the change.
+/// `records`: the attachment records, asked for only when some limit binds this process.
 pub(super) fn apply_fits(
     dir: &ServicesDir,
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
+    records: &mut dyn FnMut() -> std::sync::Arc<Vec<Record>>,
 ) -> Result<(), ServicesError> {
     // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
     if new.layer.mode == LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
         return Ok(());
     }
     let Some((reading, per)) = budget() else { return Ok(()) };
-    let records = StateDir::new(&dir.state).scan().records;
+    let records = records();
     let whole = layer_elements(&new.layer);
     if memcg::fits(&reading, records.len() as u64 * whole, per).is_ok() {
         return Ok(());

@@ -471,8 +471,20 @@ impl<'a> ForMark<'a> {
 /// have chains, decided over the whole layer: each cut keeps its whole layer's decision, and
 /// the VIPs of a profile that gained or lost its chain.
 pub(super) fn narrowed(old: &StoredLayer, new: &StoredLayer) -> (layer::ServiceLayer, layer::ServiceLayer) {
-    let (gone, came) = sorted_difference(&old.layer.ports, &new.layer.ports);
-    let mut vips: Vec<std::net::IpAddr> = gone.iter().chain(&came).map(|p| p.vip).collect();
+    let mut vips: Vec<std::net::IpAddr> = match touched_between(old, new) {
+        // Only the VIPs the change touched can differ: each compared, not the 20,000 ports.
+        Some(touched) => touched
+            .into_iter()
+            .filter(|&v| {
+                let (o, n) = (&old.layer.ports, &new.layer.ports);
+                o[layer::ports_of(o, v)] != n[layer::ports_of(n, v)]
+            })
+            .collect(),
+        None => {
+            let (gone, came) = sorted_difference(&old.layer.ports, &new.layer.ports);
+            gone.iter().chain(&came).map(|p| p.vip).collect()
+        }
+    };
     vips.sort_unstable();
     vips.dedup();
     let (old_chains, new_chains) = decisions(old, new, &vips);
@@ -493,6 +505,28 @@ pub(super) fn narrowed(old: &StoredLayer, new: &StoredLayer) -> (layer::ServiceL
         chained: Some(chained),
     };
     (cut(old, old_chains), cut(new, new_chains))
+}
+
+/// The VIPs whose ports a change may have changed, recorded by the apply that made the
+/// layer of digest `.1` from the one of digest `.0` (`note_touched`): a cache in front of
+/// `narrowed`'s comparison of every port, which then compares only these. Process-wide (the
+/// apply's tour may run on another thread), the last few changes.
+type Touched = (u64, u64, Vec<std::net::IpAddr>);
+static TOUCHED: std::sync::Mutex<Vec<Touched>> = std::sync::Mutex::new(Vec::new());
+const TOUCHED_KEPT: usize = 4;
+
+/// Records that every VIP whose ports differ between `old` and `new` is among `touched`.
+pub(super) fn note_touched(old: &StoredLayer, new: &StoredLayer, touched: Vec<std::net::IpAddr>) {
+    let mut kept = TOUCHED.lock().unwrap_or_else(|p| p.into_inner());
+    kept.retain(|(o, n, _)| (*o, *n) != (old.digest, new.digest));
+    kept.push((old.digest, new.digest, touched));
+    let excess = kept.len().saturating_sub(TOUCHED_KEPT);
+    kept.drain(..excess);
+}
+
+fn touched_between(old: &StoredLayer, new: &StoredLayer) -> Option<Vec<std::net::IpAddr>> {
+    let kept = TOUCHED.lock().unwrap_or_else(|p| p.into_inner());
+    kept.iter().find(|(o, n, _)| (*o, *n) == (old.digest, new.digest)).map(|(_, _, t)| t.clone())
 }
 
 /// The profile counts of the stored layers last decided over, by content digest: a cache in

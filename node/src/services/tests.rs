@@ -312,7 +312,7 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
             IpAddr::V6(Ipv6Addr::from(0xfd00_0000_0000_0000_0000_0000_0000_0000u128 + u128::from(i)))
         }
     };
-    let mut flips = 0;
+    let (mut flips, mut hinted) = (0, 0);
     for round in 0..200 {
         let mut old = Vec::new();
         for i in 0..40 {
@@ -358,7 +358,26 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
             l
         };
         let stored = |ports: &[layer::ServicePort]| StoredLayer::new(round, &at(ports.to_vec()), 0);
-        let (mut a, mut b) = engine::narrowed(&stored(&old), &stored(&new));
+        let (s_old, s_new) = (stored(&old), stored(&new));
+        let (mut a, mut b) = engine::narrowed(&s_old, &s_new);
+        // The same cut when the change's touched VIPs are known (a superset of those that
+        // differ: every VIP the change named); control: a hint that leaves out one that
+        // differs gives another cut, so the hint is what the cut was made from (in a round
+        // where no profile gains or loses its chain, which would bring its VIPs back in).
+        let mut touched = differ.clone();
+        touched.extend((0..next(4)).map(|_| vip(next(60))));
+        engine::note_touched(&s_old, &s_new, touched);
+        assert_eq!(engine::narrowed(&s_old, &s_new), (a.clone(), b.clone()), "round {round}: the cut with the hint");
+        if let Some(&left_out) = differ.first().filter(|_| a.profile_chains() == b.profile_chains()) {
+            let short: Vec<IpAddr> = differ.iter().copied().filter(|&v| v != left_out).collect();
+            engine::note_touched(&s_old, &s_new, short);
+            assert_ne!(
+                engine::narrowed(&s_old, &s_new),
+                (a.clone(), b.clone()),
+                "round {round}: RIG BROKEN: the hint is not used"
+            );
+            hinted += 1;
+        }
         // Stored layers hold no mark; each pod's is set on the way to it.
         (a.divert_mark, b.divert_mark) = (at(vec![]).divert_mark, at(vec![]).divert_mark);
         let kept = |cut: &[layer::ServicePort], all: &[layer::ServicePort]| {
@@ -373,6 +392,7 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
         }
     }
     assert!(flips > 10, "only {flips} rounds moved a profile across the chain threshold");
+    assert!(hinted > 100, "the hint's control ran {hinted} times");
 }
 
 /// The report's text, written straight from the report, is byte for byte the pretty text of
