@@ -756,43 +756,36 @@ fn connections_per_second(n: u32) -> f64 {
     pod_ns.run(|| services::rebuild(&l)).unwrap().unwrap();
     let listener =
         Netns::open_foreign(peer.path()).unwrap().run(|| std::net::TcpListener::bind((vip, 80)).unwrap()).unwrap();
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let rate = std::thread::scope(|s| {
-        s.spawn(|| {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if let Ok((c, _)) = listener.accept() {
-                    drop(c);
-                }
+    // Connected and accepted by one thread, in turn: the handshake completes inside
+    // `connect` (veth delivers in the sender's softirq), so the listener's queue holds it for
+    // the `accept` right after. With an accepting thread of its own, the rate swung by two
+    // orders of magnitude with the scheduling of two threads on two cores: a full accept
+    // queue drops SYNs, and each costs the client a one-second retransmission.
+    let rate = pod_ns
+        .run(|| {
+            let t = Instant::now();
+            let mut count = 0u64;
+            while t.elapsed() < Duration::from_millis(700) {
+                let c = std::net::TcpStream::connect((vip, 80)).unwrap();
+                // RST on close: no TIME_WAIT piling up over the run.
+                let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+                let r = unsafe {
+                    libc::setsockopt(
+                        std::os::fd::AsRawFd::as_raw_fd(&c),
+                        libc::SOL_SOCKET,
+                        libc::SO_LINGER,
+                        (&linger as *const libc::linger).cast(),
+                        std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                    )
+                };
+                assert_eq!(r, 0);
+                let (accepted, _) = listener.accept().unwrap();
+                drop((c, accepted));
+                count += 1;
             }
-        });
-        let rate = pod_ns
-            .run(|| {
-                let t = Instant::now();
-                let mut count = 0u64;
-                while t.elapsed() < Duration::from_millis(700) {
-                    let c = std::net::TcpStream::connect((vip, 80)).unwrap();
-                    // RST on close: no TIME_WAIT piling up over the run.
-                    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-                    let r = unsafe {
-                        libc::setsockopt(
-                            std::os::fd::AsRawFd::as_raw_fd(&c),
-                            libc::SOL_SOCKET,
-                            libc::SO_LINGER,
-                            (&linger as *const libc::linger).cast(),
-                            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                        )
-                    };
-                    assert_eq!(r, 0);
-                    count += 1;
-                }
-                count as f64 / t.elapsed().as_secs_f64()
-            })
-            .unwrap();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        // Unblock the accept loop.
-        let _ = pod_ns.run(|| std::net::TcpStream::connect((vip, 80)));
-        rate
-    });
+            count as f64 / t.elapsed().as_secs_f64()
+        })
+        .unwrap();
     let counted = pod_ns.run(services::counters).unwrap().unwrap().unwrap();
     assert!(counted["service"] > 0, "the connections went through the layer: {counted:?}");
     rate

@@ -5,7 +5,7 @@
 use super::{services_tables, Applied, ServiceLayer, CHAIN_BY_KEY, PROFILE_CHAIN_PREFIX, TABLE};
 use crate::error::Result;
 use crate::family::Family;
-use crate::model::{Chain, Element, SetData, Table};
+use crate::model::{Chain, Element, Set, SetData, Table};
 use crate::nft;
 
 /// Whether a chain of the layer is a profile chain (which a change may add or remove).
@@ -31,27 +31,40 @@ impl LayerChange {
         if old.is_empty() || families(&old) != families(&new) {
             return Ok(None);
         }
-        // The table without its elements, the verdict map's chain list and the profile chains.
-        let bare = |t: &Table| {
-            let mut t = t.clone();
-            t.sets.iter_mut().for_each(|s| {
-                s.elements.clear();
-                if let SetData::Goto(chains) = &mut s.data {
-                    chains.clear();
-                }
-            });
-            t.chains.retain(|c| !is_profile_chain(c));
-            t
+        // The tables alike but for their elements, the verdict map's chain list and the profile
+        // chains (compared without copying the chains: a cut layer keeps every profile chain
+        // of its whole layer's decision).
+        let bare_sets = |t: &Table| -> Vec<Set> {
+            t.sets
+                .iter()
+                .map(|s| {
+                    let mut s = Set { elements: Vec::new(), ..s.clone() };
+                    if let SetData::Goto(chains) = &mut s.data {
+                        chains.clear();
+                    }
+                    s
+                })
+                .collect()
+        };
+        fn fixed(t: &Table) -> impl Iterator<Item = &Chain> {
+            t.chains.iter().filter(|c| !is_profile_chain(c))
+        }
+        fn profiles(t: &Table) -> Vec<&Chain> {
+            t.chains.iter().filter(|c| is_profile_chain(c)).collect()
+        }
+        let alike = |a: &Table, b: &Table| {
+            (a.family, &a.name, &a.counters) == (b.family, &b.name, &b.counters)
+                && fixed(a).eq(fixed(b))
+                && bare_sets(a) == bare_sets(b)
         };
         let mut out = Vec::new();
         for (old, new) in old.iter().zip(&new) {
-            if bare(old) != bare(new) {
+            if !alike(old, new) {
                 return Ok(None);
             }
-            let profiles = |t: &Table| t.chains.iter().filter(|c| is_profile_chain(c)).cloned().collect::<Vec<_>>();
             let (was, will) = (profiles(old), profiles(new));
             let mut change = nft::TableChange {
-                add_chains: will.iter().filter(|c| !was.iter().any(|o| o.name == c.name)).cloned().collect(),
+                add_chains: will.iter().filter(|c| !was.iter().any(|o| o.name == c.name)).map(|&c| c.clone()).collect(),
                 delete_chains: was
                     .iter()
                     .filter(|c| !will.iter().any(|n| n.name == c.name))
