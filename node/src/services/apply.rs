@@ -475,9 +475,15 @@ impl ServicesDir {
     }
 
     /// The stored document as it stands: `snapshot.json` with the journal's changes applied.
+    /// A document `snapshot.source` does not name as `layer.bin`'s canonical source is taken
+    /// as it is: an apply stopped after writing it (the marker goes first) left it newer than
+    /// the layer and its journal, which it already holds.
     pub(super) fn stored_text(&self) -> Result<Option<Vec<u8>>, ServicesError> {
         let Some(text) = self.read("snapshot.json")? else { return Ok(None) };
         let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(Some(text)) };
+        if self.source_marker() != Some((base.source, true)) {
+            return Ok(Some(text));
+        }
         let entries = self.journal(&base)?;
         if entries.is_empty() {
             return Ok(Some(text));

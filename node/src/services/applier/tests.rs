@@ -225,7 +225,8 @@ fn journal_entries(state: &Path) -> usize {
 /// Past `MAX_ENTRIES` the applier writes the files whole and starts a new journal; a one-shot
 /// change reads a journal and writes the files whole; an append torn by a kill leaves the
 /// state of the entry before it, and the next change over the lost one is refused as
-/// stale. Control: `layer.bin` alone is behind the journaled state.
+/// stale; an apply stopped after writing the document whole leaves the document to be read
+/// as it is. Control: `layer.bin` alone is behind the journaled state.
 #[test]
 fn the_applier_journals_its_changes_and_every_reader_folds_them() {
     let (kept_state, once_state) = (tmp("journal-kept"), tmp("journal-once"));
@@ -280,6 +281,23 @@ fn the_applier_journals_its_changes_and_every_reader_folds_them() {
     applier.apply(&cluster.whole()).unwrap();
     apply_document(&once_dir, &cluster.whole()).unwrap();
     assert!(files(&kept_state) == files(&once_state), "after the whole snapshot");
+    // An apply stopped between writing `snapshot.json` whole and `layer.bin` (the applier
+    // writing the files whole again): the marker gone first, the document newer than
+    // `layer.bin` and its journal. Readers take the document as it is, and the next change
+    // is made to it.
+    // (The first change after a whole snapshot as sent writes the canonical form whole.)
+    for step in 0..4 {
+        through_both(&mut applier, &once_dir, &cluster.random_change(&mut rng), step);
+    }
+    assert_eq!(journal_entries(&kept_state), 3);
+    apply_change(&once_dir, &cluster.random_change(&mut rng)).unwrap();
+    std::fs::remove_file(kept_state.join("services/snapshot.source")).unwrap();
+    std::fs::copy(once_state.join("services/snapshot.json"), kept_state.join("services/snapshot.json")).unwrap();
+    assert_eq!(kept_dir.stored_text().unwrap(), once_dir.stored_text().unwrap(), "the newer document, as it is");
+    let next = cluster.random_change(&mut rng);
+    apply_change(&kept_dir, &next).unwrap();
+    apply_change(&once_dir, &next).unwrap();
+    assert!(files(&kept_state) == files(&once_state), "the change after the stopped apply");
     let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
 }
 
