@@ -120,28 +120,13 @@ struct Link {
     /// The pod's file under `pods/`, kept open: written in place with one system call while
     /// it is still the file at its name (anyone who replaces it unlinks this one first).
     file: Option<std::fs::File>,
-    /// The length this applier last wrote to `file`; `None` once another writer may have.
-    written_len: Option<u64>,
-    /// `pods/` is as this applier left it after its last apply (no file in it unlinked,
-    /// created or renamed since): `file` is still linked, without a look at it.
-    pods_unchanged: bool,
 }
 
 impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link {
-            path: r.netns.clone(),
-            recorded: r.netns_id,
-            ns,
-            sock,
-            holds: None,
-            reread: true,
-            file: None,
-            written_len: None,
-            pods_unchanged: false,
-        })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
     }
 
     /// Whether the record's path still names the netns this link is in. A stat, not an open
@@ -155,25 +140,17 @@ impl Link {
     /// Writes what the pod holds into its file: in place while the kept one is still linked,
     /// else as `set_pod_holds` does, and the new file kept.
     fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds) -> Result<(), ServicesError> {
-        let body = held.to_string();
+        // Looked at each time (a directory's times are too coarse to tell that no one
+        // replaced it since: two changes within a clock tick leave them as they were).
         if let Some(f) = &self.file {
-            // Its length as last written while `pods/` is unchanged; else looked at (and
-            // whether it is still linked).
-            let len = match self.written_len.filter(|_| self.pods_unchanged) {
-                Some(len) => Some(len),
-                None => f.metadata().ok().filter(|m| m.nlink() > 0).map(|m| m.len()),
-            };
-            self.written_len = None;
-            if let Some(len) = len {
-                if state::overwrite_file(f, body.as_bytes(), len).is_ok() {
-                    self.written_len = Some(body.len() as u64);
+            if let Some(m) = f.metadata().ok().filter(|m| m.nlink() > 0) {
+                if state::overwrite_file(f, held.to_string().as_bytes(), m.len()).is_ok() {
                     return Ok(());
                 }
             }
         }
         dir.set_pod_holds(&self.ns, held)?;
         self.file = dir.open_pod_holds(&self.ns);
-        self.written_len = self.file.as_ref().map(|_| body.len() as u64);
         Ok(())
     }
 }
@@ -186,8 +163,6 @@ impl PodLink for Link {
     fn held(&mut self, dir: &ServicesDir) -> Option<PodHolds> {
         if self.reread {
             (self.holds, self.reread) = (dir.pod_holds(&self.ns), false);
-            // Another writer may have written its file meanwhile.
-            self.written_len = None;
         }
         self.holds.clone()
     }
@@ -196,7 +171,7 @@ impl PodLink for Link {
         self.reread = false;
         let Some(held) = held else {
             dir.forget_pod(self.ns.path());
-            (self.holds, self.file, self.written_len) = (None, None, None);
+            (self.holds, self.file) = (None, None);
             return Ok(());
         };
         let written = self.write_holds(dir, &held);
@@ -222,8 +197,6 @@ struct Kept {
     journal: Option<KeptJournal>,
     /// The spare files `snapshot.json` and `layer.bin` are written through.
     spares: BTreeMap<String, state::Spare>,
-    /// `pods/`'s identity after this applier's last apply.
-    pods_dir: Option<FileId>,
 }
 
 impl Kept {
@@ -364,13 +337,8 @@ impl PodReach for Kept {
         // kept links. A rebuild's socket is closed at once, waiting for the kernel to destroy
         // the layer it replaced before the next pod's: in a long-lived process under a memory
         // limit, the old layers are not left pending together.
-        let pods = dir.root.join("pods");
-        let unchanged = self.pods_dir.is_some() && FileId::of(&pods) == self.pods_dir;
-        self.links.values_mut().for_each(|l| l.pods_unchanged = unchanged);
-        let report = aether_netns::tour_here(|| engine::apply_to_pods(dir, new, previous, warnings, self))
-            .map_err(ServicesError::Tour)?;
-        self.pods_dir = FileId::of(&pods);
-        report
+        aether_netns::tour_here(|| engine::apply_to_pods(dir, new, previous, warnings, self))
+            .map_err(ServicesError::Tour)?
     }
 }
 

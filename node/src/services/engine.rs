@@ -320,14 +320,29 @@ pub(super) fn apply_to_pods(
         removed_keys: Vec::new(),
     };
     let mut outcomes = Vec::with_capacity(records.len());
-    for r in records.iter() {
-        let result = pods.reach(r).and_then(|pod| pass.visit(r, pod));
+    // Every pod's transaction first, then every pod's file: the sends one after another (a
+    // pod's file written between two sends made each send cost more). A crash in between is
+    // what `applying` is for: the next apply trusts no file.
+    let mut to_record = Vec::with_capacity(records.len());
+    for (i, r) in records.iter().enumerate() {
+        let result = pods.reach(r).and_then(|pod| pass.visit(r, pod)).map(|(applied, record)| {
+            if let Some(record) = record {
+                to_record.push((i, record));
+            }
+            applied
+        });
         outcomes.push(PodOutcome {
             container_id: r.container_id.clone(),
             ifname: r.ifname.clone(),
             netns: r.netns.clone(),
             result,
         });
+    }
+    for (i, held) in to_record {
+        let recorded = pods.reach(&records[i]).map(|pod| pod.record(dir, held));
+        if let Ok(Err(e)) = recorded {
+            pass.warnings.push(e.to_string());
+        }
     }
     let Pass { warnings, mut removed_keys, .. } = pass;
     dir.end_pods()?;
@@ -356,8 +371,9 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
-    /// Brings one pod to the new layer as `decide` says, and records what it then holds.
-    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<Applied, PodError> {
+    /// Brings one pod to the new layer as `decide` says; what its file is to say then (`Some`:
+    /// written, or removed when `None`), recorded once every pod is sent its transaction.
+    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<(Applied, Option<Option<PodHolds>>), PodError> {
         let (dir, new) = (self.dir, self.new);
         let mark = mark_of(r, self.node_mark);
         let held = if self.interrupted { None } else { pod.held(dir) };
@@ -371,7 +387,7 @@ impl Pass<'_> {
                 if matches!(outcome, Ok(Applied::Removed(_))) {
                     self.removed_keys.push(r.key());
                 }
-                return outcome;
+                return outcome.map(|a| (a, None));
             }
             (Action::Nothing, _) => (Ok(Applied::Unchanged), Sent::Nothing),
             (Action::Change, Some(prev)) => {
@@ -401,21 +417,19 @@ impl Pass<'_> {
             (Action::Change | Action::Rebuild, _) => (m.rebuild(pod.netns()), Sent::Rebuild),
         };
         crate::state::crash_point("services-pod-sent");
-        match &outcome {
-            Ok(_) if held.as_ref().is_some_and(|h| h.is(new, mark)) => {}
-            Ok(_) => {
+        match outcome {
+            Ok(a) if held.as_ref().is_some_and(|h| h.is(new, mark)) => Ok((a, None)),
+            Ok(a) => {
                 let run = sent.run(held.as_ref().and_then(|h| h.applied_run));
                 let key = netns_key(pod.netns());
-                let now = PodHolds { applied_run: run, ..PodHolds::for_key(new, key, mark) };
-                if let Err(e) = pod.record(dir, Some(now)) {
-                    self.warnings.push(e.to_string());
-                }
+                Ok((a, Some(Some(PodHolds { applied_run: run, ..PodHolds::for_key(new, key, mark) }))))
             }
-            Err(_) => {
+            Err(e) => {
+                // What it holds is unknown: its file goes now, not after the others' sends.
                 let _ = pod.record(dir, None);
+                Err(e)
             }
         }
-        outcome
     }
 }
 
