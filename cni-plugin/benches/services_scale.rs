@@ -1003,7 +1003,10 @@ fn main() {
     // applier on its unix socket, the agent's documents POSTed to it. Wall time is the round
     // trip; CPU time is the installer process's, all threads (schedstat), so the HTTP server,
     // the applier thread and the kernel's work on their messages.
-    let installer = InstallerProcess::start(node);
+    // As a node runs it: in a memory cgroup of the chart's limit for these Services and pods,
+    // so the budget's checks run on every change, as they do on a node.
+    let socket_cg = ScratchMemcg::new("bscale-socket", ChartMemory::read().limit(SERVICES as u64, PODS as u64, 1));
+    let installer = InstallerProcess::start_in(node, Some(&socket_cg));
     let mut posted = |mut doc: Value| -> (Sample, String) {
         doc["baseGeneration"] = json!(g);
         g += 1;
