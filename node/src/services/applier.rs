@@ -22,6 +22,7 @@ use aether_netns::Netns;
 use aether_rules::nft::{Encoded, KeptSocket};
 
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
+use super::change::splice::ServiceIndex;
 use super::engine::{self, open_pod, PodHolds, PodLink, Pods};
 use super::{change, flat, journal, layer_file, FileId, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
@@ -77,11 +78,13 @@ fn layer_ids(dir: &ServicesDir) -> (Option<FileId>, Option<FileId>) {
     (FileId::of(&dir.layer_path()), FileId::of(&dir.journal_path()))
 }
 
-/// The canonical stored document and its layer as this applier stored them.
+/// The canonical stored document and its layer as this applier stored them, and where the
+/// document's Services are (found there without a search of the whole text).
 struct KeptStored {
     text: Vec<u8>,
     layer: StoredLayer,
     files: [Option<FileId>; 4],
+    index: ServiceIndex,
 }
 
 /// The journal this applier writes, kept open for appending while it is the file at its
@@ -310,20 +313,33 @@ impl PodReach for Kept {
             // Handed over whole: a change edits the text in place, and `stored` keeps what
             // it becomes (an apply that stops before then leaves the next to read the files).
             let k = self.stored.take().expect("checked");
-            return Ok(Some((Cow::Owned(k.text), k.layer)));
+            return Ok(Some((Cow::Owned(k.text), k.layer, Some(k.index))));
         }
         self.stored = None;
-        Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
+        // Indexed at the first Service a change looks for, and kept with the text from then.
+        Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer, Some(ServiceIndex::default()))))
     }
 
-    fn stored(&mut self, dir: &ServicesDir, text: Cow<'_, [u8]>, layer: StoredLayer, canonical: bool) {
+    fn stored(
+        &mut self,
+        dir: &ServicesDir,
+        text: Cow<'_, [u8]>,
+        index: Option<ServiceIndex>,
+        layer: StoredLayer,
+        canonical: bool,
+    ) {
         self.layer_bin = layer_ids(dir);
         if self.journal.as_ref().is_some_and(|j| j.id.is_none() || j.id != self.layer_bin.1) {
             // Written whole (the journal removed), or not as this applier left it.
             self.journal = None;
         }
         // Kept only when the marker vouches for the document (it names the layer's source).
-        self.stored = canonical.then(|| KeptStored { text: text.into_owned(), layer, files: stored_ids(dir) });
+        self.stored = canonical.then(|| KeptStored {
+            text: text.into_owned(),
+            layer,
+            files: stored_ids(dir),
+            index: index.unwrap_or_default(),
+        });
     }
 
     fn apply_to_pods(

@@ -10,6 +10,7 @@ use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied};
 use serde_json::Value;
 
+use super::change::splice::ServiceIndex;
 use super::engine::{self, netns_key, PodHolds};
 use super::{change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
@@ -200,7 +201,7 @@ pub(super) fn apply_document_with(
         }
         Some(same) => (same, Storing::Whole(None)),
     };
-    store_and_apply(dir, Cow::Borrowed(text), new, previous, warnings, false, reach)
+    store_and_apply(dir, (Cow::Borrowed(text), None), new, previous, warnings, false, reach)
 }
 
 /// How an apply stores its document and layer.
@@ -215,9 +216,10 @@ pub(super) enum Storing<'a> {
 /// The end of an apply, under the exclusive lock, once the document `text` is checked and
 /// `new` is its layer (with `layer.bin`'s bytes when already encoded): refuses an older or
 /// reused generation, stores the document and its layer, and brings every pod to it.
+/// `index`: where the Services of `text` are, carried from the stored document's.
 fn store_and_apply(
     dir: &ServicesDir,
-    text: Cow<'_, [u8]>,
+    (text, index): (Cow<'_, [u8]>, Option<ServiceIndex>),
     (new, storing): (StoredLayer, Storing<'_>),
     previous: Option<StoredLayer>,
     mut warnings: Vec<String>,
@@ -242,7 +244,7 @@ fn store_and_apply(
         Storing::Journal(entry) => {
             reach.append_journal(dir, &entry)?;
             let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
-            reach.stored(dir, text, new, canonical);
+            reach.stored(dir, text, index, new, canonical);
             return report;
         }
         Storing::Whole(file) => file,
@@ -267,12 +269,13 @@ fn store_and_apply(
         canonical && dir.source_marker() == Some((source, true))
     };
     let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
-    reach.stored(dir, text, new, canonical_vouched);
+    reach.stored(dir, text, index, new, canonical_vouched);
     report
 }
 
-/// A stored document's text (kept, or read for the occasion) and its layer.
-pub(super) type StoredText<'a> = (Cow<'a, [u8]>, StoredLayer);
+/// A stored document's text (kept, or read for the occasion), its layer, and where its
+/// Services are when the reach keeps that with the text (`None`: each is searched for).
+pub(super) type StoredText<'a> = (Cow<'a, [u8]>, StoredLayer, Option<ServiceIndex>);
 
 /// How an apply reaches the pods once the new layer is stored, and what it may keep of the
 /// stored document between applies: a one-shot process (`Tour`), or the installer's
@@ -319,13 +322,22 @@ pub(super) trait PodReach {
     /// The stored document, when canonical, and its layer (`ServicesDir::canonical_stored`);
     /// called under the exclusive lock.
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer)))
+        Ok(dir.canonical_stored()?.map(|(text, layer)| (Cow::Owned(text), layer, None)))
     }
 
     /// Told, under the lock, what was just stored (the files are written, the pods visited);
     /// `canonical`: the stored marker vouches for `text` as the canonical document of
-    /// `layer`. (Both handed over: a kept copy costs no copy of a 1.5 MB document.)
-    fn stored(&mut self, _dir: &ServicesDir, _text: Cow<'_, [u8]>, _layer: StoredLayer, _canonical: bool) {}
+    /// `layer`; `index`: where its Services are, when known. (All handed over: a kept copy
+    /// costs no copy of a 1.5 MB document.)
+    fn stored(
+        &mut self,
+        _dir: &ServicesDir,
+        _text: Cow<'_, [u8]>,
+        _index: Option<ServiceIndex>,
+        _layer: StoredLayer,
+        _canonical: bool,
+    ) {
+    }
 }
 
 /// A one-shot process's reach: one thread enters each pod's netns in turn, opening a socket
@@ -373,11 +385,11 @@ pub(super) fn apply_change_with(
     let c = change::parse(text).map_err(|reasons| ServicesError::Refused { reasons })?;
     let _lock = dir.lock(true)?;
     reach.locked(dir);
-    if let Some((stored_text, prev)) = reach.canonical_stored(dir)? {
+    if let Some((stored_text, prev, mut index)) = reach.canonical_stored(dir)? {
         if prev.generation != c.base_generation {
             return Err(ServicesError::StaleBase { base: c.base_generation, stored: prev.generation });
         }
-        if let Some(s) = change::splice::splice(stored_text, &prev.layer, prev.generation, &c) {
+        if let Some(s) = change::splice::splice(stored_text, &prev.layer, prev.generation, &c, index.as_mut()) {
             let mut layer = s.layer;
             layer.mesh_vips.sort_unstable();
             // What the engine's cut compares (`narrowed`): only these VIPs' ports can differ.
@@ -398,13 +410,13 @@ pub(super) fn apply_change_with(
                 let new = StoredLayer { generation: c.generation, digest, source: 0, layer };
                 engine::note_touched(&prev, &new, touched);
                 let storing = (new, Storing::Journal(entry));
-                return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
+                return store_and_apply(dir, (Cow::Owned(s.text), index), storing, Some(prev), Vec::new(), true, reach);
             }
             let source = layer_file::source_digest(&s.text);
             let (new, file) = StoredLayer::with_file(c.generation, layer, source);
             engine::note_touched(&prev, &new, touched);
             let storing = (new, Storing::Whole(Some(file)));
-            return store_and_apply(dir, Cow::Owned(s.text), storing, Some(prev), Vec::new(), true, reach);
+            return store_and_apply(dir, (Cow::Owned(s.text), index), storing, Some(prev), Vec::new(), true, reach);
         }
     }
     let path = dir.root.join("snapshot.json");
@@ -431,7 +443,8 @@ pub(super) fn apply_change_with(
         None
     });
     let (new, file) = StoredLayer::with_file(generation, layer, layer_file::source_digest(&whole));
-    store_and_apply(dir, Cow::Owned(whole), (new, Storing::Whole(Some(file))), previous, warnings, true, reach)
+    let storing = (new, Storing::Whole(Some(file)));
+    store_and_apply(dir, (Cow::Owned(whole), None), storing, previous, warnings, true, reach)
 }
 
 /// Names the stored `snapshot.json` by the source digest `layer.bin` carries, and says

@@ -281,7 +281,7 @@ pub(super) fn fold_text(mut text: Vec<u8>, base: &StoredLayer, entries: &[Entry]
         if c.base_generation != generation || c.generation != e.generation {
             return None;
         }
-        let s = splice::splice(Cow::Owned(text), &layer, generation, &c)?;
+        let s = splice::splice(Cow::Owned(text), &layer, generation, &c, None)?;
         (text, layer, generation) = (s.text, s.layer, c.generation);
     }
     Some(text)

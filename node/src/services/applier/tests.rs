@@ -260,6 +260,11 @@ fn the_applier_journals_its_changes_and_every_reader_folds_them() {
         let alone = layer_file::read(&kept_dir.layer_path()).unwrap().unwrap();
         behind += usize::from(alone.generation < cluster.generation);
     }
+    // The Services the changes touched were found through the kept index, carried from
+    // change to change since the one-shot write (the searches: Services added, not stored).
+    let index = &applier.kept.stored.as_ref().expect("the applier keeps the document").index;
+    assert!(index.found > journal::MAX_ENTRIES as u64 / 2, "found {}", index.found);
+    assert!(index.searched < index.found, "searched {}, found {}", index.searched, index.found);
     assert_eq!(most, journal::MAX_ENTRIES, "the journal grows to its bound");
     assert!(compacted >= 1, "the applier never wrote the files whole again");
     assert!(behind > journal::MAX_ENTRIES, "RIG BROKEN: layer.bin alone was never behind ({behind})");

@@ -12,6 +12,7 @@
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasher, RandomState};
 use std::net::IpAddr;
 use std::ops::Range;
 
@@ -49,12 +50,15 @@ enum Slot {
 }
 
 /// `c` applied to `text`, the canonical document `stored` (its layer, lists sorted) was made
-/// from; `None` when the full reading must decide.
+/// from; `None` when the full reading must decide. With `index` (the long-lived applier's,
+/// kept with `text`), touched Services are found through it, and it is carried to the new
+/// text; without, each is searched for.
 pub fn splice(
     stored_text: Cow<'_, [u8]>,
     stored: &ServiceLayer,
     stored_generation: u64,
     c: &Change,
+    mut index: Option<&mut ServiceIndex>,
 ) -> Option<Spliced> {
     let text: &[u8] = &stored_text;
     if c.service_ranges.is_some() {
@@ -111,7 +115,7 @@ pub fn splice(
         if let Some(s) = at.get(&key) {
             return Some(*s);
         }
-        let (span, old) = find(body, ns, name)?;
+        let (span, old) = locate(body, ns, name, index.as_deref_mut())?;
         let span = body_start + span.start..body_start + span.end;
         touched.push(Touched { span, new: Some(old.clone()), old });
         let slot = Some(Slot::Stored(touched.len() - 1));
@@ -202,6 +206,9 @@ pub fn splice(
     let mut out = stored_text.into_owned();
     let mut body_end = body_end;
     let mut one = Vec::with_capacity(256);
+    // Each edit's place in the body and how much it moved what follows, in the order made
+    // (for the index).
+    let mut moved = Vec::with_capacity(touched.len());
     for t in touched.iter().rev() {
         let old_len = out.len();
         match &t.new {
@@ -217,18 +224,27 @@ pub fn splice(
             None => drop(out.drain(t.span.clone())),
         }
         body_end = body_end + out.len() - old_len;
+        moved.push((t.span.start - body_start, out.len() as isize - old_len as isize));
     }
+    let mut appended = Vec::with_capacity(added.len());
     if !added.is_empty() {
         let mut tail = Vec::with_capacity(added.len() * 160);
         for s in &added {
             if body_end > body_start || !tail.is_empty() {
                 tail.push(b',');
             }
+            appended.push((s, body_end - body_start + tail.len()));
             render_service(s, &mut tail);
         }
         out.splice(body_end..body_end, tail);
     }
-    out.splice(..body_start, render_head(&head));
+    let new_head = render_head(&head);
+    let new_body = new_head.len()..out.len() - body_start + new_head.len() - SERVICES_END.len();
+    out.splice(..body_start, new_head);
+    if let Some(index) = index {
+        let removed = touched.iter().filter(|t| t.new.is_none()).map(|t| (&t.old, t.span.start - body_start));
+        index.carry(&out[new_body], removed, &moved, appended);
+    }
 
     // The layer: the touched Services' stored ports out, their new ones in.
     let mut gone: Vec<IpAddr> = touched.iter().map(|t| t.old.vip).collect();
@@ -284,20 +300,176 @@ pub(in crate::services) fn spliced_ports(
     out
 }
 
-/// The Service `ns`/`name` in the Services of a canonical document: where its object is,
-/// and what it says. The canonical bytes of a Service's start can only be found at its
-/// start: a `"` inside a JSON string is always escaped.
-fn find(body: &[u8], ns: &str, name: &str) -> Option<(Range<usize>, Service)> {
+/// Where each Service of a kept canonical document starts, so that the long-lived applier
+/// finds a Service a change touches without searching the whole document (1.7 MB at 10,000
+/// Services) for it. Only ever a hint: an offset is used once the Service's canonical bytes
+/// are found there and its object reads as that Service, and a missing or wrong one falls
+/// back to the search, so no result rests on the index. Built by one scan at its first use,
+/// then carried across splices by the edits each makes: logged, not applied to every start
+/// (a change would cost a pass over 10,000 of them), and a start is moved by those made
+/// since it was noted when it is looked up. Past `MAX_MOVES` edits it is scanned again.
+#[derive(Default)]
+pub struct ServiceIndex {
+    /// Each Service's offset in the Services' body (after the `[`: the head's edits move
+    /// nothing here) when it was noted, and how many `moves` there were then, by a hash of
+    /// its canonical key bytes (`key`); `None`: not built yet.
+    starts: Option<HashMap<u64, (usize, usize)>>,
+    /// The edits made since the index was built, in the order made: where (an offset in the
+    /// body as it was then) and by how much it moved every start after it.
+    moves: Vec<(usize, isize)>,
+    hasher: RandomState,
+    /// Services found by their offset here, and searched for.
+    pub found: u64,
+    pub searched: u64,
+}
+
+/// The edits an index follows before it is scanned anew: a lookup walks at most these.
+const MAX_MOVES: usize = 1024;
+
+impl ServiceIndex {
+    pub(super) fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// Where the Service whose key hashes to `h` starts now, as far as the index knows.
+    pub(super) fn start(&self, h: u64) -> Option<usize> {
+        let &(at, seen) = self.starts.as_ref()?.get(&h)?;
+        let moves = self.moves.get(seen..)?;
+        // Wrapping: a wrong start is only a wrong hint.
+        Some(moves.iter().fold(at, |at, &(place, by)| if place < at { at.wrapping_add_signed(by) } else { at }))
+    }
+
+    /// Notes that the Service whose key hashes to `h` starts at `at` now (when built).
+    pub(super) fn note(&mut self, h: u64, at: usize) {
+        if let Some(starts) = &mut self.starts {
+            starts.insert(h, (at, self.moves.len()));
+        }
+    }
+
+    /// How many Services the index holds (`None`: not built yet).
+    #[cfg(test)]
+    pub(super) fn len(&self) -> Option<usize> {
+        self.starts.as_ref().map(HashMap::len)
+    }
+
+    /// The edits logged since the index was last scanned.
+    #[cfg(test)]
+    pub(super) fn moves(&self) -> usize {
+        self.moves.len()
+    }
+
+    /// Forgets every start (built, but empty).
+    #[cfg(test)]
+    pub(super) fn clear(&mut self) {
+        (self.starts, self.moves) = (Some(HashMap::new()), Vec::new());
+    }
+
+    /// Where `key` starts in `body`, as far as the index knows (built now if not yet).
+    fn hint(&mut self, body: &[u8], key: &[u8]) -> Option<usize> {
+        if self.starts.is_none() {
+            self.starts = Some(self.scan(body));
+            self.moves.clear();
+        }
+        self.start(self.hash(key))
+    }
+
+    /// Every Service's start in `body`, in one pass over it; where it stops making sense,
+    /// what follows is left out (searched for when touched).
+    fn scan(&self, body: &[u8]) -> HashMap<u64, (usize, usize)> {
+        let vip = memmem::Finder::new(b",\"vip\":");
+        let end = memmem::Finder::new(OBJECT_END);
+        let mut starts = HashMap::new();
+        let mut at = 0;
+        while body.get(at) == Some(&b'{') {
+            // The key ends at the first `,"vip":` (inside a string a `"` is escaped).
+            let Some(key) = vip.find(&body[at..]).map(|k| at + k + vip.needle().len()) else { break };
+            let Some(tail) = end.find(&body[key..]).map(|t| key + t + OBJECT_END.len()) else { break };
+            let Some(close) = body[tail..].iter().position(|&b| b == b'}') else { break };
+            starts.insert(self.hash(&body[at..key]), (at, 0));
+            at = tail + close + 1;
+            at += usize::from(body.get(at) == Some(&b','));
+        }
+        starts
+    }
+
+    /// Follows a splice's edits: the `removed` Services (with their starts) leave, the edits
+    /// `moved` (in the order made) are logged, the `appended` Services (with their starts in
+    /// the new `body`) enter; or, past `MAX_MOVES`, the new `body` is scanned.
+    fn carry<'s>(
+        &mut self,
+        body: &[u8],
+        removed: impl Iterator<Item = (&'s Service, usize)>,
+        moved: &[(usize, isize)],
+        appended: Vec<(&Service, usize)>,
+    ) {
+        if self.starts.is_none() {
+            return;
+        }
+        for (s, at) in removed {
+            let h = self.hash(key(&s.namespace, &s.name).as_bytes());
+            if self.start(h) == Some(at) {
+                self.starts.as_mut().map(|starts| starts.remove(&h));
+            }
+        }
+        if self.moves.len() + moved.len() > MAX_MOVES {
+            self.starts = Some(self.scan(body));
+            self.moves.clear();
+            return;
+        }
+        self.moves.extend(moved.iter().filter(|(_, by)| *by != 0));
+        for (s, at) in appended {
+            self.note(self.hash(key(&s.namespace, &s.name).as_bytes()), at);
+        }
+    }
+}
+
+/// The canonical bytes a Service's object starts with. They can only be found at its start:
+/// a `"` inside a JSON string is always escaped.
+pub(super) fn key(ns: &str, name: &str) -> String {
     let text = |s: &str| serde_json::to_string(s).expect("a string serializes");
-    let key = format!("{{\"namespace\":{},\"name\":{},\"vip\":", text(ns), text(name));
-    let start = memmem::find(body, key.as_bytes())?;
-    // A Service object ends at the `}` after its usableEndpoints (nothing else is quoted
-    // there but inside strings, where a `"` is escaped).
-    const END: &[u8] = b",\"usableEndpoints\":";
-    let tail = start + memmem::find(&body[start..], END)? + END.len();
-    let end = tail + body[tail..].iter().position(|&b| b == b'}')? + 1;
+    format!("{{\"namespace\":{},\"name\":{},\"vip\":", text(ns), text(name))
+}
+
+/// The Service `ns`/`name` in the Services of a canonical document, through `index` when
+/// there is one and it knows where: where its object is, and what it says.
+fn locate(body: &[u8], ns: &str, name: &str, index: Option<&mut ServiceIndex>) -> Option<(Range<usize>, Service)> {
+    let key = key(ns, name);
+    let Some(index) = index else { return find(body, &key, ns, name) };
+    let hinted = index.hint(body, key.as_bytes()).and_then(|at| object(body, at, &key, ns, name));
+    if hinted.is_some() {
+        index.found += 1;
+        return hinted;
+    }
+    index.searched += 1;
+    let found = find(body, &key, ns, name)?;
+    // Known from now on (a hint that was wrong is put right).
+    index.note(index.hash(key.as_bytes()), found.0.start);
+    Some(found)
+}
+
+/// The Service `ns`/`name`, whose canonical `key` is given, searched for in `body`.
+fn find(body: &[u8], key: &str, ns: &str, name: &str) -> Option<(Range<usize>, Service)> {
+    object(body, memmem::find(body, key.as_bytes())?, key, ns, name)
+}
+
+/// The Service `ns`/`name` when its object starts at `start` in `body`.
+fn object(body: &[u8], start: usize, key: &str, ns: &str, name: &str) -> Option<(Range<usize>, Service)> {
+    if !body.get(start..)?.starts_with(key.as_bytes()) {
+        return None;
+    }
+    let end = object_end(body, start)?;
     let s = service(&body[start..end])?;
     (s.namespace == ns && s.name == name).then_some((start..end, s))
+}
+
+/// What a Service object's last member starts with: the object ends at the `}` after it
+/// (nothing else is quoted there but inside strings, where a `"` is escaped).
+const OBJECT_END: &[u8] = b",\"usableEndpoints\":";
+
+/// The end of the Service object starting at `start`.
+fn object_end(body: &[u8], start: usize) -> Option<usize> {
+    let tail = start + memmem::find(&body[start..], OBJECT_END)? + OBJECT_END.len();
+    Some(tail + body[tail..].iter().position(|&b| b == b'}')? + 1)
 }
 
 /// One Service object, read by the snapshot's own reading (in a document of one Service,

@@ -1,3 +1,4 @@
+use std::collections::HashSet;
 use std::fs;
 
 use super::*;
@@ -252,7 +253,7 @@ fn splice_agrees_with_the_full_reading(wrong: bool) -> Result<(usize, usize), St
         let c = parse(wild_change(&mut rng, &base).to_string().as_bytes()).map_err(|e| format!("{e:?}"))?;
         let text = render(&base);
         let stored = crate::services::StoredLayer::new(base.generation, &base.layer(0), 0);
-        let spliced = splice::splice(std::borrow::Cow::Borrowed(&text), &stored.layer, base.generation, &c);
+        let spliced = splice::splice(std::borrow::Cow::Borrowed(&text), &stored.layer, base.generation, &c, None);
         let full = apply(base.clone(), &c).ok().and_then(|n| snapshot::parse(&render(&n)).ok());
         match (spliced, full) {
             (Some(s), Some(mut full)) => {
@@ -285,4 +286,264 @@ fn the_splice_stores_what_the_full_reading_stores_and_accepts_nothing_it_refuses
 #[test]
 fn the_splice_comparison_catches_a_difference() {
     assert!(splice_agrees_with_the_full_reading(true).is_err());
+}
+
+/// Where a chain of splices stands: the canonical text and its layer (lists sorted, as
+/// stored).
+fn chain_start(services: u64) -> (Vec<u8>, aether_rules::services::ServiceLayer, u64) {
+    let base = snapshot::parse(
+        json!({"generation": 1, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"], "meshVIPs": ["10.96.200.1"],
+               "services": (0..services).map(|i| svc(i, i % 3 == 0)).collect::<Vec<_>>()})
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    (render(&base), crate::services::StoredLayer::new(1, &base.layer(0), 0).layer, 1)
+}
+
+/// Whether `index`, carried across splices, says what a scan of `text` would: every Service
+/// where it starts, and nothing else.
+fn exact(index: &splice::ServiceIndex, text: &[u8]) -> Result<(), String> {
+    let body = &text[memchr::memmem::find(text, b"\"services\":[").unwrap() + 12..];
+    let services = snapshot::parse(text).map_err(|e| format!("{e:?}"))?.services;
+    for s in &services {
+        let key = splice::key(&s.namespace, &s.name);
+        let at = memchr::memmem::find(body, key.as_bytes());
+        if index.start(index.hash(key.as_bytes())) != at {
+            return Err(format!("the index has {}/{} elsewhere", s.namespace, s.name));
+        }
+    }
+    if index.len() != Some(services.len()) {
+        return Err(format!("the index holds {:?} Services, the document {}", index.len(), services.len()));
+    }
+    Ok(())
+}
+
+/// Makes `index` wrong, and plausibly so: each Service of `text` where the next one starts.
+fn misplace(index: &mut splice::ServiceIndex, text: &[u8]) {
+    let body = &text[memchr::memmem::find(text, b"\"services\":[").unwrap() + 12..];
+    let keys: Vec<String> =
+        snapshot::parse(text).unwrap().services.iter().map(|s| splice::key(&s.namespace, &s.name)).collect();
+    let starts: Vec<usize> = keys.iter().map(|k| memchr::memmem::find(body, k.as_bytes()).unwrap()).collect();
+    index.clear();
+    for (k, &at) in keys.iter().zip(starts.iter().cycle().skip(1)) {
+        index.note(index.hash(k.as_bytes()), at);
+    }
+}
+
+/// A chain of splices started (`chain_start`) with a change that builds the index (by the
+/// first Service looked up through it); the index's counts zero.
+fn chain_with_index(services: u64) -> (Vec<u8>, aether_rules::services::ServiceLayer, u64, splice::ServiceIndex) {
+    let (text, layer, generation) = chain_start(services);
+    let mut index = splice::ServiceIndex::default();
+    let c = json!({"baseGeneration": generation, "generation": generation + 1,
+                   "endpoints": [{"namespace": "ns", "name": "s1", "usableEndpoints": true}]});
+    let c = parse(c.to_string().as_bytes()).unwrap();
+    let (text, layer, generation) = spliced_both_ways(&text, &layer, generation, &c, &mut index).unwrap().unwrap();
+    assert!(index.len().is_some(), "the index is not built");
+    (index.found, index.searched) = (0, 0);
+    (text, layer, generation, index)
+}
+
+/// `c` spliced into `text` twice, by searching and through `index`: both must give the same
+/// answer; the next text, layer and generation when accepted.
+fn spliced_both_ways(
+    text: &[u8],
+    layer: &aether_rules::services::ServiceLayer,
+    generation: u64,
+    c: &Change,
+    index: &mut splice::ServiceIndex,
+) -> Result<Option<(Vec<u8>, aether_rules::services::ServiceLayer, u64)>, String> {
+    let searched = splice::splice(std::borrow::Cow::Borrowed(text), layer, generation, c, None);
+    let indexed = splice::splice(std::borrow::Cow::Borrowed(text), layer, generation, c, Some(index));
+    match (searched, indexed) {
+        (None, None) => Ok(None),
+        (Some(a), Some(b)) => {
+            if a.text != b.text {
+                return Err("the documents differ".into());
+            }
+            if (&a.layer, &a.gone, &a.came) != (&b.layer, &b.gone, &b.came) {
+                return Err("the layers differ".into());
+            }
+            // The next link of the chain, its lists sorted as stored.
+            let next = snapshot::parse(&a.text).map_err(|e| format!("{e:?}"))?;
+            let layer = crate::services::StoredLayer::new(next.generation, &next.layer(0), 0).layer;
+            Ok(Some((a.text, layer, next.generation)))
+        }
+        (a, b) => Err(format!("accepted by searching: {}, through the index: {}", a.is_some(), b.is_some())),
+    }
+}
+
+/// Random changes (the valid kind and the wild kind, refused often) spliced through an index
+/// carried from change to change and by searching give byte-identical documents and layers;
+/// the carried index stays exact.
+/// `wrong`: before each change the index is made wrong (`misplace`). Returns the changes accepted and the index's counts (found, searched).
+fn indexed_and_searched(wrong: bool) -> Result<(usize, u64, u64), String> {
+    let (mut text, mut layer, mut generation, mut index) = chain_with_index(150);
+    let mut rng = Rng(0x1dec_5eed);
+    let mut next_id = 150;
+    let mut accepted = 0;
+    for step in 0..400 {
+        let base = snapshot::parse(&text).map_err(|e| format!("{e:?}"))?;
+        let c = if rng.next(2) == 0 {
+            random_change(&mut rng, &mut base.clone(), &mut next_id)
+        } else {
+            wild_change(&mut rng, &base)
+        };
+        let c = parse(c.to_string().as_bytes()).map_err(|e| format!("{e:?}"))?;
+        if wrong {
+            misplace(&mut index, &text);
+        }
+        if let Some(next) = spliced_both_ways(&text, &layer, generation, &c, &mut index)
+            .map_err(|e| format!("step {step}: {e}: {c:?}"))?
+        {
+            (text, layer, generation) = next;
+            accepted += 1;
+            if !wrong {
+                exact(&index, &text).map_err(|e| format!("step {step}: {e}: {c:?}"))?;
+            }
+        }
+    }
+    Ok((accepted, index.found, index.searched))
+}
+
+#[test]
+fn splices_through_the_index_and_by_searching_are_byte_identical() {
+    let (accepted, found, _) = indexed_and_searched(false).unwrap();
+    assert!(accepted > 100, "accepted {accepted}");
+    assert!(found > 300, "the index found {found} Services");
+}
+
+/// A wrong index (every offset another Service's) changes nothing but that each Service is searched for:
+/// no hint is used before it is checked.
+#[test]
+fn a_wrong_index_falls_back_to_the_search() {
+    let (text, _, _, mut index) = chain_with_index(30);
+    exact(&index, &text).unwrap();
+    misplace(&mut index, &text);
+    assert!(exact(&index, &text).is_err(), "RIG BROKEN: a misplaced index passes as exact");
+    let (accepted, found, searched) = indexed_and_searched(true).unwrap();
+    assert!(accepted > 100, "accepted {accepted}");
+    assert_eq!(found, 0, "a wrong offset was taken");
+    assert!(searched > 300, "searched {searched}");
+}
+
+/// Changes that touch only stored Services (flips, replacements, removals) and add new ones:
+/// through the index, every stored Service is found at its offset (the Services appended by
+/// earlier changes too) and only the new ones are searched for, which is what proving a name
+/// absent takes. The index stays exact, also scanned again once it has logged `MAX_MOVES`
+/// edits. Control: with the index's offsets wrong, every lookup is a search.
+fn touched_found_and_searched(wrong: bool) -> ((u64, u64), (u64, u64)) {
+    let (mut text, mut layer, mut generation, mut index) = chain_with_index(150);
+    let mut rng = Rng(0x0ff5_e7ed);
+    let mut next_id = 300;
+    let (mut stored, mut new, mut rescans) = (0, 0, 0);
+    for step in 0..400 {
+        let base = snapshot::parse(&text).unwrap();
+        let mut c = json!({"baseGeneration": generation, "generation": generation + 1});
+        let (mut put, mut removed, mut flips) = (Vec::new(), Vec::new(), Vec::new());
+        let mut names = HashSet::new();
+        for _ in 0..1 + rng.next(8) {
+            let s = &base.services[rng.next(base.services.len() as u64) as usize];
+            if !names.insert(s.name.clone()) {
+                continue;
+            }
+            stored += 1;
+            match rng.next(4) {
+                0 => {
+                    put.push(svc(next_id, true));
+                    names.insert(format!("s{next_id}"));
+                    next_id += 1;
+                    new += 1;
+                    stored -= 1;
+                }
+                1 if base.services.len() > 100 => removed.push(json!({"namespace": s.namespace, "name": s.name})),
+                2 => {
+                    put.push(json!({"namespace": s.namespace, "name": s.name, "vip": s.vip.to_string(),
+                                    "ports": [{"protocol": "TCP", "port": 9000 + rng.next(100)}],
+                                    "usableEndpoints": s.usable_endpoints}));
+                }
+                _ => flips
+                    .push(json!({"namespace": s.namespace, "name": s.name, "usableEndpoints": !s.usable_endpoints})),
+            }
+        }
+        c["servicesPut"] = json!(put);
+        c["servicesRemoved"] = json!(removed);
+        c["endpoints"] = json!(flips);
+        let c = parse(c.to_string().as_bytes()).unwrap();
+        if wrong {
+            misplace(&mut index, &text);
+        }
+        let moves = index.moves();
+        let next = spliced_both_ways(&text, &layer, generation, &c, &mut index).unwrap();
+        (text, layer, generation) = next.unwrap_or_else(|| panic!("step {step}: refused: {c:?}"));
+        if !wrong {
+            exact(&index, &text).unwrap_or_else(|e| panic!("step {step}: {e}: {c:?}"));
+            rescans += usize::from(index.moves() < moves);
+        }
+    }
+    assert!(wrong || rescans > 0, "the index was never scanned again");
+    ((stored, new), (index.found, index.searched))
+}
+
+#[test]
+fn the_index_spares_the_search_for_every_stored_service() {
+    let ((stored, new), (found, searched)) = touched_found_and_searched(false);
+    assert!(stored > 600 && new > 100, "stored {stored}, new {new}");
+    assert_eq!((found, searched), (stored, new));
+    // The control: the counts are of what was done.
+    let ((stored, new), (found, searched)) = touched_found_and_searched(true);
+    assert_eq!((found, searched), (0, stored + new));
+}
+
+/// Not a test: what a splice costs at 10,000 Services with the index and by searching, for
+/// a Service's endpoints flipped, one added and one removed, and what one search of the
+/// document costs (`cargo test -p aether-node --release --lib splice_cost -- --ignored
+/// --nocapture`). Printed, never asserted.
+#[test]
+#[ignore]
+fn splice_cost_at_10000_services() {
+    let rounds = 200;
+    let named = |k: u64| json!({"namespace": "ns", "name": format!("s{}", 2 + k * 37 % 9_990)});
+    let flip = |k: u64| json!({"endpoints": [{"namespace": "ns", "name": format!("s{}", 2 + k * 37 % 9_990), "usableEndpoints": k % 2 == 0}]});
+    for (what, change) in [
+        ("flip", (0..rounds).map(flip).collect::<Vec<_>>()),
+        ("add", (0..rounds).map(|k| json!({"servicesPut": [svc(20_000 + k, true)]})).collect()),
+        ("remove", (0..rounds).map(|k| json!({"servicesRemoved": [named(k)]})).collect()),
+    ] {
+        for indexed in [false, true] {
+            let (mut text, mut layer, mut generation, mut index) = chain_with_index(10_000);
+            let mut spent = std::time::Duration::ZERO;
+            for c in &change {
+                let mut c = c.clone();
+                (c["baseGeneration"], c["generation"]) = (json!(generation), json!(generation + 1));
+                let c = parse(c.to_string().as_bytes()).unwrap();
+                let started = std::time::Instant::now();
+                let s = splice::splice(
+                    std::borrow::Cow::Owned(text),
+                    &layer,
+                    generation,
+                    &c,
+                    indexed.then_some(&mut index),
+                )
+                .unwrap();
+                spent += started.elapsed();
+                (text, layer, generation) = (s.text, s.layer, c.generation);
+                layer.mesh_vips.sort_unstable();
+            }
+            let how = if indexed {
+                format!("with the index (found {}, searched {})", index.found, index.searched)
+            } else {
+                "searching".into()
+            };
+            eprintln!("{what}: {how}: {:?} per splice", spent / rounds as u32);
+        }
+    }
+    let (text, ..) = chain_start(10_000);
+    let started = std::time::Instant::now();
+    for k in 0..rounds {
+        let key = splice::key("ns", &format!("s{}", 2 + k * 37 % 9_990));
+        assert!(memchr::memmem::find(&text, key.as_bytes()).is_some());
+    }
+    eprintln!("one search of the {} bytes: {:?}", text.len(), started.elapsed() / rounds as u32);
 }
