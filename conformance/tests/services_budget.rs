@@ -98,8 +98,12 @@ fn every_pod_holds(pods: &[Pod], expected: &str, what: &str) {
     }
 }
 
+/// The stored snapshot as it stands (`services snapshot`: the installer's journal of changes
+/// folded in).
 fn stored(node: &SimNode) -> Vec<u8> {
-    std::fs::read(node.state_dir().join("services/snapshot.json")).unwrap()
+    let out = node.services(&["snapshot"], b"");
+    assert!(out.ok, "services snapshot failed:\n{}\n{}", out.stdout, out.stderr);
+    out.stdout.into_bytes()
 }
 
 /// `aether-cni-installer` on the node's state directory inside `cg`, the reconciler off.

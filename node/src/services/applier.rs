@@ -268,6 +268,15 @@ impl PodReach for Kept {
         }
     }
 
+    fn budget_held(&mut self, dir: &ServicesDir, r: &Record) -> Option<Option<PodHolds>> {
+        // A pod reached before holds what this applier believes (its file read again first
+        // when in doubt), without opening its netns or reading its file each change.
+        match self.links.get_mut(&r.key()) {
+            Some(l) if l.path == r.netns && l.recorded == r.netns_id => Some(l.held(dir)),
+            _ => engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns)),
+        }
+    }
+
     fn journal_room(&mut self, dir: &ServicesDir) -> bool {
         let now = FileId::of(&dir.journal_path());
         match &self.journal {

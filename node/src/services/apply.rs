@@ -237,7 +237,7 @@ fn store_and_apply(
     }
     // Before anything is stored: work that would cross this process's memory limit is
     // refused whole (the OOM killer would stop it midway).
-    super::budget::apply_fits(dir, &new, previous.as_ref(), &mut || reach.budget_records(dir))?;
+    super::budget::apply_fits(dir, &new, previous.as_ref(), reach)?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from
     // (with the journal: names the canonical document the journal's changes apply to).
     let file = match storing {
@@ -303,6 +303,12 @@ pub(super) trait PodReach {
     /// The attachment records, for the budget's estimate before the apply.
     fn budget_records(&mut self, dir: &ServicesDir) -> std::sync::Arc<Vec<crate::state::Record>> {
         std::sync::Arc::new(crate::state::StateDir::new(&dir.state).scan().records)
+    }
+
+    /// What the pod of `r` holds, as its file says, for the budget's estimate; `None` when
+    /// its netns is gone.
+    fn budget_held(&mut self, dir: &ServicesDir, r: &crate::state::Record) -> Option<Option<PodHolds>> {
+        engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns))
     }
 
     /// Whether the next change may be stored as a journal entry (`append_journal`): only a

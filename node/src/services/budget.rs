@@ -16,7 +16,8 @@ use std::sync::OnceLock;
 use aether_rules::model::Proto;
 use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer, ServicePort};
 
-use super::engine::{decide, mark_of, narrowed, open_pod, Action};
+use super::apply::PodReach;
+use super::engine::{decide, mark_of, narrowed, Action};
 use super::{ServicesDir, ServicesError, StoredLayer};
 use crate::memcg::{self, Memcg, OverBudget, Reading};
 use crate::state::Record;
@@ -177,24 +178,25 @@ pub fn layers_fit(dir: &ServicesDir, pods: u64) -> Result<(), ServicesError> {
 /// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
 /// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
 /// read to tell the pods that need nothing or only the change.
-/// `records`: the attachment records, asked for only when some limit binds this process.
+/// The attachment records and what each pod holds are asked of `reach` (the long-lived
+/// applier knows both), only when some limit binds this process.
 pub(super) fn apply_fits(
     dir: &ServicesDir,
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
-    records: &mut dyn FnMut() -> std::sync::Arc<Vec<Record>>,
+    reach: &mut dyn PodReach,
 ) -> Result<(), ServicesError> {
     // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
     if new.layer.mode == LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
         return Ok(());
     }
     let Some((reading, per)) = budget() else { return Ok(()) };
-    let records = records();
+    let records = reach.budget_records(dir);
     let whole = layer_elements(&new.layer);
     if memcg::fits(&reading, records.len() as u64 * whole, per).is_ok() {
         return Ok(());
     }
-    let elements = pods_elements(dir, &records, new, previous, whole);
+    let elements = pods_elements(dir, &records, new, previous, whole, reach);
     memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
 }
 
@@ -206,15 +208,17 @@ fn pods_elements(
     new: &StoredLayer,
     previous: Option<&StoredLayer>,
     whole: u64,
+    reach: &mut dyn PodReach,
 ) -> u64 {
     let interrupted = !matches!(dir.read(super::engine::APPLYING), Ok(None));
     let node_mark = dir.divert_mark();
     let mut change: Option<u64> = None;
     let mut sum = 0;
     for r in records {
-        let Ok(ns) = open_pod(r) else { continue };
+        // `None`: the pod is gone.
+        let Some(held) = reach.budget_held(dir, r) else { continue };
         let mark = mark_of(r, node_mark);
-        let held = if interrupted { None } else { dir.pod_holds(&ns) };
+        let held = if interrupted { None } else { held };
         // The engine's own decision, so the estimate counts what the apply will do.
         sum += match (decide(held.as_ref(), interrupted, previous, new, mark), previous) {
             (Action::Nothing | Action::Remove, _) => 0,
