@@ -132,6 +132,11 @@ impl Link {
         Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
     }
 
+    /// Whether it was opened for `r` (its netns path and identity).
+    fn opened_for(&self, r: &Record) -> bool {
+        self.path == r.netns && self.recorded == r.netns_id
+    }
+
     /// Whether the record's path still names the netns this link is in. A stat, not an open
     /// (this runs for every pod once a second): the kept socket pins the netns, so no other
     /// netns can show its (device, inode) while the link lives.
@@ -238,7 +243,7 @@ impl Pods for Kept {
         let key = r.key();
         // Opened for this very record (`Link::open` checked the netns was its); a socket
         // pins its netns, so what was checked then still holds.
-        if self.links.get(&key).is_some_and(|l| l.path != r.netns || l.recorded != r.netns_id) {
+        if self.links.get(&key).is_some_and(|l| !l.opened_for(r)) {
             self.links.remove(&key);
         }
         Ok(match self.links.entry(key) {
@@ -272,7 +277,7 @@ impl PodReach for Kept {
         // A pod reached before holds what this applier believes (its file read again first
         // when in doubt), without opening its netns or reading its file each change.
         match self.links.get_mut(&r.key()) {
-            Some(l) if l.path == r.netns && l.recorded == r.netns_id => Some(l.held(dir)),
+            Some(l) if l.opened_for(r) => Some(l.held(dir)),
             _ => engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns)),
         }
     }
@@ -280,8 +285,13 @@ impl PodReach for Kept {
     fn journal_room(&mut self, dir: &ServicesDir) -> bool {
         let now = FileId::of(&dir.journal_path());
         match &self.journal {
-            // Its own journal, as it left it, with room.
-            Some(j) => j.id.is_some() && j.id == now && j.entries < journal::MAX_ENTRIES,
+            // Its own journal, as it left it, with room (entries and bytes: what readers fold
+            // and read stays bounded).
+            Some(j) => {
+                j.id.is_some_and(|id| id.size < journal::APPEND_BELOW)
+                    && j.id == now
+                    && j.entries < journal::MAX_ENTRIES
+            }
             // A new journal, over the `layer.bin` the kept copy is of (`canonical_stored`
             // checked the files); never over one another process left (its entries would go).
             None => now.is_none(),

@@ -44,8 +44,12 @@ const HEADER: usize = 8 + 4 + 3 * 8;
 /// Entries the applier appends before it writes the files whole again: what a reader folds
 /// (ADD's build path, a one-shot apply) stays a small part of reading the files.
 pub(super) const MAX_ENTRIES: usize = 64;
-/// The largest journal read; the applier writes the files whole before reaching it.
-pub(super) const MAX_BYTES: u64 = 8 << 20;
+/// The largest journal read.
+pub(super) const MAX_BYTES: u64 = 24 << 20;
+/// The applier appends only to a journal smaller than this, so one more entry stays within
+/// `MAX_BYTES`: an entry is at most about twice its change document (at most 4 MiB), whose
+/// layer delta is no larger than the text that names it.
+pub(super) const APPEND_BELOW: u64 = 8 << 20;
 
 /// One stored change, as the layer needs it and as the agent sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -232,11 +236,7 @@ pub(super) fn decode(bytes: &[u8], base: &Base) -> Vec<Entry<'static>> {
 /// The journal at `path` over `base` (none when there is no file). An unreadable file is an
 /// error: the state it holds is not silently older.
 pub(super) fn read(path: &Path, base: &Base) -> std::io::Result<Vec<Entry<'static>>> {
-    match crate::state::read_capped(path, MAX_BYTES) {
-        Ok(Some(bytes)) => Ok(decode(&bytes, base)),
-        Ok(None) => Ok(Vec::new()),
-        Err(e) => Err(e),
-    }
+    Ok(crate::state::read_capped(path, MAX_BYTES)?.map_or_else(Vec::new, |bytes| decode(&bytes, base)))
 }
 
 /// `base` with the `entries` folded in, in one pass over its ports: each VIP's ports as the

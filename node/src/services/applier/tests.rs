@@ -36,6 +36,16 @@ struct Cluster {
 }
 
 impl Cluster {
+    /// A cluster at generation 1 with `n` Services.
+    fn of(n: usize) -> Cluster {
+        let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
+        for _ in 0..n {
+            let s = cluster.service();
+            cluster.services.insert(s["name"].as_str().unwrap().into(), s);
+        }
+        cluster
+    }
+
     fn service(&mut self) -> Value {
         self.next += 1;
         let n = self.next;
@@ -150,11 +160,7 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
     let (kept_state, once_state) = (tmp("kept"), tmp("once"));
     let (kept_dir, once_dir) = (ServicesDir::new(&kept_state), ServicesDir::new(&once_state));
     let mut rng = Rng::seeded("AETHER_APPLIER_SEED", "the_applier_leaves_what_the_one_shot_apply_leaves");
-    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
-    for _ in 0..30 {
-        let s = cluster.service();
-        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
-    }
+    let mut cluster = Cluster::of(30);
     let mut applier = Applier::new(&kept_state);
     let (mut kept_pods, mut once_pods) = (BTreeMap::new(), BTreeMap::new());
     for cid in ["a", "b", "c"] {
@@ -232,11 +238,7 @@ fn the_applier_journals_its_changes_and_every_reader_folds_them() {
     let (kept_state, once_state) = (tmp("journal-kept"), tmp("journal-once"));
     let (kept_dir, once_dir) = (ServicesDir::new(&kept_state), ServicesDir::new(&once_state));
     let mut rng = Rng::seeded("AETHER_APPLIER_SEED", "the_applier_journals_its_changes_and_every_reader_folds_them");
-    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
-    for _ in 0..30 {
-        let s = cluster.service();
-        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
-    }
+    let mut cluster = Cluster::of(30);
     let mut applier = Applier::new(&kept_state);
     applier.apply(&cluster.whole()).unwrap();
     apply_document(&once_dir, &cluster.whole()).unwrap();
@@ -257,7 +259,7 @@ fn the_applier_journals_its_changes_and_every_reader_folds_them() {
         compacted += usize::from(now < before && step != journal::MAX_ENTRIES + 5);
         assert!(files(&kept_state) == files(&once_state), "step {step}: the stored state differs");
         assert_eq!(kept_dir.stored_header().unwrap().unwrap().0, cluster.generation, "step {step}");
-        let alone = layer_file::read(&kept_dir.layer_path()).unwrap().unwrap();
+        let (alone, _) = layer_file::read_with_base(&kept_dir.layer_path()).unwrap().unwrap();
         behind += usize::from(alone.generation < cluster.generation);
     }
     // The Services the changes touched were found through the kept index, carried from
@@ -304,6 +306,38 @@ fn the_applier_journals_its_changes_and_every_reader_folds_them() {
     apply_change(&once_dir, &next).unwrap();
     assert!(files(&kept_state) == files(&once_state), "the change after the stopped apply");
     let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
+}
+
+/// The journal stays within what its readers read: once it holds `APPEND_BELOW` bytes, the
+/// applier writes the files whole, however few its entries. Large changes (5,000 Services put
+/// again, about 1 MB an entry), no pods. Control: that happens before `MAX_ENTRIES`, so only
+/// the size bound made it.
+#[test]
+fn the_journal_stays_within_what_its_readers_read() {
+    let state = tmp("journal-bytes");
+    let dir = ServicesDir::new(&state);
+    let mut cluster = Cluster::of(5_000);
+    let mut applier = Applier::new(&state);
+    applier.apply(&cluster.whole()).unwrap();
+    let (mut largest, mut by_size) = (0, 0);
+    for round in 0..14u64 {
+        let base = cluster.generation;
+        cluster.generation += 1;
+        for s in cluster.services.values_mut() {
+            s["ports"][0]["port"] = json!(80 + round);
+        }
+        let doc = json!({"baseGeneration": base, "generation": cluster.generation,
+                         "servicesPut": cluster.services.values().collect::<Vec<_>>()});
+        let before = journal_entries(&state);
+        applier.apply(doc.to_string().as_bytes()).unwrap();
+        let size = std::fs::metadata(dir.journal_path()).map_or(0, |m| m.len());
+        largest = largest.max(size);
+        by_size += usize::from(journal_entries(&state) <= before && before > 0 && before < journal::MAX_ENTRIES);
+        assert_eq!(dir.stored_header().unwrap().unwrap().0, cluster.generation, "round {round}");
+    }
+    assert!(largest <= journal::MAX_BYTES, "the journal grew to {largest} bytes");
+    assert!(by_size >= 1, "RIG BROKEN: the journal never reached its size bound (largest {largest} bytes)");
+    let _ = std::fs::remove_dir_all(&state);
 }
 
 /// Whether the interface `name` is still in the netns `ns` (its peer's netns not yet gone).
@@ -440,11 +474,7 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
     let once_dir = ServicesDir::new(&once_state);
     let mut rng =
         Rng::seeded("AETHER_ENGINE_SEED", "the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets");
-    let mut cluster = Cluster { generation: 1, services: BTreeMap::new(), next: 0 };
-    for _ in 0..12 {
-        let s = cluster.service();
-        cluster.services.insert(s["name"].as_str().unwrap().into(), s);
-    }
+    let mut cluster = Cluster::of(12);
     let mut applier = Applier::new(&kept_state);
     applier.apply(&cluster.whole()).unwrap();
     apply_document(&once_dir, &cluster.whole()).unwrap();
