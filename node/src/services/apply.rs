@@ -400,7 +400,7 @@ pub(super) fn apply_change_with(
             layer.mesh_vips.sort_unstable();
             // What the engine's cut compares (`narrowed`): only these VIPs' ports can differ.
             let touched: Vec<std::net::IpAddr> = s.gone.iter().copied().chain(s.came.iter().map(|p| p.vip)).collect();
-            if reach.journal_room(dir) {
+            let (new, storing) = if reach.journal_room(dir) {
                 // Stored as what changed: the layer's digest moved by the change alone.
                 let digest = layer_file::moved_digest(prev.digest, &prev.layer, &layer, &s.gone, &s.came);
                 let entry = journal::Entry {
@@ -413,15 +413,13 @@ pub(super) fn apply_change_with(
                     came: s.came,
                     change: Cow::Borrowed(text),
                 };
-                let new = StoredLayer { generation: c.generation, digest, source: 0, layer };
-                engine::note_touched(&prev, &new, touched);
-                let storing = (new, Storing::Journal(entry));
-                return store_and_apply(dir, (Cow::Owned(s.text), index), storing, Some(prev), Vec::new(), true, reach);
-            }
-            let source = layer_file::source_digest(&s.text);
-            let (new, file) = StoredLayer::with_file(c.generation, layer, source);
+                (StoredLayer { generation: c.generation, digest, source: 0, layer }, Storing::Journal(entry))
+            } else {
+                let (new, file) = StoredLayer::with_file(c.generation, layer, layer_file::source_digest(&s.text));
+                (new, Storing::Whole(Some(file)))
+            };
             engine::note_touched(&prev, &new, touched);
-            let storing = (new, Storing::Whole(Some(file)));
+            let storing = (new, storing);
             return store_and_apply(dir, (Cow::Owned(s.text), index), storing, Some(prev), Vec::new(), true, reach);
         }
     }
@@ -469,8 +467,7 @@ impl ServicesDir {
     }
 
     /// The stored document and its layer when the document is canonical and the one the
-    /// layer was made from; `None` otherwise.
-    /// With the journal's changes applied to both.
+    /// layer was made from, with the journal's changes applied to both; `None` otherwise.
     pub(super) fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
         let Some((named, true)) = self.source_marker() else { return Ok(None) };
         let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(None) };
@@ -482,7 +479,10 @@ impl ServicesDir {
         if entries.is_empty() {
             return Ok(Some((text, layer)));
         }
-        let text = self.folded_text(text, &layer, &entries)?;
+        let text = journal::fold_text(text, &layer, &entries).ok_or_else(|| ServicesError::StoredInvalid {
+            path: self.journal_path(),
+            reasons: vec!["its changes do not apply to snapshot.json; send a whole snapshot".into()],
+        })?;
         Ok(Some((text, journal::fold(layer, &entries))))
     }
 
@@ -493,33 +493,15 @@ impl ServicesDir {
         self.stored_text()
     }
 
-    /// The stored document as it stands: `snapshot.json` with the journal's changes applied.
-    /// A document `snapshot.source` does not name as `layer.bin`'s canonical source is taken
-    /// as it is: an apply stopped after writing it (the marker goes first) left it newer than
-    /// the layer and its journal, which it already holds.
+    /// The stored document as it stands: `snapshot.json` with the journal's changes applied
+    /// (`canonical_stored`'s). A document `snapshot.source` does not vouch for as `layer.bin`'s
+    /// canonical source is taken as it is: an apply stopped after writing it (the marker goes
+    /// first) left it newer than the layer and its journal, which it already holds.
     pub(super) fn stored_text(&self) -> Result<Option<Vec<u8>>, ServicesError> {
-        let Some(text) = self.read("snapshot.json")? else { return Ok(None) };
-        let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(Some(text)) };
-        if self.source_marker() != Some((base.source, true)) {
-            return Ok(Some(text));
+        match self.canonical_stored()? {
+            Some((text, _)) => Ok(Some(text)),
+            None => self.read("snapshot.json"),
         }
-        let entries = self.journal(&base)?;
-        if entries.is_empty() {
-            return Ok(Some(text));
-        }
-        self.folded_text(text, &layer, &entries).map(Some)
-    }
-
-    fn folded_text(
-        &self,
-        text: Vec<u8>,
-        layer: &StoredLayer,
-        entries: &[journal::Entry],
-    ) -> Result<Vec<u8>, ServicesError> {
-        journal::fold_text(text, layer, entries).ok_or_else(|| ServicesError::StoredInvalid {
-            path: self.journal_path(),
-            reasons: vec!["its changes do not apply to snapshot.json; send a whole snapshot".into()],
-        })
     }
 }
 

@@ -102,10 +102,10 @@ pub struct Base {
 }
 
 impl Base {
-    /// The base of an encoded file (`encode`'s bytes).
-    pub fn of(bytes: &[u8]) -> Option<Base> {
-        let word = |at: usize| Some(u64::from_be_bytes(bytes.get(at..at + 8)?.try_into().ok()?));
-        Some(Base { generation: word(12)?, source: word(20)?, checksum: word(bytes.len().checked_sub(TRAILER)?)? })
+    /// The base of a file `decode` took (its header and trailer are there).
+    fn of(bytes: &[u8]) -> Base {
+        let word = |at: usize| u64::from_be_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        Base { generation: word(12), source: word(20), checksum: word(bytes.len() - TRAILER) }
     }
 }
 
@@ -440,12 +440,8 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     Ok(StoredLayer { generation, digest: content_digest(&l), source, layer: l })
 }
 
-/// Reads the file; `Ok(None)` when there is none. Memory: the file, bounded by `MAX_BYTES`.
-pub fn read(path: &Path) -> Result<Option<StoredLayer>, LayerFileError> {
-    Ok(read_with_base(path)?.map(|(l, _)| l))
-}
-
-/// `read`, and which file it was (what a journal over it names).
+/// Reads the file, and which file it was (what a journal over it names); `Ok(None)` when
+/// there is none. Memory: the file, bounded by `MAX_BYTES`.
 pub fn read_with_base(path: &Path) -> Result<Option<(StoredLayer, Base)>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let f = match std::fs::File::open(path) {
@@ -459,16 +455,12 @@ pub fn read_with_base(path: &Path) -> Result<Option<(StoredLayer, Base)>, LayerF
         return Err(LayerFileError::TooLarge { path: path.to_path_buf(), max: MAX_BYTES });
     }
     let layer = decode(path, &bytes)?;
-    Ok(Base::of(&bytes).map(|base| (layer, base)))
+    Ok(Some((layer, Base::of(&bytes))))
 }
 
-/// The generation and the source digest in the file's header, reading the header only
-/// (for `counters`, and for `apply` to tell the stored document sent again).
-pub fn read_header(path: &Path) -> Result<Option<(u64, u64)>, LayerFileError> {
-    Ok(read_base(path)?.map(|b| (b.generation, b.source)))
-}
-
-/// The file's header and its checksum, without the rest: which file it is (`Base`).
+/// The file's header and its checksum, without the rest: which file it is (`Base`), its
+/// generation and source digest (for `counters`, and for `apply` to tell the stored document
+/// sent again).
 pub fn read_base(path: &Path) -> Result<Option<Base>, LayerFileError> {
     let io = |source| LayerFileError::Io { path: path.to_path_buf(), source };
     let mut f = match std::fs::File::open(path) {
@@ -708,7 +700,7 @@ mod tests {
     fn read_header_of(bytes: &[u8]) -> Option<(u64, u64)> {
         let path = std::env::temp_dir().join(format!("aether-layer-header-{}", std::process::id()));
         std::fs::write(&path, bytes).unwrap();
-        let header = read_header(&path).unwrap();
+        let header = read_base(&path).unwrap().map(|b| (b.generation, b.source));
         std::fs::remove_file(&path).unwrap();
         header
     }
