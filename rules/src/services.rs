@@ -232,6 +232,42 @@ impl ServiceLayer {
         }
         Ok(n)
     }
+
+    /// At least `element_count()`, counted in one pass over the lists without grouping the
+    /// ports into profiles (which allocates a profile per Service): every VIP's element,
+    /// every port keyed, every profile chain there may be. For a quick bound on work that is
+    /// checked again exactly only when the bound does not fit.
+    pub fn element_bound(&self) -> Result<usize> {
+        let tables = match self.mode {
+            LayerMode::Off => return Ok(0),
+            _ => self.families(),
+        };
+        let mut n = 0;
+        for family in tables {
+            let ours = |a: &IpAddr| Family::of(*a) == family;
+            let ranges = range_elements(&self.ranges, family)
+                .iter()
+                .map(|e| nft::key::interval_keys(KeyType::addr(family), e).len())
+                .sum::<usize>();
+            let mesh = self.mesh_vips.iter().filter(|a| ours(a)).count();
+            let never_refused = self.never_refused().into_iter().filter(ours).count();
+            let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
+            // VIPs counted where the address changes (more than there are when unsorted).
+            let (mut vips, mut ports, mut last) = (0, 0, None);
+            for p in self.ports.iter().filter(|p| ours(&p.vip)) {
+                ports += 1;
+                if last != Some(p.vip) {
+                    (vips, last) = (vips + 1, Some(p.vip));
+                }
+            }
+            let chains = match &self.chained {
+                Some(c) => c.get(&family).map_or(0, Vec::len),
+                None => MAX_PROFILE_CHAINS,
+            };
+            n += ranges + mesh + never_refused + refusing + vips + ports + chains + 1;
+        }
+        Ok(n)
+    }
 }
 
 /// One address as a set element of its family.
