@@ -178,6 +178,58 @@ fn change_floor_kept(sockets: &mut [aether_rules::nft::KeptSocket], change: &ser
     Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
 }
 
+/// Set in the child `kept_floor_in` starts: the pods' netns paths, `:`-separated.
+const KEPT_FLOOR_PODS: &str = "AETHER_BENCH_KEPT_FLOOR_PODS";
+
+/// The three element changes of the change rows (a Service added, its endpoints flipped to
+/// none, removed), as the kernel's floors send them.
+fn floor_changes() -> [services::LayerChange; 3] {
+    let (up, down) = (churn_port(0, true), churn_port(0, false));
+    [element_change(&[], &[up]), element_change(&[up], &[down]), element_change(&[down], &[])]
+}
+
+/// In the child: `change_floor_kept` for each of `floor_changes`, `rounds()` times, on
+/// sockets it opens in the pods' netns; the medians, one line per change on stdout.
+fn kept_floor_child(paths: &str) {
+    let mut sockets: Vec<aether_rules::nft::KeptSocket> = paths
+        .split(':')
+        .map(|p| Netns::open_foreign(p).unwrap().run(aether_rules::nft::KeptSocket::open).unwrap().unwrap())
+        .collect();
+    let changes = floor_changes();
+    let mut by_op: [Vec<Sample>; 3] = Default::default();
+    for _ in 0..rounds() {
+        for (op, c) in changes.iter().enumerate() {
+            by_op[op].push(change_floor_kept(&mut sockets, c));
+        }
+    }
+    for v in by_op {
+        let m = medians(v);
+        println!("{} {}", m.wall_ms, m.cpu_ms);
+    }
+}
+
+/// The kernel's floor on kept sockets measured by a child process inside `cg` (the
+/// installer's cgroup): the kernel charges what the transactions allocate to the sender's
+/// memory cgroup, which costs the kernel more than sending from the bench's own.
+fn kept_floor_in(cg: &ScratchMemcg, pods: &[TestNetns]) -> Vec<Sample> {
+    let paths: Vec<String> = pods.iter().map(|p| p.path().to_string()).collect();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.env(KEPT_FLOOR_PODS, paths.join(":")).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    cg.enter_on_spawn(&mut cmd);
+    let out = cmd.output().expect("the kept-floor child");
+    assert!(out.status.success(), "the kept-floor child failed");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let samples: Vec<Sample> = text
+        .lines()
+        .map(|l| {
+            let (w, c) = l.split_once(' ').unwrap();
+            Sample { wall_ms: w.parse().unwrap(), cpu_ms: c.parse().unwrap(), rss_mib: 0.0 }
+        })
+        .collect();
+    assert_eq!(samples.len(), 3, "{text}");
+    samples
+}
+
 /// `aether-cni-installer` on the bench's node (reconciler off; CNI directories of its own),
 /// stopped (SIGTERM) when dropped.
 struct InstallerProcess {
@@ -800,6 +852,10 @@ fn sh(cmd: &str, args: &[&str]) -> String {
 }
 
 fn main() {
+    if let Ok(paths) = std::env::var(KEPT_FLOOR_PODS) {
+        kept_floor_child(&paths);
+        return;
+    }
     if let Ok(which) = std::env::var(MEMCG_LAYER) {
         let prepare = || services::Prepared::new(&memcg_layer(&which)).unwrap().expect("a layer");
         assert!(aether_testkit::memcg::child_work(prepare, |p| {
@@ -927,8 +983,7 @@ fn main() {
     // form a change leaves): not one of the measures.
     expect(change(json!({"servicesPut": [churn_service(0, true)]})), "elements +2 -0");
     expect(change(json!({"servicesRemoved": [named(0)]})), "elements +0 -2");
-    let (up, down) = (churn_port(0, true), churn_port(0, false));
-    let floor_changes = [element_change(&[], &[up]), element_change(&[up], &[down]), element_change(&[down], &[])];
+    let floor_changes = floor_changes();
     let mut by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
     for k in 1..=rounds() as u32 {
         by_op[0].0.push(expect(change(json!({"servicesPut": [churn_service(k, true)]})), "elements +2 -0"));
@@ -1031,6 +1086,8 @@ fn main() {
         socket_by_op[2].push(expect_kept(posted(json!({"servicesRemoved": [named(k)]})), "elements +0 -2"));
     }
     let socket_changes: Vec<Sample> = socket_by_op.into_iter().map(medians).collect();
+    // The floor as the installer's own transactions meet it: sent from its memory cgroup.
+    let socket_floors = kept_floor_in(&socket_cg, &pods);
     // Churn through the socket: the installer's CPU over the whole run (idle time included:
     // its tidying and its HTTP server count), as a share of one core.
     let (start, cpu_start, mut socket_slowest, mut socket_sent) = (Instant::now(), installer.cpu_ticks(), 0.0f64, 0u32);
@@ -1165,8 +1222,10 @@ fn main() {
     ];
     for (i, (op, what)) in ops.into_iter().enumerate() {
         let ((applied, kept_floor), (_, one_shot_floor), posted) = (kept_changes[i], changes[i], socket_changes[i]);
+        let charged_floor = socket_floors[i];
         let key = |k: &str| format!("{k}_{op}");
         show(&format!("kernel floor on kept sockets: {what}, {PODS} pods"), &kept_floor);
+        show(&format!("kernel floor on kept sockets, from the installer's cgroup: {what}"), &charged_floor);
         show(&format!("change, the applier in this process: {what}, {PODS} pods"), &applied);
         show(&format!("change through the installer's socket: {what}, {PODS} pods"), &posted);
         let ratio = posted.wall_ms / one_shot_floor.wall_ms;
@@ -1176,6 +1235,12 @@ fn main() {
             "  {:<62} {kept_ratio:>9.2} x  (cpu {:.2} x)",
             "  / the floor on kept sockets",
             posted.cpu_ms / kept_floor.cpu_ms
+        );
+        let charged_ratio = posted.wall_ms / charged_floor.wall_ms;
+        println!(
+            "  {:<62} {charged_ratio:>9.2} x  (cpu {:.2} x)",
+            "  / the floor on kept sockets from the installer's cgroup",
+            posted.cpu_ms / charged_floor.cpu_ms
         );
         figs.push(fig(
             &key("kept_floor_change"),
@@ -1206,6 +1271,20 @@ fn main() {
                 "x",
             )
             .goal(1.3, "1.3x the kept-socket floor".into()),
+        );
+        figs.push(fig(
+            &key("charged_kept_floor_change"),
+            &format!("kernel floor on kept sockets, sent from the installer's memory cgroup: {what}, {PODS} pods"),
+            &charged_floor,
+        ));
+        figs.push(
+            Figure::value(
+                &key("socket_change_charged_ratio"),
+                &format!("change through the installer's socket / that floor from its cgroup: {what}"),
+                charged_ratio,
+                "x",
+            )
+            .goal(1.3, "1.3x the kept-socket floor, sent as the installer sends".into()),
         );
     }
     show(
