@@ -210,7 +210,7 @@ fn kept_floor_child(paths: &str) {
 
 /// The kernel's floor on kept sockets measured by a child process inside `cg` (the
 /// installer's cgroup): the kernel charges what the transactions allocate to the sender's
-/// memory cgroup, which costs the kernel more than sending from the bench's own.
+/// memory cgroup, as it charges the installer's, and the bench's own thread is not charged.
 fn kept_floor_in(cg: &ScratchMemcg, pods: &[TestNetns]) -> Vec<Sample> {
     let paths: Vec<String> = pods.iter().map(|p| p.path().to_string()).collect();
     let mut cmd = Command::new(std::env::current_exe().unwrap());

@@ -208,53 +208,26 @@ impl ServiceLayer {
     /// The set and map elements one pod's layer holds (`size().elements`), counted from the
     /// lists without building the tables: for a node that estimates an apply's charge.
     pub fn element_count(&self) -> Result<usize> {
-        let tables = match self.mode {
-            LayerMode::Off => return Ok(0),
-            _ => self.families(),
-        };
-        let mut n = 0;
-        for family in tables {
-            let ours = |a: &IpAddr| Family::of(*a) == family;
-            let ranges = range_elements(&self.ranges, family)
-                .iter()
-                .map(|e| nft::key::interval_keys(KeyType::addr(family), e).len())
-                .sum::<usize>();
-            let mesh = self.mesh_vips.iter().filter(|a| ours(a)).collect::<BTreeSet<_>>().len();
-            let never_refused = self.never_refused().into_iter().filter(ours).count();
-            let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
+        Ok(self.elements_with(|family| {
             let services = service_profiles(self, family);
             let chained = self.chained_in(family, &services);
             // One map element per VIP, and the ports of those without a profile chain; a
             // number per chain in the verdict map (`by_key`'s and each profile's).
             let keyed: usize =
                 services.iter().filter(|(_, p)| chained.binary_search(p).is_err()).map(|(_, p)| p.len()).sum();
-            n += ranges + mesh + never_refused + refusing + services.len() + keyed + chained.len() + 1;
-        }
-        Ok(n)
+            services.len() + keyed + chained.len() + 1
+        }))
     }
 
-    /// At least `element_count()`, counted in one pass over the lists without grouping the
-    /// ports into profiles (which allocates a profile per Service): every VIP's element,
-    /// every port keyed, every profile chain there may be. For a quick bound on work that is
-    /// checked again exactly only when the bound does not fit.
+    /// At least `element_count()`, counted in one pass over the ports without grouping them
+    /// into profiles (which allocates a profile per Service): every VIP's element, every port
+    /// keyed, every profile chain there may be. For a quick bound on work that is checked
+    /// again exactly only when the bound does not fit.
     pub fn element_bound(&self) -> Result<usize> {
-        let tables = match self.mode {
-            LayerMode::Off => return Ok(0),
-            _ => self.families(),
-        };
-        let mut n = 0;
-        for family in tables {
-            let ours = |a: &IpAddr| Family::of(*a) == family;
-            let ranges = range_elements(&self.ranges, family)
-                .iter()
-                .map(|e| nft::key::interval_keys(KeyType::addr(family), e).len())
-                .sum::<usize>();
-            let mesh = self.mesh_vips.iter().filter(|a| ours(a)).count();
-            let never_refused = self.never_refused().into_iter().filter(ours).count();
-            let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
+        Ok(self.elements_with(|family| {
             // VIPs counted where the address changes (more than there are when unsorted).
             let (mut vips, mut ports, mut last) = (0, 0, None);
-            for p in self.ports.iter().filter(|p| ours(&p.vip)) {
+            for p in self.ports.iter().filter(|p| Family::of(p.vip) == family) {
                 ports += 1;
                 if last != Some(p.vip) {
                     (vips, last) = (vips + 1, Some(p.vip));
@@ -264,9 +237,30 @@ impl ServiceLayer {
                 Some(c) => c.get(&family).map_or(0, Vec::len),
                 None => MAX_PROFILE_CHAINS,
             };
-            n += ranges + mesh + never_refused + refusing + vips + ports + chains + 1;
+            vips + ports + chains + 1
+        }))
+    }
+
+    /// The elements of each family's table (none in mode `off`): its ranges, mesh VIPs, the
+    /// addresses never refused and the refusal's own, plus what `from_ports` counts of the
+    /// Services' ports in that family.
+    fn elements_with(&self, from_ports: impl Fn(Family) -> usize) -> usize {
+        if self.mode == LayerMode::Off {
+            return 0;
         }
-        Ok(n)
+        let mut n = 0;
+        for family in self.families() {
+            let ours = |a: &IpAddr| Family::of(*a) == family;
+            let ranges = range_elements(&self.ranges, family)
+                .iter()
+                .map(|e| nft::key::interval_keys(KeyType::addr(family), e).len())
+                .sum::<usize>();
+            let mesh = self.mesh_vips.iter().filter(|a| ours(a)).collect::<BTreeSet<_>>().len();
+            let never_refused = self.never_refused().into_iter().filter(ours).count();
+            let refusing = if self.mode == LayerMode::Refuse { 2 } else { 0 };
+            n += ranges + mesh + never_refused + refusing + from_ports(family);
+        }
+        n
     }
 }
 

@@ -198,8 +198,8 @@ pub(super) fn apply_fits(
     }
     let Some((reading, per)) = budget() else { return Ok(()) };
     let records = reach.budget_records(dir);
-    // The quick bound at a bound of the layer's elements: the exact count groups 20,000
-    // ports into profiles at 10,000 Services, a quarter of a change's work under a limit.
+    // Every pod rebuilt, at a bound of the layer's elements: the exact count groups 20,000
+    // ports into profiles at 10,000 Services, which was half of a change's CPU under a limit.
     let bound = layer_bound(&new.layer);
     if memcg::fits(&reading, records.len() as u64 * bound, per).is_ok() {
         return Ok(());
