@@ -39,8 +39,9 @@ const PODS: usize = 12;
 /// on the kernels we test (three elements a Service), 13 MiB for the twelve.
 const BIG: usize = 5000;
 /// Above the process's usage at rest: less than the big snapshot's charge, so that without
-/// the check it would be killed.
-const TIGHT: u64 = 6 * MIB;
+/// the check it would be killed; more than the memory to parse it (6 times its 0.8 MiB), so
+/// that the refusal is the kernel memory's.
+const TIGHT: u64 = 10 * MIB;
 /// Above the process's usage at rest: the big snapshot's charge and the headroom fit.
 const ROOMY: u64 = 64 * MIB;
 
@@ -57,14 +58,19 @@ fn alone() -> std::sync::MutexGuard<'static, ()> {
 /// Service's ports are its own (no two share a port profile), so each costs a pod the layer's
 /// most: its VIP and both ports as elements, whatever the layer makes of shared profiles.
 fn snapshot(generation: u64, n: usize) -> Vec<u8> {
+    snapshot_in(generation, n, "refuse")
+}
+
+/// `snapshot` in `mode` (up to 62,500 Services; ports repeat from 30,000 on).
+fn snapshot_in(generation: u64, n: usize, mode: &str) -> Vec<u8> {
     let services: Vec<Value> = (0..n)
         .map(|i| {
             json!({"namespace": "shop", "name": format!("s{i}"), "vip": format!("10.96.{}.{}", i / 250, 1 + i % 250),
-                   "ports": [{"protocol": "TCP", "port": 1024 + i}, {"protocol": "TCP", "port": 30000 + i}],
+                   "ports": [{"protocol": "TCP", "port": 1024 + i % 30_000}, {"protocol": "TCP", "port": 30000 + i % 30_000}],
                    "usableEndpoints": true})
         })
         .collect();
-    json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"], "meshVIPs": [],
+    json!({"generation": generation, "mode": mode, "serviceRanges": ["10.96.0.0/16"], "meshVIPs": [],
            "services": services, "dialledTimeoutSeconds": 3600})
     .to_string()
     .into_bytes()
@@ -326,6 +332,95 @@ fn a_one_shot_apply_refuses_a_snapshot_over_its_memory_limit_and_is_never_killed
     every_pod_holds(&pods, &new, "generation 2");
 }
 
+/// Services of a document the one-shot cannot parse under `DOCUMENT_LIMIT`: 8.8 MiB of text,
+/// 180,001 JSON objects, about 46 MiB more to parse and apply by the estimate.
+const DOCUMENT_SERVICES: usize = 60_000;
+/// The one-shot's limit: room to read the document (at most 16 MiB of buffer) and no more.
+const DOCUMENT_LIMIT: u64 = 24 * MIB;
+
+#[test]
+fn a_document_too_large_to_parse_under_the_limit_is_not_parsed_and_never_killed() {
+    if !root_or_skip("a_document_too_large_to_parse_under_the_limit_is_not_parsed_and_never_killed") {
+        return;
+    }
+    let _alone = alone();
+    let (node, pods) = node_with_pods("bdgd");
+    let old = listing(&pods[0]);
+    let before = stored(&node);
+    // Mode off: no kernel work asked (every pod's layer would go), so what is refused, or
+    // what kills, is the document's own memory.
+    let doc = snapshot_in(2, DOCUMENT_SERVICES, "off");
+    let cg = ScratchMemcg::new("document", DOCUMENT_LIMIT);
+    let (status, stderr) = one_shot(&node, &cg, &doc, &[]);
+    assert_eq!(status.code(), Some(2), "{status}: {stderr}");
+    names_the_budget(&stderr);
+    let named = format!("not parsed: a document of {:.1} MiB", doc.len() as f64 / MIB as f64);
+    assert!(stderr.contains(&named), "{named:?} in {stderr}");
+    assert!(stderr.contains("of this process's own memory"), "{stderr}");
+    every_pod_holds(&pods, &old, "generation 1 after the refusal");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(cg.oom_kills(), 0);
+
+    // The control: the check skipped, the same document at the same limit gets it killed
+    // while it parses.
+    let (status, stderr) = one_shot(&node, &cg, &doc, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}: {stderr}");
+    assert!(cg.oom_kills() >= 1);
+    every_pod_holds(&pods, &old, "generation 1 after the kill");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+}
+
+/// Room above the installer's usage at rest that the body of `DOCUMENT_SERVICES` (8.8 MiB)
+/// does not fit.
+const BODY_ROOM: u64 = 4 * MIB;
+
+#[test]
+fn the_installer_does_not_read_a_body_it_cannot_hold() {
+    if !root_or_skip("the_installer_does_not_read_a_body_it_cannot_hold") {
+        return;
+    }
+    let _alone = alone();
+    let (node, pods) = node_with_pods("bdgb");
+    let old = listing(&pods[0]);
+    let before = stored(&node);
+    let doc = snapshot_in(2, DOCUMENT_SERVICES, "off");
+    let cg = ScratchMemcg::new("body", 512 * MIB);
+    let mut inst = Installer::start(&node, &cg, "body", &[]);
+    cg.settled_usage();
+    let rest = cg.unreclaimable();
+    cg.set_limit(rest + BODY_ROOM);
+    // Refused from its declared length; the body is read to its end and let go of, so the
+    // client, which sends it all before it reads, hears why.
+    let (status, body) = inst.post(&doc).expect("an answer");
+    assert_eq!(status, 507, "{body}\n{}", inst.log());
+    names_the_budget(&body);
+    let named = format!("not read: a document of {:.1} MiB", doc.len() as f64 / MIB as f64);
+    assert!(body.contains(&named), "{named:?} in {body}");
+    assert!(inst.alive(), "the installer died:\n{}", inst.log());
+    assert_eq!(inst.get("/readyz").0, 200, "the node stays ready");
+    assert_eq!(
+        inst.metric("aether_cni_installer_services_applies_total{kind=\"unread\",outcome=\"over-budget\"}"),
+        1.0
+    );
+    assert_eq!(inst.metric("aether_cni_installer_services_over_budget_needed_bytes"), doc.len() as f64);
+    every_pod_holds(&pods, &old, "generation 1 after the refusal");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(cg.oom_kills(), 0);
+    drop(inst);
+
+    // The control: the check skipped, reading the same body at the same room gets the
+    // installer killed.
+    let cg = ScratchMemcg::new("body-control", 512 * MIB);
+    let mut inst = Installer::start(&node, &cg, "body-control", &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    cg.settled_usage();
+    cg.set_limit(cg.unreclaimable() + BODY_ROOM);
+    let answer = inst.post(&doc);
+    let status = inst.wait_exit();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "answer {answer:?}; {status}:\n{}", inst.log());
+    assert!(cg.oom_kills() >= 1);
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+}
+
 /// The node's scale the docs claim, for the image under the chart's limit: pods ADDed outside
 /// the container, Services that share no port profile (each pod's costliest layer).
 const NODE_PODS: usize = 100;
@@ -362,6 +457,11 @@ fn every_pod_verified(node: &SimNode, generation: u64, what: &str) {
 /// The chart's default `resources.limits.memory` (computed from `serviceLayerMemory`; the
 /// chart test holds it at 658Mi).
 const CHART_LIMIT: &str = "658m";
+/// Room above the container's usage for parsing a snapshot of twice the node's Services
+/// (about 20 MiB by the estimate, 15 MiB in fact), far from the kernel memory it asks.
+const PODMAN_PARSE_ROOM: u64 = 40 * MIB;
+/// Room above the container's usage that parsing that snapshot does not fit.
+const PODMAN_TIGHT: u64 = 6 * MIB;
 
 /// `GET path` on 127.0.0.1:`port` inside the node's netns (where the container's host
 /// network is): the status.
@@ -470,9 +570,15 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    let state = || podman.run(&["inspect", "--format", "{{.State.Status}} {{.RestartCount}}", &name]).stdout;
+    // On v1 a container's cgroup goes with it: how it ended is podman's to tell.
+    let state = || {
+        let format =
+            "{{.State.Status}} {{.RestartCount}} exit code {{.State.ExitCode}} oom killed {{.State.OOMKilled}}";
+        podman.run(&["inspect", "--format", format, &name]).stdout.trim().to_string()
+    };
     let running = |when: &str| {
-        assert_eq!(state().trim(), "running 0", "{when}: the container never restarts\n{}", log());
+        let now = state();
+        assert!(now.starts_with("running 0 "), "{when}: the container never restarts: {now}\n{}", log());
         assert_eq!(cg.oom_kills(), 0, "{when}");
     };
 
@@ -490,18 +596,37 @@ fn the_installer_image_under_podman_applies_within_the_charts_limit_and_refuses_
     every_pod_verified(&node, 4, "the changes");
     running("the changes");
 
-    // Lowered to what the container holds plus a little: a snapshot of twice the Services is
-    // refused whole, the container alive and ready, every pod as it was.
+    // Lowered to what the container holds plus room to parse a snapshot of twice the Services
+    // (3.3 MiB of text, about 20 MiB to parse by the estimate) but not to program it: refused
+    // whole for the kernel memory, the container alive and ready, every pod as it was.
     let before = stored(&node);
+    let big = snapshot(5, 2 * NODE_SERVICES);
     cg.settled_usage();
-    cg.set_limit(cg.unreclaimable() + TIGHT);
-    let (status, body) = post_socket(&socket, &snapshot(5, 2 * NODE_SERVICES));
+    // Above the working set, as the installer counts what it holds (active file pages too).
+    cg.set_limit(cg.working_set() + PODMAN_PARSE_ROOM);
+    let (status, body) = post_socket(&socket, &big);
     assert_eq!(status, 507, "{body}\n{}\n{} oom kills {}", log(), state(), cg.oom_kills());
     names_the_budget(&body);
+    assert!(body.contains("of kernel memory"), "{body}");
     assert_eq!(stored(&node), before);
     every_pod_verified(&node, 4, "generation 4 after the refusal");
     assert_eq!(get_in(&node, &addr, "/readyz"), 200, "the node stays ready");
     running("the refusal");
+
+    // Lowered to a few MiB above what it holds: the same document is not even read (its
+    // parse alone could get the container killed: CI saw it once at this limit, before the
+    // check).
+    cg.settled_usage();
+    cg.set_limit(cg.working_set() + PODMAN_TIGHT);
+    let (status, body) = post_socket(&socket, &big);
+    assert_eq!(status, 507, "{body}\n{}\n{} oom kills {}", log(), state(), cg.oom_kills());
+    names_the_budget(&body);
+    let named = format!("not parsed: a document of {:.1} MiB", big.len() as f64 / MIB as f64);
+    assert!(body.contains(&named), "{named:?} in {body}");
+    assert_eq!(stored(&node), before);
+    every_pod_verified(&node, 4, "generation 4 after the document's refusal");
+    assert_eq!(get_in(&node, &addr, "/readyz"), 200, "the node stays ready");
+    running("the document's refusal");
     must("podman rm", podman.run(&["rm", "--force", "--time", "0", &name]));
 }
 

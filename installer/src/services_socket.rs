@@ -19,9 +19,11 @@
 //! was stored); 409 when the agent must send a whole snapshot or a newer one (an older or
 //! reused generation, a change whose base is not the stored one, or no base stored; the
 //! body adds `storedGeneration`); 400 refused; 413 over the cap; 507 not started because
-//! the kernel memory it would charge to the installer's memory cgroup crosses its limit (the
-//! reasons name the memory needed, the limit and `resources.limits.memory`; nothing
-//! changed; the metrics `..._over_budget_*` say the same); 408 the body did not arrive in
+//! the kernel memory it would charge to the installer's memory cgroup crosses its limit, or
+//! not read because parsing it would (from the declared length, before the body is kept; the
+//! body is drained so the client hears it) (the reasons name the memory needed, the limit
+//! and `resources.limits.memory`; nothing changed; the metrics `..._over_budget_*` say the
+//! same); 408 the body did not arrive in
 //! time, 503 no turn in time (both within [`WAIT_DEADLINE`] of connecting; nothing changed);
 //! 500 any other error; 404/405 for anything but `POST /services/apply`. An apply under way
 //! is never cut off by a deadline: its answer comes when it is done ([`Deadline`]).
@@ -241,7 +243,7 @@ impl ServicesMetrics {
         let applies = IntCounterVec::new(
             Opts::new(
                 "aether_cni_installer_services_applies_total",
-                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap, its body stopped arriving, or it waited too long for its turn) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit; error; too-large; stalled: nothing sent for 10 s, or not all of it within 120 s, 408; busy: no turn within 120 s of connecting, 503).",
+                "Documents the agent sent over the Service layer's socket, by kind (change, whole; unread: over the size cap, its body stopped arriving, or it waited too long for its turn) and outcome (applied: every pod has it; pods-failed: stored, some pod failed; conflict: an older or reused generation, or a change whose base is not stored; refused: invalid; over-budget: not started, the kernel memory it would charge crosses the installer's memory limit, or, unread, the memory to parse and apply it does; error; too-large; stalled: nothing sent for 10 s, or not all of it within 120 s, 408; busy: no turn within 120 s of connecting, 503).",
             ),
             &["kind", "outcome"],
         )
@@ -264,6 +266,7 @@ impl ServicesMetrics {
         applies.with_label_values(&["unread", "too-large"]);
         applies.with_label_values(&["unread", "stalled"]);
         applies.with_label_values(&["unread", "busy"]);
+        applies.with_label_values(&["unread", "over-budget"]);
         let kept_pods = IntGauge::new(
             "aether_cni_installer_services_kept_pods",
             "Pods whose netfilter socket the Service layer's applier keeps between documents (each keeps its pod's netns until the applier, idle, sees the pod's record gone: about a second).",
@@ -317,8 +320,11 @@ pub struct Applying {
     /// Bodies read or held at once ([`READING_SLOTS`]): the installer's memory holds at most
     /// that many documents.
     reading: Arc<tokio::sync::Semaphore>,
-    /// For the documents refused before they reach the thread (over the cap).
+    /// For the documents refused before they reach the thread (over the cap, over the
+    /// memory limit).
     applies: IntCounterVec,
+    over_budget_needed: IntGauge,
+    over_budget_limit: IntGauge,
 }
 
 pub struct ApplierThread(Option<std::thread::JoinHandle<()>>);
@@ -338,7 +344,8 @@ impl ApplierThread {
 pub fn start_applier(state_dir: &Path, metrics: Arc<ServicesMetrics>) -> std::io::Result<(Applying, ApplierThread)> {
     let (tx, rx) = mpsc::channel::<Job>();
     let state_dir = state_dir.to_path_buf();
-    let applies = metrics.applies.clone();
+    let (applies, over_budget_needed, over_budget_limit) =
+        (metrics.applies.clone(), metrics.over_budget_needed.clone(), metrics.over_budget_limit.clone());
     let thread = std::thread::Builder::new()
         .name("installer-services".into())
         .spawn(move || applier_loop(&state_dir, rx, &metrics))?;
@@ -347,6 +354,8 @@ pub fn start_applier(state_dir: &Path, metrics: Arc<ServicesMetrics>) -> std::io
         turn: Arc::new(tokio::sync::Semaphore::new(1)),
         reading: Arc::new(tokio::sync::Semaphore::new(READING_SLOTS)),
         applies,
+        over_budget_needed,
+        over_budget_limit,
     };
     Ok((applying, ApplierThread(Some(thread))))
 }
@@ -494,6 +503,12 @@ async fn read_body(
     }
 }
 
+/// The body read to its end (the cap, or [`BODY_IDLE`] without a frame) and let go of.
+async fn drain_body(body: hyper::body::Incoming) {
+    let mut body = Limited::new(body, MAX_SNAPSHOT_BYTES);
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(BODY_IDLE, body.frame()).await {}
+}
+
 /// A body that sent nothing for [`BODY_IDLE`].
 #[derive(Debug, thiserror::Error)]
 #[error("the document stopped arriving: nothing for {after:?} after {read} bytes")]
@@ -545,6 +560,15 @@ impl Applying {
             return error_answer(500, "the Service layer's applier is stopping");
         };
         let wait_until = deadline.at().unwrap_or_else(|| tokio::time::Instant::now() + WAIT_DEADLINE);
+        // A body this process cannot hold under its memory limit is not kept: killed midway,
+        // the installer would help no pod (the applier asks the same of the parse once the
+        // body is read). It is read and dropped, frame by frame, so that a client that sends
+        // it all before it reads hears why.
+        if let Some(Err(over)) = declared.map(aether_node::services::budget::body_fits) {
+            drop(_reading);
+            let _ = tokio::time::timeout_at(wait_until, drain_body(request.into_body())).await;
+            return self.over_budget(over);
+        }
         let waited = || format!("{} s", deadlines().0.as_secs_f64());
         let Ok(read) = tokio::time::timeout_at(wait_until, read_body(request.into_body(), declared)).await else {
             tracing::warn!("a document did not arrive on the socket within {}: 408", waited());
@@ -589,6 +613,16 @@ impl Applying {
             Ok(a) => answer(a.status, a.body),
             Err(_) => error_answer(500, "the Service layer's applier stopped before it answered"),
         }
+    }
+
+    fn over_budget(&self, over: aether_node::memcg::OverBudget) -> hyper::Response<Full<Bytes>> {
+        self.over_budget_needed.set(over.needed as i64);
+        self.over_budget_limit.set(over.limit as i64);
+        self.applies.with_label_values(&["unread", "over-budget"]).inc();
+        let e = ServicesError::OverBudget(over);
+        let line = one_line(&e.to_string());
+        tracing::warn!(kind = "unread", status = 507, "not applied: {line}");
+        answer(507, json_text(&json!({"error": line, "reasons": e.reasons()})))
     }
 
     fn too_large(&self) -> hyper::Response<Full<Bytes>> {

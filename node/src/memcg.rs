@@ -241,24 +241,65 @@ pub fn headroom(limit: u64) -> u64 {
     (limit / 10).max(8 * MIB)
 }
 
+/// What refused work would have charged to the memory cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Charge {
+    /// Kernel memory: nftables elements at the bytes one costs, as measured on this kernel.
+    Elements { elements: u64, per_element: u64 },
+    /// This process's own memory: the body of a document of `bytes` read into a buffer.
+    DocumentRead { bytes: u64 },
+    /// This process's own memory: a document of `bytes` and `objects` JSON objects parsed
+    /// and applied (its text already held).
+    DocumentParse { bytes: u64, objects: u64 },
+}
+
 /// Work refused because what it would charge does not fit under the memory limit.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "not started: it would charge about {} MiB of kernel memory ({elements} nftables elements x {per_element} bytes, \
-     as measured on this kernel) to this process's memory cgroup, which holds {} MiB of its {} MiB limit with {} MiB \
-     kept free; nothing was changed. Raise resources.limits.memory of this container to at least {} MiB \
-     (docs/operating.md, \"Memory\")",
-    mib(*needed), mib(*in_use), mib(*limit), mib(*headroom), mib(self.suggested_limit())
-)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OverBudget {
     /// Bytes the work would charge.
     pub needed: u64,
-    pub elements: u64,
-    pub per_element: u64,
+    pub charge: Charge,
     pub in_use: u64,
     pub limit: u64,
+    /// Kept free on top of the need (none for a document: the headroom is there for it).
     pub headroom: u64,
 }
+
+impl std::fmt::Display for OverBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (needed, in_use, limit) = (mib(self.needed), mib(self.in_use), mib(self.limit));
+        match self.charge {
+            Charge::Elements { elements, per_element } => write!(
+                f,
+                "not started: it would charge about {needed} MiB of kernel memory ({elements} nftables elements x \
+                 {per_element} bytes, as measured on this kernel) to this process's memory cgroup, which holds \
+                 {in_use} MiB of its {limit} MiB limit with {} MiB kept free",
+                mib(self.headroom)
+            )?,
+            Charge::DocumentRead { bytes } => write!(
+                f,
+                "not read: a document of {:.1} MiB would charge about {needed} MiB of this process's own memory \
+                 to be read, to its memory cgroup, which holds {in_use} MiB of its {limit} MiB limit",
+                bytes as f64 / MIB as f64
+            )?,
+            Charge::DocumentParse { bytes, objects } => write!(
+                f,
+                "not parsed: a document of {:.1} MiB ({objects} JSON objects) would charge about {needed} MiB more \
+                 of this process's own memory to be parsed and applied, to its memory cgroup, which holds {in_use} \
+                 MiB of its {limit} MiB limit",
+                bytes as f64 / MIB as f64
+            )?,
+        }
+        write!(
+            f,
+            "; nothing was changed. Raise resources.limits.memory of this container to at least {} MiB \
+             (docs/operating.md, \"Memory\")",
+            mib(self.suggested_limit())
+        )
+    }
+}
+
+impl std::error::Error for OverBudget {}
 
 impl OverBudget {
     /// A limit under which this work would have started, with a little room for the
@@ -275,7 +316,8 @@ fn mib(bytes: u64) -> u64 {
     bytes.div_ceil(MIB)
 }
 
-/// Whether `needed` more bytes fit under the reading's limit less the headroom.
+/// Whether `elements` more nftables elements, at `per_element` bytes, fit under the
+/// reading's limit less the headroom.
 pub fn fits(reading: &Reading, elements: u64, per_element: u64) -> Result<(), OverBudget> {
     let Some(limit) = reading.limit else { return Ok(()) };
     let needed = elements.saturating_mul(per_element);
@@ -283,7 +325,20 @@ pub fn fits(reading: &Reading, elements: u64, per_element: u64) -> Result<(), Ov
     if reading.in_use().saturating_add(needed).saturating_add(headroom) <= limit {
         return Ok(());
     }
-    Err(OverBudget { needed, elements, per_element, in_use: reading.in_use(), limit, headroom })
+    let charge = Charge::Elements { elements, per_element };
+    Err(OverBudget { needed, charge, in_use: reading.in_use(), limit, headroom })
+}
+
+/// Whether `needed` bytes of this process's own memory (a document read, or parsed:
+/// `charge`) fit under the reading's limit. The headroom is not kept free here: it exists for
+/// this (the process's own heap growing while it works); the kernel work the document asks
+/// for is checked after, with the headroom, against the usage the parse left.
+pub fn own_fits(reading: &Reading, needed: u64, charge: Charge) -> Result<(), OverBudget> {
+    let Some(limit) = reading.limit else { return Ok(()) };
+    if reading.in_use().saturating_add(needed) <= limit {
+        return Ok(());
+    }
+    Err(OverBudget { needed, charge, in_use: reading.in_use(), limit, headroom: 0 })
 }
 
 #[cfg(test)]
@@ -422,5 +477,33 @@ mod tests {
         assert!(fits(&Reading { limit: None, ..r(100 * MIB) }, u64::MAX / 2, 1000).is_ok(), "no limit");
         // Reclaimable file pages are not held against the work.
         assert!(fits(&Reading { reclaimable: 30 * MIB, ..r(120 * MIB) }, 100_000, 100).is_ok());
+    }
+
+    #[test]
+    fn a_document_fits_under_the_limit_itself() {
+        let r = |in_use: u64| Reading { limit: Some(128 * MIB), usage: in_use, reclaimable: 0 };
+        let parse = Charge::DocumentParse { bytes: 3 * MIB + MIB / 4, objects: 60_001 };
+        // Into the headroom (12.8 MiB) but under the limit: the headroom is there for it.
+        assert!(own_fits(&r(110 * MIB), 18 * MIB, parse).is_ok());
+        let refused = own_fits(&r(120 * MIB), 20 * MIB, parse).unwrap_err();
+        assert_eq!(
+            (refused.needed, refused.limit, refused.in_use, refused.headroom),
+            (20 * MIB, 128 * MIB, 120 * MIB, 0)
+        );
+        let text = refused.to_string();
+        for needle in [
+            "not parsed: a document of 3.2 MiB (60001 JSON objects)",
+            "about 20 MiB more of this process's own memory",
+            "120 MiB of its 128 MiB limit",
+            "nothing was changed",
+            "resources.limits.memory",
+        ] {
+            assert!(text.contains(needle), "{needle:?} in {text}");
+        }
+        let raised = Reading { limit: Some(refused.suggested_limit()), ..r(120 * MIB) };
+        assert!(own_fits(&raised, 20 * MIB, parse).is_ok(), "{}", refused.suggested_limit());
+        assert!(own_fits(&Reading { limit: None, ..r(120 * MIB) }, u64::MAX / 2, parse).is_ok(), "no limit");
+        let read = own_fits(&r(120 * MIB), 9 * MIB, Charge::DocumentRead { bytes: 9 * MIB }).unwrap_err().to_string();
+        assert!(read.contains("not read: a document of 9.0 MiB would charge about 9 MiB"), "{read}");
     }
 }

@@ -137,6 +137,17 @@ impl ScratchMemcg {
         self.usage().saturating_sub(cache.saturating_sub(shmem))
     }
 
+    /// What the kubelet (and the node's own budget, `aether_node::memcg`) counts as in use:
+    /// the usage less inactive file pages (`total_inactive_file` on v1, `inactive_file` on
+    /// v2). Above `unreclaimable` by the active file pages.
+    pub fn working_set(&self) -> u64 {
+        let stat = std::fs::read_to_string(self.dir.join("memory.stat")).unwrap();
+        let key = if self.v2 { "inactive_file" } else { "total_inactive_file" };
+        let inactive: u64 =
+            stat.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0);
+        self.usage().saturating_sub(inactive)
+    }
+
     /// Processes the kernel's OOM killer ended in it.
     pub fn oom_kills(&self) -> u64 {
         let path = self.file("memory.oom_control", "memory.events");

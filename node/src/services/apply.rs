@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::change::splice::ServiceIndex;
 use super::engine::{self, netns_key, PodHolds};
-use super::{change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
+use super::{budget, change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
@@ -172,6 +172,7 @@ pub(super) fn apply_document_with(
     let mut parsed = if stored_source == Some(source) || regenerated {
         None
     } else {
+        budget::document_fits(text).map_err(ServicesError::OverBudget)?;
         Some(snapshot::parse_layer(text).map_err(refused)?)
     };
     let _lock = dir.lock(true)?;
@@ -237,7 +238,7 @@ fn store_and_apply(
     }
     // Before anything is stored: work that would cross this process's memory limit is
     // refused whole (the OOM killer would stop it midway).
-    super::budget::apply_fits(dir, &new, previous.as_ref(), reach)?;
+    budget::apply_fits(dir, &new, previous.as_ref(), reach)?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from
     // (with the journal: names the canonical document the journal's changes apply to).
     let file = match storing {
@@ -388,6 +389,7 @@ pub(super) fn apply_change_with(
     text: &[u8],
     reach: &mut dyn PodReach,
 ) -> Result<ApplyReport, ServicesError> {
+    budget::document_fits(text).map_err(ServicesError::OverBudget)?;
     let c = change::parse(text).map_err(|reasons| ServicesError::Refused { reasons })?;
     let _lock = dir.lock(true)?;
     reach.locked(dir);
