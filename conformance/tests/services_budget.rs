@@ -183,6 +183,27 @@ impl Installer {
         http::exchange(s, "POST", "/services/apply", Some(doc)).ok().filter(|(code, _)| *code != 0)
     }
 
+    /// `doc` POSTed without its length (chunked, 64 KiB a chunk): the status and body.
+    fn post_chunked(&self, doc: &[u8]) -> Option<(u16, String)> {
+        use std::io::Read;
+        let mut s = UnixStream::connect(&self.socket).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let head = "POST /services/apply HTTP/1.1\r\nHost: aether-cni\r\nContent-Type: application/json\r\n\
+                    Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        s.write_all(head.as_bytes()).ok()?;
+        for chunk in doc.chunks(64 << 10) {
+            s.write_all(format!("{:x}\r\n", chunk.len()).as_bytes()).ok()?;
+            s.write_all(chunk).ok()?;
+            s.write_all(b"\r\n").ok()?;
+        }
+        s.write_all(b"0\r\n\r\n").ok()?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).ok()?;
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let (head, body) = answer.split_once("\r\n\r\n")?;
+        Some((head.split(' ').nth(1)?.parse().ok()?, body.to_string()))
+    }
+
     /// Its exit status, waited for up to 20 s.
     fn wait_exit(&mut self) -> std::process::ExitStatus {
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -403,6 +424,17 @@ fn the_installer_does_not_read_a_body_it_cannot_hold() {
         1.0
     );
     assert_eq!(inst.metric("aether_cni_installer_services_over_budget_needed_bytes"), doc.len() as f64);
+    // Sent without its length: refused as its buffer would grow past the room, the rest
+    // drained.
+    let (status, body) = inst.post_chunked(&doc).expect("an answer");
+    assert_eq!(status, 507, "{body}\n{}", inst.log());
+    names_the_budget(&body);
+    assert!(body.contains("so far (sent without its length)"), "{body}");
+    assert!(inst.alive(), "the installer died:\n{}", inst.log());
+    assert_eq!(
+        inst.metric("aether_cni_installer_services_applies_total{kind=\"unread\",outcome=\"over-budget\"}"),
+        2.0
+    );
     every_pod_holds(&pods, &old, "generation 1 after the refusal");
     assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
     assert_eq!(cg.oom_kills(), 0);

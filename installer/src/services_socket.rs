@@ -20,8 +20,9 @@
 //! reused generation, a change whose base is not the stored one, or no base stored; the
 //! body adds `storedGeneration`); 400 refused; 413 over the cap; 507 not started because
 //! the kernel memory it would charge to the installer's memory cgroup crosses its limit, or
-//! not read because parsing it would (from the declared length, before the body is kept; the
-//! body is drained so the client hears it) (the reasons name the memory needed, the limit
+//! not read because holding it would (from the declared length, before the body is kept, or
+//! as a chunked body's buffer grows; the body is drained so the client hears it) or not
+//! parsed because parsing it would (the reasons name the memory needed, the limit
 //! and `resources.limits.memory`; nothing changed; the metrics `..._over_budget_*` say the
 //! same); 408 the body did not arrive in
 //! time, 503 no turn in time (both within [`WAIT_DEADLINE`] of connecting; nothing changed);
@@ -484,7 +485,8 @@ fn stored_generation(e: &ServicesError) -> Value {
 
 /// The body in one buffer, at most the snapshot cap, sized by its declared length when there
 /// is one: gathered in chunks and then copied into one buffer, a 64 MiB document would be
-/// held twice at once.
+/// held twice at once. Without one (chunked), the buffer doubles as it fills, each growth
+/// asked of the memory budget first; refused, the rest is drained (the client hears why).
 async fn read_body(
     body: hyper::body::Incoming,
     declared: Option<u64>,
@@ -498,14 +500,23 @@ async fn read_body(
             Err(_) => return Err(Box::new(Stalled { after: BODY_IDLE, read: out.len() })),
         };
         if let Ok(data) = frame.into_data() {
+            let len = out.len() + data.len();
+            if len > out.capacity() {
+                let grown = len.max(out.capacity() * 2);
+                if let Err(over) = aether_node::services::budget::body_grows(len as u64, grown as u64) {
+                    drop(out);
+                    drain_body(body).await;
+                    return Err(Box::new(over));
+                }
+                out.reserve_exact(grown - out.len());
+            }
             out.extend_from_slice(&data);
         }
     }
 }
 
 /// The body read to its end (the cap, or [`BODY_IDLE`] without a frame) and let go of.
-async fn drain_body(body: hyper::body::Incoming) {
-    let mut body = Limited::new(body, MAX_SNAPSHOT_BYTES);
+async fn drain_body(mut body: Limited<hyper::body::Incoming>) {
     while let Ok(Some(Ok(_))) = tokio::time::timeout(BODY_IDLE, body.frame()).await {}
 }
 
@@ -566,7 +577,8 @@ impl Applying {
         // it all before it reads hears why.
         if let Some(Err(over)) = declared.map(aether_node::services::budget::body_fits) {
             drop(_reading);
-            let _ = tokio::time::timeout_at(wait_until, drain_body(request.into_body())).await;
+            let body = Limited::new(request.into_body(), MAX_SNAPSHOT_BYTES);
+            let _ = tokio::time::timeout_at(wait_until, drain_body(body)).await;
             return self.over_budget(over);
         }
         let waited = || format!("{} s", deadlines().0.as_secs_f64());
@@ -578,6 +590,10 @@ impl Applying {
         let body = match read {
             Ok(b) => Bytes::from(b),
             Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return self.too_large(),
+            Err(e) if e.is::<aether_node::memcg::OverBudget>() => {
+                let over = e.downcast::<aether_node::memcg::OverBudget>().expect("checked");
+                return self.over_budget(*over);
+            }
             Err(e) if e.downcast_ref::<Stalled>().is_some() => {
                 tracing::warn!("a document stopped arriving on the socket: {e}; 408");
                 self.applies.with_label_values(&["unread", "stalled"]).inc();

@@ -246,8 +246,9 @@ pub fn headroom(limit: u64) -> u64 {
 pub enum Charge {
     /// Kernel memory: nftables elements at the bytes one costs, as measured on this kernel.
     Elements { elements: u64, per_element: u64 },
-    /// This process's own memory: the body of a document of `bytes` read into a buffer.
-    DocumentRead { bytes: u64 },
+    /// This process's own memory: the body of a document read into a buffer; `bytes` of it,
+    /// `whole` when that is its declared length (else what arrived so far).
+    DocumentRead { bytes: u64, whole: bool },
     /// This process's own memory: a document of `bytes` and `objects` JSON objects parsed
     /// and applied (its text already held).
     DocumentParse { bytes: u64, objects: u64 },
@@ -276,11 +277,12 @@ impl std::fmt::Display for OverBudget {
                  {in_use} MiB of its {limit} MiB limit with {} MiB kept free",
                 mib(self.headroom)
             )?,
-            Charge::DocumentRead { bytes } => write!(
+            Charge::DocumentRead { bytes, whole } => write!(
                 f,
-                "not read: a document of {:.1} MiB would charge about {needed} MiB of this process's own memory \
+                "not read: a document of {:.1} MiB{} would charge about {needed} MiB of this process's own memory \
                  to be read, to its memory cgroup, which holds {in_use} MiB of its {limit} MiB limit",
-                bytes as f64 / MIB as f64
+                bytes as f64 / MIB as f64,
+                if whole { "" } else { " so far (sent without its length)" }
             )?,
             Charge::DocumentParse { bytes, objects } => write!(
                 f,
@@ -503,7 +505,14 @@ mod tests {
         let raised = Reading { limit: Some(refused.suggested_limit()), ..r(120 * MIB) };
         assert!(own_fits(&raised, 20 * MIB, parse).is_ok(), "{}", refused.suggested_limit());
         assert!(own_fits(&Reading { limit: None, ..r(120 * MIB) }, u64::MAX / 2, parse).is_ok(), "no limit");
-        let read = own_fits(&r(120 * MIB), 9 * MIB, Charge::DocumentRead { bytes: 9 * MIB }).unwrap_err().to_string();
+        let read = own_fits(&r(120 * MIB), 9 * MIB, Charge::DocumentRead { bytes: 9 * MIB, whole: true });
+        let read = read.unwrap_err().to_string();
         assert!(read.contains("not read: a document of 9.0 MiB would charge about 9 MiB"), "{read}");
+        let part = own_fits(&r(120 * MIB), 16 * MIB, Charge::DocumentRead { bytes: 9 * MIB, whole: false });
+        let part = part.unwrap_err().to_string();
+        assert!(
+            part.contains("a document of 9.0 MiB so far (sent without its length) would charge about 16 MiB"),
+            "{part}"
+        );
     }
 }

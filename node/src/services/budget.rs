@@ -262,7 +262,13 @@ const DOCUMENT_CHECK_FROM: u64 = 1 << 20;
 /// process's own memory can hold it. A process killed while it reads helps no pod; refused,
 /// it tells the agent what to raise. Only when some limit binds this process.
 pub fn body_fits(bytes: u64) -> Result<(), OverBudget> {
-    own_fits(bytes, memcg::Charge::DocumentRead { bytes })
+    own_fits(bytes, memcg::Charge::DocumentRead { bytes, whole: true })
+}
+
+/// A body sent without its length, `read` bytes of it arrived: whether its buffer may grow
+/// to `buffer` bytes.
+pub fn body_grows(read: u64, buffer: u64) -> Result<(), OverBudget> {
+    own_fits(buffer, memcg::Charge::DocumentRead { bytes: read, whole: false })
 }
 
 /// Before `text` is parsed: whether parsing and applying it fits in this process's own
