@@ -391,6 +391,46 @@ fn a_document_too_large_to_parse_under_the_limit_is_not_parsed_and_never_killed(
     assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
 }
 
+/// A one-shot's limit under which a change cannot read a stored `DOCUMENT_SERVICES` snapshot
+/// (8.8 MiB; about 44 MiB to read and change by the estimate, more than 16 in fact).
+const STORED_LIMIT: u64 = 16 * MIB;
+
+#[test]
+fn a_change_to_a_stored_document_too_large_to_read_is_refused_and_never_killed() {
+    if !root_or_skip("a_change_to_a_stored_document_too_large_to_read_is_refused_and_never_killed") {
+        return;
+    }
+    let _alone = alone();
+    let (node, _pods) = node_with_pods("bdgs");
+    // Stored outside any limit, in mode off: the change asks no kernel work, so what is
+    // refused, or what kills, is reading the stored document.
+    apply(&node, &snapshot_in(2, DOCUMENT_SERVICES, "off"));
+    let before = stored(&node);
+    let change = json!({"baseGeneration": 2, "generation": 3, "servicesPut": [{"namespace": "shop", "name": "extra",
+        "vip": "10.96.250.1", "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true}]})
+    .to_string()
+    .into_bytes();
+    let cg = ScratchMemcg::new("stored", STORED_LIMIT);
+    let (status, stderr) = one_shot(&node, &cg, &change, &[]);
+    assert_eq!(status.code(), Some(2), "{status}: {stderr}");
+    names_the_budget(&stderr);
+    assert!(stderr.contains("not read: the stored document of"), "{stderr}");
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(cg.oom_kills(), 0);
+
+    // The control: the check skipped, the same change at the same limit gets it killed.
+    let (status, stderr) = one_shot(&node, &cg, &change, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}: {stderr}");
+    assert!(cg.oom_kills() >= 1);
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+
+    // Raised past the estimate: the change applies.
+    cg.set_limit(STORED_LIMIT + 64 * MIB);
+    let (status, stderr) = one_shot(&node, &cg, &change, &[]);
+    assert!(status.success(), "{status}: {stderr}");
+    assert_ne!(stored(&node), before, "the change is stored");
+}
+
 /// Room above the installer's usage at rest that the body of `DOCUMENT_SERVICES` (8.8 MiB)
 /// does not fit.
 const BODY_ROOM: u64 = 4 * MIB;

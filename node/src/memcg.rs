@@ -252,6 +252,9 @@ pub enum Charge {
     /// This process's own memory: a document of `bytes` and `objects` JSON objects parsed
     /// and applied (its text already held).
     DocumentParse { bytes: u64, objects: u64 },
+    /// This process's own memory: the stored document of `bytes` (and its journal) read, for
+    /// a change to be made to it.
+    StoredRead { bytes: u64 },
 }
 
 /// Work refused because what it would charge does not fit under the memory limit.
@@ -289,6 +292,13 @@ impl std::fmt::Display for OverBudget {
                 "not parsed: a document of {:.1} MiB ({objects} JSON objects) would charge about {needed} MiB more \
                  of this process's own memory to be parsed and applied, to its memory cgroup, which holds {in_use} \
                  MiB of its {limit} MiB limit",
+                bytes as f64 / MIB as f64
+            )?,
+            Charge::StoredRead { bytes } => write!(
+                f,
+                "not read: the stored document of {:.1} MiB, which the change is made to, would charge about \
+                 {needed} MiB of this process's own memory to be read and changed, to its memory cgroup, which holds \
+                 {in_use} MiB of its {limit} MiB limit",
                 bytes as f64 / MIB as f64
             )?,
         }
@@ -514,5 +524,7 @@ mod tests {
             part.contains("a document of 9.0 MiB so far (sent without its length) would charge about 16 MiB"),
             "{part}"
         );
+        let stored = own_fits(&r(120 * MIB), 45 * MIB, Charge::StoredRead { bytes: 9 * MIB }).unwrap_err().to_string();
+        assert!(stored.contains("not read: the stored document of 9.0 MiB, which the change is made to"), "{stored}");
     }
 }

@@ -471,6 +471,11 @@ impl ServicesDir {
     /// The stored document and its layer when the document is canonical and the one the
     /// layer was made from, with the journal's changes applied to both; `None` otherwise.
     pub(super) fn canonical_stored(&self) -> Result<Option<(Vec<u8>, StoredLayer)>, ServicesError> {
+        // Asked before any of it is read (here, or as it is by `stored_text` when it is not
+        // canonical).
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        budget::stored_fits(size(&self.root.join("snapshot.json")) + size(&self.journal_path()))
+            .map_err(ServicesError::OverBudget)?;
         let Some((named, true)) = self.source_marker() else { return Ok(None) };
         let Ok(Some((layer, base))) = layer_file::read_with_base(&self.layer_path()) else { return Ok(None) };
         if layer.source != named {
