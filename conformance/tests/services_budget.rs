@@ -372,23 +372,29 @@ fn a_document_too_large_to_parse_under_the_limit_is_not_parsed_and_never_killed(
     // what kills, is the document's own memory.
     let doc = snapshot_in(2, DOCUMENT_SERVICES, "off");
     let cg = ScratchMemcg::new("document", DOCUMENT_LIMIT);
-    let (status, stderr) = one_shot(&node, &cg, &doc, &[]);
+    let named = format!("not parsed: a document of {:.1} MiB", doc.len() as f64 / MIB as f64);
+    refused_and_killed_without_the_check(&node, &cg, &doc, &named);
+    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    every_pod_holds(&pods, &old, "generation 1 after the refusal and the kill");
+}
+
+/// A one-shot apply of `doc` inside `cg`, as its own memory would get it killed: refused
+/// (exit code 2, the reason naming the budget and `why`), nothing stored, nothing killed;
+/// then the control, the checks skipped: SIGKILLed at the same limit, nothing stored.
+fn refused_and_killed_without_the_check(node: &SimNode, cg: &ScratchMemcg, doc: &[u8], why: &str) {
+    let before = stored(node);
+    let (status, stderr) = one_shot(node, cg, doc, &[]);
     assert_eq!(status.code(), Some(2), "{status}: {stderr}");
     names_the_budget(&stderr);
-    let named = format!("not parsed: a document of {:.1} MiB", doc.len() as f64 / MIB as f64);
-    assert!(stderr.contains(&named), "{named:?} in {stderr}");
+    assert!(stderr.contains(why), "{why:?} in {stderr}");
     assert!(stderr.contains("of this process's own memory"), "{stderr}");
-    every_pod_holds(&pods, &old, "generation 1 after the refusal");
-    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(stored(node), before, "the stored snapshot is unchanged");
     assert_eq!(cg.oom_kills(), 0);
 
-    // The control: the check skipped, the same document at the same limit gets it killed
-    // while it parses.
-    let (status, stderr) = one_shot(&node, &cg, &doc, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
+    let (status, stderr) = one_shot(node, cg, doc, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}: {stderr}");
     assert!(cg.oom_kills() >= 1);
-    every_pod_holds(&pods, &old, "generation 1 after the kill");
-    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    assert_eq!(stored(node), before, "the stored snapshot is unchanged");
 }
 
 /// A one-shot's limit under which a change cannot read a stored `DOCUMENT_SERVICES` snapshot
@@ -411,18 +417,7 @@ fn a_change_to_a_stored_document_too_large_to_read_is_refused_and_never_killed()
     .to_string()
     .into_bytes();
     let cg = ScratchMemcg::new("stored", STORED_LIMIT);
-    let (status, stderr) = one_shot(&node, &cg, &change, &[]);
-    assert_eq!(status.code(), Some(2), "{status}: {stderr}");
-    names_the_budget(&stderr);
-    assert!(stderr.contains("not read: the stored document of"), "{stderr}");
-    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
-    assert_eq!(cg.oom_kills(), 0);
-
-    // The control: the check skipped, the same change at the same limit gets it killed.
-    let (status, stderr) = one_shot(&node, &cg, &change, &[("AETHER_CNI_INJECT_FAILURE", "memory-budget")]);
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}: {stderr}");
-    assert!(cg.oom_kills() >= 1);
-    assert_eq!(stored(&node), before, "the stored snapshot is unchanged");
+    refused_and_killed_without_the_check(&node, &cg, &change, "not read: the stored document of");
 
     // Raised past the estimate: the change applies.
     cg.set_limit(STORED_LIMIT + 64 * MIB);

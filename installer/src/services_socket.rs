@@ -286,6 +286,12 @@ impl ServicesMetrics {
         ServicesMetrics { applies, apply_seconds, kept_pods, over_budget_needed, over_budget_limit }
     }
 
+    /// The last document refused for the memory limit: what it needed, the limit then.
+    fn over_budget(&self, over: &aether_node::memcg::OverBudget) {
+        self.over_budget_needed.set(over.needed as i64);
+        self.over_budget_limit.set(over.limit as i64);
+    }
+
     pub fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.applies.clone()))?;
         registry.register(Box::new(self.apply_seconds.clone()))?;
@@ -322,10 +328,8 @@ pub struct Applying {
     /// that many documents.
     reading: Arc<tokio::sync::Semaphore>,
     /// For the documents refused before they reach the thread (over the cap, over the
-    /// memory limit).
-    applies: IntCounterVec,
-    over_budget_needed: IntGauge,
-    over_budget_limit: IntGauge,
+    /// memory limit, stalled, busy).
+    metrics: Arc<ServicesMetrics>,
 }
 
 pub struct ApplierThread(Option<std::thread::JoinHandle<()>>);
@@ -345,18 +349,15 @@ impl ApplierThread {
 pub fn start_applier(state_dir: &Path, metrics: Arc<ServicesMetrics>) -> std::io::Result<(Applying, ApplierThread)> {
     let (tx, rx) = mpsc::channel::<Job>();
     let state_dir = state_dir.to_path_buf();
-    let (applies, over_budget_needed, over_budget_limit) =
-        (metrics.applies.clone(), metrics.over_budget_needed.clone(), metrics.over_budget_limit.clone());
+    let thread_metrics = metrics.clone();
     let thread = std::thread::Builder::new()
         .name("installer-services".into())
-        .spawn(move || applier_loop(&state_dir, rx, &metrics))?;
+        .spawn(move || applier_loop(&state_dir, rx, &thread_metrics))?;
     let applying = Applying {
         jobs: tx,
         turn: Arc::new(tokio::sync::Semaphore::new(1)),
         reading: Arc::new(tokio::sync::Semaphore::new(READING_SLOTS)),
-        applies,
-        over_budget_needed,
-        over_budget_limit,
+        metrics,
     };
     Ok((applying, ApplierThread(Some(thread))))
 }
@@ -438,8 +439,7 @@ fn apply_one(applier: &mut Applier, state_dir: &Path, body: &[u8], metrics: &Ser
                 | ServicesError::GenerationReused(_) => ("conflict", 409),
                 ServicesError::Refused { .. } => ("refused", 400),
                 ServicesError::OverBudget(over) => {
-                    metrics.over_budget_needed.set(over.needed as i64);
-                    metrics.over_budget_limit.set(over.limit as i64);
+                    metrics.over_budget(over);
                     ("over-budget", 507)
                 }
                 _ => ("error", 500),
@@ -567,7 +567,7 @@ impl Applying {
         // The body is read before the apply turn is taken (a client that stops sending holds
         // no one else's document), in one of the reading slots (at most that many documents
         // in memory), each frame within BODY_IDLE.
-        let Ok(_reading) = self.reading.acquire().await else {
+        let Ok(reading_slot) = self.reading.acquire().await else {
             return error_answer(500, "the Service layer's applier is stopping");
         };
         let wait_until = deadline.at().unwrap_or_else(|| tokio::time::Instant::now() + WAIT_DEADLINE);
@@ -576,7 +576,7 @@ impl Applying {
         // body is read). It is read and dropped, frame by frame, so that a client that sends
         // it all before it reads hears why.
         if let Some(Err(over)) = declared.map(aether_node::services::budget::body_fits) {
-            drop(_reading);
+            drop(reading_slot);
             let body = Limited::new(request.into_body(), MAX_SNAPSHOT_BYTES);
             let _ = tokio::time::timeout_at(wait_until, drain_body(body)).await;
             return self.over_budget(over);
@@ -584,7 +584,7 @@ impl Applying {
         let waited = || format!("{} s", deadlines().0.as_secs_f64());
         let Ok(read) = tokio::time::timeout_at(wait_until, read_body(request.into_body(), declared)).await else {
             tracing::warn!("a document did not arrive on the socket within {}: 408", waited());
-            self.applies.with_label_values(&["unread", "stalled"]).inc();
+            self.metrics.applies.with_label_values(&["unread", "stalled"]).inc();
             return error_answer(408, &format!("the document did not arrive within {}", waited()));
         };
         let body = match read {
@@ -596,7 +596,7 @@ impl Applying {
             }
             Err(e) if e.downcast_ref::<Stalled>().is_some() => {
                 tracing::warn!("a document stopped arriving on the socket: {e}; 408");
-                self.applies.with_label_values(&["unread", "stalled"]).inc();
+                self.metrics.applies.with_label_values(&["unread", "stalled"]).inc();
                 return error_answer(408, &e.to_string());
             }
             Err(e) => return error_answer(400, &format!("cannot read the document: {e}")),
@@ -606,7 +606,7 @@ impl Applying {
             Ok(Err(_)) => return error_answer(500, "the Service layer's applier is stopping"),
             Err(_) => {
                 tracing::warn!("a document waited {} for its turn behind another being applied: 503", waited());
-                self.applies.with_label_values(&["unread", "busy"]).inc();
+                self.metrics.applies.with_label_values(&["unread", "busy"]).inc();
                 return error_answer(
                     503,
                     &format!(
@@ -632,9 +632,8 @@ impl Applying {
     }
 
     fn over_budget(&self, over: aether_node::memcg::OverBudget) -> hyper::Response<Full<Bytes>> {
-        self.over_budget_needed.set(over.needed as i64);
-        self.over_budget_limit.set(over.limit as i64);
-        self.applies.with_label_values(&["unread", "over-budget"]).inc();
+        self.metrics.over_budget(&over);
+        self.metrics.applies.with_label_values(&["unread", "over-budget"]).inc();
         let e = ServicesError::OverBudget(over);
         let line = one_line(&e.to_string());
         tracing::warn!(kind = "unread", status = 507, "not applied: {line}");
@@ -643,7 +642,7 @@ impl Applying {
 
     fn too_large(&self) -> hyper::Response<Full<Bytes>> {
         tracing::warn!("a document over the limit of {MAX_SNAPSHOT_BYTES} bytes was sent to the socket: 413");
-        self.applies.with_label_values(&["unread", "too-large"]).inc();
+        self.metrics.applies.with_label_values(&["unread", "too-large"]).inc();
         error_answer(413, &too_large())
     }
 }

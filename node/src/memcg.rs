@@ -271,36 +271,43 @@ pub struct OverBudget {
 
 impl std::fmt::Display for OverBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (needed, in_use, limit) = (mib(self.needed), mib(self.in_use), mib(self.limit));
+        let needed = mib(self.needed);
+        let size = |bytes: u64| bytes as f64 / MIB as f64;
+        // What would be charged, and for what; the rest is the same for every charge.
         match self.charge {
             Charge::Elements { elements, per_element } => write!(
                 f,
                 "not started: it would charge about {needed} MiB of kernel memory ({elements} nftables elements x \
-                 {per_element} bytes, as measured on this kernel) to this process's memory cgroup, which holds \
-                 {in_use} MiB of its {limit} MiB limit with {} MiB kept free",
-                mib(self.headroom)
+                 {per_element} bytes, as measured on this kernel)"
             )?,
             Charge::DocumentRead { bytes, whole } => write!(
                 f,
                 "not read: a document of {:.1} MiB{} would charge about {needed} MiB of this process's own memory \
-                 to be read, to its memory cgroup, which holds {in_use} MiB of its {limit} MiB limit",
-                bytes as f64 / MIB as f64,
+                 to be read",
+                size(bytes),
                 if whole { "" } else { " so far (sent without its length)" }
             )?,
             Charge::DocumentParse { bytes, objects } => write!(
                 f,
                 "not parsed: a document of {:.1} MiB ({objects} JSON objects) would charge about {needed} MiB more \
-                 of this process's own memory to be parsed and applied, to its memory cgroup, which holds {in_use} \
-                 MiB of its {limit} MiB limit",
-                bytes as f64 / MIB as f64
+                 of this process's own memory to be parsed and applied",
+                size(bytes)
             )?,
             Charge::StoredRead { bytes } => write!(
                 f,
                 "not read: the stored document of {:.1} MiB, which the change is made to, would charge about \
-                 {needed} MiB of this process's own memory to be read and changed, to its memory cgroup, which holds \
-                 {in_use} MiB of its {limit} MiB limit",
-                bytes as f64 / MIB as f64
+                 {needed} MiB of this process's own memory to be read and changed",
+                size(bytes)
             )?,
+        }
+        write!(
+            f,
+            " to this process's memory cgroup, which holds {} MiB of its {} MiB limit",
+            mib(self.in_use),
+            mib(self.limit)
+        )?;
+        if self.headroom > 0 {
+            write!(f, " with {} MiB kept free", mib(self.headroom))?;
         }
         write!(
             f,

@@ -128,10 +128,8 @@ impl ScratchMemcg {
     /// `shmem`). A limit set just above it forces the cache out first, so the room above it
     /// is the room the work has.
     pub fn unreclaimable(&self) -> u64 {
-        let stat = std::fs::read_to_string(self.dir.join("memory.stat")).unwrap();
-        let value = |key: &str| -> u64 {
-            stat.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0)
-        };
+        let stat = self.stat();
+        let value = |key: &str| stat_value(&stat, key);
         let (cache, shmem) =
             if self.v2 { (value("file"), value("shmem")) } else { (value("total_cache"), value("total_shmem")) };
         self.usage().saturating_sub(cache.saturating_sub(shmem))
@@ -141,11 +139,12 @@ impl ScratchMemcg {
     /// the usage less inactive file pages (`total_inactive_file` on v1, `inactive_file` on
     /// v2). Above `unreclaimable` by the active file pages.
     pub fn working_set(&self) -> u64 {
-        let stat = std::fs::read_to_string(self.dir.join("memory.stat")).unwrap();
         let key = if self.v2 { "inactive_file" } else { "total_inactive_file" };
-        let inactive: u64 =
-            stat.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0);
-        self.usage().saturating_sub(inactive)
+        self.usage().saturating_sub(stat_value(&self.stat(), key))
+    }
+
+    fn stat(&self) -> String {
+        std::fs::read_to_string(self.dir.join("memory.stat")).unwrap()
     }
 
     /// Processes the kernel's OOM killer ended in it.
@@ -273,4 +272,9 @@ impl Drop for ScratchMemcg {
         }
         eprintln!("the memory cgroup {} could not be removed", self.dir.display());
     }
+}
+
+/// One value of a `memory.stat` text (0 when it is not there).
+fn stat_value(stat: &str, key: &str) -> u64 {
+    stat.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok()).unwrap_or(0)
 }
