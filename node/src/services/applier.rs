@@ -13,7 +13,7 @@
 //! `verify`) changes is seen by the next document, and anything in doubt is read again.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -99,12 +99,14 @@ struct KeptJournal {
 struct KeptRecords {
     dir: Option<FileId>,
     records: std::sync::Arc<Vec<Record>>,
+    /// Each record's `Record::key`, made once per reading (not at each visit of its pod).
+    keys: Vec<String>,
     unreadable: Vec<String>,
 }
 
 impl KeptRecords {
     fn keys(&self) -> BTreeSet<String> {
-        self.records.iter().map(Record::key).collect()
+        self.keys.iter().cloned().collect()
     }
 }
 
@@ -198,7 +200,7 @@ impl PodLink for Link {
 struct Kept {
     stored: Option<KeptStored>,
     records: Option<KeptRecords>,
-    links: BTreeMap<String, Link>,
+    links: HashMap<String, Link>,
     /// The identities of `layer.bin` and the journal after this applier last wrote or
     /// checked them: the links' beliefs hold only while no one else has stored a layer since.
     layer_bin: (Option<FileId>, Option<FileId>),
@@ -215,7 +217,8 @@ impl Kept {
         if self.records.as_ref().is_none_or(|k| now.is_none() || k.dir != now) {
             let scan = StateDir::new(&dir.state).scan();
             let unreadable = scan.unreadable.iter().map(engine::unreadable).collect();
-            self.records = Some(KeptRecords { dir: now, records: scan.records.into(), unreadable });
+            let keys = scan.records.iter().map(Record::key).collect();
+            self.records = Some(KeptRecords { dir: now, records: scan.records.into(), keys, unreadable });
         }
         self.records.as_ref().expect("just read")
     }
@@ -233,23 +236,24 @@ impl Pods for Kept {
         warnings.extend(kept.unreadable.iter().cloned());
         let records = kept.records.clone();
         if rescanned {
-            let live: BTreeSet<String> = records.iter().map(Record::key).collect();
+            let live = kept.keys();
             self.links.retain(|k, _| live.contains(k));
         }
         (records, rescanned)
     }
 
-    fn reach(&mut self, r: &Record) -> Result<&mut dyn PodLink, PodError> {
-        let key = r.key();
+    fn reach(&mut self, i: usize, r: &Record) -> Result<&mut dyn PodLink, PodError> {
+        // The record's key as made when the records were read (it is the `i`th of them).
+        let made = self.records.as_ref().filter(|k| k.records.get(i).is_some_and(|x| std::ptr::eq(x, r)));
+        let key = made.map_or_else(|| Cow::Owned(r.key()), |k| Cow::Borrowed(k.keys[i].as_str()));
         // Opened for this very record (`Link::open` checked the netns was its); a socket
         // pins its netns, so what was checked then still holds.
-        if self.links.get(&key).is_some_and(|l| !l.opened_for(r)) {
-            self.links.remove(&key);
+        if !self.links.get(key.as_ref()).is_some_and(|l| l.opened_for(r)) {
+            let link = Link::open(r);
+            self.links.remove(key.as_ref());
+            self.links.insert(key.to_string(), link?);
         }
-        Ok(match self.links.entry(key) {
-            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => v.insert(Link::open(r)?),
-        })
+        Ok(self.links.get_mut(key.as_ref()).expect("kept above"))
     }
 }
 

@@ -170,8 +170,9 @@ pub(super) trait Pods {
     /// pods no record names are pruned then.
     fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool);
 
-    /// The way into a recorded pod's netns (`PodError::Gone`: it is gone).
-    fn reach(&mut self, r: &Record) -> Result<&mut dyn PodLink, PodError>;
+    /// The way into a recorded pod's netns (`PodError::Gone`: it is gone): `r`, the `i`th of
+    /// the records `records` returned last.
+    fn reach(&mut self, i: usize, r: &Record) -> Result<&mut dyn PodLink, PodError>;
 }
 
 /// One pod, reached.
@@ -209,7 +210,7 @@ impl Pods for Entering {
         (Arc::new(scan.records), true)
     }
 
-    fn reach(&mut self, r: &Record) -> Result<&mut dyn PodLink, PodError> {
+    fn reach(&mut self, _: usize, r: &Record) -> Result<&mut dyn PodLink, PodError> {
         Ok(self.pod.insert(Entered { ns: open_pod(r)? }))
     }
 }
@@ -286,12 +287,16 @@ pub(super) fn apply_to_pods(
             Default::default()
         }
     };
-    let ended: Vec<String> = records
-        .iter()
-        .filter(|r| folding.contains_key(&r.key()))
-        .filter(|r| pods.reach(r).is_ok_and(|p| matches!(p.netns().run(layer::counters), Ok(Ok(None)))))
-        .map(Record::key)
-        .collect();
+    let ended: Vec<String> = match folding.is_empty() {
+        true => Vec::new(),
+        false => records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| folding.contains_key(&r.key()))
+            .filter(|&(i, r)| pods.reach(i, r).is_ok_and(|p| matches!(p.netns().run(layer::counters), Ok(Ok(None)))))
+            .map(|(_, r)| r.key())
+            .collect(),
+    };
     if !ended.is_empty() {
         dir.end_folding(&ended)?;
     }
@@ -302,7 +307,8 @@ pub(super) fn apply_to_pods(
     if off {
         let counts: Vec<(String, BTreeMap<String, u64>)> = records
             .iter()
-            .filter_map(|r| Some((r.key(), flat(pods.reach(r).ok()?.netns().run(layer::counters)).ok()??)))
+            .enumerate()
+            .filter_map(|(i, r)| Some((r.key(), flat(pods.reach(i, r).ok()?.netns().run(layer::counters)).ok()??)))
             .collect();
         dir.fold_pods(&counts)?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
@@ -325,7 +331,7 @@ pub(super) fn apply_to_pods(
     // what `applying` is for: the next apply trusts no file.
     let mut to_record = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
-        let result = pods.reach(r).and_then(|pod| pass.visit(r, pod)).map(|(applied, record)| {
+        let result = pods.reach(i, r).and_then(|pod| pass.visit(r, pod)).map(|(applied, record)| {
             if let Some(record) = record {
                 to_record.push((i, record));
             }
@@ -339,7 +345,7 @@ pub(super) fn apply_to_pods(
         });
     }
     for (i, held) in to_record {
-        let recorded = pods.reach(&records[i]).map(|pod| pod.record(dir, held));
+        let recorded = pods.reach(i, &records[i]).map(|pod| pod.record(dir, held));
         if let Ok(Err(e)) = recorded {
             pass.warnings.push(e.to_string());
         }

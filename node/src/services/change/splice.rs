@@ -317,10 +317,17 @@ pub struct ServiceIndex {
     /// The edits made since the index was built, in the order made: where (an offset in the
     /// body as it was then) and by how much it moved every start after it.
     moves: Vec<(usize, isize)>,
+    /// `starts` holds every Service of the body: its last scan read the body to its end with
+    /// no two keys hashed alike, and every Service appended since was noted under a hash of
+    /// its own. A key it lacks is then no Service's (a change's new Service is not searched
+    /// for through the whole document). It may hold a key no Service has any more (a removal
+    /// it did not follow: a hint that fails), never lack one a Service has.
+    complete: bool,
     hasher: RandomState,
-    /// Services found by their offset here, and searched for.
+    /// Services found by their offset here, searched for, and known absent.
     pub found: u64,
     pub searched: u64,
+    pub absent: u64,
 }
 
 /// The edits an index follows before it is scanned anew: a lookup walks at most these.
@@ -361,35 +368,53 @@ impl ServiceIndex {
     /// Forgets every start (built, but empty).
     #[cfg(test)]
     pub(super) fn clear(&mut self) {
-        (self.starts, self.moves) = (Some(HashMap::new()), Vec::new());
+        (self.starts, self.moves, self.complete) = (Some(HashMap::new()), Vec::new(), false);
+    }
+
+    /// Built from `body` now.
+    #[cfg(test)]
+    pub(super) fn build(&mut self, body: &[u8]) {
+        self.rescan(body);
     }
 
     /// Where `key` starts in `body`, as far as the index knows (built now if not yet).
     fn hint(&mut self, body: &[u8], key: &[u8]) -> Option<usize> {
         if self.starts.is_none() {
-            self.starts = Some(self.scan(body));
-            self.moves.clear();
+            self.rescan(body);
         }
         self.start(self.hash(key))
     }
 
+    /// Whether the Service whose key is `key` is in no document the index is complete for.
+    fn lacks(&self, key: &[u8]) -> bool {
+        self.complete && self.starts.as_ref().is_some_and(|starts| !starts.contains_key(&self.hash(key)))
+    }
+
+    fn rescan(&mut self, body: &[u8]) {
+        let (starts, complete) = self.scan(body);
+        (self.starts, self.complete) = (Some(starts), complete);
+        self.moves.clear();
+    }
+
     /// Every Service's start in `body`, in one pass over it; where it stops making sense,
-    /// what follows is left out (searched for when touched).
-    fn scan(&self, body: &[u8]) -> HashMap<u64, (usize, usize)> {
+    /// what follows is left out (searched for when touched). Whether it holds them all (the
+    /// pass reached the end, and no two keys hashed alike).
+    fn scan(&self, body: &[u8]) -> (HashMap<u64, (usize, usize)>, bool) {
         let vip = memmem::Finder::new(b",\"vip\":");
         let end = memmem::Finder::new(OBJECT_END);
         let mut starts = HashMap::new();
-        let mut at = 0;
+        let (mut at, mut alike) = (0, false);
         while body.get(at) == Some(&b'{') {
             // The key ends at the first `,"vip":` (inside a string a `"` is escaped).
             let Some(key) = vip.find(&body[at..]).map(|k| at + k + vip.needle().len()) else { break };
             let Some(tail) = end.find(&body[key..]).map(|t| key + t + OBJECT_END.len()) else { break };
             let Some(close) = body[tail..].iter().position(|&b| b == b'}') else { break };
-            starts.insert(self.hash(&body[at..key]), (at, 0));
+            alike |= starts.insert(self.hash(&body[at..key]), (at, 0)).is_some();
             at = tail + close + 1;
             at += usize::from(body.get(at) == Some(&b','));
         }
-        starts
+        let complete = at == body.len() && !alike;
+        (starts, complete)
     }
 
     /// Follows a splice's edits: the `removed` Services (with their starts) leave, the edits
@@ -412,13 +437,15 @@ impl ServiceIndex {
             }
         }
         if self.moves.len() + moved.len() > MAX_MOVES {
-            self.starts = Some(self.scan(body));
-            self.moves.clear();
+            self.rescan(body);
             return;
         }
         self.moves.extend(moved.iter().filter(|(_, by)| *by != 0));
         for (s, at) in appended {
-            self.note(self.hash(key(&s.namespace, &s.name).as_bytes()), at);
+            let h = self.hash(key(&s.namespace, &s.name).as_bytes());
+            // Another key of the same hash: which keys are held is no longer exact.
+            self.complete &= self.starts.as_ref().is_some_and(|starts| !starts.contains_key(&h));
+            self.note(h, at);
         }
     }
 }
@@ -440,9 +467,15 @@ fn locate(body: &[u8], ns: &str, name: &str, index: Option<&mut ServiceIndex>) -
         index.found += 1;
         return hinted;
     }
+    if index.lacks(key.as_bytes()) {
+        index.absent += 1;
+        return None;
+    }
     index.searched += 1;
     let found = find(body, &key, ns, name)?;
-    // Known from now on (a hint that was wrong is put right).
+    // Known from now on (a hint that was wrong is put right). A Service the index lacked
+    // (never, while it holds every one): it holds them all no longer.
+    index.complete &= !index.lacks(key.as_bytes());
     index.note(index.hash(key.as_bytes()), found.0.start);
     Some(found)
 }

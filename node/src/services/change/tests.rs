@@ -430,10 +430,11 @@ fn a_wrong_index_falls_back_to_the_search() {
 
 /// Changes that touch only stored Services (flips, replacements, removals) and add new ones:
 /// through the index, every stored Service is found at its offset (the Services appended by
-/// earlier changes too) and only the new ones are searched for, which is what proving a name
-/// absent takes. The index stays exact, also scanned again once it has logged `MAX_MOVES`
-/// edits. Control: with the index's offsets wrong, every lookup is a search.
-fn touched_found_and_searched(wrong: bool) -> ((u64, u64), (u64, u64)) {
+/// earlier changes too) and the new ones are known absent, as the index holds every Service:
+/// nothing is searched for. The index stays exact, also scanned again once it has logged
+/// `MAX_MOVES` edits. Control: with the index's offsets wrong (and so not known to hold every
+/// Service), every lookup is a search.
+fn touched_found_and_searched(wrong: bool) -> ((u64, u64), (u64, u64, u64)) {
     let (mut text, mut layer, mut generation, mut index) = chain_with_index(150);
     let mut rng = Rng(0x0ff5_e7ed);
     let mut next_id = 300;
@@ -483,15 +484,41 @@ fn touched_found_and_searched(wrong: bool) -> ((u64, u64), (u64, u64)) {
         }
     }
     assert!(wrong || rescans > 0, "the index was never scanned again");
-    ((stored, new), (index.found, index.searched))
+    ((stored, new), (index.found, index.searched, index.absent))
 }
 
 #[test]
-fn the_index_spares_the_search_for_every_stored_service() {
-    let ((stored, new), (found, searched)) = touched_found_and_searched(false);
+fn the_index_spares_every_search() {
+    let ((stored, new), counts) = touched_found_and_searched(false);
     assert!(stored > 600 && new > 100, "stored {stored}, new {new}");
-    assert_eq!((found, searched), (stored, new));
+    assert_eq!(counts, (stored, 0, new));
     // The control: the counts are of what was done.
-    let ((stored, new), (found, searched)) = touched_found_and_searched(true);
-    assert_eq!((found, searched), (0, stored + new));
+    let ((stored, new), counts) = touched_found_and_searched(true);
+    assert_eq!(counts, (0, stored + new, 0));
+}
+
+/// An index that stopped making sense midway through a document holds only the Services before
+/// that place: a Service it lacks is searched for, never taken as absent.
+#[test]
+fn an_index_of_part_of_the_document_searches_for_what_it_lacks() {
+    let (text, layer, generation) = chain_start(30);
+    // The comma before the tenth Service spoiled, in a copy scanned by the index only.
+    let body_at = memchr::memmem::find(&text, b"\"services\":[").unwrap() + 12;
+    let tenth = snapshot::parse(&text).unwrap().services[10].clone();
+    let key = splice::key(&tenth.namespace, &tenth.name);
+    let at = body_at + memchr::memmem::find(&text[body_at..], key.as_bytes()).unwrap();
+    let mut spoiled = text.clone();
+    assert_eq!(spoiled[at - 1], b',');
+    spoiled[at - 1] = b' ';
+    let mut index = splice::ServiceIndex::default();
+    index.build(&spoiled[body_at..spoiled.len() - super::SERVICES_END.len()]);
+    assert_eq!(index.len(), Some(10));
+    // The last Service, flipped: not in the index, found by the search.
+    let last = snapshot::parse(&text).unwrap().services.last().unwrap().clone();
+    let c = json!({"baseGeneration": generation, "generation": generation + 1,
+                   "endpoints": [{"namespace": last.namespace, "name": last.name, "usableEndpoints": !last.usable_endpoints}]});
+    let c = parse(c.to_string().as_bytes()).unwrap();
+    let spliced = splice::splice(std::borrow::Cow::Borrowed(&text), &layer, generation, &c, Some(&mut index));
+    assert!(spliced.is_some(), "the flip of a Service the partial index lacks was refused");
+    assert_eq!((index.absent, index.searched), (0, 1));
 }
