@@ -138,15 +138,16 @@ impl Memcg {
             Version::V1 => {
                 let stat = self.dir.join("memory.stat");
                 let own = read_bytes(&self.dir.join("memory.limit_in_bytes"))?;
+                // Read once for both values (the kernel totals every counter at each read).
+                let [hierarchical, reclaimable] = stat_values(&stat, ["hierarchical_memory_limit", "total_inactive_file"])?;
                 // Ancestors' limits, as v1 itself sums them up.
-                let hierarchical = stat_value(&stat, "hierarchical_memory_limit")?.filter(|&l| l < UNLIMITED_FROM);
+                let hierarchical = hierarchical.filter(|&l| l < UNLIMITED_FROM);
                 let limit = match (own, hierarchical) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
                 let usage = read_bytes(&self.dir.join("memory.usage_in_bytes"))?.unwrap_or(0);
-                let reclaimable = stat_value(&stat, "total_inactive_file")?.unwrap_or(0);
-                Ok(Reading { limit, usage, reclaimable })
+                Ok(Reading { limit, usage, reclaimable: reclaimable.unwrap_or(0) })
             }
         }
     }
@@ -220,16 +221,22 @@ fn read_bytes(path: &Path) -> Result<Option<u64>, MemcgError> {
 
 /// One `key value` line of `memory.stat`; `None` when the key is not there.
 fn stat_value(path: &Path, key: &str) -> Result<Option<u64>, MemcgError> {
+    stat_values(path, [key]).map(|[v]| v)
+}
+
+/// The `key value` lines of `keys` in one reading of `memory.stat`; `None` for a key that is
+/// not there.
+fn stat_values<const N: usize>(path: &Path, keys: [&str; N]) -> Result<[Option<u64>; N], MemcgError> {
     let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+    let mut out = [None; N];
     for line in text.lines() {
-        if let Some((k, v)) = line.split_once(' ') {
-            if k == key {
-                let n = v.trim().parse().map_err(|_| MemcgError::Parse { path: path.into(), text: line.into() })?;
-                return Ok(Some(n));
-            }
+        let Some((k, v)) = line.split_once(' ') else { continue };
+        if let Some(i) = keys.iter().position(|&key| key == k) {
+            let n = v.trim().parse().map_err(|_| MemcgError::Parse { path: path.into(), text: line.into() })?;
+            out[i] = Some(n);
         }
     }
-    Ok(None)
+    Ok(out)
 }
 
 const MIB: u64 = 1 << 20;
