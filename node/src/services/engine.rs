@@ -15,7 +15,7 @@ use aether_rules::services::{self as layer, Applied, LayerChange};
 
 use super::apply::{ApplyReport, PodOutcome};
 use super::{budget, flat, ServicesDir, ServicesError, StoredLayer};
-use crate::state::{PodNetns, Record, StateDir, Unreadable};
+use crate::state::{self, PodNetns, Record, StateDir, Unreadable};
 use crate::PodError;
 
 /// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line, and
@@ -623,13 +623,14 @@ pub(super) const APPLYING: &str = "applying";
 impl ServicesDir {
     /// Marks an apply's visit of the pods as begun; whether the last one was stopped midway.
     pub(super) fn begin_pods(&self, new: &StoredLayer, warnings: &mut Vec<String>) -> Result<bool, ServicesError> {
-        let interrupted = !matches!(self.read(APPLYING), Ok(None));
+        // One opening of the directory for the look and the mark.
+        let dir = self.open(true)?.expect("created");
+        let interrupted = !matches!(dir.read(APPLYING, state::MAX_STATE_FILE_BYTES), Ok(None));
         if interrupted {
             warnings.push(
                 "the last apply was stopped before it reached every pod: every pod's layer is rebuilt".to_string(),
             );
         }
-        let dir = self.open(true)?.expect("created");
         dir.overwrite(APPLYING, format!("{}\n", new.generation).as_bytes())
             .map_err(|source| ServicesError::Write { path: self.root.join(APPLYING), source })?;
         Ok(interrupted)
