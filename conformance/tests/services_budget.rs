@@ -752,7 +752,19 @@ fn work_under_way_that_no_longer_fits_leaves_every_pod_a_whole_layer() {
     // headroom (8 MiB) and a few pods' 1.1 MiB, not for twelve.
     cg.set_limit(cg.unreclaimable() + 24 * MIB);
     let big = snapshot(2, BIG);
-    let (status, body) = inst.post(&big).expect("an answer");
+    let (status, body) = match inst.post(&big) {
+        Some(answer) => answer,
+        // Seen once in CI (2026-12-04), never since: what the cgroup and the installer say.
+        None => panic!(
+            "no answer: installer alive {}, OOM kills {}, usage {} KiB of {} KiB (unreclaimable {} KiB)\n{}",
+            inst.alive(),
+            cg.oom_kills(),
+            cg.usage() >> 10,
+            cg.limit() >> 10,
+            cg.unreclaimable() >> 10,
+            inst.log()
+        ),
+    };
     assert_eq!(status, 500, "some pods failed, the document stored: {body}\n{}", inst.log());
     assert!(inst.alive(), "{}", inst.log());
     assert_eq!(cg.oom_kills(), 0);
