@@ -287,16 +287,14 @@ pub(super) fn apply_to_pods(
             Default::default()
         }
     };
-    let ended: Vec<String> = match folding.is_empty() {
-        true => Vec::new(),
-        false => records
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| folding.contains_key(&r.key()))
-            .filter(|&(i, r)| pods.reach(i, r).is_ok_and(|p| matches!(p.netns().run(layer::counters), Ok(Ok(None)))))
-            .map(|(_, r)| r.key())
-            .collect(),
-    };
+    // (No key made for each record when no pod is folding, as none usually is.)
+    let ended: Vec<String> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !folding.is_empty() && folding.contains_key(&r.key()))
+        .filter(|&(i, r)| pods.reach(i, r).is_ok_and(|p| matches!(p.netns().run(layer::counters), Ok(Ok(None)))))
+        .map(|(_, r)| r.key())
+        .collect();
     if !ended.is_empty() {
         dir.end_folding(&ended)?;
     }

@@ -473,9 +473,7 @@ fn locate(body: &[u8], ns: &str, name: &str, index: Option<&mut ServiceIndex>) -
     }
     index.searched += 1;
     let found = find(body, &key, ns, name)?;
-    // Known from now on (a hint that was wrong is put right). A Service the index lacked
-    // (never, while it holds every one): it holds them all no longer.
-    index.complete &= !index.lacks(key.as_bytes());
+    // Known from now on (a hint that was wrong is put right).
     index.note(index.hash(key.as_bytes()), found.0.start);
     Some(found)
 }
