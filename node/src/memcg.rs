@@ -139,7 +139,8 @@ impl Memcg {
                 let stat = self.dir.join("memory.stat");
                 let own = read_bytes(&self.dir.join("memory.limit_in_bytes"))?;
                 // Read once for both values (the kernel totals every counter at each read).
-                let [hierarchical, reclaimable] = stat_values(&stat, ["hierarchical_memory_limit", "total_inactive_file"])?;
+                let [hierarchical, reclaimable] =
+                    stat_values(&stat, ["hierarchical_memory_limit", "total_inactive_file"])?;
                 // Ancestors' limits, as v1 itself sums them up.
                 let hierarchical = hierarchical.filter(|&l| l < UNLIMITED_FROM);
                 let limit = match (own, hierarchical) {
