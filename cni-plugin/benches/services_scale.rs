@@ -459,6 +459,102 @@ fn state_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// `AETHER_BENCH_ONLY=changes`: the change rows alone (a Service added, flipped, removed in
+/// 100 pods at 10,000 Services): the applier in this process, the installer's socket under
+/// the chart's limit, and the kept-socket floors beside each, printed, nothing written. For
+/// working on the change path (a profiler attached to the installer, whose PID it prints);
+/// `make bench` runs them all.
+fn changes_only() {
+    let dirs = Cleanup(vec![state_dir("changes")]);
+    let node = &dirs.0[0];
+    let pods: Vec<TestNetns> = (0..PODS).map(|_| TestNetns::new("bscale-pod")).collect();
+    for (i, p) in pods.iter().enumerate() {
+        cni("ADD", node, &p.path(), &format!("pod-{i}"));
+    }
+    let out = services_cmd(node, &["apply"], &snapshot(2, SERVICES));
+    assert_eq!(out.stdout.matches("\"rebuilt\"").count(), PODS, "{}", out.stdout);
+    // `AETHER_BENCH_SETTLE_SECS`: time left to the kernel after the layers are built.
+    let settle = std::env::var("AETHER_BENCH_SETTLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    std::thread::sleep(Duration::from_secs(settle));
+    let mut g = 2u64;
+    let named = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}")});
+    let flipped = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false});
+    let ops = |k: u32| {
+        [
+            json!({"servicesPut": [churn_service(k, true)]}),
+            json!({"endpoints": [flipped(k)]}),
+            json!({"servicesRemoved": [named(k)]}),
+        ]
+    };
+    let results = ["elements +2 -0", "elements +1 -1", "elements +0 -2"];
+    let check = |out: &str, result: &str| assert_eq!(out.matches(&format!("\"{result}\"")).count(), PODS, "{out}");
+    let mut sockets: Vec<aether_rules::nft::KeptSocket> = pods
+        .iter()
+        .map(|p| Netns::open_foreign(p.path()).unwrap().run(aether_rules::nft::KeptSocket::open).unwrap().unwrap())
+        .collect();
+    let floor_changes = floor_changes();
+    let mut applier = aether_node::services::Applier::new(node);
+    let mut in_process: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
+    for k in 0..=rounds() as u32 {
+        for (op, doc) in ops(k).into_iter().enumerate() {
+            let mut doc = doc;
+            (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
+            g += 1;
+            let text = serde_json::to_vec(&doc).unwrap();
+            let (t, c) = (Instant::now(), thread_cpu());
+            let report = applier.apply(&text).unwrap();
+            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 };
+            check(&report.to_json().to_string(), results[op]);
+            // The first round reads what the one-shot apply left: not measured.
+            if k > 0 {
+                in_process[op].0.push(sample);
+                in_process[op].1.push(change_floor_kept(&mut sockets, &floor_changes[op]));
+            }
+        }
+    }
+    drop((applier, sockets));
+    let socket_cg = ScratchMemcg::new("bscale-socket", ChartMemory::read().limit(SERVICES as u64, PODS as u64, 1));
+    let installer = InstallerProcess::start_in(node, Some(&socket_cg));
+    println!("the installer: PID {}", installer.child.id());
+    let mut socket: [Vec<Sample>; 3] = Default::default();
+    for k in 0..=rounds() as u32 {
+        for (op, doc) in ops(1000 + k).into_iter().enumerate() {
+            let mut doc = doc;
+            (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
+            g += 1;
+            let text = serde_json::to_vec(&doc).unwrap();
+            let (t, c) = (Instant::now(), installer.cpu());
+            let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
+                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
+            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
+            assert_eq!(status, 200);
+            check(&String::from_utf8_lossy(&body), results[op]);
+            if k > 0 {
+                socket[op].push(sample);
+            }
+        }
+    }
+    let charged_floors = kept_floor_in(&socket_cg, &pods);
+    drop(installer);
+    let show = |name: &str, s: &Sample| println!("  {name:<40} {:>7.3} ms  cpu {:>7.3} ms", s.wall_ms, s.cpu_ms);
+    for (op, what) in ["a Service added", "its endpoints flipped", "removed"].into_iter().enumerate() {
+        let (applied, floor) = (medians(in_process[op].0.clone()), medians(in_process[op].1.clone()));
+        let posted = medians(socket[op].clone());
+        println!("{what}, {PODS} pods, {SERVICES} Services, medians of {}:", rounds());
+        show("the applier in this process", &applied);
+        show("kept-socket floor (this thread)", &floor);
+        show("through the installer's socket", &posted);
+        show("kept-socket floor (installer's cgroup)", &charged_floors[op]);
+        println!(
+            "  socket / floor {:.2}x (cpu {:.2}x), / the cgroup's floor {:.2}x; in-process / floor {:.2}x",
+            posted.wall_ms / floor.wall_ms,
+            posted.cpu_ms / floor.cpu_ms,
+            posted.wall_ms / charged_floors[op].wall_ms,
+            applied.wall_ms / floor.wall_ms
+        );
+    }
+}
+
 /// Removes the bench's state directories also when a step panics.
 struct Cleanup(Vec<PathBuf>);
 
@@ -864,6 +960,10 @@ fn main() {
         return;
     }
     let args: Vec<String> = std::env::args().collect();
+    if std::env::var("AETHER_BENCH_ONLY").as_deref() == Ok("changes") {
+        changes_only();
+        return;
+    }
     if args.get(1).map(String::as_str) == Some(LAUNCH) {
         launch(&args[2..]);
     }
