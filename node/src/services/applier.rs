@@ -117,21 +117,20 @@ struct Link {
     recorded: Option<crate::state::NetnsIdentity>,
     ns: Netns,
     sock: KeptSocket,
-    /// The layer the pod holds, as last recorded in or read from the pod's file; `None`:
-    /// unknown (rebuilt at the next document).
+    /// What the pod's own file under `pods/` says, as last written or read.
+    file: Option<PodHolds>,
+    /// The layer the pod holds, as last recorded or read (its file moved on by
+    /// `pods.moves`); `None`: unknown (rebuilt at the next document).
     holds: Option<PodHolds>,
-    /// `holds` is to be read again from the pod's file before it is used.
+    /// `file` and `holds` are to be read again before they are used.
     reread: bool,
-    /// The pod's file under `pods/`, kept open: written in place with one system call while
-    /// it is still the file at its name (anyone who replaces it unlinks this one first).
-    file: Option<std::fs::File>,
 }
 
 impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, reread: true, file: None })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, file: None, holds: None, reread: true })
     }
 
     /// Whether it was opened for `r` (its netns path and identity).
@@ -146,23 +145,6 @@ impl Link {
         let id = self.ns.id();
         std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == id.dev && m.ino() == id.ino)
     }
-
-    /// Writes what the pod holds into its file: in place while the kept one is still linked,
-    /// else as `set_pod_holds` does, and the new file kept.
-    fn write_holds(&mut self, dir: &ServicesDir, held: &PodHolds) -> Result<(), ServicesError> {
-        // Looked at each time (a directory's times are too coarse to tell that no one
-        // replaced it since: two changes within a clock tick leave them as they were).
-        if let Some(f) = &self.file {
-            if let Some(m) = f.metadata().ok().filter(|m| m.nlink() > 0) {
-                if state::overwrite_file(f, held.to_string().as_bytes(), m.len()).is_ok() {
-                    return Ok(());
-                }
-            }
-        }
-        dir.set_pod_holds(&self.ns, held)?;
-        self.file = dir.open_pod_holds(&self.ns);
-        Ok(())
-    }
 }
 
 impl PodLink for Link {
@@ -170,23 +152,30 @@ impl PodLink for Link {
         &self.ns
     }
 
-    fn held(&mut self, dir: &ServicesDir) -> Option<PodHolds> {
+    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>) {
         if self.reread {
-            (self.holds, self.reread) = (dir.pod_holds(&self.ns), false);
+            self.file = dir.pod_file(&self.ns);
+            self.holds = self.file.clone().map(|f| dir.moves().fold(f));
+            self.reread = false;
         }
-        self.holds.clone()
+        (self.file.clone(), self.holds.clone())
     }
 
     fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError> {
         self.reread = false;
         let Some(held) = held else {
             dir.forget_pod(self.ns.path());
-            (self.holds, self.file) = (None, None);
+            (self.file, self.holds) = (None, None);
             return Ok(());
         };
-        let written = self.write_holds(dir, &held);
-        self.holds = written.is_ok().then_some(held);
+        let written = dir.set_pod_holds(&self.ns, &held);
+        self.file = written.is_ok().then_some(held);
+        self.holds = self.file.clone();
         written
+    }
+
+    fn moved(&mut self, now: &PodHolds) {
+        self.holds = Some(now.clone());
     }
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
@@ -281,7 +270,7 @@ impl PodReach for Kept {
         // A pod reached before holds what this applier believes (its file read again first
         // when in doubt), without opening its netns or reading its file each change.
         match self.links.get_mut(&r.key()) {
-            Some(l) if l.opened_for(r) => Some(l.held(dir)),
+            Some(l) if l.opened_for(r) => Some(l.held(dir).1),
             _ => engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns)),
         }
     }

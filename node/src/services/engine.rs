@@ -1,7 +1,8 @@
 //! One apply engine: what each recorded pod gets once a new layer is stored, decided in one
 //! place (`decide`, pure) and done in one place (`apply_to_pods`), which also records what the
-//! pod then holds (its file under `pods/`, with the run of nftables generations the element
-//! changes alone made, which the reconciler's look carries a pod over) and checks every pod's
+//! pod then holds (its file under `pods/` for a rebuild, a line of `pods.moves` for an element
+//! change, with the run of nftables generations the element changes alone made, which the
+//! reconciler's look carries a pod over) and checks every pod's
 //! work against the memory budget. A one-shot `services apply` and the installer's long-lived
 //! applier differ only in how they reach a pod ([`Pods`], [`PodLink`]): by entering its netns
 //! each time ([`Entering`]), or on a socket kept in it (the applier's cache).
@@ -180,11 +181,15 @@ pub(super) trait PodLink {
     /// Its netns (entered in place: the apply is on a tour).
     fn netns(&self) -> &Netns;
 
-    /// What its file under `pods/` says it holds.
-    fn held(&mut self, dir: &ServicesDir) -> Option<PodHolds>;
+    /// What its own file under `pods/` says, and what it holds (that file moved on by
+    /// `pods.moves`).
+    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>);
 
     /// Writes its file (`Some`), or removes it (`None`: what it holds is unknown).
     fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError>;
+
+    /// It holds `now`, which a line of `pods.moves` says (its own file unchanged).
+    fn moved(&mut self, now: &PodHolds);
 
     /// Sends an element change, encoded once for all pods, in one transaction: the netns's
     /// ruleset generation just before it (when `read_before`, and read) and the one the
@@ -220,8 +225,10 @@ impl PodLink for Entered {
         &self.ns
     }
 
-    fn held(&mut self, dir: &ServicesDir) -> Option<PodHolds> {
-        dir.pod_holds(&self.ns)
+    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>) {
+        let file = dir.pod_file(&self.ns);
+        let holds = file.clone().map(|f| dir.moves().fold(f));
+        (file, holds)
     }
 
     fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError> {
@@ -233,6 +240,8 @@ impl PodLink for Entered {
             }
         }
     }
+
+    fn moved(&mut self, _: &PodHolds) {}
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
         flat(self.ns.run(|| -> aether_rules::Result<_> {
@@ -324,7 +333,7 @@ pub(super) fn apply_to_pods(
         removed_keys: Vec::new(),
     };
     let mut outcomes = Vec::with_capacity(records.len());
-    // Every pod's transaction first, then every pod's file: the sends one after another (a
+    // Every pod's transaction first, then what they hold: the sends one after another (a
     // pod's file written between two sends made each send cost more). A crash in between is
     // what `applying` is for: the next apply trusts no file.
     let mut to_record = Vec::with_capacity(records.len());
@@ -342,11 +351,28 @@ pub(super) fn apply_to_pods(
             result,
         });
     }
-    for (i, held) in to_record {
-        let recorded = pods.reach(i, &records[i]).map(|pod| pod.record(dir, held));
-        if let Ok(Err(e)) = recorded {
-            pass.warnings.push(e.to_string());
+    // The pods rebuilt get their own files; those an element change moved (or that hold
+    // what an earlier one moved them to) a line each of `pods.moves`, written once.
+    let mut moves = Vec::new();
+    for (i, recorded) in to_record {
+        match recorded {
+            Recorded::Own(held) => {
+                if let Ok(Err(e)) = pods.reach(i, &records[i]).map(|pod| pod.record(dir, held)) {
+                    pass.warnings.push(e.to_string());
+                }
+            }
+            Recorded::Moved { file, now } => {
+                if let Ok(pod) = pods.reach(i, &records[i]) {
+                    pod.moved(&now);
+                }
+                moves.push((file, now));
+            }
         }
+    }
+    // Not written: these pods' files name older layers, so each is rebuilt or compared in
+    // full later, never taken for what it does not hold.
+    if let Err(e) = dir.write_moves(&moves) {
+        pass.warnings.push(e.to_string());
     }
     let Pass { warnings, mut removed_keys, .. } = pass;
     dir.end_pods()?;
@@ -355,6 +381,27 @@ pub(super) fn apply_to_pods(
         dir.end_folding(&removed_keys)?;
     }
     Ok(ApplyReport { generation: new.generation, pods: outcomes, warnings })
+}
+
+/// What a pod holds after its visit, to be recorded once every pod is sent its transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Recorded {
+    /// In its own file (`None`: removed, what it holds is unknown).
+    Own(Option<PodHolds>),
+    /// In a line of `pods.moves`: its own file says `file`, and it holds `now`.
+    Moved { file: PodHolds, now: PodHolds },
+}
+
+impl Recorded {
+    /// Once a pod whose file says `file` holds `now`: a rebuild (`rebuilt`) or a pod without a
+    /// file gets its own file, any other a line of `pods.moves` (none when its file says it).
+    pub(super) fn of(file: Option<PodHolds>, now: PodHolds, rebuilt: bool) -> Option<Recorded> {
+        match file {
+            Some(file) if file == now => None,
+            Some(file) if !rebuilt => Some(Recorded::Moved { file, now }),
+            _ => Some(Recorded::Own(Some(now))),
+        }
+    }
 }
 
 /// One apply's walk over the pods.
@@ -375,12 +422,12 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
-    /// Brings one pod to the new layer as `decide` says; what its file is to say then (`Some`:
-    /// written, or removed when `None`), recorded once every pod is sent its transaction.
-    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<(Applied, Option<Option<PodHolds>>), PodError> {
+    /// Brings one pod to the new layer as `decide` says; what it then holds, recorded once
+    /// every pod is sent its transaction (`None`: nothing to record).
+    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<(Applied, Option<Recorded>), PodError> {
         let (dir, new) = (self.dir, self.new);
         let mark = mark_of(r, self.node_mark);
-        let held = if self.interrupted { None } else { pod.held(dir) };
+        let (file, held) = if self.interrupted { (None, None) } else { pod.held(dir) };
         let action = decide(held.as_ref(), self.interrupted, self.previous, new, mark);
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
         let (outcome, sent) = match (action, self.previous) {
@@ -422,11 +469,16 @@ impl Pass<'_> {
         };
         crate::state::crash_point("services-pod-sent");
         match outcome {
-            Ok(a) if held.as_ref().is_some_and(|h| h.is(new, mark)) => Ok((a, None)),
+            // It holds the new layer already: what says so says so again (a line of
+            // `pods.moves` is written anew by each apply).
+            Ok(a) if held.as_ref().is_some_and(|h| h.is(new, mark)) => {
+                Ok((a, Recorded::of(file, held.expect("checked"), false)))
+            }
             Ok(a) => {
                 let run = sent.run(held.as_ref().and_then(|h| h.applied_run));
                 let key = netns_key(pod.netns());
-                Ok((a, Some(Some(PodHolds { applied_run: run, ..PodHolds::for_key(new, key, mark) }))))
+                let now = PodHolds { applied_run: run, ..PodHolds::for_key(new, key, mark) };
+                Ok((a, Recorded::of(file, now, sent == Sent::Rebuild)))
             }
             Err(e) => {
                 // What it holds is unknown: its file goes now, not after the others' sends.

@@ -17,6 +17,8 @@
 //! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
 //!   a pod that holds the previous generation only the change, without reading its sets back,
 //!   and rebuilds any other (a missed generation, a crash, a new pod);
+//! - `pods.moves`: the pods whose layer element changes moved since their `pods/` file was
+//!   written, with what each holds now, written once per apply (`moves`);
 //! - `applying`: present while an apply visits the pods; found by the next apply (one was
 //!   killed midway), no `pods/` file is trusted (see `engine::APPLYING`);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
@@ -42,6 +44,7 @@ mod engine;
 pub mod fold;
 mod journal;
 pub mod layer_file;
+mod moves;
 pub mod report;
 pub mod snapshot;
 
@@ -325,9 +328,14 @@ impl ServicesDir {
         self.root.join("pods").join(name)
     }
 
-    /// What the pod netns `ns` holds, if its file is there, readable, and about this very
-    /// netns (a path reused by another netns does not count).
+    /// What the pod netns `ns` holds: its file under `pods/`, moved on by `pods.moves`.
     fn pod_holds(&self, ns: &Netns) -> Option<PodHolds> {
+        self.pod_file(ns).map(|file| self.moves().fold(file))
+    }
+
+    /// What the pod's own file says, if it is there, readable, and about this very netns (a
+    /// path reused by another netns does not count).
+    fn pod_file(&self, ns: &Netns) -> Option<PodHolds> {
         let text = fs::read_to_string(self.pod_path(ns.path())).ok()?;
         let held = PodHolds::parse(&text)?;
         (held.netns == netns_key(ns)).then_some(held)
@@ -350,12 +358,6 @@ impl ServicesDir {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         // In place: a torn or empty file is no file (`PodHolds::parse` refuses it), a rebuild.
         pods.overwrite(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
-    }
-
-    /// The pod's file opened for writing, to be kept (`None`: not there, or no `pods/` yet).
-    fn open_pod_holds(&self, ns: &Netns) -> Option<fs::File> {
-        let path = self.pod_path(ns.path());
-        self.pods.get()?.open_for_overwrite(&path.file_name()?.to_string_lossy()).ok()
     }
 
     fn forget_pod(&self, netns: &Path) {

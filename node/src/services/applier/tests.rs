@@ -4,7 +4,7 @@ use aether_testkit::{root_or_skip, Rng, TestNetns};
 use serde_json::{json, Value};
 
 use super::*;
-use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file};
+use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file, moves};
 use crate::state::NetnsIdentity;
 use aether_rules::services as layer;
 
@@ -434,10 +434,12 @@ fn tidy_lets_go_of_a_pod_whose_netns_path_is_gone() {
     let _ = std::fs::remove_dir_all(&state);
 }
 
-/// What a pod's file under `pods/` says, but for the netns's `device:inode` (each node's own):
-/// generation, digest, divert mark and the run of generations; `None` when there is no file.
+/// What a pod is recorded to hold (its file under `pods/`, moved on by `pods.moves`), but for
+/// the netns's `device:inode` (each node's own): generation, digest, divert mark and the run
+/// of generations; `None` when there is no file.
 fn pod_file(state: &Path, ns: &TestNetns) -> Option<String> {
-    let text = std::fs::read_to_string(ServicesDir::new(state).pod_path(Path::new(&ns.path()))).ok()?;
+    let netns = Netns::open_foreign(ns.path()).unwrap();
+    let text = ServicesDir::new(state).pod_holds(&netns)?.to_string();
     let mut fields: Vec<&str> = text.split_whitespace().collect();
     if fields.len() > 2 {
         fields.remove(2);
@@ -483,7 +485,7 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
         kept_pods.insert(cid.to_string(), add_pod(&kept_state, cid));
         once_pods.insert(cid.to_string(), add_pod(&once_state, cid));
     }
-    let mut runs = 0;
+    let (mut runs, mut moved) = (0, 0);
     for step in 1..=36 {
         if step % 12 == 6 {
             // An apply stopped midway on both nodes: the next trusts no pod's file.
@@ -510,13 +512,74 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
         }
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(drift(&once_state, &once_pods), Vec::<String>::new(), "{when}");
+        let moves = |state: &Path| std::fs::read(state.join("services").join(moves::MOVES)).ok();
+        assert_eq!(moves(&kept_state).is_some(), moves(&once_state).is_some(), "{when}: pods.moves");
+        moved += usize::from(moves(&kept_state).is_some());
     }
     assert!(runs > 0, "RIG BROKEN: no element change recorded a run of generations (no change was sent)");
-    // Control: the comparisons see a difference made on one node only.
-    std::fs::write(ServicesDir::new(&once_state).pod_path(Path::new(&once_pods["a"].path())), "1 0 0:0 0xae71\n")
-        .unwrap();
+    assert!(moved > 0, "RIG BROKEN: no step left a pod moved by pods.moves");
+    // Control: the comparisons see a difference made on one node only (a file of this very
+    // netns, whatever the last step left: mode `off` leaves none on either node).
+    let once_a = Netns::open_foreign(once_pods["a"].path()).unwrap();
+    std::fs::write(
+        ServicesDir::new(&once_state).pod_path(Path::new(&once_pods["a"].path())),
+        format!("1 0 {} 0xae71\n", engine::netns_key(&once_a)),
+    )
+    .unwrap();
     assert_ne!(pod_file(&kept_state, &kept_pods["a"]), pod_file(&once_state, &once_pods["a"]), "RIG BROKEN: files");
     once_pods["b"].exec("nft", &["add", "table", "ip", "someone_else"]);
     assert_ne!(kernel_sets(&kept_pods["b"]), kernel_sets(&once_pods["b"]), "RIG BROKEN: a table added is not seen");
     let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
+}
+
+/// An element change is recorded as a line of `pods.moves`, not in the pod's own file, and
+/// what reads what a pod holds (the reconciler's `applied_run`, the next apply) reads it there,
+/// by the applier and by the one-shot apply alike; once the pod's file is written again by
+/// anyone (here a rebuild for a missed generation), the line no longer counts.
+#[test]
+fn an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_again() {
+    if !root_or_skip("an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_again") {
+        return;
+    }
+    let state = tmp("moves");
+    let dir = ServicesDir::new(&state);
+    let mut cluster = Cluster::of(4);
+    let mut applier = Applier::new(&state);
+    applier.apply(&cluster.whole()).unwrap();
+    let ns = add_pod(&state, "a");
+    let netns = Netns::open_foreign(ns.path()).unwrap();
+    let own_file = || PodHolds::parse(&std::fs::read_to_string(dir.pod_path(Path::new(&ns.path()))).unwrap());
+    assert_eq!(own_file().map(|f| f.generation), Some(1), "ADD wrote the pod's file");
+    let mut rng = Rng::new(7);
+    for (step, one_shot) in [(2, false), (3, true), (4, false)] {
+        let doc = loop {
+            // An endpoint flip or a Service added: an element change in every case.
+            let doc = cluster.random_change(&mut rng);
+            if !String::from_utf8_lossy(&doc).contains("servicesRemoved") {
+                break doc;
+            }
+            cluster.generation -= 1;
+        };
+        let report = if one_shot { apply_change(&dir, &doc) } else { applier.apply(&doc) }.unwrap();
+        assert!(outcomes(&report)[0].1.starts_with("elements"), "step {step}: {:?}", outcomes(&report));
+        assert_eq!(own_file().map(|f| f.generation), Some(1), "step {step}: the pod's own file was written");
+        let run = crate::services::applied_run(&state, &netns).unwrap_or_else(|| panic!("step {step}: no run read"));
+        assert_eq!(run.layer_generation, cluster.generation, "step {step}: {run:?}");
+        assert_eq!(dir.pod_holds(&netns).map(|h| h.generation), Some(cluster.generation), "step {step}");
+    }
+    // The pod misses a generation (applied to the stored files only, as by a process that
+    // saw no pod): the next apply rebuilds it and writes its own file, and the line, whose
+    // left side that file no longer says, is void.
+    remove_record(&state, "a");
+    apply_change(&dir, &cluster.random_change(&mut rng)).unwrap();
+    StateDir::new(&state)
+        .write(&Record { netns_id: Some(NetnsIdentity::of(&netns)), ..Record::bare("a", &ns.path()) })
+        .unwrap();
+    let report = applier.apply(&cluster.random_change(&mut rng)).unwrap();
+    assert_eq!(outcomes(&report)[0].1, "rebuilt", "{:?}", outcomes(&report));
+    assert_eq!(own_file().map(|f| f.generation), Some(cluster.generation), "the rebuild wrote its file");
+    assert_eq!(dir.moves().fold(own_file().unwrap()), own_file().unwrap(), "a line still moves the pod");
+    assert!(crate::services::applied_run(&state, &netns).is_none(), "a rebuilt pod has no run");
+    drop(ns);
+    let _ = std::fs::remove_dir_all(&state);
 }
