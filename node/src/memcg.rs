@@ -210,8 +210,60 @@ fn below(mount: &Path, root: &str, path: &str) -> PathBuf {
 }
 
 /// A file holding bytes, or `max`/v1's unlimited value (`None`).
+/// A cgroup file's text now, through a descriptor kept open per path (every change reads
+/// three of them, where the opens cost as much as the reads): the kernel makes the text anew
+/// at each read from offset 0. A descriptor that fails (its cgroup removed, and maybe made
+/// again at the path) is opened again once.
+fn read_text(path: &Path) -> Result<String, MemcgError> {
+    use std::os::unix::fs::FileExt;
+    static KEPT: std::sync::Mutex<Vec<(PathBuf, std::fs::File)>> = std::sync::Mutex::new(Vec::new());
+    /// Files kept at most (a process reads its own cgroup's three or four).
+    const MAX_KEPT: usize = 8;
+    let read_all = |f: &std::fs::File| -> std::io::Result<String> {
+        let mut out = Vec::with_capacity(2048);
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = f.read_at(&mut buf, out.len() as u64)?;
+            if n == 0 {
+                return String::from_utf8(out).map_err(std::io::Error::other);
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+    };
+    let err = |source| MemcgError::Read { path: path.into(), source };
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(i) = kept.iter().position(|(p, _)| p == path) {
+        if let Ok(text) = read_all(&kept[i].1) {
+            return Ok(text);
+        }
+        kept.remove(i);
+    }
+    let f = std::fs::File::open(path).map_err(err)?;
+    let text = read_all(&f).map_err(err)?;
+    // Only the cgroup filesystem's files: there a file goes only with its cgroup, after
+    // which its descriptor fails. Anywhere else a file may be replaced under a kept one.
+    if on_cgroupfs(&f) {
+        if kept.len() >= MAX_KEPT {
+            kept.remove(0);
+        }
+        kept.push((path.to_path_buf(), f));
+    }
+    Ok(text)
+}
+
+/// Whether `f` is a file of the cgroup filesystem (v1 or v2).
+fn on_cgroupfs(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs into the buffer it is given, a valid descriptor's.
+    let ok = unsafe { libc::fstatfs(f.as_raw_fd(), &mut fs) } == 0;
+    ok && matches!(fs.f_type as i64, CGROUP_SUPER_MAGIC | CGROUP2_SUPER_MAGIC)
+}
+
 fn read_bytes(path: &Path) -> Result<Option<u64>, MemcgError> {
-    let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+    let text = read_text(path)?;
     let t = text.trim();
     if t == "max" {
         return Ok(None);
@@ -228,7 +280,7 @@ fn stat_value(path: &Path, key: &str) -> Result<Option<u64>, MemcgError> {
 /// The `key value` lines of `keys` in one reading of `memory.stat`; `None` for a key that is
 /// not there.
 fn stat_values<const N: usize>(path: &Path, keys: [&str; N]) -> Result<[Option<u64>; N], MemcgError> {
-    let text = std::fs::read_to_string(path).map_err(|source| MemcgError::Read { path: path.into(), source })?;
+    let text = read_text(path)?;
     let mut out = [None; N];
     for line in text.lines() {
         let Some((k, v)) = line.split_once(' ') else { continue };
@@ -462,6 +514,38 @@ mod tests {
         std::fs::remove_file(root.join("a/b/memory.current")).unwrap();
         assert!(matches!(m.read(), Err(MemcgError::Read { .. })));
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A real memory cgroup read again and again through its kept files: each reading is
+    /// the kernel's of that moment (a limit moved between two), and a cgroup removed and made
+    /// again at the same path is read anew, not through the dead one's files.
+    #[test]
+    fn a_real_cgroup_read_again_says_what_it_holds_now() {
+        if !aether_testkit::root_or_skip("a_real_cgroup_read_again_says_what_it_holds_now") {
+            return;
+        }
+        let version_of = |cg: &aether_testkit::memcg::ScratchMemcg| if cg.v2 { Version::V2 } else { Version::V1 };
+        let cg = aether_testkit::memcg::ScratchMemcg::new("kept-read", 300 * MIB);
+        let root = if cg.v2 { PathBuf::from("/sys/fs/cgroup") } else { PathBuf::from("/sys/fs/cgroup/memory") };
+        let m = Memcg { dir: cg.dir.clone(), version: version_of(&cg), root };
+        assert_eq!(m.read().unwrap().limit, Some(300 * MIB));
+        cg.set_limit(200 * MIB);
+        assert_eq!(m.read().unwrap().limit, Some(200 * MIB), "a kept file read the old limit");
+        let (dir, v2) = (cg.dir.clone(), cg.v2);
+        drop(cg);
+        assert!(!dir.exists(), "RIG BROKEN: the cgroup was not removed");
+        /// The cgroup made again here, removed also when the test fails.
+        struct Again(PathBuf);
+        impl Drop for Again {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir(&self.0);
+            }
+        }
+        std::fs::create_dir(&dir).unwrap();
+        let _again = Again(dir.clone());
+        std::fs::write(dir.join(if v2 { "memory.max" } else { "memory.limit_in_bytes" }), (100 * MIB).to_string())
+            .unwrap();
+        assert_eq!(m.read().unwrap().limit, Some(100 * MIB), "the removed cgroup's files were read");
     }
 
     #[test]
