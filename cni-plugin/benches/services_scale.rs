@@ -536,6 +536,32 @@ fn changes_only() {
     }
     let charged_floors = kept_floor_in(&socket_cg, &pods);
     drop(installer);
+    // The same documents to a node without pods: what a document costs the installer
+    // whatever the pods (HTTP, the splice, the stored files, the budget, the report).
+    let nopods = state_dir("changes-nopods");
+    let _nopods_cleanup = Cleanup(vec![nopods.clone()]);
+    services_cmd(&nopods, &["apply"], &snapshot(2, SERVICES));
+    let installer = InstallerProcess::start_in(&nopods, Some(&socket_cg));
+    println!("the installer of the node without pods: PID {}", installer.child.id());
+    let mut g = 2u64;
+    let mut alone: [Vec<Sample>; 3] = Default::default();
+    for k in 0..=rounds() as u32 {
+        for (op, doc) in ops(1000 + k).into_iter().enumerate() {
+            let mut doc = doc;
+            (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
+            g += 1;
+            let text = serde_json::to_vec(&doc).unwrap();
+            let (t, c) = (Instant::now(), installer.cpu());
+            let (status, _) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
+                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
+            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
+            assert_eq!(status, 200);
+            if k > 0 {
+                alone[op].push(sample);
+            }
+        }
+    }
+    drop(installer);
     let show = |name: &str, s: &Sample| println!("  {name:<40} {:>7.3} ms  cpu {:>7.3} ms", s.wall_ms, s.cpu_ms);
     for (op, what) in ["a Service added", "its endpoints flipped", "removed"].into_iter().enumerate() {
         let (applied, floor) = (medians(in_process[op].0.clone()), medians(in_process[op].1.clone()));
@@ -545,6 +571,13 @@ fn changes_only() {
         show("kept-socket floor (this thread)", &floor);
         show("through the installer's socket", &posted);
         show("kept-socket floor (installer's cgroup)", &charged_floors[op]);
+        let alone = medians(alone[op].clone());
+        show("through the socket, a node without pods", &alone);
+        println!(
+            "  the pods' part through the socket / the cgroup's floor {:.2}x (cpu {:.2}x)",
+            (posted.wall_ms - alone.wall_ms) / charged_floors[op].wall_ms,
+            (posted.cpu_ms - alone.cpu_ms) / charged_floors[op].cpu_ms
+        );
         println!(
             "  socket / floor {:.2}x (cpu {:.2}x), / the cgroup's floor {:.2}x; in-process / floor {:.2}x",
             posted.wall_ms / floor.wall_ms,

@@ -179,26 +179,71 @@ pub struct ServicesDir {
     root: PathBuf,
     /// `pods/`, opened (created) on first need and kept: an apply writes a file in it per pod.
     pods: std::sync::OnceLock<state::Dir>,
+    /// The directory the lock held now was taken in (`lock`): the holder's reads and writes
+    /// of its files go through it, without opening the directory by path for each (an apply
+    /// reads and writes a dozen small files).
+    held: std::sync::Mutex<Option<std::sync::Arc<state::Dir>>>,
+}
+
+/// The services lock, held (`ServicesDir::lock`); released on drop.
+pub(crate) struct ServicesLock<'a> {
+    dir: &'a ServicesDir,
+    _lock: state::Lock,
+}
+
+impl Drop for ServicesLock<'_> {
+    fn drop(&mut self) {
+        // Before the lock itself is released (the fields drop after this).
+        *self.dir.held.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
 }
 
 impl ServicesDir {
     pub fn new(state_dir: &Path) -> Self {
-        ServicesDir { state: state_dir.to_path_buf(), root: state_dir.join("services"), pods: Default::default() }
+        ServicesDir {
+            state: state_dir.to_path_buf(),
+            root: state_dir.join("services"),
+            pods: Default::default(),
+            held: Default::default(),
+        }
     }
 
-    /// The directory, created (0700) if `create`; `None` when absent and not created.
-    fn open(&self, create: bool) -> Result<Option<state::Dir>, ServicesError> {
+    /// The directory, created (0700) if `create`; `None` when absent and not created. While
+    /// the lock is held, the one it was taken in.
+    fn open(&self, create: bool) -> Result<Option<std::sync::Arc<state::Dir>>, ServicesError> {
+        if let Some(dir) = self.held_dir() {
+            return Ok(Some(dir));
+        }
         let Some(root) = state::Dir::open(&self.state, create)
             .map_err(|source| ServicesError::OpenState { path: self.state.clone(), source })?
         else {
             return Ok(None);
         };
-        root.subdir("services", create).map_err(|source| ServicesError::Open { path: self.root.clone(), source })
+        let dir = root
+            .subdir("services", create)
+            .map_err(|source| ServicesError::Open { path: self.root.clone(), source })?;
+        Ok(dir.map(std::sync::Arc::new))
     }
 
-    fn lock(&self, exclusive: bool) -> Result<state::Lock, ServicesError> {
-        let dir = self.open(true)?.expect("created");
-        dir.lock("lock", exclusive, None).map_err(|source| ServicesError::Lock { path: self.root.join("lock"), source })
+    fn held_dir(&self) -> Option<std::sync::Arc<state::Dir>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The lock, taken in the directory as it is at its path now (never in one kept from
+    /// before: a directory replaced since would hold another lock file).
+    fn lock(&self, exclusive: bool) -> Result<ServicesLock<'_>, ServicesError> {
+        let root = state::Dir::open(&self.state, true)
+            .map_err(|source| ServicesError::OpenState { path: self.state.clone(), source })?
+            .expect("created");
+        let dir = root
+            .subdir("services", true)
+            .map_err(|source| ServicesError::Open { path: self.root.clone(), source })?
+            .expect("created");
+        let lock = dir
+            .lock("lock", exclusive, None)
+            .map_err(|source| ServicesError::Lock { path: self.root.join("lock"), source })?;
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::sync::Arc::new(dir));
+        Ok(ServicesLock { dir: self, _lock: lock })
     }
 
     /// For readers (`counters`, `demand`): the shared lock if the directory exists, and
@@ -232,8 +277,11 @@ impl ServicesDir {
 
     /// A file of the directory, capped in size; `None` if absent.
     fn read(&self, name: &str) -> Result<Option<Vec<u8>>, ServicesError> {
-        let path = self.root.join(name);
-        state::read_capped(&path, state::MAX_STATE_FILE_BYTES).map_err(|source| ServicesError::Read { path, source })
+        let read = match self.held_dir() {
+            Some(dir) => dir.read(name, state::MAX_STATE_FILE_BYTES),
+            None => state::read_capped(&self.root.join(name), state::MAX_STATE_FILE_BYTES),
+        };
+        read.map_err(|source| ServicesError::Read { path: self.root.join(name), source })
     }
 
     fn layer_path(&self) -> PathBuf {
