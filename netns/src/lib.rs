@@ -132,10 +132,11 @@ impl Netns {
 
     /// Whether this is the namespace the calling thread runs in (for the plugin: the host's).
     pub fn is_current(&self) -> Result<bool, Error> {
-        // A tour's thread at home knows its namespace without reading /proc.
+        // A tour's thread at home knows its namespace without reading /proc again.
         if let Some(home) = TOUR_HOME.with(|h| h.take()) {
+            let home = opened_home(home)?;
             let same = home.id == self.id;
-            TOUR_HOME.with(|h| h.set(Some(home)));
+            TOUR_HOME.with(|h| h.set(Some(Some(home))));
             return Ok(same);
         }
         Ok(Self::current()?.id == self.id)
@@ -162,10 +163,11 @@ impl Netns {
         T: Send,
     {
         if let Some(home) = TOUR_HOME.with(|h| h.take()) {
+            let home = opened_home(home)?;
             // Back in place when done, so that a `run` inside `work` spawns its own thread
             // (the tour's thread is then not at home) and the next `run` is in place again.
             let result = self.run_in_place(&home, work);
-            TOUR_HOME.with(|h| h.set(Some(home)));
+            TOUR_HOME.with(|h| h.set(Some(Some(home))));
             return result;
         }
         std::thread::scope(|scope| {
@@ -216,8 +218,19 @@ pub fn current_cookie() -> std::io::Result<u64> {
 }
 
 thread_local! {
-    /// On a tour's thread, while it is at home: its own namespace.
-    static TOUR_HOME: Cell<Option<Netns>> = const { Cell::new(None) };
+    /// On a tour's thread, while it is at home: `Some`, with its own namespace once a `run`
+    /// or a host check needed it (a tour that enters no namespace, such as an apply whose
+    /// pods are all reached on kept sockets, never opens it).
+    static TOUR_HOME: Cell<Option<Option<Netns>>> = const { Cell::new(None) };
+}
+
+/// A tour's home, opened now if it was not yet (the thread is at home: its namespace is the
+/// current one). On failure the tour stays as it was.
+fn opened_home(home: Option<Netns>) -> Result<Netns, Error> {
+    match home {
+        Some(home) => Ok(home),
+        None => Netns::current().inspect_err(|_| TOUR_HOME.with(|h| h.set(Some(None)))),
+    }
 }
 
 /// Runs `work` on a new thread on which every [`Netns::run`] enters its namespace in place
@@ -243,14 +256,14 @@ where
 /// in its own namespace, as a tour's thread is; `setns` only ever moves the calling thread.
 pub fn tour_here<T>(work: impl FnOnce() -> T) -> Result<T, Error> {
     /// Ends the tour also when `work` unwinds, restoring an enclosing tour's home.
-    struct Restore(Option<Netns>);
+    struct Restore(Option<Option<Netns>>);
     impl Drop for Restore {
         fn drop(&mut self) {
             TOUR_HOME.with(|h| h.set(self.0.take()));
         }
     }
-    let home = Netns::current()?;
-    let _restore = Restore(TOUR_HOME.with(|h| h.replace(Some(home))));
+    // Its home opened on first need.
+    let _restore = Restore(TOUR_HOME.with(|h| h.replace(Some(None))));
     Ok(work())
 }
 
