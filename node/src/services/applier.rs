@@ -196,6 +196,9 @@ struct Kept {
     journal: Option<KeptJournal>,
     /// The spare files `snapshot.json` and `layer.bin` are written through.
     spares: BTreeMap<String, state::Spare>,
+    /// A watch on `pods/`: what each link believes of its pod's file holds while no one has
+    /// written there since (`None`: no watch, nothing believed).
+    pods_watch: Option<state::DirWatch>,
 }
 
 impl Kept {
@@ -253,6 +256,16 @@ impl PodReach for Kept {
         let now = layer_ids(dir);
         if now.0.is_none() || now != self.layer_bin {
             self.stored = None;
+            self.forget_beliefs();
+        }
+        // A pod's file written by anyone since the last look (a re-ADD, a repair, DEL, a
+        // one-shot apply; this applier's own rebuilds too): every link reads its pod's file
+        // again, or a line of `pods.moves` would be written over a file the pod no longer has
+        // (void, and the pod recorded at an older layer than it holds). One read of the watch
+        // per document; a read per pod only after such a write.
+        if !self.pods_watch.as_mut().is_some_and(|w| !w.changed()) {
+            // Watched anew before anything is read again: a write in between is seen next time.
+            self.pods_watch = state::DirWatch::new(&dir.root.join("pods"));
             self.forget_beliefs();
         }
     }

@@ -114,7 +114,6 @@ fn files(state: &Path) -> (Vec<u8>, (u64, u64, layer::ServiceLayer)) {
     (dir.stored_text().unwrap().unwrap(), (l.generation, l.digest, l.layer))
 }
 
-/// What each pod's file under `pods/` says it holds: (generation, digest), sorted.
 /// `doc` applied by the applier and by the one-shot apply, each to its own node: both answer
 /// the same for every pod. Returns the step's name for the caller's messages.
 fn through_both(applier: &mut Applier, once_dir: &ServicesDir, doc: &[u8], step: usize) -> String {
@@ -125,16 +124,16 @@ fn through_both(applier: &mut Applier, once_dir: &ServicesDir, doc: &[u8], step:
     when
 }
 
-fn holds_files(state: &Path) -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(state.join("services/pods"))
-        .unwrap()
-        .map(|e| {
-            let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
-            text.split_whitespace().take(2).collect::<Vec<_>>().join(" ")
+/// What each pod is recorded to hold (its file under `pods/`, moved on by `pods.moves`):
+/// (generation, digest) by container ID; `None` for a pod without a file.
+fn holds_files(state: &Path, pods: &BTreeMap<String, TestNetns>) -> Vec<(String, Option<(u64, u64)>)> {
+    let dir = ServicesDir::new(state);
+    pods.iter()
+        .map(|(cid, ns)| {
+            let held = dir.pod_holds(&Netns::open_foreign(ns.path()).unwrap());
+            (cid.clone(), held.map(|h| (h.generation, h.digest)))
         })
-        .collect();
-    out.sort();
-    out
+        .collect()
 }
 
 /// Every pod's layer read back from the kernel and compared with the stored one.
@@ -208,7 +207,12 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
         assert!(files(&kept_state) == files(&once_state), "{when}: the stored files differ");
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(applier.kept_pods(), kept_pods.len(), "{when}: a socket per pod is kept");
-        assert_eq!(holds_files(&kept_state), holds_files(&once_state), "{when}: the pods' files differ");
+        let (kept_holds, once_holds) = (holds_files(&kept_state, &kept_pods), holds_files(&once_state, &once_pods));
+        assert_eq!(kept_holds, once_holds, "{when}: what the pods are recorded to hold differs");
+        // Each holds the stored layer (by its digest: a document of the same content leaves
+        // a pod at the generation that brought it).
+        let stored = files(&kept_state).1 .1;
+        assert!(kept_holds.iter().all(|(_, h)| h.is_some_and(|(_, d)| d == stored)), "{when}: {kept_holds:?}");
     }
     // Control: the same comparison sees a pod whose set was changed by hand.
     let vip = cluster.services.values().next().unwrap()["vip"].as_str().unwrap().to_string();
