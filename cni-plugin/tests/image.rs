@@ -65,6 +65,11 @@ impl Podman {
             format!("--runroot={d}/run"),
             format!("--tmpdir={d}/tmp"),
             "--storage-driver=vfs".into(),
+            // runc, as the conformance tests' podman: with crun beside it (Debian's podman
+            // pulls crun in when it comes first), crun refuses a host whose cgroup v2 holds
+            // controllers beside v1's ("hybrid mode not supported").
+            "--runtime=runc".into(),
+            "--cgroup-manager=cgroupfs".into(),
         ]
     }
 
