@@ -516,24 +516,29 @@ fn changes_only() {
     let socket_cg = ScratchMemcg::new("bscale-socket", ChartMemory::read().limit(SERVICES as u64, PODS as u64, 1));
     let installer = InstallerProcess::start_in(node, Some(&socket_cg));
     println!("the installer: PID {}", installer.child.id());
-    let mut socket: [Vec<Sample>; 3] = Default::default();
-    for k in 0..=rounds() as u32 {
-        for (op, doc) in ops(1000 + k).into_iter().enumerate() {
-            let mut doc = doc;
-            (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
-            g += 1;
-            let text = serde_json::to_vec(&doc).unwrap();
-            let (t, c) = (Instant::now(), installer.cpu());
-            let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
-                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
-            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
-            assert_eq!(status, 200);
-            check(&String::from_utf8_lossy(&body), results[op]);
-            if k > 0 {
-                socket[op].push(sample);
+    // Each round's three documents POSTed to `installer` from generation `g` on, each body
+    // checked; the first round (reading what came before) not measured.
+    let post_rounds = |installer: &InstallerProcess, g: &mut u64, check_body: &dyn Fn(&str, usize)| {
+        let mut samples: [Vec<Sample>; 3] = Default::default();
+        for k in 0..=rounds() as u32 {
+            for (op, mut doc) in ops(1000 + k).into_iter().enumerate() {
+                (doc["baseGeneration"], doc["generation"]) = (json!(*g), json!(*g + 1));
+                *g += 1;
+                let text = serde_json::to_vec(&doc).unwrap();
+                let (t, c) = (Instant::now(), installer.cpu());
+                let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
+                    .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
+                let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
+                assert_eq!(status, 200);
+                check_body(&String::from_utf8_lossy(&body), op);
+                if k > 0 {
+                    samples[op].push(sample);
+                }
             }
         }
-    }
+        samples
+    };
+    let socket = post_rounds(&installer, &mut g, &|body, op| check(body, results[op]));
     let charged_floors = kept_floor_in(&socket_cg, &pods);
     drop(installer);
     // The same documents to a node without pods: what a document costs the installer
@@ -543,24 +548,7 @@ fn changes_only() {
     services_cmd(&nopods, &["apply"], &snapshot(2, SERVICES));
     let installer = InstallerProcess::start_in(&nopods, Some(&socket_cg));
     println!("the installer of the node without pods: PID {}", installer.child.id());
-    let mut g = 2u64;
-    let mut alone: [Vec<Sample>; 3] = Default::default();
-    for k in 0..=rounds() as u32 {
-        for (op, doc) in ops(1000 + k).into_iter().enumerate() {
-            let mut doc = doc;
-            (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
-            g += 1;
-            let text = serde_json::to_vec(&doc).unwrap();
-            let (t, c) = (Instant::now(), installer.cpu());
-            let (status, _) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
-                .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
-            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
-            assert_eq!(status, 200);
-            if k > 0 {
-                alone[op].push(sample);
-            }
-        }
-    }
+    let alone = post_rounds(&installer, &mut 2, &|_, _| {});
     drop(installer);
     let show = |name: &str, s: &Sample| println!("  {name:<40} {:>7.3} ms  cpu {:>7.3} ms", s.wall_ms, s.cpu_ms);
     for (op, what) in ["a Service added", "its endpoints flipped", "removed"].into_iter().enumerate() {
