@@ -12,7 +12,8 @@
 //! - the change documents again through the installer (`aether-cni-installer`) on its socket,
 //!   beside the kernel's floor on sockets kept in the pods' netns (as its applier keeps them),
 //!   each change and its floor in turn, each after the kernel's deferred work of the one
-//!   before is done (`wait_for_quiet`), and the floor again back to back;
+//!   before is done (`wait_for_quiet`), and the floor again back to back; the same documents
+//!   to an installer of a node without pods, for what a document costs whatever the pods;
 //! - the kernel memory one pod's layer is charged, as a memory cgroup is charged for it (a
 //!   child process of the bench's in a cgroup of its own builds one pod's layer): 1,000 and
 //!   10,000 IPv4 Services, 10,000 IPv6, dual-stack, and 10,000 Services that share no port
@@ -1066,9 +1067,11 @@ fn main() {
     let ports = 2 * n;
     println!("services at scale: {n} Services ({ports} ports), {PODS} pods, median of {} rounds", rounds());
     println!("  (wall time, and CPU time user+sys: the machine may be shared; CPU time is the work)\n");
-    let dirs = Cleanup(["none", "one", "node", "nopods", "most", "at-scale"].into_iter().map(state_dir).collect());
-    let (none, one, node, nopods, most, at_scale) =
-        (&dirs.0[0], &dirs.0[1], &dirs.0[2], &dirs.0[3], &dirs.0[4], &dirs.0[5]);
+    let dirs = Cleanup(
+        ["none", "one", "node", "nopods", "most", "at-scale", "socket-nopods"].into_iter().map(state_dir).collect(),
+    );
+    let (none, one, node, nopods, most, at_scale, socket_nopods) =
+        (&dirs.0[0], &dirs.0[1], &dirs.0[2], &dirs.0[3], &dirs.0[4], &dirs.0[5], &dirs.0[6]);
     let mut figs = Vec::new();
     let show = |name: &str, s: &Sample| {
         let rss = if s.rss_mib > 0.0 { format!("{:>6.1} MiB", s.rss_mib) } else { String::new() };
@@ -1260,6 +1263,13 @@ fn main() {
     // Beside each change, the floor as the installer's own transactions meet it: sent from
     // its memory cgroup, after the same wait, so each pair meets the same host and kernel.
     let mut floor_in_cg = KeptFloor::start_in(&socket_cg, &pods);
+    // And the same documents to an installer of a node without pods, in the same cgroup: what
+    // a document costs whatever the pods (HTTP, the splice, the stored files, the budget, the
+    // report), so that the pods' part can be set against the floor on its own.
+    services_cmd(socket_nopods, &["apply"], &snapshot(2, SERVICES));
+    let alone_installer = InstallerProcess::start_in(socket_nopods, Some(&socket_cg));
+    let mut g_alone = 2u64;
+    let mut alone_by_op: [Vec<Sample>; 3] = Default::default();
     let mut socket_by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
     for k in 1..=change_rounds() as u32 {
         let k = 3000 + k;
@@ -1270,11 +1280,15 @@ fn main() {
         ];
         for (op, (doc, result)) in docs.into_iter().enumerate() {
             wait_for_quiet();
-            socket_by_op[op].0.push(expect_kept(posted(doc), result));
+            socket_by_op[op].0.push(expect_kept(posted(doc.clone()), result));
             wait_for_quiet();
             socket_by_op[op].1.push(floor_in_cg.change(op));
+            wait_for_quiet();
+            alone_by_op[op].push(post_change(&alone_installer, &mut g_alone, doc).0);
         }
     }
+    drop(alone_installer);
+    let alone_changes: Vec<Sample> = alone_by_op.into_iter().map(medians).collect();
     let (socket_changes, socket_floors): (Vec<Sample>, Vec<Sample>) =
         socket_by_op.into_iter().map(|(p, f)| (medians(p), medians(f))).unzip();
     // The same floor back to back: what the kernel's deferred work, still queued, saves it.
@@ -1420,11 +1434,12 @@ fn main() {
     ];
     for (i, (op, what)) in ops.into_iter().enumerate() {
         let ((applied, kept_floor), (_, one_shot_floor), posted) = (kept_changes[i], changes[i], socket_changes[i]);
-        let (charged_floor, back_to_back) = (socket_floors[i], back_to_back[i]);
+        let (charged_floor, back_to_back, alone) = (socket_floors[i], back_to_back[i], alone_changes[i]);
         let key = |k: &str| format!("{k}_{op}");
         show(&format!("kernel floor on kept sockets: {what}, {PODS} pods"), &kept_floor);
         show(&format!("kernel floor on kept sockets, from the installer's cgroup: {what}"), &charged_floor);
         show(&format!("  the same, back to back (the last change's work still queued): {what}"), &back_to_back);
+        show(&format!("the same document through the socket of a node without pods: {what}"), &alone);
         show(&format!("change, the applier in this process: {what}, {PODS} pods"), &applied);
         show(&format!("change through the installer's socket: {what}, {PODS} pods"), &posted);
         let ratio = posted.wall_ms / one_shot_floor.wall_ms;
@@ -1475,6 +1490,23 @@ fn main() {
             &key("charged_kept_floor_change"),
             &format!("kernel floor on kept sockets, sent from the installer's memory cgroup: {what}, {PODS} pods"),
             &charged_floor,
+        ));
+        // The pods' part: the change with pods less the same document without, against the
+        // floor from the installer's cgroup (CPU: the wake-ups of the round trip are not work).
+        let pods_part = (posted.cpu_ms - alone.cpu_ms) / charged_floor.cpu_ms;
+        println!("  {:<62} {pods_part:>9.2} x", "  the pods' part (CPU, less the node without pods) / that floor");
+        figs.push(fig(
+            &key("socket_change_nopods"),
+            &format!("the same document through the socket of a node without pods (the document's own cost): {what}"),
+            &alone,
+        ));
+        figs.push(Figure::value(
+            &key("socket_change_pods_part_ratio"),
+            &format!(
+                "the pods' part of a change through the socket (its CPU less the node without pods') / the floor from its cgroup (CPU): {what}"
+            ),
+            pods_part,
+            "x",
         ));
         figs.push(fig(
             &key("back_to_back_kept_floor_change"),
