@@ -219,30 +219,34 @@ fn read_text(path: &Path) -> Result<String, MemcgError> {
     static KEPT: std::sync::Mutex<Vec<(PathBuf, std::fs::File)>> = std::sync::Mutex::new(Vec::new());
     /// Files kept at most (a process reads its own cgroup's three or four).
     const MAX_KEPT: usize = 8;
-    let read_all = |f: &std::fs::File| -> std::io::Result<String> {
+    // `whole`: a cgroup file, whose text the kernel makes whole at a read from offset 0 and
+    // hands over in one read when the buffer holds it; a read at a later offset would make it
+    // all again (for `memory.stat`, every counter totalled once more) only to find its end.
+    let read_all = |f: &std::fs::File, whole: bool| -> std::io::Result<String> {
         let mut out = Vec::with_capacity(2048);
-        let mut buf = [0u8; 4096];
+        let mut buf = [0u8; 16 << 10];
         loop {
             let n = f.read_at(&mut buf, out.len() as u64)?;
-            if n == 0 {
+            out.extend_from_slice(&buf[..n]);
+            if n == 0 || (whole && n < buf.len()) {
                 return String::from_utf8(out).map_err(std::io::Error::other);
             }
-            out.extend_from_slice(&buf[..n]);
         }
     };
     let err = |source| MemcgError::Read { path: path.into(), source };
     let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(i) = kept.iter().position(|(p, _)| p == path) {
-        if let Ok(text) = read_all(&kept[i].1) {
+        if let Ok(text) = read_all(&kept[i].1, true) {
             return Ok(text);
         }
         kept.remove(i);
     }
     let f = std::fs::File::open(path).map_err(err)?;
-    let text = read_all(&f).map_err(err)?;
-    // Only the cgroup filesystem's files: there a file goes only with its cgroup, after
-    // which its descriptor fails. Anywhere else a file may be replaced under a kept one.
-    if on_cgroupfs(&f) {
+    // Only the cgroup filesystem's files are kept: there a file goes only with its cgroup,
+    // after which its descriptor fails. Anywhere else a file may be replaced under a kept one.
+    let cgroupfs = on_cgroupfs(&f);
+    let text = read_all(&f, cgroupfs).map_err(err)?;
+    if cgroupfs {
         if kept.len() >= MAX_KEPT {
             kept.remove(0);
         }
@@ -531,6 +535,16 @@ mod tests {
         assert_eq!(m.read().unwrap().limit, Some(300 * MIB));
         cg.set_limit(200 * MIB);
         assert_eq!(m.read().unwrap().limit, Some(200 * MIB), "a kept file read the old limit");
+        // `memory.stat` read through its kept descriptor in one read: every counter the kernel
+        // lists, to the last (v1 ends with the hierarchical totals the budget reads).
+        let stat = cg.dir.join("memory.stat");
+        let keys =
+            |t: &str| t.lines().filter_map(|l| l.split_whitespace().next().map(str::to_string)).collect::<Vec<_>>();
+        for _ in 0..2 {
+            let (kept, fresh) = (read_text(&stat).unwrap(), std::fs::read_to_string(&stat).unwrap());
+            assert!(kept.ends_with('\n') && keys(&kept).len() > 10, "{kept}");
+            assert_eq!(keys(&kept), keys(&fresh), "memory.stat read short");
+        }
         let (dir, v2) = (cg.dir.clone(), cg.v2);
         drop(cg);
         assert!(!dir.exists(), "RIG BROKEN: the cgroup was not removed");
