@@ -55,7 +55,7 @@ impl Applier {
     /// its netns alive, so this is called when idle, about once a second.
     pub fn tidy(&mut self) {
         let Ok(_lock) = self.dir.lock(false) else { return };
-        self.kept.read_records(&self.dir);
+        self.kept.read_records(&self.dir, FileId::of(&self.dir.state.join("attachments")));
         let live: BTreeSet<String> = self.kept.records.as_ref().map_or_else(BTreeSet::new, |r| r.keys());
         self.kept.links.retain(|key, link| live.contains(key) && link.still_there());
     }
@@ -73,10 +73,9 @@ fn stored_ids(dir: &ServicesDir) -> [Option<FileId>; 4] {
     STORED_FILES.map(|name| FileId::of(&dir.root.join(name)))
 }
 
-/// The identities of `layer.bin` and the journal.
-fn layer_ids(dir: &ServicesDir) -> (Option<FileId>, Option<FileId>) {
-    (FileId::of(&dir.layer_path()), FileId::of(&dir.journal_path()))
-}
+/// Where `layer.bin` and the journal are in `STORED_FILES`.
+const LAYER_BIN: usize = 1;
+const JOURNAL: usize = 3;
 
 /// The canonical stored document and its layer as this applier stored them, and where the
 /// document's Services are (found there without a search of the whole text).
@@ -199,13 +198,16 @@ struct Kept {
     /// A watch on `pods/`: what each link believes of its pod's file holds while no one has
     /// written there since (`None`: no watch, nothing believed).
     pods_watch: Option<state::DirWatch>,
+    /// The stored files' identities as `locked` found them, for the `canonical_stored` right
+    /// after it under the same lock (no writer can come between): taken by it.
+    at_lock: Option<[Option<FileId>; 4]>,
 }
 
 impl Kept {
     /// The records, read again only when the attachments directory changed (records are
     /// written by rename and removed by unlink, each of which changes it).
-    fn read_records(&mut self, dir: &ServicesDir) -> &KeptRecords {
-        let now = FileId::of(&dir.state.join("attachments"));
+    /// `now`: the attachments directory's identity, as just read.
+    fn read_records(&mut self, dir: &ServicesDir, now: Option<FileId>) -> &KeptRecords {
         if self.records.as_ref().is_none_or(|k| now.is_none() || k.dir != now) {
             let scan = StateDir::new(&dir.state).scan();
             let unreadable = scan.unreadable.iter().map(engine::unreadable).collect();
@@ -223,8 +225,9 @@ impl Kept {
 
 impl Pods for Kept {
     fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool) {
-        let rescanned = self.records.as_ref().map(|k| k.dir) != Some(FileId::of(&dir.state.join("attachments")));
-        let kept = self.read_records(dir);
+        let now = FileId::of(&dir.state.join("attachments"));
+        let rescanned = self.records.as_ref().map(|k| k.dir) != Some(now);
+        let kept = self.read_records(dir, now);
         warnings.extend(kept.unreadable.iter().cloned());
         let records = kept.records.clone();
         if rescanned {
@@ -253,7 +256,9 @@ impl PodReach for Kept {
     fn locked(&mut self, dir: &ServicesDir) {
         // Another writer stored a layer since this applier's last: nothing kept about the
         // stored document or what pods hold is trusted.
-        let now = layer_ids(dir);
+        let ids = stored_ids(dir);
+        self.at_lock = Some(ids);
+        let now = (ids[LAYER_BIN], ids[JOURNAL]);
         if now.0.is_none() || now != self.layer_bin {
             self.stored = None;
             self.forget_beliefs();
@@ -334,7 +339,8 @@ impl PodReach for Kept {
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        if self.stored.as_ref().is_some_and(|k| k.files == stored_ids(dir)) {
+        let ids = self.at_lock.take().unwrap_or_else(|| stored_ids(dir));
+        if self.stored.as_ref().is_some_and(|k| k.files == ids) {
             // Handed over whole: a change edits the text in place, and `stored` keeps what
             // it becomes (an apply that stops before then leaves the next to read the files).
             let k = self.stored.take().expect("checked");
@@ -353,7 +359,8 @@ impl PodReach for Kept {
         layer: StoredLayer,
         canonical: bool,
     ) {
-        self.layer_bin = layer_ids(dir);
+        let ids = stored_ids(dir);
+        self.layer_bin = (ids[LAYER_BIN], ids[JOURNAL]);
         if self.journal.as_ref().is_some_and(|j| j.id.is_none() || j.id != self.layer_bin.1) {
             // Written whole (the journal removed), or not as this applier left it.
             self.journal = None;
@@ -362,7 +369,7 @@ impl PodReach for Kept {
         self.stored = canonical.then(|| KeptStored {
             text: text.into_owned(),
             layer,
-            files: stored_ids(dir),
+            files: ids,
             index: index.unwrap_or_default(),
         });
     }
