@@ -3,39 +3,35 @@
 //! installer's applier and the pods' files under `services/pods/`): looking costs one read
 //! that finds nothing, where checking each file would cost a system call per file.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
+
+use inotify::{Inotify, WatchMask};
 
 /// A watch on one directory: its files created, written, removed or renamed, and the
 /// directory itself removed or moved.
 #[derive(Debug)]
-pub struct DirWatch(OwnedFd);
+pub struct DirWatch(Inotify);
 
 /// What is watched: anything that can change what a file of the directory says.
-const EVENTS: u32 = libc::IN_CREATE
-    | libc::IN_DELETE
-    | libc::IN_MODIFY
-    | libc::IN_CLOSE_WRITE
-    | libc::IN_MOVED_FROM
-    | libc::IN_MOVED_TO
-    | libc::IN_ATTRIB
-    | libc::IN_DELETE_SELF
-    | libc::IN_MOVE_SELF;
+const EVENTS: WatchMask = WatchMask::CREATE
+    .union(WatchMask::DELETE)
+    .union(WatchMask::MODIFY)
+    .union(WatchMask::CLOSE_WRITE)
+    .union(WatchMask::MOVED_FROM)
+    .union(WatchMask::MOVED_TO)
+    .union(WatchMask::ATTRIB)
+    .union(WatchMask::DELETE_SELF)
+    .union(WatchMask::MOVE_SELF)
+    .union(WatchMask::ONLYDIR);
 
 impl DirWatch {
     /// A watch on `dir` from now on; `None` when it cannot be had (the directory is absent,
     /// or inotify is out of instances or watches): the caller then trusts nothing it kept.
     pub fn new(dir: &Path) -> Option<DirWatch> {
-        // SAFETY: inotify_init1 takes flags only; a descriptor it returns is ours alone.
-        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-        if fd < 0 {
-            return None;
-        }
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-        // SAFETY: a valid inotify descriptor and a NUL-terminated path.
-        let wd = unsafe { libc::inotify_add_watch(fd.as_raw_fd(), path.as_ptr(), EVENTS | libc::IN_ONLYDIR) };
-        (wd >= 0).then_some(DirWatch(fd))
+        // Non-blocking: a look finds nothing rather than waits.
+        let inotify = Inotify::init().ok()?;
+        inotify.watches().add(dir, EVENTS).ok()?;
+        Some(DirWatch(inotify))
     }
 
     /// Whether anything happened since the watch was made or last looked at (what happened
@@ -45,12 +41,10 @@ impl DirWatch {
         let mut buf = [0u8; 4096];
         let mut changed = false;
         loop {
-            // SAFETY: reads into a buffer of the length given.
-            let n = unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            match n {
-                n if n > 0 => changed = true,
-                _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock => return changed,
-                _ => return true,
+            match self.0.read_events(&mut buf) {
+                Ok(_) => changed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return changed,
+                Err(_) => return true,
             }
         }
     }
@@ -62,9 +56,17 @@ mod tests {
 
     #[test]
     fn a_watch_sees_each_kind_of_write_and_only_once() {
-        let dir = std::env::temp_dir().join(format!("aether-dirwatch-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        /// The test's directory, removed also when the test fails.
+        struct Scratch(std::path::PathBuf);
+        impl Drop for Scratch {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let scratch = Scratch(std::env::temp_dir().join(format!("aether-dirwatch-{}", std::process::id())));
+        let dir = &scratch.0;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("a"), "1\n").unwrap();
         let mut w = DirWatch::new(&dir).unwrap();
         assert!(!w.changed(), "nothing happened yet");
@@ -89,8 +91,8 @@ mod tests {
         let _ = std::fs::read(dir.join("b")).unwrap();
         assert!(!w.changed(), "a read was taken for a change");
         // The directory itself gone.
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
         assert!(w.changed(), "the directory's removal not seen");
-        assert!(DirWatch::new(&dir).is_none(), "a watch on a directory that is not there");
+        assert!(DirWatch::new(dir).is_none(), "a watch on a directory that is not there");
     }
 }
