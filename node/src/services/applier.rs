@@ -198,9 +198,6 @@ struct Kept {
     /// A watch on `pods/`: what each link believes of its pod's file holds while no one has
     /// written there since (`None`: no watch, nothing believed).
     pods_watch: Option<state::DirWatch>,
-    /// The stored files' identities as `locked` found them, for the `canonical_stored` right
-    /// after it under the same lock (no writer can come between): taken by it.
-    at_lock: Option<[Option<FileId>; 4]>,
 }
 
 impl Kept {
@@ -256,9 +253,7 @@ impl PodReach for Kept {
     fn locked(&mut self, dir: &ServicesDir) {
         // Another writer stored a layer since this applier's last: nothing kept about the
         // stored document or what pods hold is trusted.
-        let ids = stored_ids(dir);
-        self.at_lock = Some(ids);
-        let now = (ids[LAYER_BIN], ids[JOURNAL]);
+        let now = (FileId::of(&dir.layer_path()), FileId::of(&dir.journal_path()));
         if now.0.is_none() || now != self.layer_bin {
             self.stored = None;
             self.forget_beliefs();
@@ -339,8 +334,7 @@ impl PodReach for Kept {
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {
-        let ids = self.at_lock.take().unwrap_or_else(|| stored_ids(dir));
-        if self.stored.as_ref().is_some_and(|k| k.files == ids) {
+        if self.stored.as_ref().is_some_and(|k| k.files == stored_ids(dir)) {
             // Handed over whole: a change edits the text in place, and `stored` keeps what
             // it becomes (an apply that stops before then leaves the next to read the files).
             let k = self.stored.take().expect("checked");
