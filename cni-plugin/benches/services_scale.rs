@@ -520,16 +520,6 @@ fn changes_only() {
     let settle = std::env::var("AETHER_BENCH_SETTLE_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     std::thread::sleep(Duration::from_secs(settle));
     let mut g = 2u64;
-    let named = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}")});
-    let flipped = |k: u32| json!({"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false});
-    let ops = |k: u32| {
-        [
-            json!({"servicesPut": [churn_service(k, true)]}),
-            json!({"endpoints": [flipped(k)]}),
-            json!({"servicesRemoved": [named(k)]}),
-        ]
-    };
-    let results = ["elements +2 -0", "elements +1 -1", "elements +0 -2"];
     let check = |out: &str, result: &str| assert_eq!(out.matches(&format!("\"{result}\"")).count(), PODS, "{out}");
     let mut sockets: Vec<aether_rules::nft::KeptSocket> = pods
         .iter()
@@ -539,8 +529,7 @@ fn changes_only() {
     let mut applier = aether_node::services::Applier::new(node);
     let mut in_process: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
     for k in 0..=change_rounds() as u32 {
-        for (op, doc) in ops(k).into_iter().enumerate() {
-            let mut doc = doc;
+        for (op, (mut doc, result)) in churn_docs(k).into_iter().enumerate() {
             (doc["baseGeneration"], doc["generation"]) = (json!(g), json!(g + 1));
             g += 1;
             let text = serde_json::to_vec(&doc).unwrap();
@@ -548,7 +537,7 @@ fn changes_only() {
             let (t, c) = (Instant::now(), thread_cpu());
             let report = applier.apply(&text).unwrap();
             let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 };
-            check(&report.to_json().to_string(), results[op]);
+            check(&report.to_json().to_string(), result);
             // The first round reads what the one-shot apply left: not measured.
             if k > 0 {
                 in_process[op].0.push(sample);
@@ -560,59 +549,20 @@ fn changes_only() {
     drop((applier, sockets));
     let socket_cg = ScratchMemcg::new("bscale-socket", ChartMemory::read().limit(SERVICES as u64, PODS as u64, 1));
     let installer = InstallerProcess::start_in(node, Some(&socket_cg));
-    // The same documents to a node without pods: what a document costs the installer
-    // whatever the pods (HTTP, the splice, the stored files, the budget, the report).
-    let nopods = state_dir("changes-nopods");
-    let _nopods_cleanup = Cleanup(vec![nopods.clone()]);
-    services_cmd(&nopods, &["apply"], &snapshot(2, SERVICES));
-    let alone_installer = InstallerProcess::start_in(&nopods, Some(&socket_cg));
-    println!(
-        "the installer: PID {}; of the node without pods: PID {}",
-        installer.child.id(),
-        alone_installer.child.id()
-    );
+    println!("the installer: PID {}", installer.child.id());
     let mut floor = KeptFloor::start_in(&socket_cg, &pods);
-    // Each round's three documents POSTed to both installers, and the floor's change sent
-    // from the installer's cgroup between them, each after `wait_for_quiet`; the first round
-    // (reading what came before) not measured.
-    let (mut socket, mut charged, mut alone): ([Vec<Sample>; 3], [Vec<Sample>; 3], [Vec<Sample>; 3]) =
-        Default::default();
-    let mut g_alone = 2u64;
-    for k in 0..=change_rounds() as u32 {
-        for (op, doc) in ops(1000 + k).into_iter().enumerate() {
-            wait_for_quiet();
-            let (posted, body) = post_change(&installer, &mut g, doc.clone());
-            check(&body, results[op]);
-            wait_for_quiet();
-            let f = floor.change(op);
-            wait_for_quiet();
-            let (a, _) = post_change(&alone_installer, &mut g_alone, doc);
-            if k > 0 {
-                socket[op].push(posted);
-                charged[op].push(f);
-                alone[op].push(a);
-            }
-        }
-    }
-    // The same floor back to back (no `wait_for_quiet`): what the kernel's deferred work saves it.
-    let mut back_to_back: [Vec<Sample>; 3] = Default::default();
-    for _ in 0..change_rounds() {
-        for (op, samples) in back_to_back.iter_mut().enumerate() {
-            samples.push(floor.change(op));
-        }
-    }
-    drop((installer, alone_installer, floor));
+    let socket = socket_changes(&installer, &mut g, &mut floor, &socket_cg, 1000);
+    drop((installer, floor));
     let show = |name: &str, s: &Sample| println!("  {name:<44} {:>7.3} ms  cpu {:>7.3} ms", s.wall_ms, s.cpu_ms);
     for (op, what) in ["a Service added", "its endpoints flipped", "removed"].into_iter().enumerate() {
         let (applied, floor) = (medians(in_process[op].0.clone()), medians(in_process[op].1.clone()));
-        let (posted, charged, alone) =
-            (medians(socket[op].clone()), medians(charged[op].clone()), medians(alone[op].clone()));
+        let (posted, charged, alone) = (socket.posted[op], socket.floor[op], socket.alone[op]);
         println!("{what}, {PODS} pods, {SERVICES} Services, medians of {}:", change_rounds());
         show("the applier in this process", &applied);
         show("kept-socket floor (this thread)", &floor);
         show("through the installer's socket", &posted);
         show("kept-socket floor (installer's cgroup)", &charged);
-        show("the same, back to back", &medians(back_to_back[op].clone()));
+        show("the same, back to back", &socket.back_to_back[op]);
         show("through the socket, a node without pods", &alone);
         println!(
             "  the pods' part through the socket / the cgroup's floor {:.2}x (cpu {:.2}x)",
@@ -643,6 +593,84 @@ fn post_change(installer: &InstallerProcess, g: &mut u64, mut doc: Value) -> (Sa
     let body = String::from_utf8_lossy(&body).into_owned();
     assert_eq!(status, 200, "{body}");
     (sample, body)
+}
+
+/// The three changes of round `k` (a Service added, its endpoints flipped to none, removed),
+/// each with the result every pod must report.
+fn churn_docs(k: u32) -> [(Value, &'static str); 3] {
+    [
+        (json!({"servicesPut": [churn_service(k, true)]}), "elements +2 -0"),
+        (
+            json!({"endpoints": [{"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false}]}),
+            "elements +1 -1",
+        ),
+        (json!({"servicesRemoved": [{"namespace": "churn", "name": format!("c-{k}")}]}), "elements +0 -2"),
+    ]
+}
+
+/// Changes through the installer's socket beside their floors, by change (`churn_docs`'
+/// order), each a median of `change_rounds()`.
+struct SocketChanges {
+    /// Through the installer's socket.
+    posted: Vec<Sample>,
+    /// The kernel's floor on kept sockets from the installer's cgroup, in turn with them.
+    floor: Vec<Sample>,
+    /// The same documents through the socket of an installer of a node without pods.
+    alone: Vec<Sample>,
+    /// The floor again, back to back (no `wait_for_quiet`).
+    back_to_back: Vec<Sample>,
+}
+
+/// Each round's changes (`churn_docs(first + k)`) POSTed to `installer` (from generation
+/// `g`; every pod's result checked), the same change sent by `floor`, and the document POSTed
+/// to an installer of a node without pods (what a document costs whatever the pods: HTTP, the
+/// splice, the stored files, the budget, the report) started here in `cg`, each after
+/// `wait_for_quiet`; the first round (reading what came before) not measured. Then the floor
+/// back to back: what the kernel's deferred work, still queued, saves it.
+fn socket_changes(
+    installer: &InstallerProcess,
+    g: &mut u64,
+    floor: &mut KeptFloor,
+    cg: &ScratchMemcg,
+    first: u32,
+) -> SocketChanges {
+    let nopods = Cleanup(vec![state_dir("socket-nopods")]);
+    services_cmd(&nopods.0[0], &["apply"], &snapshot(2, SERVICES));
+    let alone_installer = InstallerProcess::start_in(&nopods.0[0], Some(cg));
+    println!("the installer of the node without pods: PID {}", alone_installer.child.id());
+    let mut g_alone = 2u64;
+    let (mut posted, mut floors, mut alone): ([Vec<Sample>; 3], [Vec<Sample>; 3], [Vec<Sample>; 3]) =
+        Default::default();
+    for k in 0..=change_rounds() as u32 {
+        for (op, (doc, result)) in churn_docs(first + k).into_iter().enumerate() {
+            wait_for_quiet();
+            let (sample, body) = post_change(installer, g, doc.clone());
+            assert_eq!(body.matches(&format!("\"{result}\"")).count(), PODS, "{body}");
+            wait_for_quiet();
+            let f = floor.change(op);
+            wait_for_quiet();
+            let (a, _) = post_change(&alone_installer, &mut g_alone, doc);
+            if k > 0 {
+                posted[op].push(sample);
+                floors[op].push(f);
+                alone[op].push(a);
+            }
+        }
+    }
+    drop(alone_installer);
+    let mut back_to_back: [Vec<Sample>; 3] = Default::default();
+    for _ in 0..change_rounds() {
+        for (op, samples) in back_to_back.iter_mut().enumerate() {
+            samples.push(floor.change(op));
+        }
+    }
+    let by_op = |v: [Vec<Sample>; 3]| v.into_iter().map(medians).collect();
+    SocketChanges {
+        posted: by_op(posted),
+        floor: by_op(floors),
+        alone: by_op(alone),
+        back_to_back: by_op(back_to_back),
+    }
 }
 
 /// Removes the bench's state directories also when a step panics.
@@ -1067,11 +1095,9 @@ fn main() {
     let ports = 2 * n;
     println!("services at scale: {n} Services ({ports} ports), {PODS} pods, median of {} rounds", rounds());
     println!("  (wall time, and CPU time user+sys: the machine may be shared; CPU time is the work)\n");
-    let dirs = Cleanup(
-        ["none", "one", "node", "nopods", "most", "at-scale", "socket-nopods"].into_iter().map(state_dir).collect(),
-    );
-    let (none, one, node, nopods, most, at_scale, socket_nopods) =
-        (&dirs.0[0], &dirs.0[1], &dirs.0[2], &dirs.0[3], &dirs.0[4], &dirs.0[5], &dirs.0[6]);
+    let dirs = Cleanup(["none", "one", "node", "nopods", "most", "at-scale"].into_iter().map(state_dir).collect());
+    let (none, one, node, nopods, most, at_scale) =
+        (&dirs.0[0], &dirs.0[1], &dirs.0[2], &dirs.0[3], &dirs.0[4], &dirs.0[5]);
     let mut figs = Vec::new();
     let show = |name: &str, s: &Sample| {
         let rss = if s.rss_mib > 0.0 { format!("{:>6.1} MiB", s.rss_mib) } else { String::new() };
@@ -1235,10 +1261,9 @@ fn main() {
         .collect();
     let mut kept_by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
     for k in 1..=change_rounds() as u32 {
-        let k = 2000 + k;
-        kept_by_op[0].0.push(expect_kept(kept(json!({"servicesPut": [churn_service(k, true)]})), "elements +2 -0"));
-        kept_by_op[1].0.push(expect_kept(kept(json!({"endpoints": [flipped(k)]})), "elements +1 -1"));
-        kept_by_op[2].0.push(expect_kept(kept(json!({"servicesRemoved": [named(k)]})), "elements +0 -2"));
+        for (op, (doc, result)) in churn_docs(2000 + k).into_iter().enumerate() {
+            kept_by_op[op].0.push(expect_kept(kept(doc), result));
+        }
         for (op, c) in floor_changes.iter().enumerate() {
             wait_for_quiet();
             kept_by_op[op].1.push(change_floor_kept(&mut sockets, c));
@@ -1256,50 +1281,15 @@ fn main() {
     // so the budget's checks run on every change, as they do on a node.
     let socket_cg = ScratchMemcg::new("bscale-socket", ChartMemory::read().limit(SERVICES as u64, PODS as u64, 1));
     let installer = InstallerProcess::start_in(node, Some(&socket_cg));
-    let mut posted = |doc: Value| post_change(&installer, &mut g, doc);
-    // The first reads what the in-process applier left (and opens the pods' sockets).
-    expect_kept(posted(json!({"servicesPut": [churn_service(1, true)]})), "elements +2 -0");
-    expect_kept(posted(json!({"servicesRemoved": [named(1)]})), "elements +0 -2");
     // Beside each change, the floor as the installer's own transactions meet it: sent from
-    // its memory cgroup, after the same wait, so each pair meets the same host and kernel.
+    // its memory cgroup, after the same wait, so each pair meets the same host and kernel;
+    // and the same documents to a node without pods, so that the pods' part can be set
+    // against the floor on its own. (The first round, not measured, reads what the in-process
+    // applier left and opens the pods' sockets.)
     let mut floor_in_cg = KeptFloor::start_in(&socket_cg, &pods);
-    // And the same documents to an installer of a node without pods, in the same cgroup: what
-    // a document costs whatever the pods (HTTP, the splice, the stored files, the budget, the
-    // report), so that the pods' part can be set against the floor on its own.
-    services_cmd(socket_nopods, &["apply"], &snapshot(2, SERVICES));
-    let alone_installer = InstallerProcess::start_in(socket_nopods, Some(&socket_cg));
-    let mut g_alone = 2u64;
-    let mut alone_by_op: [Vec<Sample>; 3] = Default::default();
-    let mut socket_by_op: [(Vec<Sample>, Vec<Sample>); 3] = Default::default();
-    for k in 1..=change_rounds() as u32 {
-        let k = 3000 + k;
-        let docs = [
-            (json!({"servicesPut": [churn_service(k, true)]}), "elements +2 -0"),
-            (json!({"endpoints": [flipped(k)]}), "elements +1 -1"),
-            (json!({"servicesRemoved": [named(k)]}), "elements +0 -2"),
-        ];
-        for (op, (doc, result)) in docs.into_iter().enumerate() {
-            wait_for_quiet();
-            socket_by_op[op].0.push(expect_kept(posted(doc.clone()), result));
-            wait_for_quiet();
-            socket_by_op[op].1.push(floor_in_cg.change(op));
-            wait_for_quiet();
-            alone_by_op[op].push(post_change(&alone_installer, &mut g_alone, doc).0);
-        }
-    }
-    drop(alone_installer);
-    let alone_changes: Vec<Sample> = alone_by_op.into_iter().map(medians).collect();
-    let (socket_changes, socket_floors): (Vec<Sample>, Vec<Sample>) =
-        socket_by_op.into_iter().map(|(p, f)| (medians(p), medians(f))).unzip();
-    // The same floor back to back: what the kernel's deferred work, still queued, saves it.
-    let mut back_to_back: [Vec<Sample>; 3] = Default::default();
-    for _ in 0..change_rounds() {
-        for (op, samples) in back_to_back.iter_mut().enumerate() {
-            samples.push(floor_in_cg.change(op));
-        }
-    }
+    let socket = socket_changes(&installer, &mut g, &mut floor_in_cg, &socket_cg, 3000);
     drop(floor_in_cg);
-    let back_to_back: Vec<Sample> = back_to_back.into_iter().map(medians).collect();
+    let mut posted = |doc: Value| post_change(&installer, &mut g, doc);
     // Churn through the socket: the installer's CPU over the whole run (idle time included:
     // its tidying and its HTTP server count), as a share of one core.
     let (start, cpu_start, mut socket_slowest, mut socket_sent) = (Instant::now(), installer.cpu_ticks(), 0.0f64, 0u32);
@@ -1433,8 +1423,9 @@ fn main() {
         ("remove", "a Service removed"),
     ];
     for (i, (op, what)) in ops.into_iter().enumerate() {
-        let ((applied, kept_floor), (_, one_shot_floor), posted) = (kept_changes[i], changes[i], socket_changes[i]);
-        let (charged_floor, back_to_back, alone) = (socket_floors[i], back_to_back[i], alone_changes[i]);
+        let ((applied, kept_floor), (_, one_shot_floor)) = (kept_changes[i], changes[i]);
+        let (posted, charged_floor, back_to_back, alone) =
+            (socket.posted[i], socket.floor[i], socket.back_to_back[i], socket.alone[i]);
         let key = |k: &str| format!("{k}_{op}");
         show(&format!("kernel floor on kept sockets: {what}, {PODS} pods"), &kept_floor);
         show(&format!("kernel floor on kept sockets, from the installer's cgroup: {what}"), &charged_floor);
