@@ -261,6 +261,17 @@ impl Dir {
         }
     }
 
+    /// Renames `from` to `to` (replacing it); `false` if `from` was not there.
+    pub fn rename(&self, from: &str, to: &str) -> std::io::Result<bool> {
+        let (from, to) = (cstr(OsStr::new(from))?, cstr(OsStr::new(to))?);
+        let dirfd = self.fd.as_raw_fd();
+        match check(unsafe { libc::renameat(dirfd, from.as_ptr(), dirfd, to.as_ptr()) }) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The names in the directory (no `.`/`..`).
     pub fn names(&self) -> std::io::Result<Vec<String>> {
         // read_dir needs a path: the fd's own, so a directory swapped since opening is not read.

@@ -106,3 +106,46 @@ fn the_run_of_generations_table() {
         assert_eq!(sent.run(before), want, "{case}");
     }
 }
+
+#[test]
+fn the_applying_mark_is_there_only_between_begin_and_end_and_a_mark_left_standing_is_found() {
+    /// The test's state directory, removed also when the test fails.
+    struct Scratch(std::path::PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let scratch = Scratch(std::env::temp_dir().join(format!("aether-applying-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&scratch.0);
+    let dir = ServicesDir::new(&scratch.0);
+    let mark = dir.root.join(APPLYING);
+    let begin = || {
+        let mut warnings = Vec::new();
+        let interrupted = dir.begin_pods(&mut warnings).unwrap();
+        assert_eq!(interrupted, !warnings.is_empty(), "{warnings:?}");
+        assert!(mark.exists(), "no mark while the pods are visited");
+        interrupted
+    };
+    // Applies that end: none finds a mark, and none is left.
+    for round in 0..3 {
+        assert!(!begin(), "round {round}: an apply that ended was taken for one stopped midway");
+        dir.end_pods().unwrap();
+        assert!(!mark.exists(), "round {round}: the mark outlived the apply");
+    }
+    // Stopped midway (no end): the next apply finds it (the spare is the mark then).
+    assert!(!begin());
+    assert!(!dir.root.join(APPLYING_SPARE).exists());
+    assert!(begin(), "the mark of an apply stopped midway was not found");
+    dir.end_pods().unwrap();
+    assert!(dir.root.join(APPLYING_SPARE).exists(), "the mark did not become the spare");
+    // A mark a release before this one left (made with the generation in it, the spare beside
+    // it): found, and taken away at the end.
+    std::fs::write(&mark, "7\n").unwrap();
+    assert!(begin(), "the mark of a release before this one was not found");
+    dir.end_pods().unwrap();
+    assert!(!mark.exists());
+    // Control: the mark made by hand is what the look finds.
+    std::fs::write(&mark, "").unwrap();
+    assert!(begin());
+}
