@@ -1461,8 +1461,8 @@ fn main() {
             fig(&key("socket_change"), &format!("change through the installer's socket: {what}, {PODS} pods"), &posted)
                 .goal(15.0, "15 ms".into()),
         );
-        // The goal the socket held when the Service layer's budget work began (issue 27 lists
-        // it among what the layer reached then: 1.12x, 0.26x, 0.26x), against this floor; the
+        // The goal the socket held when the Service layer's budget work began (which lists it
+        // among what the layer reached then: 1.12x, 0.26x, 0.26x), against this floor; the
         // ratios to the kept-socket floors below had none then (3.25-4.22x) and are figures.
         figs.push(
             Figure::value(
