@@ -52,6 +52,25 @@ pub fn try_run(cmd: &str, args: &[&str]) -> (bool, String, String) {
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// A directory of one test's own under the temp dir (`aether-<tag>-<pid>`), made empty;
+/// removed on drop, also when the test panics.
+pub struct ScratchDir(pub std::path::PathBuf);
+
+impl ScratchDir {
+    pub fn new(tag: &str) -> ScratchDir {
+        let d = std::env::temp_dir().join(format!("aether-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        ScratchDir(d)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A network namespace made for one test (`ip netns add`), with `lo` up; deleted on drop,
 /// also when the test panics.
 pub struct TestNetns {

@@ -165,9 +165,7 @@ impl Dir {
         let mut write = || -> std::io::Result<()> {
             f.write_all(body)?;
             f.sync_all()?;
-            let (old, new) = (cstr(OsStr::new(&tmp))?, cstr(OsStr::new(name))?);
-            check(unsafe { libc::renameat(self.fd.as_raw_fd(), old.as_ptr(), self.fd.as_raw_fd(), new.as_ptr()) })?;
-            Ok(())
+            self.rename(&tmp, name)
         };
         write().inspect_err(|_| {
             let _ = self.remove(&tmp);
@@ -208,10 +206,7 @@ impl Dir {
             Ok(_) => {}
             // Nothing at the name yet: the spare becomes the file, and a new spare is made
             // the next time.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                check(unsafe { libc::renameat(dirfd, from.as_ptr(), dirfd, to.as_ptr()) })?;
-                return Ok(());
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.rename(&spare_name, name),
             Err(e) => return Err(e),
         }
         spare.file = self.open_spare(&spare_name, false);
@@ -261,15 +256,11 @@ impl Dir {
         }
     }
 
-    /// Renames `from` to `to` (replacing it); `false` if `from` was not there.
-    pub fn rename(&self, from: &str, to: &str) -> std::io::Result<bool> {
+    /// Renames `from` to `to`, replacing it.
+    pub fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
         let (from, to) = (cstr(OsStr::new(from))?, cstr(OsStr::new(to))?);
         let dirfd = self.fd.as_raw_fd();
-        match check(unsafe { libc::renameat(dirfd, from.as_ptr(), dirfd, to.as_ptr()) }) {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        }
+        check(unsafe { libc::renameat(dirfd, from.as_ptr(), dirfd, to.as_ptr()) }).map(drop)
     }
 
     /// The names in the directory (no `.`/`..`).

@@ -56,17 +56,8 @@ mod tests {
 
     #[test]
     fn a_watch_sees_each_kind_of_write_and_only_once() {
-        /// The test's directory, removed also when the test fails.
-        struct Scratch(std::path::PathBuf);
-        impl Drop for Scratch {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-        let scratch = Scratch(std::env::temp_dir().join(format!("aether-dirwatch-{}", std::process::id())));
+        let scratch = aether_testkit::ScratchDir::new("dirwatch");
         let dir = &scratch.0;
-        let _ = std::fs::remove_dir_all(dir);
-        std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("a"), "1\n").unwrap();
         let mut w = DirWatch::new(&dir).unwrap();
         assert!(!w.changed(), "nothing happened yet");
