@@ -464,9 +464,9 @@ fn a_change_killed_mid_apply_is_made_good_by_the_next_document() {
     println!("{test}: {kills} SIGKILLs in {trials} trials ({stale} next changes refused as stale, then whole); every pod at the stored generation after the next document");
 }
 
-/// A pod sent a change and the apply killed before the pod's file said so: the pod holds the
-/// new layer while its file names the old one. The next document bringing the old content
-/// back must not find the pod "already there".
+/// A pod sent a change and the apply killed right after: the pod's table names the new layer
+/// it holds (the name moved in the same transaction). The next document bringing the old
+/// content back must not find the pod "already there".
 #[test]
 fn a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_back() {
     let test = "a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_back";
@@ -485,9 +485,15 @@ fn a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_
         c.services[0]["usableEndpoints"] = json!(usable);
     };
     // Returns what `services verify` says of each pod after: A, then B killed after its first
-    // pod's send, then A again under a new generation; `forget_marker` removes what the killed
-    // apply left to say it was stopped (as a plugin without it would leave the directory).
-    let mut trial = |forget_marker: bool| -> Vec<(String, String)> {
+    // pod's send, then A again under a new generation; `lie` makes the first pod's table name
+    // what the second's names (layer A) while it holds B, as a record kept apart from the
+    // kernel could after a kill.
+    let name_in = |pod: &Pod| -> String {
+        let listing = pod.nft(&["list", "table", "ip", "aether_services"]);
+        let line = listing.lines().find(|l| l.trim_start().starts_with("counter layer_s")).expect("a named layer");
+        line.trim().trim_start_matches("counter ").trim_end_matches(" {").to_string()
+    };
+    let mut trial = |lie: bool| -> Vec<(String, String)> {
         flip(&mut cluster, true);
         apply(&node, &cluster.whole());
         let before = cluster.clone();
@@ -507,8 +513,12 @@ fn a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_
             .unwrap();
         assert!(!out.status.success(), "the apply was not killed: {}", String::from_utf8_lossy(&out.stdout));
         assert_ne!(layer_listing(&pods[0]), layer_listing(&pods[1]), "the killed apply changed no pod, or both");
-        if forget_marker {
-            std::fs::remove_file(node.state_dir().join("services/applying")).expect("the killed apply's mark");
+        assert!(!node.state_dir().join("services/applying").exists(), "a mark mirrors what the kernel holds");
+        if lie {
+            let (holds, claims) = (name_in(&pods[0]), name_in(&pods[1]));
+            assert_ne!(holds, claims, "the killed apply left both pods named alike");
+            pods[0].nft(&["delete", "counter", "ip", "aether_services", &holds]);
+            pods[0].nft(&["add", "counter", "ip", "aether_services", &claims]);
         }
         cluster = Cluster { generation: cluster.generation + 1, ..before };
         apply(&node, &cluster.whole());
@@ -516,9 +526,10 @@ fn a_pod_changed_by_an_apply_killed_before_its_file_gets_the_content_that_comes_
     };
     let verified = trial(false);
     assert!(verified.iter().all(|(_, r)| r == "intact"), "a pod was left with the killed apply's layer: {verified:?}");
-    // Control: the same steps without the mark leave the first pod wrong, and verify sees it.
+    // Control: the same steps with the first pod's name lying leave it wrong, and verify sees
+    // it: what the pod's table names is what the next apply goes by.
     let verified = trial(true);
-    control(verified.iter().any(|(_, r)| r != "intact"), "the killed apply's mark removed", format!("{verified:?}"));
+    control(verified.iter().any(|(_, r)| r != "intact"), "the first pod's name made to lie", format!("{verified:?}"));
 }
 
 /// The change from `from` to `to` as the agent sends it: Services that differ put whole,

@@ -545,3 +545,82 @@ fn dual_stack_layer_round_trip_and_ipv6_element_updates() {
     assert!(in_ns(&ns, services::remove).unwrap(), "removed");
     assert!(!in_ns(&ns, services::remove).unwrap(), "nothing left to remove");
 }
+
+/// The layer names what it holds in its own table (a counter named after the stored layer),
+/// and an element change swaps that name in the same transaction as its elements: the
+/// kernel refuses the whole transaction when the table names anything else (a
+/// compare-and-swap), leaving every element as it was. Golden: the kernel's own listing of
+/// the named table. Controls: the same change to a table of the layer it starts from is
+/// taken; a change between unnamed layers (the rules' own, as before names) is taken
+/// whatever the table names.
+#[test]
+fn a_named_layer_is_changed_only_from_the_name_it_holds() {
+    if !root_or_skip("a_named_layer_is_changed_only_from_the_name_it_holds") {
+        return;
+    }
+    let ns = TestNetns::new("svc-named");
+    let id = |generation, digest| Some(services::LayerId { generation, digest });
+    let one = ServiceLayer { identity: id(7, 0x0123_4567_89ab_cdef), ..layer(LayerMode::Refuse) };
+    let mut two = ServiceLayer { identity: id(8, 0xfedc_ba98_7654_3210), ..one.clone() };
+    two.ports.push(port("10.96.1.3", Proto::Tcp, 8080, true));
+    let mut three = ServiceLayer { identity: id(9, 0x1111_2222_3333_4444), ..two.clone() };
+    three.ports.push(port("10.96.1.4", Proto::Tcp, 8080, true));
+    assert_eq!(in_ns(&ns, || services::rebuild(&one)).unwrap(), Applied::Rebuilt);
+    let listing = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    aether_testkit::assert_golden("services-named.txt", &sorted_elements(&listing));
+    let named = |l: &ServiceLayer| services::Named {
+        shape: services::SHAPE,
+        id: l.identity.unwrap(),
+        divert_mark: l.divert_mark,
+    };
+    assert_eq!(in_ns(&ns, services::held).unwrap(), services::HeldLayer::Named(named(&one)));
+    // A change built for `two` (as from a pod believed to hold it) is refused whole.
+    let from_two = services::LayerChange::between(&two, &three).unwrap().unwrap();
+    let before = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    let refused = in_ns(&ns, || from_two.send());
+    assert!(refused.is_err(), "the kernel took a change built for a layer the table does not name");
+    assert_eq!(ns.exec("nft", &["list", "table", "ip", services::TABLE]), before, "a refused change left a trace");
+    // Control: from the name it holds, taken; the elements and the name move together.
+    let from_one = services::LayerChange::between(&one, &two).unwrap().unwrap();
+    assert!(matches!(in_ns(&ns, || from_one.send()).unwrap(), Applied::Elements { added: 2, .. }));
+    assert_eq!(in_ns(&ns, services::held).unwrap(), services::HeldLayer::Named(named(&two)));
+    assert_eq!(in_ns(&ns, || services::verify(&two)).unwrap(), Vec::<String>::new());
+    assert!(in_ns(&ns, || from_two.send()).is_ok(), "the change from the name the table holds was refused");
+    assert_eq!(in_ns(&ns, services::held).unwrap(), services::HeldLayer::Named(named(&three)));
+    // A rename alone (the same content, another generation).
+    let renamed =
+        services::Named { id: services::LayerId { generation: 10, ..three.identity.unwrap() }, ..named(&three) };
+    let rename = services::LayerChange::renamed(&three.families(), &named(&three), &renamed);
+    in_ns(&ns, || rename.send()).unwrap();
+    assert_eq!(in_ns(&ns, services::held).unwrap(), services::HeldLayer::Named(renamed));
+    assert!(in_ns(&ns, || rename.send()).is_err(), "a rename from a name the table no longer holds was taken");
+    // Unnamed layers change as they always did (no name to compare).
+    let bare = |l: &ServiceLayer| ServiceLayer { identity: None, ..l.clone() };
+    let ns2 = TestNetns::new("svc-unnamed");
+    in_ns(&ns2, || services::rebuild(&bare(&one))).unwrap();
+    assert_eq!(in_ns(&ns2, services::held).unwrap(), services::HeldLayer::Unnamed { shape: Some(services::SHAPE) });
+    let unnamed = services::LayerChange::between(&bare(&one), &bare(&two)).unwrap().unwrap();
+    assert!(in_ns(&ns2, || unnamed.send()).is_ok());
+}
+
+/// The identity counter's name reads back as what wrote it, and nothing else reads as one.
+#[test]
+fn a_layer_name_reads_back_and_other_counters_are_not_names() {
+    let n = services::Named {
+        shape: services::SHAPE,
+        id: services::LayerId { generation: 42, digest: 0x00ab_cdef_0123_4567 },
+        divert_mark: 0xae71,
+    };
+    assert_eq!(n.counter_name(), "layer_s3_g42_mae71_d00abcdef01234567");
+    assert_eq!(services::Named::parse(&n.counter_name()), Some(n));
+    for other in [
+        "service",
+        "refused_no_service",
+        "layer_s3_g42_mae71",
+        "layer_s3_g42_mae71_d00abcdef0123456",
+        "layer_s3_g42_mae71_d00abcdef01234567_x",
+        "layer_sx_g1_m1_d0000000000000000",
+    ] {
+        assert_eq!(services::Named::parse(other), None, "{other}");
+    }
+}

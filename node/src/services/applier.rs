@@ -7,8 +7,10 @@
 //! each piece checked under the services lock before it is trusted: the stored canonical
 //! document and its layer (by the identity of the files), the attachment records (by the
 //! directory's), and for each pod its netns and a netfilter socket opened there (a socket
-//! stays in its netns, so a change is sent without entering it) with the layer the pod holds
-//! and its file under `pods/` kept open. The stored files stay the truth and are written as by
+//! stays in its netns, so a change is sent without entering it) with the layer it last sent
+//! the pod (a belief: a change's compare-and-swap is refused by the kernel when the pod holds
+//! anything else, and the pod's own table is read then). The stored files stay the truth of
+//! what the agent sent, and are written as by
 //! `services apply`: whatever another writer (`services apply`, ADD, DEL, the reconciler,
 //! `verify`) changes is seen by the next document, and anything in doubt is read again.
 
@@ -23,10 +25,11 @@ use aether_rules::nft::{Encoded, KeptSocket};
 
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
 use super::change::splice::ServiceIndex;
-use super::engine::{self, open_pod, PodHolds, PodLink, Pods};
+use super::engine::{self, open_pod, PodLink, Pods};
 use super::{change, flat, journal, layer_file, FileId, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{self, Record, StateDir};
 use crate::PodError;
+use aether_rules::services::HeldLayer;
 
 /// A whole snapshot or a change document (a top-level `baseGeneration`), told apart as
 /// `services apply` tells them. Meant for one thread: it enters pod netns in place on the
@@ -116,20 +119,16 @@ struct Link {
     recorded: Option<crate::state::NetnsIdentity>,
     ns: Netns,
     sock: KeptSocket,
-    /// What the pod's own file under `pods/` says, as last written or read.
-    file: Option<PodHolds>,
-    /// The layer the pod holds, as last recorded or read (its file moved on by
-    /// `pods.moves`); `None`: unknown (rebuilt at the next document).
-    holds: Option<PodHolds>,
-    /// `file` and `holds` are to be read again before they are used.
-    reread: bool,
+    /// The layer the pod holds, as last sent or read; `None`: unknown (read from the kernel
+    /// before it is used).
+    holds: Option<HeldLayer>,
 }
 
 impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, file: None, holds: None, reread: true })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None })
     }
 
     /// Whether it was opened for `r` (its netns path and identity).
@@ -151,30 +150,19 @@ impl PodLink for Link {
         &self.ns
     }
 
-    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>) {
-        if self.reread {
-            self.file = dir.pod_file(&self.ns);
-            self.holds = self.file.clone().map(|f| dir.moves().fold(f));
-            self.reread = false;
+    fn held(&mut self, fresh: bool) -> Result<HeldLayer, PodError> {
+        match self.holds {
+            Some(h) if !fresh => Ok(h),
+            _ => {
+                let h = aether_rules::services::held_on(&mut self.sock).map_err(PodError::Kernel)?;
+                self.holds = Some(h);
+                Ok(h)
+            }
         }
-        (self.file.clone(), self.holds.clone())
     }
 
-    fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError> {
-        self.reread = false;
-        let Some(held) = held else {
-            dir.forget_pod(self.ns.path());
-            (self.file, self.holds) = (None, None);
-            return Ok(());
-        };
-        let written = dir.set_pod_holds(&self.ns, &held);
-        self.file = written.is_ok().then_some(held);
-        self.holds = self.file.clone();
-        written
-    }
-
-    fn moved(&mut self, now: &PodHolds) {
-        self.holds = Some(now.clone());
+    fn believe(&mut self, now: Option<HeldLayer>) {
+        self.holds = now;
     }
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
@@ -195,9 +183,6 @@ struct Kept {
     journal: Option<KeptJournal>,
     /// The spare files `snapshot.json` and `layer.bin` are written through.
     spares: BTreeMap<String, state::Spare>,
-    /// A watch on `pods/`: what each link believes of its pod's file holds while no one has
-    /// written there since (`None`: no watch, nothing believed).
-    pods_watch: Option<state::DirWatch>,
 }
 
 impl Kept {
@@ -214,14 +199,14 @@ impl Kept {
         self.records.as_ref().expect("just read")
     }
 
-    /// Forgets what each pod holds (kept sockets stay): read again from the pods' files.
+    /// Forgets what each pod holds (kept sockets stay): read again from the pods' tables.
     fn forget_beliefs(&mut self) {
-        self.links.values_mut().for_each(|l| l.reread = true);
+        self.links.values_mut().for_each(|l| l.holds = None);
     }
 }
 
 impl Pods for Kept {
-    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool) {
+    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> Arc<Vec<Record>> {
         let now = FileId::of(&dir.state.join("attachments"));
         let rescanned = self.records.as_ref().map(|k| k.dir) != Some(now);
         let kept = self.read_records(dir, now);
@@ -231,7 +216,7 @@ impl Pods for Kept {
             let live = kept.keys();
             self.links.retain(|k, _| live.contains(k));
         }
-        (records, rescanned)
+        records
     }
 
     fn reach(&mut self, i: usize, r: &Record) -> Result<&mut dyn PodLink, PodError> {
@@ -258,16 +243,6 @@ impl PodReach for Kept {
             self.stored = None;
             self.forget_beliefs();
         }
-        // A pod's file written by anyone since the last look (a re-ADD, a repair, DEL, a
-        // one-shot apply; this applier's own rebuilds too): every link reads its pod's file
-        // again, or a line of `pods.moves` would be written over a file the pod no longer has
-        // (void, and the pod recorded at an older layer than it holds). One read of the watch
-        // per document; a read per pod only after such a write.
-        if !self.pods_watch.as_mut().is_some_and(|w| !w.changed()) {
-            // Watched anew before anything is read again: a write in between is seen next time.
-            self.pods_watch = state::DirWatch::new(&dir.root.join("pods"));
-            self.forget_beliefs();
-        }
     }
 
     fn budget_records(&mut self, dir: &ServicesDir) -> Arc<Vec<Record>> {
@@ -279,12 +254,12 @@ impl PodReach for Kept {
         }
     }
 
-    fn budget_held(&mut self, dir: &ServicesDir, r: &Record) -> Option<Option<PodHolds>> {
-        // A pod reached before holds what this applier believes (its file read again first
-        // when in doubt), without opening its netns or reading its file each change.
+    fn budget_held(&mut self, _dir: &ServicesDir, r: &Record) -> Option<HeldLayer> {
+        // A pod reached before holds what this applier believes (its table read when in
+        // doubt), without opening its netns each change.
         match self.links.get_mut(&r.key()) {
-            Some(l) if l.opened_for(r) => Some(l.held(dir).1),
-            _ => engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns)),
+            Some(l) if l.opened_for(r) => l.held(false).ok(),
+            _ => flat(engine::open_pod(r).ok()?.run(aether_rules::services::held)).ok(),
         }
     }
 

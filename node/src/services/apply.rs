@@ -1,7 +1,7 @@
 //! A Service document checked and stored (`services apply`), then brought to every recorded
 //! pod by the apply engine (`engine`); and the stored layer to a new pod (ADD). Which layer
-//! each pod netns holds is kept in `pods/`, so a pod one generation behind gets only the
-//! element change, sent without reading its sets back.
+//! each pod netns holds is named in its own tables (`layer::Named`), so a pod one generation
+//! behind gets only the element change, sent without reading its sets back.
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -11,9 +11,10 @@ use aether_rules::services::{self as layer, Applied};
 use serde_json::Value;
 
 use super::change::splice::ServiceIndex;
-use super::engine::{self, netns_key, PodHolds};
+use super::engine;
 use super::{budget, change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
+use aether_rules::services::HeldLayer;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
@@ -306,10 +307,10 @@ pub(super) trait PodReach {
         std::sync::Arc::new(crate::state::StateDir::new(&dir.state).scan().records)
     }
 
-    /// What the pod of `r` holds, as its file says, for the budget's estimate; `None` when
-    /// its netns is gone.
-    fn budget_held(&mut self, dir: &ServicesDir, r: &crate::state::Record) -> Option<Option<PodHolds>> {
-        engine::open_pod(r).ok().map(|ns| dir.pod_holds(&ns))
+    /// What the pod of `r` holds, as its tables say, for the budget's estimate; `None` when
+    /// its netns is gone or cannot be read.
+    fn budget_held(&mut self, _dir: &ServicesDir, r: &crate::state::Record) -> Option<HeldLayer> {
+        flat(engine::open_pod(r).ok()?.run(layer::held)).ok()
     }
 
     /// Whether the next change may be stored as a journal entry (`append_journal`): only a
@@ -531,17 +532,10 @@ pub fn apply_current_snapshot_in_netns(
     // it is, without reading `layer.bin` or building the layer.
     let key = encoded::Key::now(&dir, divert_mark);
     if let Some(c) = key.as_ref().and_then(|k| encoded::read(&dir, k)) {
-        dir.forget_pod(netns.path());
-        let (generation, digest, seq_count) = (c.generation, c.digest, c.seq_count);
+        let (generation, seq_count) = (c.generation, c.seq_count);
         let bytes = c.bytes.into_owned();
         match flat(netns.run(move || aether_rules::nft::send_bytes(bytes, seq_count))) {
-            Ok(()) => {
-                let held = PodHolds::for_key_of(generation, digest, netns_key(netns), divert_mark);
-                if let Err(e) = dir.set_pod_holds(netns, &held) {
-                    tracing::warn!("{e}");
-                }
-                return Ok(Some(generation));
-            }
+            Ok(()) => return Ok(Some(generation)),
             // A layer there already (made by an apply since the record was written), or
             // anything else: the layer is built, which replaces it or names what is refused.
             Err(e) => tracing::debug!("the kept transaction of the Service layer was not taken ({e}): built"),
@@ -558,12 +552,9 @@ pub fn apply_current_snapshot_in_netns(
             return Ok(None);
         }
     };
-    // Taken, not copied (20,000 ports at 10,000 Services: ADD's memory); what stays of
-    // `stored` names the layer in the pod's file.
-    let l = layer::ServiceLayer { divert_mark, ..std::mem::take(&mut stored.layer) };
-    // The file goes first: killed after the rebuild, a file naming an older layer would be
-    // trusted by the next apply (one sending that older content again would leave the pod).
-    dir.forget_pod(netns.path());
+    // Taken, not copied (20,000 ports at 10,000 Services: ADD's memory); the tables name
+    // the stored layer they are of.
+    let l = layer::ServiceLayer { divert_mark, identity: Some(stored.id()), ..std::mem::take(&mut stored.layer) };
     let prepared = layer::Prepared::new(&l).map_err(PodError::Kernel)?;
     drop(l);
     // Encoded once: the bytes the pod is sent are the ones kept for the next pod.
@@ -576,10 +567,6 @@ pub fn apply_current_snapshot_in_netns(
         let c =
             encoded::Cached { generation: stored.generation, digest: stored.digest, seq_count, bytes: bytes.into() };
         encoded::write(&dir, key, &c);
-    }
-    if let Err(e) = dir.set_pod_holds(netns, &PodHolds::new(&stored, netns, divert_mark)) {
-        // Costs the pod a rebuild at the next apply instead of a change; nothing more.
-        tracing::warn!("{e}");
     }
     Ok(Some(stored.generation))
 }

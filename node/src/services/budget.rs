@@ -208,9 +208,9 @@ pub(super) fn apply_fits(
     memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
 }
 
-/// The elements bringing each of `records`' pods to `new` adds, by what its file says it
-/// holds (an apply stopped midway trusts no file: every pod is rebuilt). `bound` is at
-/// least the new layer's elements; they are counted exactly only for a pod rebuilt.
+/// The elements bringing each of `records`' pods to `new` adds, by what its tables say it
+/// holds (as `reach` knows it). `bound` is at least the new layer's elements; they are
+/// counted exactly only for a pod rebuilt.
 fn pods_elements(
     dir: &ServicesDir,
     records: &[Record],
@@ -219,26 +219,26 @@ fn pods_elements(
     bound: u64,
     reach: &mut dyn PodReach,
 ) -> u64 {
-    let interrupted = !matches!(dir.read(super::engine::APPLYING), Ok(None));
     let node_mark = dir.divert_mark();
     let mut change: Option<u64> = None;
     let mut whole: Option<u64> = None;
     let mut sum = 0;
     for r in records {
-        // `None`: the pod is gone.
+        // `None`: the pod is gone (or cannot be read: the apply will say so).
         let Some(held) = reach.budget_held(dir, r) else { continue };
         let mark = mark_of(r, node_mark);
-        let held = if interrupted { None } else { held };
         // The engine's own decision, so the estimate counts what the apply will do.
-        sum += match (decide(held.as_ref(), interrupted, previous, new, mark), previous) {
-            (Action::Nothing | Action::Remove, _) => 0,
+        sum += match (decide(&held, previous, new, mark), previous) {
+            (Action::Nothing | Action::Remove | Action::Rename(_), _) => 0,
             // At most the new layer cut to the VIPs that differ: counted, not built (the
             // change's sets are what the apply will build; the estimate must not cost that).
             (Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
                 let (_, to) = narrowed(prev, new);
                 layer_elements(&to).min(bound)
             }),
-            (Action::Change | Action::Rebuild, _) => *whole.get_or_insert_with(|| layer_elements(&new.layer)),
+            (Action::Change | Action::Rebuild | Action::Migrate, _) => {
+                *whole.get_or_insert_with(|| layer_elements(&new.layer))
+            }
         };
     }
     sum

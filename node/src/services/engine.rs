@@ -1,90 +1,29 @@
 //! One apply engine: what each recorded pod gets once a new layer is stored, decided in one
-//! place (`decide`, pure) and done in one place (`apply_to_pods`), which also records what the
-//! pod then holds (its file under `pods/` for a rebuild, a line of `pods.moves` for an element
-//! change, with the run of nftables generations the element changes alone made, which the
-//! reconciler's look carries a pod over) and checks every pod's
-//! work against the memory budget. A one-shot `services apply` and the installer's long-lived
-//! applier differ only in how they reach a pod ([`Pods`], [`PodLink`]): by entering its netns
-//! each time ([`Entering`]), or on a socket kept in it (the applier's cache).
+//! place (`decide`, pure, from what the pod's own tables say they hold) and done in one place
+//! (`apply_to_pods`), which also checks every pod's work against the memory budget. The
+//! record of what a pod holds is the pod's table (`layer::Named`, a counter named after the
+//! layer, swapped in the same transaction as every element change, so the kernel refuses a
+//! change built for a pod that holds anything else): no file mirrors it. A one-shot `services
+//! apply` and the installer's long-lived applier differ only in how they reach a pod
+//! ([`Pods`], [`PodLink`]): by entering its netns each time ([`Entering`]), or on a socket kept
+//! in it (the applier's cache, which also remembers what it last sent each pod: a belief the
+//! kernel checks, never trusted past a refusal).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use aether_netns::Netns;
 use aether_rules::nft::{Encoded, KeptSocket};
-use aether_rules::services::{self as layer, Applied, LayerChange};
+use aether_rules::services::{self as layer, Applied, HeldLayer, LayerChange, Named};
 
 use super::apply::{ApplyReport, PodOutcome};
 use super::{budget, flat, ServicesDir, ServicesError, StoredLayer};
-use crate::state::{self, PodNetns, Record, StateDir, Unreadable};
+use crate::state::{PodNetns, Record, StateDir, Unreadable};
 use crate::PodError;
-
-/// The layer a pod netns holds: `generation digest netns-id divert-mark`, one line, and
-/// `first last` when an element change sent it (see `applied_run`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct PodHolds {
-    pub(super) generation: u64,
-    pub(super) digest: u64,
-    /// `Netns::id()` of the netns it was written for.
-    pub(super) netns: String,
-    pub(super) divert_mark: u32,
-    /// The netns's nftables generations from `first` to `last` were all made by the Service
-    /// layer's element changes, one after another (each transaction's fence read the
-    /// generation one past the last), and `last` is where this layer was sent. The
-    /// reconciler carries a pod's intact state over them instead of comparing it again.
-    pub(super) applied_run: Option<(u32, u32)>,
-}
-
-impl PodHolds {
-    pub(super) fn new(stored: &StoredLayer, ns: &Netns, divert_mark: u32) -> Self {
-        PodHolds::for_key(stored, netns_key(ns), divert_mark)
-    }
-
-    /// `new` for the netns whose `netns_key` is `netns`.
-    pub(super) fn for_key(stored: &StoredLayer, netns: String, divert_mark: u32) -> Self {
-        PodHolds::for_key_of(stored.generation, stored.digest, netns, divert_mark)
-    }
-
-    /// `for_key` of the stored layer of `generation` and `digest`.
-    pub(super) fn for_key_of(generation: u64, digest: u64, netns: String, divert_mark: u32) -> Self {
-        PodHolds { generation, digest, netns, divert_mark, applied_run: None }
-    }
-
-    pub(super) fn parse(text: &str) -> Option<Self> {
-        // Written in place: a copy torn by a crash lacks the final newline, and is no file.
-        let mut f = text.strip_suffix('\n')?.split_whitespace();
-        let mut held = PodHolds {
-            generation: f.next()?.parse().ok()?,
-            digest: u64::from_str_radix(f.next()?, 16).ok()?,
-            netns: f.next()?.to_string(),
-            divert_mark: u32::from_str_radix(f.next()?.trim_start_matches("0x"), 16).ok()?,
-            applied_run: None,
-        };
-        if let Some(first) = f.next() {
-            held.applied_run = Some((first.parse().ok()?, f.next()?.parse().ok()?));
-        }
-        f.next().is_none().then_some(held)
-    }
-
-    /// Whether the pod holds `stored`'s layer for `divert_mark` (whatever the generation).
-    pub(super) fn is(&self, stored: &StoredLayer, divert_mark: u32) -> bool {
-        self.digest == stored.digest && self.divert_mark == divert_mark
-    }
-}
 
 /// A netns's identity as one word: `device:inode`.
 pub(super) fn netns_key(ns: &Netns) -> String {
     format!("{}:{}", ns.id().dev, ns.id().ino)
-}
-
-impl std::fmt::Display for PodHolds {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {:016x} {} {:#x}", self.generation, self.digest, self.netns, self.divert_mark)?;
-        if let Some((first, last)) = self.applied_run {
-            write!(f, " {first} {last}")?;
-        }
-        writeln!(f)
-    }
 }
 
 /// What a pod gets once `new` is stored.
@@ -92,35 +31,41 @@ impl std::fmt::Display for PodHolds {
 pub(super) enum Action {
     /// It holds the new layer for its mark already: nothing is sent.
     Nothing,
-    /// It holds the previous layer for its mark: the element change from it (rebuilt if the
-    /// kernel refuses it: the pod does not hold what its file says).
+    /// It holds the new content under another generation (`from`): only the name swapped.
+    Rename(Named),
+    /// It holds the previous layer for its mark: the element change from it, the name
+    /// swapped with it (rebuilt if the kernel refuses it: the pod holds something else).
     Change,
-    /// The whole layer: its file names another layer or mark, or there is none, or no file
-    /// is trusted.
+    /// The whole layer, counters carried over: it holds another layer or mark, or none.
     Rebuild,
+    /// The whole layer in place of one a release before built (a shape, or tables that name
+    /// nothing): an upgrade's work, counted as a migration.
+    Migrate,
     /// Mode `off`: its tables removed (their counts folded into the node's first).
     Remove,
 }
 
-/// The one decision, for every caller: what a pod gets, from what its file under `pods/`
-/// says it holds (`held`: `None` when absent, torn, or about another netns), whether the last
-/// apply was stopped midway (`interrupted`: a pod may hold a layer its file does not name, so
-/// no file is trusted), the previous and the new stored layer, and the pod's divert mark
-/// (`mark_of` its record).
-pub(super) fn decide(
-    held: Option<&PodHolds>,
-    interrupted: bool,
-    previous: Option<&StoredLayer>,
-    new: &StoredLayer,
-    mark: u32,
-) -> Action {
+/// The one decision, for every caller: what a pod gets, from what its tables say they hold
+/// (`held`), the previous and the new stored layer, and the pod's divert mark (`mark_of` its
+/// record).
+pub(super) fn decide(held: &HeldLayer, previous: Option<&StoredLayer>, new: &StoredLayer, mark: u32) -> Action {
     if new.layer.mode == layer::LayerMode::Off {
         return Action::Remove;
     }
-    match (held.filter(|_| !interrupted), previous) {
-        (Some(h), _) if h.is(new, mark) => Action::Nothing,
-        (Some(h), Some(prev)) if h.is(prev, mark) => Action::Change,
-        _ => Action::Rebuild,
+    let n = match held {
+        HeldLayer::Absent => return Action::Rebuild,
+        HeldLayer::Unnamed { .. } => return Action::Migrate,
+        HeldLayer::Named(n) if n.shape != layer::SHAPE => return Action::Migrate,
+        HeldLayer::Named(n) => n,
+    };
+    if *n == new.named(mark) {
+        Action::Nothing
+    } else if n.divert_mark == mark && n.id.digest == new.digest {
+        Action::Rename(*n)
+    } else if previous.is_some_and(|p| *n == p.named(mark)) {
+        Action::Change
+    } else {
+        Action::Rebuild
     }
 }
 
@@ -132,23 +77,22 @@ pub(super) fn mark_of(r: &Record, node_mark: u32) -> u32 {
 /// What a visit committed in a pod's netns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Sent {
-    /// Nothing (it held the layer, or the change had no element for it): its generation did
-    /// not move.
+    /// Nothing (it held the layer): its generation did not move.
     Nothing,
     /// The element change: the generation read just before it (when read), and the one its
     /// transaction's fence read.
     Change { before: Option<u32>, after: Option<u32> },
-    /// A rebuild (its generation is not followed).
+    /// A rebuild or a removal (its generation is not followed).
     Rebuild,
 }
 
 impl Sent {
     /// The pod's run of generations made by element changes alone, after this visit, from
-    /// the one before it (`PodHolds::applied_run`). A change whose fence read one past the
-    /// run's last extends it, and one past the generation read just before it starts one
-    /// there: nothing else was committed in between (any commit moves the generation by one).
-    /// Any other change starts a run at its own generation: what came before it (another
-    /// commit, even one between the transaction and its fence) is not claimed.
+    /// the one before it (`AppliedRun`). A change whose fence read one past the run's last
+    /// extends it, and one past the generation read just before it starts one there: nothing
+    /// else was committed in between (any commit moves the generation by one). Any other
+    /// change starts a run at its own generation: what came before it (another commit, even
+    /// one between the transaction and its fence) is not claimed.
     pub(super) fn run(&self, run: Option<(u32, u32)>) -> Option<(u32, u32)> {
         match (self, run) {
             (Sent::Nothing, run) => run,
@@ -164,12 +108,40 @@ impl Sent {
     }
 }
 
+/// What this process's element changes did to a pod netns since a reconciler compared it:
+/// the stored generation they brought it to, for which divert mark, and the run of the
+/// netns's nftables generations they alone made (`first` to `last`, where that layer was
+/// sent). Kept in memory, by netns: the installer's applier and its reconciler share the
+/// process; lost, it costs the reconciler one full comparison of the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppliedRun {
+    pub layer_generation: u64,
+    pub divert_mark: u32,
+    pub first: u32,
+    pub last: u32,
+}
+
+static RUNS: std::sync::Mutex<Option<HashMap<String, AppliedRun>>> = std::sync::Mutex::new(None);
+
+fn runs<T>(f: impl FnOnce(&mut HashMap<String, AppliedRun>) -> T) -> T {
+    f(RUNS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new))
+}
+
+/// A pod netns's key among the runs: the state directory's, then the netns's.
+fn run_key(dir: &ServicesDir, ns: &Netns) -> String {
+    format!("{}|{}", dir.root.display(), netns_key(ns))
+}
+
+/// The pod netns's `AppliedRun`, if this process's element changes made one.
+pub fn applied_run(state_dir: &std::path::Path, netns: &Netns) -> Option<AppliedRun> {
+    let key = run_key(&ServicesDir::new(state_dir), netns);
+    runs(|r| r.get(&key).copied())
+}
+
 /// How an apply reaches the recorded pods.
 pub(super) trait Pods {
-    /// The attachment records (unreadable ones added to `warnings`), and whether they were
-    /// read anew since this reach's last apply (always, for a one-shot one): the files of
-    /// pods no record names are pruned then.
-    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool);
+    /// The attachment records (unreadable ones added to `warnings`).
+    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> Arc<Vec<Record>>;
 
     /// The way into a recorded pod's netns (`PodError::Gone`: it is gone): `r`, the `i`th of
     /// the records `records` returned last.
@@ -181,15 +153,12 @@ pub(super) trait PodLink {
     /// Its netns (entered in place: the apply is on a tour).
     fn netns(&self) -> &Netns;
 
-    /// What its own file under `pods/` says, and what it holds (that file moved on by
-    /// `pods.moves`).
-    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>);
+    /// What its tables say they hold: read from the kernel, or (unless `fresh`) what this
+    /// link last sent or read, which a change's compare-and-swap checks anyway.
+    fn held(&mut self, fresh: bool) -> Result<HeldLayer, PodError>;
 
-    /// Writes its file (`Some`), or removes it (`None`: what it holds is unknown).
-    fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError>;
-
-    /// It holds `now`, which a line of `pods.moves` says (its own file unchanged).
-    fn moved(&mut self, now: &PodHolds);
+    /// What it holds after a visit (`None`: unknown, read from the kernel next time).
+    fn believe(&mut self, now: Option<HeldLayer>);
 
     /// Sends an element change, encoded once for all pods, in one transaction: the netns's
     /// ruleset generation just before it (when `read_before`, and read) and the one the
@@ -209,10 +178,10 @@ struct Entered {
 }
 
 impl Pods for Entering {
-    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> (Arc<Vec<Record>>, bool) {
+    fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> Arc<Vec<Record>> {
         let scan = StateDir::new(&dir.state).scan();
         warnings.extend(scan.unreadable.iter().map(unreadable));
-        (Arc::new(scan.records), true)
+        Arc::new(scan.records)
     }
 
     fn reach(&mut self, _: usize, r: &Record) -> Result<&mut dyn PodLink, PodError> {
@@ -225,23 +194,11 @@ impl PodLink for Entered {
         &self.ns
     }
 
-    fn held(&mut self, dir: &ServicesDir) -> (Option<PodHolds>, Option<PodHolds>) {
-        let file = dir.pod_file(&self.ns);
-        let holds = file.clone().map(|f| dir.moves().fold(f));
-        (file, holds)
+    fn held(&mut self, _fresh: bool) -> Result<HeldLayer, PodError> {
+        flat(self.ns.run(layer::held))
     }
 
-    fn record(&mut self, dir: &ServicesDir, held: Option<PodHolds>) -> Result<(), ServicesError> {
-        match held {
-            Some(held) => dir.set_pod_holds(&self.ns, &held),
-            None => {
-                dir.forget_pod(self.ns.path());
-                Ok(())
-            }
-        }
-    }
-
-    fn moved(&mut self, _: &PodHolds) {}
+    fn believe(&mut self, _: Option<HeldLayer>) {}
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
         flat(self.ns.run(|| -> aether_rules::Result<_> {
@@ -274,7 +231,8 @@ pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
 /// Once `new` is stored (`previous`: what was stored before): every recorded pod brought to
 /// it, as `decide` says, reached through `pods`; run on a tour (`aether_netns::tour` or
 /// `tour_here`: one thread entering each pod's netns in turn, as a thread per pod cost more
-/// than the change it sends).
+/// than the change it sends). Nothing is recorded in files: each pod's tables say what they
+/// hold, and a visit killed midway leaves every pod with a whole layer, old or new.
 pub(super) fn apply_to_pods(
     dir: &ServicesDir,
     new: &StoredLayer,
@@ -282,10 +240,8 @@ pub(super) fn apply_to_pods(
     mut warnings: Vec<String>,
     pods: &mut dyn Pods,
 ) -> Result<ApplyReport, ServicesError> {
-    let (records, rescanned) = pods.records(dir, &mut warnings);
-    if rescanned {
-        dir.prune_pods(&records);
-    }
+    let records = pods.records(dir, &mut warnings);
+    dir.sweep_legacy_files();
     // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
     // it): the mark ends before a new layer starts counting from zero.
     let folding = match dir.accumulator() {
@@ -320,30 +276,20 @@ pub(super) fn apply_to_pods(
         dir.fold_pods(&counts)?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let interrupted = dir.begin_pods(&mut warnings)?;
     let mut pass = Pass {
-        dir,
         new,
         previous,
         node_mark: dir.divert_mark(),
-        interrupted,
         marks: BTreeMap::new(),
         cut: None,
-        warnings,
         removed_keys: Vec::new(),
+        migrated: 0,
+        visited: std::collections::HashSet::new(),
+        dir,
     };
     let mut outcomes = Vec::with_capacity(records.len());
-    // Every pod's transaction first, then what they hold: the sends one after another (a
-    // pod's file written between two sends made each send cost more). A crash in between is
-    // what `applying` is for: the next apply trusts no file.
-    let mut to_record = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
-        let result = pods.reach(i, r).and_then(|pod| pass.visit(r, pod)).map(|(applied, record)| {
-            if let Some(record) = record {
-                to_record.push((i, record));
-            }
-            applied
-        });
+        let result = pods.reach(i, r).and_then(|pod| pass.visit(r, pod));
         outcomes.push(PodOutcome {
             container_id: r.container_id.clone(),
             ifname: r.ifname.clone(),
@@ -351,31 +297,15 @@ pub(super) fn apply_to_pods(
             result,
         });
     }
-    // The pods rebuilt get their own files; those an element change moved (or that hold
-    // what an earlier one moved them to) a line each of `pods.moves`, written once.
-    let mut moves = Vec::new();
-    for (i, recorded) in to_record {
-        match recorded {
-            Recorded::Own(held) => {
-                if let Ok(Err(e)) = pods.reach(i, &records[i]).map(|pod| pod.record(dir, held)) {
-                    pass.warnings.push(e.to_string());
-                }
-            }
-            Recorded::Moved { file, now } => {
-                if let Ok(pod) = pods.reach(i, &records[i]) {
-                    pod.moved(&now);
-                }
-                moves.push((file, now));
-            }
-        }
+    let Pass { mut removed_keys, migrated, visited, .. } = pass;
+    // The runs of pods no longer visited (gone) are let go.
+    let ours = format!("{}|", dir.root.display());
+    runs(|r| r.retain(|k, _| !k.starts_with(&ours) || visited.contains(k)));
+    if migrated > 0 {
+        warnings.push(format!(
+            "{migrated} pod(s) held a Service layer a release before built: rebuilt in this release's shape, counters kept (a migration, once)"
+        ));
     }
-    // Not written: these pods' files name older layers, so each is rebuilt or compared in
-    // full later, never taken for what it does not hold.
-    if let Err(e) = dir.write_moves(&moves) {
-        pass.warnings.push(e.to_string());
-    }
-    let Pass { warnings, mut removed_keys, .. } = pass;
-    dir.end_pods()?;
     if off {
         removed_keys.retain(|k| folded_keys.contains(k));
         dir.end_folding(&removed_keys)?;
@@ -383,107 +313,118 @@ pub(super) fn apply_to_pods(
     Ok(ApplyReport { generation: new.generation, pods: outcomes, warnings })
 }
 
-/// What a pod holds after its visit, to be recorded once every pod is sent its transaction.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Recorded {
-    /// In its own file (`None`: removed, what it holds is unknown).
-    Own(Option<PodHolds>),
-    /// In a line of `pods.moves`: its own file says `file`, and it holds `now`.
-    Moved { file: PodHolds, now: PodHolds },
-}
-
-impl Recorded {
-    /// Once a pod whose file says `file` holds `now`: a rebuild (`rebuilt`) or a pod without a
-    /// file gets its own file, any other a line of `pods.moves` (none when its file says it).
-    pub(super) fn of(file: Option<PodHolds>, now: PodHolds, rebuilt: bool) -> Option<Recorded> {
-        match file {
-            Some(file) if file == now => None,
-            Some(file) if !rebuilt => Some(Recorded::Moved { file, now }),
-            _ => Some(Recorded::Own(Some(now))),
-        }
-    }
-}
-
 /// One apply's walk over the pods.
 struct Pass<'a> {
-    dir: &'a ServicesDir,
     new: &'a StoredLayer,
     previous: Option<&'a StoredLayer>,
     node_mark: u32,
-    /// The last apply was stopped midway: no pod's file is trusted, every pod is rebuilt.
-    interrupted: bool,
     /// What is made once per divert mark in use (in practice one).
     marks: BTreeMap<u32, ForMark<'a>>,
     /// The previous and the new layer cut down to where they differ (`narrowed`), on first need.
     cut: Option<(layer::ServiceLayer, layer::ServiceLayer)>,
-    warnings: Vec<String>,
     /// The attachments whose layer mode `off` removed.
     removed_keys: Vec<String>,
+    /// Pods whose layer a release before built, rebuilt.
+    migrated: usize,
+    /// The run keys of the pods visited.
+    visited: std::collections::HashSet<String>,
+    dir: &'a ServicesDir,
 }
 
 impl Pass<'_> {
-    /// Brings one pod to the new layer as `decide` says; what it then holds, recorded once
-    /// every pod is sent its transaction (`None`: nothing to record).
-    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<(Applied, Option<Recorded>), PodError> {
-        let (dir, new) = (self.dir, self.new);
+    /// Brings one pod to the new layer as `decide` says, from what the link believes it
+    /// holds; a transaction the kernel refuses (the pod holds something else) is decided
+    /// again from what the kernel says, once.
+    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<Applied, PodError> {
+        let new = self.new;
         let mark = mark_of(r, self.node_mark);
-        let (file, held) = if self.interrupted { (None, None) } else { pod.held(dir) };
-        let action = decide(held.as_ref(), self.interrupted, self.previous, new, mark);
+        let key = run_key(self.dir, pod.netns());
+        self.visited.insert(key.clone());
+        let mut held = pod.held(false)?;
+        let mut fresh = false;
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
-        let (outcome, sent) = match (action, self.previous) {
-            (Action::Remove, _) => {
-                // The file goes first: killed after the removal, it must not name a layer.
-                let _ = pod.record(dir, None);
-                let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
-                if matches!(outcome, Ok(Applied::Removed(_))) {
-                    self.removed_keys.push(r.key());
+        let named = HeldLayer::Named(new.named(mark));
+        loop {
+            let action = decide(&held, self.previous, new, mark);
+            let refused = |pod: &mut dyn PodLink| pod.believe(None);
+            let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
+                (Action::Remove, _) => {
+                    let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
+                    if matches!(outcome, Ok(Applied::Removed(_))) {
+                        self.removed_keys.push(r.key());
+                    }
+                    pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
+                    runs(|runs| runs.remove(&key));
+                    return outcome;
                 }
-                return outcome.map(|a| (a, None));
-            }
-            (Action::Nothing, _) => (Ok(Applied::Unchanged), Sent::Nothing),
-            (Action::Change, Some(prev)) => {
-                let (from, to) = self.cut.get_or_insert_with(|| narrowed(prev, new));
-                // Without a run to extend, the generation just before the change, so that one
-                // can start at it (one more request, only then).
-                let read_before = held.as_ref().is_none_or(|h| h.applied_run.is_none());
-                let tried = match m.change(from, to) {
-                    None => None,
-                    // What it adds must fit what this process may still charge (else the pod
-                    // keeps the whole layer it has).
-                    Some((c, encoded)) => match budget::pod_fits(c.added() as u64) {
-                        Err(over) => Some((Err(PodError::OverBudget(over)), Sent::Nothing)),
-                        Ok(()) if c.is_empty() => Some((Ok(Applied::Unchanged), Sent::Nothing)),
-                        Ok(()) => {
-                            let applied = Applied::Elements { added: c.added(), removed: c.removed() };
-                            // `None` when refused: the pod's layer is not what its file says.
-                            pod.send(encoded, read_before)
-                                .ok()
-                                .map(|(before, after)| (Ok(applied), Sent::Change { before, after }))
+                (Action::Nothing, _) => Some((Ok(Applied::Unchanged), Sent::Nothing)),
+                (Action::Rename(from), _) => {
+                    let renamed = LayerChange::renamed(&new.layer.families(), &from, &new.named(mark)).encode();
+                    pod.send(&renamed, false).ok().map(|_| (Ok(Applied::Unchanged), Sent::Rebuild))
+                }
+                (Action::Change, Some(prev)) => {
+                    let (from, to) = self.cut.get_or_insert_with(|| narrowed(prev, new));
+                    // Without a run to extend, the generation just before the change, so that one
+                    // can start at it (one more request, only then).
+                    let run = runs(|runs| runs.get(&key).copied())
+                        .filter(|run| Some(run.layer_generation) == self.previous.map(|p| p.generation));
+                    match m.change(from, to) {
+                        None => None,
+                        // What it adds must fit what this process may still charge (else the pod
+                        // keeps the whole layer it has).
+                        Some((c, encoded)) => match budget::pod_fits(c.added() as u64) {
+                            Err(over) => return Err(PodError::OverBudget(over)),
+                            Ok(()) => {
+                                let applied = Applied::Elements { added: c.added(), removed: c.removed() };
+                                // `None` when refused: the pod does not hold what it was believed to.
+                                pod.send(encoded, run.is_none())
+                                    .ok()
+                                    .map(|(before, after)| (Ok(applied), Sent::Change { before, after }))
+                            }
+                        },
+                    }
+                }
+                (Action::Migrate, _) => {
+                    self.migrated += 1;
+                    Some((m.rebuild(pod.netns()), Sent::Rebuild))
+                }
+                (Action::Change | Action::Rebuild, _) => Some((m.rebuild(pod.netns()), Sent::Rebuild)),
+            };
+            crate::state::crash_point("services-pod-sent");
+            match done {
+                Some((outcome, sent)) => {
+                    match &outcome {
+                        Ok(_) => {
+                            pod.believe(Some(named));
+                            let before = runs(|runs| runs.get(&key).map(|r| (r.first, r.last)));
+                            match sent.run(before) {
+                                Some((first, last)) if sent != Sent::Nothing => runs(|runs| {
+                                    let run =
+                                        AppliedRun { layer_generation: new.generation, divert_mark: mark, first, last };
+                                    runs.insert(key.clone(), run)
+                                }),
+                                Some(_) => None,
+                                None => runs(|runs| runs.remove(&key)),
+                            };
                         }
-                    },
-                };
-                // No element change between these layers, or the kernel refused it: rebuilt.
-                tried.unwrap_or_else(|| (m.rebuild(pod.netns()), Sent::Rebuild))
-            }
-            (Action::Change | Action::Rebuild, _) => (m.rebuild(pod.netns()), Sent::Rebuild),
-        };
-        crate::state::crash_point("services-pod-sent");
-        match outcome {
-            // It holds the new layer already: what says so says so again (a line of
-            // `pods.moves` is written anew by each apply).
-            Ok(a) if held.as_ref().is_some_and(|h| h.is(new, mark)) => {
-                Ok((a, Recorded::of(file, held.expect("checked"), false)))
-            }
-            Ok(a) => {
-                let run = sent.run(held.as_ref().and_then(|h| h.applied_run));
-                let key = netns_key(pod.netns());
-                let now = PodHolds { applied_run: run, ..PodHolds::for_key(new, key, mark) };
-                Ok((a, Recorded::of(file, now, sent == Sent::Rebuild)))
-            }
-            Err(e) => {
-                // What it holds is unknown: its file goes now, not after the others' sends.
-                let _ = pod.record(dir, None);
-                Err(e)
+                        Err(_) => refused(pod),
+                    }
+                    return outcome;
+                }
+                // Refused by the kernel (or no element change between these layers): decided
+                // again from what the kernel says, once; then rebuilt.
+                None if !fresh => {
+                    fresh = true;
+                    refused(pod);
+                    held = pod.held(true)?;
+                    if matches!(decide(&held, self.previous, new, mark), Action::Change | Action::Rename(_))
+                        && action == decide(&held, self.previous, new, mark)
+                    {
+                        // The same refused transaction again would be refused again.
+                        held = HeldLayer::Absent;
+                    }
+                }
+                None => held = HeldLayer::Absent,
             }
         }
     }
@@ -558,6 +499,7 @@ pub(super) fn narrowed(old: &StoredLayer, new: &StoredLayer) -> (layer::ServiceL
     vips.sort_unstable();
     vips.dedup();
     let (old_chains, new_chains) = decisions(old, new, &vips);
+    let (old_id, new_id) = (old.id(), new.id());
     let (old, new) = (&old.layer, &new.layer);
     vips.extend(layer::rechained_vips([old, new], &old_chains, &new_chains));
     vips.sort_unstable();
@@ -565,7 +507,7 @@ pub(super) fn narrowed(old: &StoredLayer, new: &StoredLayer) -> (layer::ServiceL
     let (mesh_gone, mesh_came) = sorted_difference(&old.mesh_vips, &new.mesh_vips);
     let mut mesh: Vec<std::net::IpAddr> = mesh_gone.into_iter().chain(mesh_came).collect();
     mesh.sort_unstable();
-    let cut = |l: &layer::ServiceLayer, chained: layer::ProfileChains| layer::ServiceLayer {
+    let cut = |l: &layer::ServiceLayer, chained: layer::ProfileChains, id| layer::ServiceLayer {
         mode: l.mode,
         ranges: l.ranges.clone(),
         mesh_vips: l.mesh_vips.iter().filter(|a| mesh.binary_search(a).is_ok()).copied().collect(),
@@ -573,8 +515,9 @@ pub(super) fn narrowed(old: &StoredLayer, new: &StoredLayer) -> (layer::ServiceL
         dialled_timeout_secs: l.dialled_timeout_secs,
         divert_mark: l.divert_mark,
         chained: Some(chained),
+        identity: Some(id),
     };
-    (cut(old, old_chains), cut(new, new_chains))
+    (cut(old, old_chains, old_id), cut(new, new_chains, new_id))
 }
 
 /// The VIPs whose ports a change may have changed, recorded by the apply that made the
@@ -660,59 +603,6 @@ fn sorted_difference<T: Ord + Copy>(a: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
     only_a.extend_from_slice(&a[i..]);
     only_b.extend_from_slice(&b[j..]);
     (only_a, only_b)
-}
-
-/// Present while an apply changes pods: put in place before the first pod is visited and
-/// taken away after the last. Found by the next apply, it says one was stopped midway, when a
-/// pod may hold a layer its `pods/` file does not name (sent, then killed before the file was
-/// written); trusting that file could leave the pod wrong for good (a later document with
-/// the file's content would find nothing to do), so that apply trusts no file and rebuilds
-/// every pod. One file per apply instead of a second write per pod. Only its presence says
-/// anything (releases before this one wrote the generation in it, and read only that it is
-/// there).
-pub(super) const APPLYING: &str = "applying";
-
-/// The mark's file between applies: renamed to [`APPLYING`] and back, not made and removed by
-/// each apply. A file made and unlinked for each change (an inode allocated, then evicted)
-/// cost a change to a node without pods 0.03 ms of the applier's 0.45 ms on tmpfs, 0.07 ms
-/// on ext4, more than the two renames.
-const APPLYING_SPARE: &str = ".applying.spare";
-
-impl ServicesDir {
-    /// Marks an apply's visit of the pods as begun; whether the last one was stopped midway.
-    pub(super) fn begin_pods(&self, warnings: &mut Vec<String>) -> Result<bool, ServicesError> {
-        // One opening of the directory for the look and the mark.
-        let dir = self.open(true)?.expect("created");
-        let interrupted = !matches!(dir.read(APPLYING, state::MAX_STATE_FILE_BYTES), Ok(None));
-        if interrupted {
-            warnings.push(
-                "the last apply was stopped before it reached every pod: every pod's layer is rebuilt".to_string(),
-            );
-        }
-        let write = |source| ServicesError::Write { path: self.root.join(APPLYING), source };
-        // The spare renamed in (over a mark left standing, if any); without a spare (the
-        // first apply, or the one after an apply stopped midway) a mark left standing stays,
-        // and otherwise one is made.
-        match dir.rename(APPLYING_SPARE, APPLYING) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !interrupted => {
-                dir.overwrite(APPLYING, b"").map_err(write)?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            done => done.map_err(write)?,
-        }
-        Ok(interrupted)
-    }
-
-    /// Marks an apply's visit of the pods as finished: the mark becomes the spare.
-    pub(super) fn end_pods(&self) -> Result<(), ServicesError> {
-        let dir = self.open(true)?.expect("created");
-        match dir.rename(APPLYING, APPLYING_SPARE) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                Err(ServicesError::Write { path: self.root.join(APPLYING), source: e })
-            }
-            _ => Ok(()),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -157,7 +157,6 @@ pub fn retire_layer<E>(
     let _lock = dir.lock(true).map_err(RetireError::Lock)?;
     let mut out = Retired::default();
     if let Some(ns) = netns {
-        dir.forget_pod(ns.path());
         match flat(ns.run(layer::counters)) {
             Ok(Some(counts)) => match dir.fold_pods(&[(key.to_string(), counts.clone())]) {
                 Ok(mut added) => out.folded = added.pop().unwrap_or_default(),

@@ -258,7 +258,17 @@ impl StoredLayer {
 
     /// The layer for a pod whose capture diverts with `divert_mark`.
     pub fn for_pod(&self, divert_mark: u32) -> ServiceLayer {
-        ServiceLayer { divert_mark, ..self.layer.clone() }
+        ServiceLayer { divert_mark, identity: Some(self.id()), ..self.layer.clone() }
+    }
+
+    /// The name its tables carry (`ServiceLayer::identity`).
+    pub fn id(&self) -> aether_rules::services::LayerId {
+        aether_rules::services::LayerId { generation: self.generation, digest: self.digest }
+    }
+
+    /// What the tables of this layer for `divert_mark` say they hold.
+    pub fn named(&self, divert_mark: u32) -> aether_rules::services::Named {
+        aether_rules::services::Named { shape: aether_rules::services::SHAPE, id: self.id(), divert_mark }
     }
 
     pub fn encode(&self) -> Vec<u8> {

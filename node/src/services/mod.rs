@@ -14,16 +14,12 @@
 //!   generation the next apply computes its element change from;
 //! - `layer.journal`: the changes the installer's applier stored since the two files above
 //!   were written whole, which every reader folds in (`journal`);
-//! - `pods/<netns>`: the generation (and layer digest) each pod netns holds, so an apply sends
-//!   a pod that holds the previous generation only the change, without reading its sets back,
-//!   and rebuilds any other (a missed generation, a crash, a new pod);
-//! - `pods.moves`: the pods whose layer element changes moved since their `pods/` file was
-//!   written, with what each holds now, written once per apply (`moves`);
-//! - `applying`: present while an apply visits the pods; found by the next apply (one was
-//!   killed midway), no `pods/` file is trusted (see `engine::APPLYING`);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
 //!   backwards when pods go);
 //! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
+//!
+//! What each pod holds is in no file: its tables name it (`layer::Named`), and every change
+//! swaps that name in the same transaction as its elements (`engine`).
 //! - `encoded-<mark>`: the transaction the first ADD of the stored layer sent for that divert
 //!   mark, which the next ADDs send as it is (`encoded`: valid only for the very `layer.bin`
 //!   and binary that wrote it);
@@ -44,7 +40,6 @@ mod engine;
 pub mod fold;
 mod journal;
 pub mod layer_file;
-mod moves;
 pub mod report;
 pub mod snapshot;
 
@@ -52,19 +47,17 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use aether_netns::Netns;
-
-use crate::state::{self, Record};
+use crate::state;
 use crate::PodError;
 pub use applier::Applier;
 pub use apply::{apply_change, apply_current_snapshot_in_netns, apply_document, ApplyReport, PodOutcome};
 use apply::{generation_value, leading_generation};
-use engine::{netns_key, PodHolds};
+pub use engine::{applied_run, AppliedRun};
 pub use fold::{end_stale_fold, retire_layer, Retired};
 pub use layer_file::{LayerFileError, StoredLayer};
 pub use report::{
-    applied_run, describe_pod_layer, node_counters, node_demand, repair_pod_layer, stored_header, verify_pod_layer,
-    verify_pods, AppliedRun, LayerHeader, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
+    describe_pod_layer, node_counters, node_demand, repair_pod_layer, stored_header, verify_pod_layer, verify_pods,
+    LayerHeader, LayerVerdict, NodeCounters, PodVerified, VerifyReport,
 };
 
 /// A file's identity: a rewritten file (a new inode by rename, or new times) differs. What
@@ -177,8 +170,8 @@ impl ServicesError {
 pub struct ServicesDir {
     state: PathBuf,
     root: PathBuf,
-    /// `pods/`, opened (created) on first need and kept: an apply writes a file in it per pod.
-    pods: std::sync::OnceLock<state::Dir>,
+    /// Whether the files releases before kept per pod were swept (`sweep_legacy_files`).
+    legacy_swept: std::sync::OnceLock<()>,
     /// The directory the lock held now was taken in (`lock`): the holder's reads and writes
     /// of its files go through it, without opening the directory by path for each (an apply
     /// reads and writes a dozen small files).
@@ -203,7 +196,7 @@ impl ServicesDir {
         ServicesDir {
             state: state_dir.to_path_buf(),
             root: state_dir.join("services"),
-            pods: Default::default(),
+            legacy_swept: Default::default(),
             held: Default::default(),
         }
     }
@@ -366,62 +359,18 @@ impl ServicesDir {
         same.then_some((generation, stored_source))
     }
 
-    /// The file that says which layer the pod netns at `netns` holds.
-    fn pod_path(&self, netns: &Path) -> PathBuf {
-        let name: String = netns
-            .to_string_lossy()
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
-            .collect();
-        self.root.join("pods").join(name)
-    }
-
-    /// What the pod netns `ns` holds: its file under `pods/`, moved on by `pods.moves`.
-    fn pod_holds(&self, ns: &Netns) -> Option<PodHolds> {
-        self.pod_file(ns).map(|file| self.moves().fold(file))
-    }
-
-    /// What the pod's own file says, if it is there, readable, and about this very netns (a
-    /// path reused by another netns does not count).
-    fn pod_file(&self, ns: &Netns) -> Option<PodHolds> {
-        let text = fs::read_to_string(self.pod_path(ns.path())).ok()?;
-        let held = PodHolds::parse(&text)?;
-        (held.netns == netns_key(ns)).then_some(held)
-    }
-
-    /// Records what `ns` holds now. Losing this file, or a torn copy, costs a rebuild, never a
-    /// wrong layer.
-    fn set_pod_holds(&self, ns: &Netns, held: &PodHolds) -> Result<(), ServicesError> {
-        let path = self.pod_path(ns.path());
-        let pods = match self.pods.get() {
-            Some(pods) => pods,
-            None => {
-                let dir = self.open(true)?.expect("created");
-                let pods = dir
-                    .subdir("pods", true)
-                    .map_err(|source| ServicesError::Create { path: self.root.clone(), source })?;
-                self.pods.get_or_init(|| pods.expect("created"))
-            }
-        };
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        // In place: a torn or empty file is no file (`PodHolds::parse` refuses it), a rebuild.
-        pods.overwrite(&name, held.to_string().as_bytes()).map_err(|source| ServicesError::Write { path, source })
-    }
-
-    fn forget_pod(&self, netns: &Path) {
-        let _ = fs::remove_file(self.pod_path(netns));
-    }
-
-    /// Removes the files of pods no record names any more (their DEL found no netns).
-    fn prune_pods(&self, records: &[Record]) {
-        let Ok(dir) = fs::read_dir(self.root.join("pods")) else { return };
-        let live: std::collections::BTreeSet<PathBuf> =
-            records.iter().map(|r| self.pod_path(Path::new(&r.netns))).collect();
-        for e in dir.filter_map(Result::ok) {
-            if !live.contains(&e.path()) {
-                let _ = fs::remove_file(e.path());
-            }
+    /// Removes what releases before this one kept of what each pod holds (`pods/`,
+    /// `pods.moves`, the `applying` mark and its spare): the pods' tables say it now. Once per
+    /// `ServicesDir`, under the exclusive lock. Left behind, a release rolled back to would
+    /// trust files that no longer say what the pods hold.
+    fn sweep_legacy_files(&self) {
+        if self.legacy_swept.set(()).is_err() {
+            return;
         }
+        for name in ["pods.moves", "applying", ".applying.spare"] {
+            let _ = fs::remove_file(self.root.join(name));
+        }
+        let _ = fs::remove_dir_all(self.root.join("pods"));
     }
 
     fn divert_mark(&self) -> u32 {

@@ -9,10 +9,10 @@ use aether_rules::services::{self as layer, Applied, COUNTERS};
 use serde_json::{json, Value};
 
 use super::apply::describe;
-use super::engine::PodHolds;
 use super::{flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
+use aether_rules::services::HeldLayer;
 
 pub struct NodeCounters {
     pub generation: Option<u64>,
@@ -146,6 +146,27 @@ pub struct PodVerified {
     pub netns: String,
     /// The differences found (empty: intact) and whether they were repaired.
     pub result: Result<(Vec<String>, Option<Applied>), PodError>,
+    /// The pod held a layer a release before built (`Some(shape)`, `None` when its tables
+    /// name none): rebuilt in this release's shape, counters kept, a migration, not drift.
+    pub migrated: Option<Option<u64>>,
+}
+
+/// How a layer a release before built is named: its shape, or that its tables name none.
+fn older_shape(shape: Option<u64>) -> String {
+    match shape {
+        Some(shape) => format!("shape {shape}"),
+        None => "an unnamed layer".into(),
+    }
+}
+
+/// Whether the pod's tables were built by a release before this one (a shape before this
+/// one's, or tables that name nothing): `Some(shape)`.
+fn built_before(held: &HeldLayer) -> Option<Option<u64>> {
+    match held {
+        HeldLayer::Unnamed { shape } => Some(*shape),
+        HeldLayer::Named(n) if n.shape != layer::SHAPE => Some(Some(n.shape)),
+        _ => None,
+    }
 }
 
 pub struct VerifyReport {
@@ -164,6 +185,13 @@ impl VerifyReport {
             .iter()
             .map(|p| {
                 let mut v = json!({"containerID": p.container_id, "netns": p.netns});
+                match (&p.result, p.migrated) {
+                    (Ok(_), Some(shape)) => {
+                        v["result"] = json!(format!("migrated (from {})", older_shape(shape)));
+                        return v;
+                    }
+                    _ => {}
+                }
                 match &p.result {
                     Ok((d, _)) if d.is_empty() => v["result"] = json!("intact"),
                     Ok((d, repaired)) => {
@@ -191,57 +219,32 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
     let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
     let records = StateDir::new(&dir.state).records();
-    aether_netns::tour(|| verify_each(dir, records, stored.as_ref(), node_mark, &mut pods))
-        .map_err(ServicesError::Tour)?;
+    aether_netns::tour(|| verify_each(records, stored.as_ref(), node_mark, &mut pods)).map_err(ServicesError::Tour)?;
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
 /// `verify_pods`' visit of each pod.
-fn verify_each(
-    dir: &ServicesDir,
-    records: Vec<Record>,
-    stored: Option<&StoredLayer>,
-    node_mark: u32,
-    pods: &mut Vec<PodVerified>,
-) {
+fn verify_each(records: Vec<Record>, stored: Option<&StoredLayer>, node_mark: u32, pods: &mut Vec<PodVerified>) {
     for r in records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
-        // Forgotten before a repair may change the pod, written again after (see `APPLYING`).
-        dir.forget_pod(ns.path());
+        let mut migrated = None;
         let result = flat(ns.run(|| {
+            // A layer a release before built is rebuilt in this one's shape, counted as a
+            // migration: its differences are the shape's, not drift.
+            if l.mode != layer::LayerMode::Off {
+                if let Some(shape) = built_before(&layer::held()?) {
+                    migrated = Some(shape);
+                    return Ok((Vec::new(), Some(layer::rebuild(&l)?)));
+                }
+            }
             let diffs = layer::verify(&l)?;
             let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
             Ok((diffs, repaired))
         }));
-        match (&result, stored) {
-            (Ok(_), Some(s)) if l.mode != layer::LayerMode::Off => {
-                let _ = dir.set_pod_holds(&ns, &PodHolds::new(s, &ns, mark));
-            }
-            _ => dir.forget_pod(ns.path()),
-        }
-        pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result });
+        pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result, migrated });
     }
-}
-
-/// What the long-lived applier's file says of a pod it sent changes to: the stored generation
-/// it brought the pod to, for which divert mark, and the run of the netns's nftables
-/// generations its element changes alone made (`first` to `last`, where it sent that layer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AppliedRun {
-    pub layer_generation: u64,
-    pub divert_mark: u32,
-    pub first: u32,
-    pub last: u32,
-}
-
-/// The pod's `AppliedRun`, if its file under `pods/` has one (read without the lock: a torn
-/// or absent file is none).
-pub fn applied_run(state_dir: &Path, netns: &Netns) -> Option<AppliedRun> {
-    let held = ServicesDir::new(state_dir).pod_holds(netns)?;
-    let (first, last) = held.applied_run?;
-    Some(AppliedRun { layer_generation: held.generation, divert_mark: held.divert_mark, first, last })
 }
 
 /// `layer.bin`'s (generation, source digest): which stored layer is in force.
@@ -300,7 +303,6 @@ pub fn repair_pod_layer(
         let _lock = dir.read_lock()?;
         if dir.stored_layer()?.is_none() {
             flat(netns.run(layer::remove))?;
-            dir.forget_pod(netns.path());
         }
     }
     Ok(diffs)
@@ -318,13 +320,20 @@ pub enum LayerVerdict {
         generation: u64,
         differences: usize,
     },
+    /// The pod holds a layer a release before built (`shape`: `None` when its tables name
+    /// none): the next apply, `services verify` or the reconciler rebuilds it in this
+    /// release's shape, counters kept. An upgrade's work, not drift.
+    MigrationPending {
+        generation: u64,
+        shape: Option<u64>,
+    },
     /// The stored snapshot or the kernel could not be read.
     Unknown,
 }
 
 impl LayerVerdict {
     pub fn is_intact(&self) -> bool {
-        matches!(self, LayerVerdict::NoSnapshot | LayerVerdict::Intact { .. })
+        matches!(self, LayerVerdict::NoSnapshot | LayerVerdict::Intact { .. } | LayerVerdict::MigrationPending { .. })
     }
 }
 
@@ -340,6 +349,12 @@ impl std::fmt::Display for LayerVerdict {
                     crate::text::plural(*differences, "difference")
                 )
             }
+            LayerVerdict::MigrationPending { generation, shape } => write!(
+                f,
+                "migration pending ({} built by an earlier release, to generation {generation} in shape {})",
+                older_shape(*shape),
+                layer::SHAPE
+            ),
             LayerVerdict::Unknown => write!(f, "unknown (cannot read)"),
         }
     }
@@ -371,29 +386,34 @@ pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u
                 l.ports.len(),
                 if tables.is_empty() { String::new() } else { format!(" ({})", tables.join(" and ")) }
             ));
-            let holds = dir.pod_holds(netns);
-            let holds_at = out.len();
-            match &holds {
-                Some(h) if h.is(stored, l.divert_mark) => {
-                    out.push(format!("the pod was last given generation {} (the same layer)", h.generation))
+            let mark = l.divert_mark;
+            let held = flat(netns.run(layer::held));
+            match &held {
+                Ok(HeldLayer::Named(n)) if *n == stored.named(mark) => {
+                    out.push(format!("the pod's tables name generation {} (the stored layer)", n.id.generation))
                 }
-                Some(h) => out.push(format!("the pod was last given generation {} (an older layer)", h.generation)),
-                None => out.push("no record of the generation the pod holds (the next apply rebuilds it)".into()),
+                Ok(HeldLayer::Named(n)) if n.shape == layer::SHAPE => out
+                    .push(format!("the pod's tables name {n} (not the stored layer: the next apply brings it there)")),
+                Ok(h) => match built_before(h) {
+                    Some(shape) => out.push(format!(
+                        "the pod holds {} built by an earlier release: its migration to shape {} is pending \
+                         (the next apply, `services verify` or the reconciler rebuilds it, counters kept)",
+                        older_shape(shape),
+                        layer::SHAPE
+                    )),
+                    None => out.push("the pod holds no Service layer (the next apply builds it)".into()),
+                },
+                Err(e) => out.push(format!("what the pod's tables name cannot be read: {e}")),
             }
             let generation = stored.generation;
             verdict = LayerVerdict::Unknown;
+            if let Some(shape) = held.as_ref().ok().and_then(built_before) {
+                verdict = LayerVerdict::MigrationPending { generation, shape };
+            }
             match netns.run(|| layer::verify(&l)) {
+                _ if matches!(verdict, LayerVerdict::MigrationPending { .. }) => {}
                 Ok(Ok(d)) if d.is_empty() => {
                     verdict = LayerVerdict::Intact { generation };
-                    // The kernel holds exactly the stored layer: whatever the pod's file says
-                    // (a digest an earlier release took another way), not an older one.
-                    if let Some(h) = holds.as_ref().filter(|h| !h.is(stored, l.divert_mark)) {
-                        out[holds_at] = format!(
-                            "the pod was last given generation {}, recorded under another digest or mark; \
-                             its layer is the stored one (the next apply rebuilds it once, and records the digest)",
-                            h.generation
-                        );
-                    }
                     out.push("kernel: intact (matches the snapshot)".into())
                 }
                 Ok(Ok(d)) => {

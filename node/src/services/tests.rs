@@ -1,5 +1,6 @@
 use super::*;
-use crate::state::StateDir;
+use crate::state::{Record, StateDir};
+use aether_netns::Netns;
 use aether_rules::services as layer;
 use aether_testkit::{root_or_skip, TestNetns};
 use serde_json::json;
@@ -274,29 +275,6 @@ fn del_folds_final_counts_into_the_node_total() {
 /// A pod's file reads back as written, with and without the applier's run of generations;
 /// a torn or extended line is no file (a rebuild).
 #[test]
-fn a_pods_file_reads_back_and_a_torn_one_is_none() {
-    let held =
-        PodHolds { generation: 7, digest: 0xabc, netns: "4:4026532000".into(), divert_mark: 0xae71, applied_run: None };
-    assert_eq!(PodHolds::parse(&held.to_string()), Some(held.clone()));
-    let run = PodHolds { applied_run: Some((41, 44)), ..held.clone() };
-    assert_eq!(run.to_string(), "7 0000000000000abc 4:4026532000 0xae71 41 44\n");
-    assert_eq!(PodHolds::parse(&run.to_string()), Some(run));
-    for torn in [
-        "7 0000000000000abc 4:4026532000 0xae71 41 44",
-        "7 0000000000000abc 4:4026532000 0xae71 41\n",
-        "7 0000000000000abc 4:4026532000 0xae71 41 44 45\n",
-        "7 0000000000000abc 4:4026532000 0xae71 x 44\n",
-    ] {
-        assert_eq!(PodHolds::parse(torn), None, "{torn:?}");
-    }
-}
-
-/// `narrowed` keeps, of each layer, every port of each VIP whose ports differ between them
-/// (and, when a profile gains or loses its chain, its VIPs), and the change between the cut
-/// layers is exactly the change between the whole ones: on random layers with several ports
-/// per VIP in both families, whose profiles are shared by about ten Services each, so
-/// changes move profiles across the chain threshold.
-#[test]
 fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
     use aether_rules::model::Proto;
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -385,7 +363,11 @@ fn narrowed_cuts_every_port_of_a_differing_vip_and_nothing_else() {
         };
         assert!(kept(&a.ports, &old), "round {round}: the old layer's cut");
         assert!(kept(&b.ports, &new), "round {round}: the new layer's cut");
-        let whole = layer::LayerChange::between(&at(old.clone()), &at(new.clone())).unwrap();
+        // The whole layers under the cut's names (each cut names its stored layer).
+        let named = |l: layer::ServiceLayer, id| layer::ServiceLayer { identity: id, ..l };
+        let whole =
+            layer::LayerChange::between(&named(at(old.clone()), a.identity), &named(at(new.clone()), b.identity))
+                .unwrap();
         assert_eq!(layer::LayerChange::between(&a, &b).unwrap(), whole, "round {round}: the change");
         if a.profile_chains() != b.profile_chains() {
             flips += 1;
@@ -529,47 +511,66 @@ fn a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts() {
     if !root_or_skip("a_pod_holding_an_older_shape_is_rebuilt_once_with_its_counts") {
         return;
     }
-    for (shape, tables) in [(1, FIRST_SHAPE), (2, SECOND_SHAPE)] {
+    for (shape, tables) in [(1, Some(FIRST_SHAPE)), (2, Some(SECOND_SHAPE)), (layer::SHAPE, None)] {
         older_shape_rebuilt_once(shape, tables);
     }
 }
 
-fn older_shape_rebuilt_once(shape: u64, tables: &str) {
+fn older_shape_rebuilt_once(shape: u64, tables: Option<&str>) {
     let state = tmp(&format!("shape{shape}"));
     let dir = ServicesDir::new(&state);
     apply_document(&dir, &doc(1)).unwrap();
     let stored = dir.stored_layer().unwrap().unwrap();
-    let bytes = stored.encode();
-    let then = layer_file::shape_digest(&bytes[28..bytes.len() - 8], shape);
-    let (old, blind) = (TestNetns::new(&format!("svc-shape{shape}")), TestNetns::new(&format!("svc-blind{shape}")));
-    for (cid, ns, digest) in [("old", &old, then), ("blind", &blind, stored.digest)] {
-        let path = std::env::temp_dir().join(format!("{}.nft", ns.name));
-        fs::write(&path, tables).unwrap();
-        ns.exec("nft", &["-f", path.to_str().unwrap()]);
-        let _ = fs::remove_file(&path);
-        StateDir::new(&state).write(&rec(cid, &ns.path())).unwrap();
-        let n = Netns::open_foreign(ns.path()).unwrap();
-        assert_eq!(n.run(layer::held_shape).unwrap().unwrap(), Some(shape), "the old tables read as their shape");
-        dir.set_pod_holds(&n, &PodHolds { digest, ..PodHolds::new(&stored, &n, 0xae71) }).unwrap();
+    let (old, named) = (TestNetns::new(&format!("svc-shape{shape}")), TestNetns::new(&format!("svc-named{shape}")));
+    // The pod of a release before: its tables as that release built them (the shape before
+    // this one's, or this shape without the name, as the release just before built it).
+    match tables {
+        Some(tables) => {
+            let path = std::env::temp_dir().join(format!("{}.nft", old.name));
+            fs::write(&path, tables).unwrap();
+            old.exec("nft", &["-f", path.to_str().unwrap()]);
+            let _ = fs::remove_file(&path);
+        }
+        None => {
+            let unnamed = layer::ServiceLayer { identity: None, ..stored.for_pod(0xae71) };
+            Netns::open_foreign(old.path()).unwrap().run(|| layer::rebuild(&unnamed)).unwrap().unwrap();
+        }
     }
+    // The control: a pod that holds this release's layer, named.
+    Netns::open_foreign(named.path()).unwrap().run(|| layer::rebuild(&stored.for_pod(0xae71))).unwrap().unwrap();
+    for (cid, ns) in [("old", &old), ("named", &named)] {
+        StateDir::new(&state).write(&rec(cid, &ns.path())).unwrap();
+    }
+    let in_old = Netns::open_foreign(old.path()).unwrap();
+    assert_eq!(in_old.run(layer::held_shape).unwrap().unwrap(), Some(shape), "the old tables read as their shape");
+    assert_eq!(
+        in_old.run(layer::held).unwrap().unwrap(),
+        layer::HeldLayer::Unnamed { shape: Some(shape) },
+        "the old tables name nothing"
+    );
+    let before = in_old.run(layer::counters).unwrap().unwrap();
     let result = |report: &ApplyReport, cid: &str| {
         report.pods.iter().find(|p| p.container_id == cid).unwrap().result.as_ref().unwrap().clone()
     };
     let report = apply_document(&dir, &doc(2)).unwrap();
     assert_eq!(result(&report, "old"), layer::Applied::Rebuilt, "shape {shape}");
-    let two = dir.stored_layer().unwrap().unwrap().for_pod(0xae71);
-    let in_old = Netns::open_foreign(old.path()).unwrap();
-    assert_eq!(in_old.run(|| layer::verify(&two)).unwrap().unwrap(), Vec::<String>::new());
+    assert!(
+        report.warnings.iter().any(|w| w.contains("1 pod(s) held a Service layer a release before built")),
+        "{:?}",
+        report.warnings
+    );
+    let two = dir.stored_layer().unwrap().unwrap();
+    assert_eq!(in_old.run(|| layer::verify(&two.for_pod(0xae71))).unwrap().unwrap(), Vec::<String>::new());
     assert_eq!(in_old.run(layer::held_shape).unwrap().unwrap(), Some(layer::SHAPE));
-    let counts = in_old.run(layer::counters).unwrap().unwrap().unwrap();
-    assert_eq!((counts["service"], counts["refused_no_service"]), (5, 2), "counts carried over");
-    // The control: the same old tables behind this shape's digest are taken as holding it.
-    assert!(matches!(result(&report, "blind"), layer::Applied::Elements { .. }), "shape {shape}");
-    let in_blind = Netns::open_foreign(blind.path()).unwrap();
-    assert!(!in_blind.run(|| layer::verify(&two)).unwrap().unwrap().is_empty(), "left in the old shape");
+    assert_eq!(in_old.run(layer::held).unwrap().unwrap(), layer::HeldLayer::Named(two.named(0xae71)));
+    let counts = in_old.run(layer::counters).unwrap().unwrap();
+    assert_eq!(counts, before, "counts carried over");
+    // The control: the pod that held this release's named layer is sent only the change.
+    assert!(matches!(result(&report, "named"), layer::Applied::Elements { .. }), "shape {shape}");
     // Once: the rebuilt pod is sent only the next change.
     let report = apply_document(&dir, &doc(3)).unwrap();
     assert!(matches!(result(&report, "old"), layer::Applied::Elements { .. }));
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
     let _ = fs::remove_dir_all(&state);
 }
 
@@ -632,7 +633,8 @@ fn add_sends_the_kept_transaction_of_the_stored_layer() {
     intact("a pod that held a layer");
     // Control: another layer's transaction kept under this layer's key is what the next pod
     // gets, and verify sees it.
-    let other = snapshot::parse(&doc(7)).unwrap().layer(0xae71);
+    let mut other = snapshot::parse(&doc(7)).unwrap().layer(0xae71);
+    other.identity = Some(layer::LayerId { generation: 7, digest: 7 });
     let planted = layer::Prepared::new(&other).unwrap().unwrap();
     let (bytes, seq_count) = planted.create().bytes_at_zero();
     let key = encoded::Key::now(&dir, 0xae71).unwrap();

@@ -366,6 +366,11 @@ impl KeptSocket {
         generation_of(&bytes)
     }
 
+    /// [`counters_each`] on this socket.
+    pub fn counters_each(&mut self, families: &[Family], table: &str) -> Result<Vec<Counts>> {
+        counters_each_on(&mut self.0, families, table)
+    }
+
     /// Closes the socket as [`Encoded::send`] closes its own: with the others while a
     /// [`CloseLater`] of this thread is alive, else now.
     pub fn close_later(self) {
@@ -460,10 +465,13 @@ pub fn counters(family: Family, table: &str) -> Result<Counts> {
 /// [`counters`] of `table` in each of `families`, in that order, read on one socket (a
 /// socket made and closed is a good share of a small dump's cost).
 pub fn counters_each(families: &[Family], table: &str) -> Result<Vec<Counts>> {
-    let mut sock = open()?;
+    counters_each_on(&mut open()?, families, table)
+}
+
+fn counters_each_on(sock: &mut Socket, families: &[Family], table: &str) -> Result<Vec<Counts>> {
     let mut out = Vec::with_capacity(families.len());
     for &family in families {
-        let objs = dump(&mut sock, family, obj_request(table), table, "dump counters")?;
+        let objs = dump(sock, family, obj_request(table), table, "dump counters")?;
         out.push(TableView::from_messages(table, &objs).counters);
     }
     Ok(out)

@@ -470,6 +470,16 @@ pub(crate) fn table_label(family: Family, name: &str) -> String {
 /// them.
 pub(crate) fn table_change(family: Family, table: &str, change: &TableChange) -> Batch {
     let mut b = Batch::default();
+    // First, so that a table that does not hold what the change starts from refuses it at
+    // its first message (the kernel aborts the whole transaction on any refusal).
+    for name in &change.counters_gone {
+        let attrs = vec![
+            expr::str_attr(OBJ_TABLE, table),
+            expr::str_attr(OBJ_NAME, name),
+            expr::u32_attr(OBJ_TYPE, NFT_OBJECT_COUNTER),
+        ];
+        b.add(family, NfTablesMessage::DeleteObject(attrs), 0, format!("counter {name} removed"));
+    }
     for c in &change.add_chains {
         b.add(family, NfTablesMessage::NewChain(chain(table, c)), NLM_F_CREATE, format!("chain {} added", c.name));
         for (i, r) in c.rules.iter().enumerate() {
@@ -491,6 +501,9 @@ pub(crate) fn table_change(family: Family, table: &str, change: &TableChange) ->
         };
         b.add(family, NfTablesMessage::DeleteChain(msg), 0, format!("chain {name} removed"));
     }
+    for name in &change.counters_new {
+        b.add(family, counter(table, name, (0, 0)), NLM_F_CREATE | NLM_F_EXCL, format!("counter {name} added"));
+    }
     b
 }
 
@@ -500,11 +513,20 @@ pub struct TableChange {
     pub add_chains: Vec<model::Chain>,
     pub elements: Vec<ElementChange>,
     pub delete_chains: Vec<String>,
+    /// Counter objects deleted first (the kernel refuses the whole transaction when one is
+    /// not there: what a change that must start from a named layer deletes) and created last
+    /// (exclusively).
+    pub counters_gone: Vec<String>,
+    pub counters_new: Vec<String>,
 }
 
 impl TableChange {
     pub fn is_empty(&self) -> bool {
-        self.add_chains.is_empty() && self.elements.is_empty() && self.delete_chains.is_empty()
+        self.add_chains.is_empty()
+            && self.elements.is_empty()
+            && self.delete_chains.is_empty()
+            && self.counters_gone.is_empty()
+            && self.counters_new.is_empty()
     }
 }
 

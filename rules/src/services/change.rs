@@ -8,6 +8,15 @@ use crate::family::Family;
 use crate::model::{Chain, Element, Set, SetData, Table};
 use crate::nft;
 
+fn is_identity(counter: &str) -> bool {
+    super::Named::parse(counter).is_some()
+}
+
+/// The name of the identity counter of a table, if it has one.
+fn identity_of(t: &Table) -> Option<&String> {
+    t.counters.iter().find(|c| is_identity(c))
+}
+
 /// Whether a chain of the layer is a profile chain (which a change may add or remove).
 fn is_profile_chain(c: &Chain) -> bool {
     c.name.starts_with(PROFILE_CHAIN_PREFIX) && c.name != CHAIN_BY_KEY
@@ -52,8 +61,10 @@ impl LayerChange {
         fn profiles(t: &Table) -> Vec<&Chain> {
             t.chains.iter().filter(|c| is_profile_chain(c)).collect()
         }
+        // The class counters (the identity's name is the one counter a change swaps).
+        let classes = |t: &Table| -> Vec<String> { t.counters.iter().filter(|c| !is_identity(c)).cloned().collect() };
         let alike = |a: &Table, b: &Table| {
-            (a.family, &a.name, &a.counters) == (b.family, &b.name, &b.counters)
+            (a.family, &a.name, classes(a)) == (b.family, &b.name, classes(b))
                 && fixed(a).eq(fixed(b))
                 && bare_sets(a) == bare_sets(b)
         };
@@ -71,7 +82,18 @@ impl LayerChange {
                     .map(|c| c.name.clone())
                     .collect(),
                 elements: Vec::new(),
+                ..Default::default()
             };
+            // What the table says it holds, swapped: refused by the kernel, whole, when the
+            // pod's table names anything but `old` (both named: a layer without a name, as the
+            // rules' own tests build, is changed as it always was).
+            let (was_named, will_named) = (identity_of(old), identity_of(new));
+            if let (Some(was), Some(will)) = (was_named, will_named) {
+                if was != will {
+                    change.counters_gone.push(was.clone());
+                    change.counters_new.push(will.clone());
+                }
+            }
             let changes = &mut change.elements;
             for (o, n) in old.sets.iter().zip(&new.sets) {
                 // A verdict map's elements compare by number and chain name (their chain
@@ -100,6 +122,24 @@ impl LayerChange {
             }
         }
         Ok(Some(LayerChange { changes: out }))
+    }
+
+    /// The change that only renames the tables of `families` (`ServiceLayer::families`) from
+    /// `from` to `to`: for a pod that holds the content of `to` under another generation.
+    /// Refused whole when a table does not name `from`.
+    pub fn renamed(families: &[Family], from: &super::Named, to: &super::Named) -> LayerChange {
+        let changes = families
+            .iter()
+            .map(|&f| {
+                let change = nft::TableChange {
+                    counters_gone: vec![from.counter_name()],
+                    counters_new: vec![to.counter_name()],
+                    ..Default::default()
+                };
+                (f, change)
+            })
+            .collect();
+        LayerChange { changes }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -4,7 +4,7 @@ use aether_testkit::{root_or_skip, Rng, TestNetns};
 use serde_json::{json, Value};
 
 use super::*;
-use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file, moves};
+use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file};
 use crate::state::NetnsIdentity;
 use aether_rules::services as layer;
 
@@ -124,14 +124,17 @@ fn through_both(applier: &mut Applier, once_dir: &ServicesDir, doc: &[u8], step:
     when
 }
 
-/// What each pod is recorded to hold (its file under `pods/`, moved on by `pods.moves`):
-/// (generation, digest) by container ID; `None` for a pod without a file.
-fn holds_files(state: &Path, pods: &BTreeMap<String, TestNetns>) -> Vec<(String, Option<(u64, u64)>)> {
-    let dir = ServicesDir::new(state);
+/// What each pod's tables say they hold: (generation, digest) by container ID; `None` for a
+/// pod whose tables name no layer.
+fn holds_files(_state: &Path, pods: &BTreeMap<String, TestNetns>) -> Vec<(String, Option<(u64, u64)>)> {
     pods.iter()
         .map(|(cid, ns)| {
-            let held = dir.pod_holds(&Netns::open_foreign(ns.path()).unwrap());
-            (cid.clone(), held.map(|h| (h.generation, h.digest)))
+            let held = Netns::open_foreign(ns.path()).unwrap().run(layer::held).unwrap().unwrap();
+            let named = match held {
+                layer::HeldLayer::Named(n) => Some((n.id.generation, n.id.digest)),
+                _ => None,
+            };
+            (cid.clone(), named)
         })
         .collect()
 }
@@ -208,7 +211,7 @@ fn the_applier_leaves_what_the_one_shot_apply_leaves() {
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(applier.kept_pods(), kept_pods.len(), "{when}: a socket per pod is kept");
         let (kept_holds, once_holds) = (holds_files(&kept_state, &kept_pods), holds_files(&once_state, &once_pods));
-        assert_eq!(kept_holds, once_holds, "{when}: what the pods are recorded to hold differs");
+        assert_eq!(kept_holds, once_holds, "{when}: what the pods' tables name differs");
         // Each holds the stored layer (by its digest: a document of the same content leaves
         // a pod at the generation that brought it).
         let stored = files(&kept_state).1 .1;
@@ -438,17 +441,17 @@ fn tidy_lets_go_of_a_pod_whose_netns_path_is_gone() {
     let _ = std::fs::remove_dir_all(&state);
 }
 
-/// What a pod is recorded to hold (its file under `pods/`, moved on by `pods.moves`), but for
-/// the netns's `device:inode` (each node's own): generation, digest, divert mark and the run
-/// of generations; `None` when there is no file.
+/// What a pod's tables say they hold (the identity counter's name), and the run of
+/// generations this process's element changes made in it, but for the generations
+/// themselves (each node's own): whether there is one.
 fn pod_file(state: &Path, ns: &TestNetns) -> Option<String> {
     let netns = Netns::open_foreign(ns.path()).unwrap();
-    let text = ServicesDir::new(state).pod_holds(&netns)?.to_string();
-    let mut fields: Vec<&str> = text.split_whitespace().collect();
-    if fields.len() > 2 {
-        fields.remove(2);
+    let held = netns.run(layer::held).unwrap().unwrap();
+    let run = crate::services::applied_run(state, &netns).map(|r| (r.layer_generation, r.divert_mark));
+    match held {
+        layer::HeldLayer::Absent => None,
+        held => Some(format!("{held:?} run {run:?}")),
     }
-    Some(fields.join(" "))
 }
 
 /// The pod's nftables ruleset as `nft` lists it (the Service layer's tables, sets and
@@ -465,12 +468,12 @@ fn with_mode(doc: Vec<u8>, mode: &str) -> Vec<u8> {
 }
 
 /// The one engine, reached two ways: random documents (changes mostly; whole snapshots, some
-/// turning the layer `count`, `off` and back; an apply found stopped midway) sent to two nodes
+/// turning the layer `count`, `off` and back) sent to two nodes
 /// of three pods each, one through an `Applier` (kept sockets, its cache), one by the one-shot
 /// functions `services apply` calls (netns entered each time). At every step both nodes hold
-/// the same stored files, every pod the same file under `pods/` (generation, digest, mark and
-/// the run of generations the reconciler carries a pod over) and the same kernel sets, which
-/// are the stored layer's.
+/// the same stored files, every pod the same name in its tables (generation, digest, mark),
+/// the same run of generations the reconciler carries a pod over, and the same kernel sets,
+/// which are the stored layer's.
 #[test]
 fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
     if !root_or_skip("the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets") {
@@ -489,14 +492,8 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
         kept_pods.insert(cid.to_string(), add_pod(&kept_state, cid));
         once_pods.insert(cid.to_string(), add_pod(&once_state, cid));
     }
-    let (mut runs, mut moved) = (0, 0);
+    let mut runs = 0;
     for step in 1..=36 {
-        if step % 12 == 6 {
-            // An apply stopped midway on both nodes: the next trusts no pod's file.
-            for state in [&kept_state, &once_state] {
-                std::fs::write(state.join("services").join(engine::APPLYING), "1\n").unwrap();
-            }
-        }
         let doc = match rng.below(8) {
             0 | 1 => {
                 cluster.generation += 1;
@@ -511,38 +508,36 @@ fn the_one_shot_and_kept_paths_leave_the_same_pods_files_and_kernel_sets() {
             let once_ns = &once_pods[cid];
             let (kept_file, once_file) = (pod_file(&kept_state, kept_ns), pod_file(&once_state, once_ns));
             assert_eq!(kept_file, once_file, "{when}: pod {cid}'s file");
-            runs += usize::from(kept_file.is_some_and(|f| f.split_whitespace().count() == 5));
+            runs += usize::from(kept_file.as_ref().is_some_and(|f| !f.ends_with("run None")));
             assert_eq!(kernel_sets(kept_ns), kernel_sets(once_ns), "{when}: pod {cid}'s kernel sets");
         }
         assert_eq!(drift(&kept_state, &kept_pods), Vec::<String>::new(), "{when}");
         assert_eq!(drift(&once_state, &once_pods), Vec::<String>::new(), "{when}");
-        let moves = |state: &Path| std::fs::read(state.join("services").join(moves::MOVES)).ok();
-        assert_eq!(moves(&kept_state).is_some(), moves(&once_state).is_some(), "{when}: pods.moves");
-        moved += usize::from(moves(&kept_state).is_some());
+        for state in [&kept_state, &once_state] {
+            let kinds = ["pods", "pods.moves", "applying", ".applying.spare"];
+            let left: Vec<&str> = kinds.into_iter().filter(|k| state.join("services").join(k).exists()).collect();
+            assert!(left.is_empty(), "{when}: files that mirrored the kernel: {left:?}");
+        }
     }
     assert!(runs > 0, "RIG BROKEN: no element change recorded a run of generations (no change was sent)");
-    assert!(moved > 0, "RIG BROKEN: no step left a pod moved by pods.moves");
-    // Control: the comparisons see a difference made on one node only (a file of this very
-    // netns, whatever the last step left: mode `off` leaves none on either node).
-    let once_a = Netns::open_foreign(once_pods["a"].path()).unwrap();
-    std::fs::write(
-        ServicesDir::new(&once_state).pod_path(Path::new(&once_pods["a"].path())),
-        format!("1 0 {} 0xae71\n", engine::netns_key(&once_a)),
-    )
-    .unwrap();
-    assert_ne!(pod_file(&kept_state, &kept_pods["a"]), pod_file(&once_state, &once_pods["a"]), "RIG BROKEN: files");
+    // Control: the comparisons see a difference made on one node only (a second name in one
+    // pod's table, whatever the last step left: mode `off` leaves no table on either node).
+    once_pods["a"].exec("nft", &["add", "table", "ip", "aether_services"]);
+    once_pods["a"].exec("nft", &["add", "counter", "ip", "aether_services", "layer_s3_g1_mae71_d0000000000000000"]);
+    assert_ne!(pod_file(&kept_state, &kept_pods["a"]), pod_file(&once_state, &once_pods["a"]), "RIG BROKEN: names");
     once_pods["b"].exec("nft", &["add", "table", "ip", "someone_else"]);
     assert_ne!(kernel_sets(&kept_pods["b"]), kernel_sets(&once_pods["b"]), "RIG BROKEN: a table added is not seen");
     let _ = (std::fs::remove_dir_all(&kept_state), std::fs::remove_dir_all(&once_state));
 }
 
-/// An element change is recorded as a line of `pods.moves`, not in the pod's own file, and
-/// what reads what a pod holds (the reconciler's `applied_run`, the next apply) reads it there,
-/// by the applier and by the one-shot apply alike; once the pod's file is written again by
-/// anyone (here a rebuild for a missed generation), the line no longer counts.
+/// An element change moves the name in the pod's own table, in the same transaction, and
+/// the run of generations the reconciler carries a pod over follows it, by the applier and by
+/// the one-shot apply alike; a pod that misses a generation is rebuilt (its name read from
+/// its table) and has no run. Control: a change
+/// built for what the pod no longer holds is refused whole by the kernel (nothing of it lands).
 #[test]
-fn an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_again() {
-    if !root_or_skip("an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_again") {
+fn an_element_change_moves_the_name_in_the_pods_table_and_the_kernel_refuses_a_stale_one() {
+    if !root_or_skip("an_element_change_moves_the_name_in_the_pods_table_and_the_kernel_refuses_a_stale_one") {
         return;
     }
     let state = tmp("moves");
@@ -552,9 +547,13 @@ fn an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_agai
     applier.apply(&cluster.whole()).unwrap();
     let ns = add_pod(&state, "a");
     let netns = Netns::open_foreign(ns.path()).unwrap();
-    let own_file = || PodHolds::parse(&std::fs::read_to_string(dir.pod_path(Path::new(&ns.path()))).unwrap());
-    assert_eq!(own_file().map(|f| f.generation), Some(1), "ADD wrote the pod's file");
+    let named = || match netns.run(layer::held).unwrap().unwrap() {
+        layer::HeldLayer::Named(n) => n.id.generation,
+        other => panic!("the pod's tables name no layer: {other:?}"),
+    };
+    assert_eq!(named(), 1, "ADD named the layer in the pod's table");
     let mut rng = Rng::new(7);
+    let mut stale = None;
     for (step, one_shot) in [(2, false), (3, true), (4, false)] {
         let doc = loop {
             // An endpoint flip or a Service added: an element change in every case.
@@ -564,16 +563,25 @@ fn an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_agai
             }
             cluster.generation -= 1;
         };
+        let before = dir.stored_layer().unwrap().unwrap();
         let report = if one_shot { apply_change(&dir, &doc) } else { applier.apply(&doc) }.unwrap();
         assert!(outcomes(&report)[0].1.starts_with("elements"), "step {step}: {:?}", outcomes(&report));
-        assert_eq!(own_file().map(|f| f.generation), Some(1), "step {step}: the pod's own file was written");
+        assert_eq!(named(), cluster.generation, "step {step}: the name did not move with the elements");
         let run = crate::services::applied_run(&state, &netns).unwrap_or_else(|| panic!("step {step}: no run read"));
         assert_eq!(run.layer_generation, cluster.generation, "step {step}: {run:?}");
-        assert_eq!(dir.pod_holds(&netns).map(|h| h.generation), Some(cluster.generation), "step {step}");
+        let after = dir.stored_layer().unwrap().unwrap();
+        stale.get_or_insert((before, after));
     }
+    // Control: the first step's change again, built for the layer the pod held then: refused
+    // whole, the pod's table as it was.
+    let (from, to) = stale.unwrap();
+    let change = layer::LayerChange::between(&from.for_pod(0xae71), &to.for_pod(0xae71)).unwrap().unwrap();
+    let listing = || ns.exec("nft", &["list", "table", "ip", "aether_services"]);
+    let was = listing();
+    assert!(netns.run(|| change.send()).unwrap().is_err(), "the kernel took a change built for another layer");
+    assert_eq!(listing(), was, "a refused change left something behind");
     // The pod misses a generation (applied to the stored files only, as by a process that
-    // saw no pod): the next apply rebuilds it and writes its own file, and the line, whose
-    // left side that file no longer says, is void.
+    // saw no pod): the pod's name, read from its table, is of neither layer: rebuilt.
     remove_record(&state, "a");
     apply_change(&dir, &cluster.random_change(&mut rng)).unwrap();
     StateDir::new(&state)
@@ -581,8 +589,7 @@ fn an_element_change_is_read_from_pods_moves_until_the_pods_file_is_written_agai
         .unwrap();
     let report = applier.apply(&cluster.random_change(&mut rng)).unwrap();
     assert_eq!(outcomes(&report)[0].1, "rebuilt", "{:?}", outcomes(&report));
-    assert_eq!(own_file().map(|f| f.generation), Some(cluster.generation), "the rebuild wrote its file");
-    assert_eq!(dir.moves().fold(own_file().unwrap()), own_file().unwrap(), "a line still moves the pod");
+    assert_eq!(named(), cluster.generation, "the rebuild named its layer");
     assert!(crate::services::applied_run(&state, &netns).is_none(), "a rebuilt pod has no run");
     drop(ns);
     let _ = std::fs::remove_dir_all(&state);

@@ -260,6 +260,7 @@ pub fn splice(
         dialled_timeout_secs: head.dialled_timeout_secs,
         divert_mark: stored.divert_mark,
         chained: None,
+        identity: None,
     };
     Some(Spliced { text: out, layer, gone, came })
 }

@@ -1,6 +1,7 @@
 //! The engine's pure decisions, as tables (no root, no kernel).
 
 use super::*;
+use aether_rules::services::HeldLayer;
 use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
 
 /// A stored layer at `generation` holding one Service of `port` (mode `mode`).
@@ -16,21 +17,21 @@ fn stored(generation: u64, mode: LayerMode, port: u16) -> StoredLayer {
     StoredLayer::new(generation, &l, 0)
 }
 
-/// What a pod's file says: the layer `of`, for `mark`.
-fn file(of: &StoredLayer, mark: u32) -> PodHolds {
-    PodHolds::for_key(of, "4:4026532000".into(), mark)
+/// What a pod's tables say: the layer `of`, for `mark`.
+fn named(of: &StoredLayer, mark: u32) -> HeldLayer {
+    HeldLayer::Named(of.named(mark))
 }
 
 const MARK: u32 = 0xae71;
 
-/// A case: its name, the pod's file, an apply stopped midway, the previous and the new layer,
-/// the pod's mark, and what the pod gets.
-type Row<'a> = (&'a str, Option<PodHolds>, bool, Option<&'a StoredLayer>, &'a StoredLayer, u32, Action);
+/// A case: its name, what the pod's tables say, the previous and the new layer, the pod's
+/// mark, and what the pod gets.
+type Row<'a> = (&'a str, HeldLayer, Option<&'a StoredLayer>, &'a StoredLayer, u32, Action);
 const OTHER_MARK: u32 = 0x1234;
 
 /// Every case of the one decision both the one-shot apply and the applier make (and the
-/// budget's estimate counts): the pod's file against the previous and the new layer, its
-/// mark, and a stopped apply.
+/// budget's estimate counts): what the pod's tables name against the previous and the new
+/// layer, and its mark.
 #[test]
 fn the_decision_table() {
     let prev = stored(4, LayerMode::Refuse, 80);
@@ -41,28 +42,30 @@ fn the_decision_table() {
     let count = stored(5, LayerMode::Count, 81);
     assert_ne!(prev.digest, new.digest, "RIG BROKEN: two contents, one digest");
     assert_ne!(count.digest, new.digest, "RIG BROKEN: the mode is not in the digest");
+    let older_shape = HeldLayer::Named(aether_rules::services::Named { shape: 2, ..new.named(MARK) });
 
     use Action::*;
     #[rustfmt::skip]
     let table: Vec<Row> = vec![
-        ("holds the new layer",                         Some(file(&new, MARK)),     false, Some(&prev), &new, MARK, Nothing),
-        ("holds the new content under an older generation", Some(file(&new, MARK)), false, Some(&prev), &same_content_renamed, MARK, Nothing),
-        ("holds the previous layer",                    Some(file(&prev, MARK)),    false, Some(&prev), &new, MARK, Change),
-        ("holds an older layer (a missed generation)",  Some(file(&older, MARK)),   false, Some(&prev), &new, MARK, Rebuild),
-        ("no file (a new pod, a failed visit)",         None,                       false, Some(&prev), &new, MARK, Rebuild),
-        ("the previous layer for another mark",         Some(file(&prev, OTHER_MARK)), false, Some(&prev), &new, MARK, Rebuild),
-        ("the new layer for another mark",              Some(file(&new, OTHER_MARK)), false, Some(&prev), &new, MARK, Rebuild),
-        ("nothing stored before: a first layer",        Some(file(&prev, MARK)),    false, None,        &new, MARK, Rebuild),
-        ("first layer, the pod already holds it",       Some(file(&new, MARK)),     false, None,        &new, MARK, Nothing),
-        ("the last apply stopped midway: previous",     Some(file(&prev, MARK)),    true,  Some(&prev), &new, MARK, Rebuild),
-        ("the last apply stopped midway: new",          Some(file(&new, MARK)),     true,  Some(&prev), &new, MARK, Rebuild),
-        ("the mode changes (count to refuse)",          Some(file(&count, MARK)),   false, Some(&count), &new, MARK, Change),
-        ("mode off, pod holds the previous",            Some(file(&prev, MARK)),    false, Some(&prev), &off, MARK, Remove),
-        ("mode off, no file",                           None,                       false, Some(&prev), &off, MARK, Remove),
-        ("mode off, stopped midway",                    None,                       true,  None,        &off, MARK, Remove),
+        ("holds the new layer",                         named(&new, MARK),      Some(&prev), &new, MARK, Nothing),
+        ("holds the new content under an older generation", named(&new, MARK), Some(&prev), &same_content_renamed, MARK, Rename(new.named(MARK))),
+        ("holds the previous layer",                    named(&prev, MARK),     Some(&prev), &new, MARK, Change),
+        ("holds an older layer (a missed generation)",  named(&older, MARK),    Some(&prev), &new, MARK, Rebuild),
+        ("no layer (a new pod)",                        HeldLayer::Absent,      Some(&prev), &new, MARK, Rebuild),
+        ("the previous layer for another mark",         named(&prev, OTHER_MARK), Some(&prev), &new, MARK, Rebuild),
+        ("the new layer for another mark",              named(&new, OTHER_MARK), Some(&prev), &new, MARK, Rebuild),
+        ("nothing stored before: a first layer",        named(&prev, MARK),     None,        &new, MARK, Rebuild),
+        ("first layer, the pod already holds it",       named(&new, MARK),      None,        &new, MARK, Nothing),
+        ("the mode changes (count to refuse)",          named(&count, MARK),    Some(&count), &new, MARK, Change),
+        ("tables a release before built, unnamed",      HeldLayer::Unnamed { shape: Some(2) }, Some(&prev), &new, MARK, Migrate),
+        ("tables of an unknown shape, unnamed",         HeldLayer::Unnamed { shape: None }, Some(&prev), &new, MARK, Migrate),
+        ("named, in a shape before this one",           older_shape,            Some(&prev), &new, MARK, Migrate),
+        ("mode off, pod holds the previous",            named(&prev, MARK),     Some(&prev), &off, MARK, Remove),
+        ("mode off, no layer",                          HeldLayer::Absent,      Some(&prev), &off, MARK, Remove),
+        ("mode off, nothing stored before",             HeldLayer::Absent,      None,        &off, MARK, Remove),
     ];
-    for (case, held, interrupted, previous, new, mark, want) in table {
-        assert_eq!(decide(held.as_ref(), interrupted, previous, new, mark), want, "{case}");
+    for (case, held, previous, new, mark, want) in table {
+        assert_eq!(decide(&held, previous, new, mark), want, "{case}");
     }
 }
 
@@ -84,7 +87,7 @@ fn a_pods_mark_is_its_captures_else_the_nodes() {
     assert_eq!(mark_of(&r, OTHER_MARK), 0x77, "its capture's");
 }
 
-/// What the pod's file says of the run of generations the element changes alone made, after
+/// What a pod's `AppliedRun` says of the run of generations the element changes alone made, after
 /// each kind of visit (the reconciler carries a pod over that run).
 #[test]
 fn the_run_of_generations_table() {
@@ -105,40 +108,4 @@ fn the_run_of_generations_table() {
     for (case, sent, before, want) in table {
         assert_eq!(sent.run(before), want, "{case}");
     }
-}
-
-#[test]
-fn the_applying_mark_is_there_only_between_begin_and_end_and_a_mark_left_standing_is_found() {
-    let scratch = aether_testkit::ScratchDir::new("applying");
-    let dir = ServicesDir::new(&scratch.0);
-    let mark = dir.root.join(APPLYING);
-    let begin = || {
-        let mut warnings = Vec::new();
-        let interrupted = dir.begin_pods(&mut warnings).unwrap();
-        assert_eq!(interrupted, !warnings.is_empty(), "{warnings:?}");
-        assert!(mark.exists(), "no mark while the pods are visited");
-        interrupted
-    };
-    // Applies that end: none finds a mark, and none is left.
-    for round in 0..3 {
-        assert!(!begin(), "round {round}: an apply that ended was taken for one stopped midway");
-        dir.end_pods().unwrap();
-        assert!(!mark.exists(), "round {round}: the mark outlived the apply");
-    }
-    // Stopped midway (no end): the next apply finds it (the spare is the mark then).
-    assert!(!begin());
-    assert!(!dir.root.join(APPLYING_SPARE).exists());
-    assert!(begin(), "the mark of an apply stopped midway was not found");
-    dir.end_pods().unwrap();
-    assert!(dir.root.join(APPLYING_SPARE).exists(), "the mark did not become the spare");
-    // A mark a release before this one left (made with the generation in it, the spare beside
-    // it): found, and taken away at the end.
-    std::fs::write(&mark, "7\n").unwrap();
-    assert!(begin(), "the mark of a release before this one was not found");
-    dir.end_pods().unwrap();
-    assert!(!mark.exists());
-    // An empty mark (as this release makes one by hand when there is no spare) counts too:
-    // its presence, not its content.
-    std::fs::write(&mark, "").unwrap();
-    assert!(begin());
 }
