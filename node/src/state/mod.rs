@@ -13,7 +13,6 @@
 mod dir;
 mod record;
 mod uninstall;
-mod watch;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,7 +24,6 @@ pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNet
 pub use uninstall::{
     finish_uninstall, keep_binary_for_attachment, UninstallError, Uninstalled, RELOAD_GRACE, UNINSTALLED_FILE,
 };
-pub use watch::DirWatch;
 
 use crate::text::clip;
 
