@@ -45,6 +45,8 @@ fn layer_of(dual: bool, ports: fn(IpAddr, u32) -> [ServicePort; 2]) -> ServiceLa
         l.ports.extend((0..SERVICES).flat_map(|i| ports(v6(i), i)));
     }
     l.ports.sort();
+    // Named as the node names every pod's layer (a counter in each table).
+    l.identity = Some(services::LayerId { generation: 100, digest: 0x0123_4567_89ab_cdef });
     l
 }
 
