@@ -109,14 +109,13 @@ where
                     Err(status.describe().trim_end().replace('\n', "; "))
                 }
             };
-            let acted_ready = node_ready.is_ok();
             let report = reconciler.pass(node_ready);
             if reconciler.stopping.is_set() {
                 return;
             }
             shared.metrics.reconcile.observe(&report, trigger);
             write_last_pass(&state_dir, &report);
-            match next(&rx, started + period, &shared, acted_ready) {
+            match next(&rx, started + period, &shared) {
                 Some(t) => trigger = t,
                 None => return,
             }
@@ -134,13 +133,9 @@ fn is_ready(shared: &Shared) -> bool {
 
 /// The next pass's trigger, or `None` to stop: the period (counted from the last pass's
 /// start, so that a long pass does not stretch the time between two looks at a pod), a poke,
-/// or the node turning ready (missed pods were held while it was not). `was_ready`: the
-/// readiness the last pass acted under, not the node's when the pass ended: a node that turned
-/// ready during the pass (the first pass itself clears `starting`) gets its pass at once.
-fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared, was_ready: bool) -> Option<&'static str> {
-    if !was_ready && is_ready(shared) {
-        return Some("ready");
-    }
+/// or the node turning ready (missed pods were held while it was not).
+fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'static str> {
+    let was_ready = is_ready(shared);
     let first = loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
@@ -268,26 +263,4 @@ where
     };
     let reconciler = Reconciler::new(runtime, node, settings.limits);
     spawn(reconciler, settings.period, shared, settings.state_dir, stopping).map(Some)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A node that turned ready while the last pass ran (it acted under "not ready") gets the
-    /// "ready" pass at once, not at the period's end. Control: a pass that acted under
-    /// "ready" waits for the period.
-    #[test]
-    fn a_node_that_turned_ready_during_the_pass_gets_its_ready_pass_at_once() {
-        let shared = Shared::new();
-        shared.status.lock().unwrap().not_ready.clear();
-        let (_tx, rx) = mpsc::channel::<Msg>();
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let t = Instant::now();
-        assert_eq!(next(&rx, deadline, &shared, false), Some("ready"));
-        assert!(t.elapsed() < Duration::from_secs(1), "the ready pass waited {:?}", t.elapsed());
-        // Control: acted under "ready", nothing new: the period.
-        let deadline = Instant::now() + Duration::from_millis(300);
-        assert_eq!(next(&rx, deadline, &shared, true), Some("period"));
-    }
 }
