@@ -8,7 +8,6 @@ use std::path::Path;
 
 use aether_netns::Netns;
 use aether_rules::services::{self as layer, Applied};
-use serde_json::Value;
 
 use super::change::splice::ServiceIndex;
 use super::engine;
@@ -20,121 +19,8 @@ fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
 }
 
-/// One pod's outcome in an apply.
-#[derive(Debug)]
-pub struct PodOutcome {
-    pub container_id: String,
-    pub ifname: String,
-    pub netns: String,
-    /// `Err(PodError::Gone)`: the netns is gone, the pod was skipped, which is not a failure.
-    pub result: Result<Applied, PodError>,
-}
-
-impl PodOutcome {
-    /// The pod's netns is gone: skipped, not failed.
-    pub fn vanished(&self) -> bool {
-        matches!(self.result, Err(PodError::Gone(_)))
-    }
-}
-
-#[derive(Debug)]
-pub struct ApplyReport {
-    pub generation: u64,
-    pub pods: Vec<PodOutcome>,
-    /// What was wrong but did not stop the apply (e.g. a stored snapshot that no longer
-    /// parses, replaced by this one).
-    pub warnings: Vec<String>,
-}
-
-impl ApplyReport {
-    pub fn failed(&self) -> bool {
-        self.pods.iter().any(|p| p.result.is_err() && !p.vanished())
-    }
-
-    pub fn to_json(&self) -> Value {
-        serde_json::to_value(self.view()).expect("a report serializes")
-    }
-
-    /// `to_json` as pretty text (what `services apply` prints), written without building
-    /// the JSON value first (the installer answers one for every change).
-    pub fn to_pretty_text(&self) -> String {
-        serde_json::to_string_pretty(&self.view()).expect("a report serializes")
-    }
-
-    /// The pods by the first word of their result, `elements=98 rebuilt=2`; `none`.
-    pub fn pods_by_result(&self) -> String {
-        let mut by: std::collections::BTreeMap<&str, usize> = Default::default();
-        for p in &self.pods {
-            let word = match &p.result {
-                Ok(a) => describe_word(a),
-                Err(_) if p.vanished() => "skipped",
-                Err(_) => "failed",
-            };
-            *by.entry(word).or_default() += 1;
-        }
-        if by.is_empty() {
-            return "none".into();
-        }
-        by.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")
-    }
-
-    fn view(&self) -> ReportView<'_> {
-        let pods = self
-            .pods
-            .iter()
-            .map(|p| {
-                let (result, reason, error) = match &p.result {
-                    Ok(a) => (describe(a), None, None),
-                    Err(e) if p.vanished() => ("skipped".into(), Some(e.to_string()), None),
-                    Err(e) => ("failed".into(), None, Some(e.to_string())),
-                };
-                PodView { container_id: &p.container_id, error, ifname: &p.ifname, netns: &p.netns, reason, result }
-            })
-            .collect();
-        ReportView { generation: self.generation, pods, warnings: &self.warnings }
-    }
-}
-
-/// The report as JSON. Members in the order a JSON object value keeps them (by name), so
-/// the text is the same whether written from this or from `to_json`'s value.
-#[derive(serde::Serialize)]
-struct ReportView<'a> {
-    generation: u64,
-    pods: Vec<PodView<'a>>,
-    #[serde(skip_serializing_if = "<[String]>::is_empty")]
-    warnings: &'a [String],
-}
-
-#[derive(serde::Serialize)]
-struct PodView<'a> {
-    #[serde(rename = "containerID")]
-    container_id: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-    ifname: &'a str,
-    netns: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    reason: Option<String>,
-    result: String,
-}
-
-/// The first word of `describe` (all of it but for an element change), without making text.
-fn describe_word(a: &Applied) -> &'static str {
-    match a {
-        Applied::Rebuilt => "rebuilt",
-        Applied::Elements { .. } => "elements",
-        Applied::Unchanged => "unchanged",
-        Applied::Removed(true) => "removed",
-        Applied::Removed(false) => "off",
-    }
-}
-
-pub(super) fn describe(a: &Applied) -> String {
-    match a {
-        Applied::Elements { added, removed } => format!("elements +{added} -{removed}"),
-        a => describe_word(a).into(),
-    }
-}
+pub(super) use super::outcome::describe;
+pub use super::outcome::{ApplyReport, PodOutcome};
 
 /// `services apply`: validate the whole document, refuse an older generation, store it
 /// (`snapshot.json`, then `layer.bin`), apply it to every recorded pod. Validation errors
@@ -239,7 +125,7 @@ fn store_and_apply(
     }
     // Before anything is stored: work that would cross this process's memory limit is
     // refused whole (the OOM killer would stop it midway).
-    budget::apply_fits(dir, &new, previous.as_ref(), reach)?;
+    apply_fits(dir, &new, previous.as_ref(), reach)?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from
     // (with the journal: names the canonical document the journal's changes apply to).
     let file = match storing {
@@ -273,6 +159,69 @@ fn store_and_apply(
     let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
     reach.stored(dir, text, index, new, canonical_vouched);
     report
+}
+
+/// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
+/// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
+/// read to tell the pods that need nothing or only the change.
+/// The attachment records and what each pod holds are asked of `reach` (the long-lived
+/// applier knows both), only when some limit binds this process.
+fn apply_fits(
+    dir: &ServicesDir,
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+    reach: &mut dyn PodReach,
+) -> Result<(), ServicesError> {
+    // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
+    if new.layer.mode == layer::LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
+        return Ok(());
+    }
+    let Some((reading, per)) = budget::budget() else { return Ok(()) };
+    let records = reach.budget_records(dir);
+    // Every pod rebuilt, at a bound of the layer's elements: the exact count groups 20,000
+    // ports into profiles at 10,000 Services, which was half of a change's CPU under a limit.
+    let bound = budget::layer_bound(&new.layer);
+    if crate::memcg::fits(&reading, records.len() as u64 * bound, per).is_ok() {
+        return Ok(());
+    }
+    let elements = pods_elements(dir, &records, new, previous, bound, reach);
+    crate::memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
+}
+
+/// The elements bringing each of `records`' pods to `new` adds, by what its tables say it
+/// holds (as `reach` knows it). `bound` is at least the new layer's elements; they are
+/// counted exactly only for a pod rebuilt.
+fn pods_elements(
+    dir: &ServicesDir,
+    records: &[crate::state::Record],
+    new: &StoredLayer,
+    previous: Option<&StoredLayer>,
+    bound: u64,
+    reach: &mut dyn PodReach,
+) -> u64 {
+    let node_mark = dir.divert_mark();
+    let mut change: Option<u64> = None;
+    let mut whole: Option<u64> = None;
+    let mut sum = 0;
+    for r in records {
+        // `None`: the pod is gone (or cannot be read: the apply will say so).
+        let Some(held) = reach.budget_held(dir, r) else { continue };
+        let mark = engine::mark_of(r, node_mark);
+        // The engine's own decision, so the estimate counts what the apply will do.
+        sum += match (engine::decide(&held, previous, new, mark), previous) {
+            (engine::Action::Nothing | engine::Action::Remove | engine::Action::Rename(_), _) => 0,
+            // At most the new layer cut to the VIPs that differ: counted, not built (the
+            // change's sets are what the apply will build; the estimate must not cost that).
+            (engine::Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
+                let (_, to) = engine::narrowed(prev, new);
+                budget::layer_elements(&to).min(bound)
+            }),
+            (engine::Action::Change | engine::Action::Rebuild | engine::Action::Migrate, _) => {
+                *whole.get_or_insert_with(|| budget::layer_elements(&new.layer))
+            }
+        };
+    }
+    sum
 }
 
 /// A stored document's text (kept, or read for the occasion), its layer, and where its

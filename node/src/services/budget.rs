@@ -16,11 +16,8 @@ use std::sync::OnceLock;
 use aether_rules::model::Proto;
 use aether_rules::services::{self as layer, LayerChange, LayerMode, ServiceLayer, ServicePort};
 
-use super::apply::PodReach;
-use super::engine::{decide, mark_of, narrowed, Action};
-use super::{ServicesDir, ServicesError, StoredLayer};
+use super::{ServicesDir, ServicesError};
 use crate::memcg::{self, Memcg, OverBudget, Reading};
-use crate::state::Record;
 
 /// Used when the measurement cannot be made (no private netns, an unreadable cgroup):
 /// above every figure measured on the kernels we test (docs/operating.md, "Memory"), so
@@ -37,7 +34,7 @@ pub fn layer_elements(l: &ServiceLayer) -> u64 {
 
 /// At least `layer_elements(l)`, counted without grouping its ports into profiles
 /// (`ServiceLayer::element_bound`): what a check made for every change can afford.
-fn layer_bound(l: &ServiceLayer) -> u64 {
+pub(super) fn layer_bound(l: &ServiceLayer) -> u64 {
     l.element_bound().map_or(0, |n| n as u64)
 }
 
@@ -179,69 +176,6 @@ pub fn layers_fit(dir: &ServicesDir, pods: u64) -> Result<(), ServicesError> {
         _ => return Ok(()),
     };
     memcg::fits(&reading, pods * elements, per).map_err(ServicesError::OverBudget)
-}
-
-/// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
-/// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
-/// read to tell the pods that need nothing or only the change.
-/// The attachment records and what each pod holds are asked of `reach` (the long-lived
-/// applier knows both), only when some limit binds this process.
-pub(super) fn apply_fits(
-    dir: &ServicesDir,
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
-    reach: &mut dyn PodReach,
-) -> Result<(), ServicesError> {
-    // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
-    if new.layer.mode == LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
-        return Ok(());
-    }
-    let Some((reading, per)) = budget() else { return Ok(()) };
-    let records = reach.budget_records(dir);
-    // Every pod rebuilt, at a bound of the layer's elements: the exact count groups 20,000
-    // ports into profiles at 10,000 Services, which was half of a change's CPU under a limit.
-    let bound = layer_bound(&new.layer);
-    if memcg::fits(&reading, records.len() as u64 * bound, per).is_ok() {
-        return Ok(());
-    }
-    let elements = pods_elements(dir, &records, new, previous, bound, reach);
-    memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
-}
-
-/// The elements bringing each of `records`' pods to `new` adds, by what its tables say it
-/// holds (as `reach` knows it). `bound` is at least the new layer's elements; they are
-/// counted exactly only for a pod rebuilt.
-fn pods_elements(
-    dir: &ServicesDir,
-    records: &[Record],
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
-    bound: u64,
-    reach: &mut dyn PodReach,
-) -> u64 {
-    let node_mark = dir.divert_mark();
-    let mut change: Option<u64> = None;
-    let mut whole: Option<u64> = None;
-    let mut sum = 0;
-    for r in records {
-        // `None`: the pod is gone (or cannot be read: the apply will say so).
-        let Some(held) = reach.budget_held(dir, r) else { continue };
-        let mark = mark_of(r, node_mark);
-        // The engine's own decision, so the estimate counts what the apply will do.
-        sum += match (decide(&held, previous, new, mark), previous) {
-            (Action::Nothing | Action::Remove | Action::Rename(_), _) => 0,
-            // At most the new layer cut to the VIPs that differ: counted, not built (the
-            // change's sets are what the apply will build; the estimate must not cost that).
-            (Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
-                let (_, to) = narrowed(prev, new);
-                layer_elements(&to).min(bound)
-            }),
-            (Action::Change | Action::Rebuild | Action::Migrate, _) => {
-                *whole.get_or_insert_with(|| layer_elements(&new.layer))
-            }
-        };
-    }
-    sum
 }
 
 /// What parsing and applying a document holds of this process's own memory at its peak,

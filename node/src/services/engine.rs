@@ -16,7 +16,7 @@ use aether_netns::Netns;
 use aether_rules::nft::{Encoded, KeptSocket};
 use aether_rules::services::{self as layer, Applied, HeldLayer, LayerChange, Named};
 
-use super::apply::{ApplyReport, PodOutcome};
+use super::outcome::{ApplyReport, PodOutcome};
 use super::{budget, flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir, Unreadable};
 use crate::PodError;

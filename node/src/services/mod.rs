@@ -40,6 +40,7 @@ mod engine;
 pub mod fold;
 mod journal;
 pub mod layer_file;
+mod outcome;
 pub mod report;
 pub mod snapshot;
 
