@@ -82,7 +82,7 @@ pub(super) enum Sent {
     /// The element change: the generation read just before it (when read), and the one its
     /// transaction's fence read.
     Change { before: Option<u32>, after: Option<u32> },
-    /// A rebuild or a removal (its generation is not followed).
+    /// A rebuild, a rename or a removal (its generation is not followed).
     Rebuild,
 }
 
@@ -346,7 +346,6 @@ impl Pass<'_> {
         let named = HeldLayer::Named(new.named(mark));
         loop {
             let action = decide(&held, self.previous, new, mark);
-            let refused = |pod: &mut dyn PodLink| pod.believe(None);
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
@@ -407,7 +406,7 @@ impl Pass<'_> {
                                 None => runs(|runs| runs.remove(&key)),
                             };
                         }
-                        Err(_) => refused(pod),
+                        Err(_) => pod.believe(None),
                     }
                     return outcome;
                 }
@@ -415,11 +414,9 @@ impl Pass<'_> {
                 // again from what the kernel says, once; then rebuilt.
                 None if !fresh => {
                     fresh = true;
-                    refused(pod);
+                    pod.believe(None);
                     held = pod.held(true)?;
-                    if matches!(decide(&held, self.previous, new, mark), Action::Change | Action::Rename(_))
-                        && action == decide(&held, self.previous, new, mark)
-                    {
+                    if decide(&held, self.previous, new, mark) == action {
                         // The same refused transaction again would be refused again.
                         held = HeldLayer::Absent;
                     }
