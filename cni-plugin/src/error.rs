@@ -126,9 +126,7 @@ impl From<AttachmentError> for CniError {
             AttachmentError::RecordedNetns { source, .. } => {
                 CniError::new(code::IO_FAILURE, msg).with_details(source.to_string())
             }
-            AttachmentError::ServiceLayer(s) | AttachmentError::ServiceLock(s) => {
-                CniError::new(code::IO_FAILURE, msg).with_details(s.to_string())
-            }
+            AttachmentError::ServiceLayer(s) => CniError::new(code::IO_FAILURE, msg).with_details(s.to_string()),
             AttachmentError::Injected(_) => CniError::new(code::IO_FAILURE, msg),
             // Only an in-place capture asks this (the netns given is another pod's).
             AttachmentError::NetnsOwned { .. } => CniError::new(code::INVALID_ENV, msg),

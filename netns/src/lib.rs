@@ -42,6 +42,8 @@ pub enum Error {
     WorkerPanicked { path: PathBuf },
     #[error("cannot read the cookie of network namespace {path}: {source}")]
     Cookie { path: PathBuf, source: std::io::Error },
+    #[error("cannot lock network namespace {path}: {source}")]
+    Lock { path: PathBuf, source: nix::Error },
 }
 
 /// A namespace's identity: the device and inode of its nsfs file.
@@ -181,6 +183,42 @@ impl Netns {
     }
 }
 
+/// A namespace locked by this process (`Netns::lock`); released on drop. It holds its own
+/// descriptor of the namespace's open file (a `dup`, which shares the lock), so the `Netns`
+/// stays free to use while locked.
+#[derive(Debug)]
+pub struct NetnsLock(File);
+
+impl Drop for NetnsLock {
+    fn drop(&mut self) {
+        // SAFETY: unlocking a file descriptor this guard holds open.
+        unsafe { nix::libc::flock(std::os::fd::AsRawFd::as_raw_fd(&self.0), nix::libc::LOCK_UN) };
+    }
+}
+
+impl Netns {
+    /// Waits for, then holds, the namespace's own lock: an exclusive `flock` on its nsfs
+    /// inode, which every open of the namespace (any path, any process) shares. What works
+    /// on one pod's namespace is kept apart from all other work on that pod, and from nothing
+    /// else: no file is made for it, and the lock goes with the namespace. Not reentrant
+    /// across opens: a holder that opens the namespace again must not lock it again.
+    pub fn lock(&self) -> Result<NetnsLock, Error> {
+        let lock_err = |source| Error::Lock { path: self.path.clone(), source };
+        let file = self.file.try_clone().map_err(|e| lock_err(nix::Error::from_raw(e.raw_os_error().unwrap_or(0))))?;
+        loop {
+            // SAFETY: flock on a file descriptor held open above.
+            let r = unsafe { nix::libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), nix::libc::LOCK_EX) };
+            if r == 0 {
+                return Ok(NetnsLock(file));
+            }
+            match nix::Error::last() {
+                nix::Error::EINTR => continue,
+                source => return Err(lock_err(source)),
+            }
+        }
+    }
+}
+
 impl Netns {
     /// `run` on a tour's thread, whose own namespace is `home`: enter, work, return home. A
     /// panic in `work` is caught (as a worker thread's would be) after the thread is home.
@@ -293,6 +331,34 @@ mod tests {
         let b = Netns::open("/proc/thread-self/ns/net").unwrap();
         assert_eq!(a.id(), b.id());
         assert!(a.is_current().unwrap());
+    }
+
+    #[test]
+    fn a_namespace_locked_by_one_open_is_locked_for_every_open_and_only_it() {
+        let held = Netns::open("/proc/self/ns/net").unwrap();
+        let other_open = Netns::open("/proc/thread-self/ns/net").unwrap();
+        let try_lock = |ns: &Netns| {
+            // SAFETY: a non-blocking flock on a descriptor the `Netns` holds open.
+            let r = unsafe {
+                nix::libc::flock(std::os::fd::AsRawFd::as_raw_fd(&ns.file), nix::libc::LOCK_EX | nix::libc::LOCK_NB)
+            };
+            let taken = r == 0;
+            if taken {
+                // SAFETY: as above.
+                unsafe { nix::libc::flock(std::os::fd::AsRawFd::as_raw_fd(&ns.file), nix::libc::LOCK_UN) };
+            }
+            taken
+        };
+        // Control: free before, so a refusal below is the lock's.
+        assert!(try_lock(&other_open), "the namespace's lock is free before");
+        let guard = held.lock().unwrap();
+        assert!(!try_lock(&other_open), "another open of the same namespace must wait");
+        if root("a_namespace_locked_by_one_open_is_locked_for_every_open_and_only_it") {
+            let private_free = run_in_private(|| try_lock(&Netns::current().unwrap())).unwrap();
+            assert!(private_free, "another namespace's lock is its own");
+        }
+        drop(guard);
+        assert!(try_lock(&other_open), "released on drop");
     }
 
     #[test]

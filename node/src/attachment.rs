@@ -55,9 +55,6 @@ pub enum AttachmentError {
     /// The stored Service layer could not be applied to the pod.
     #[error("cannot apply the Service layer")]
     ServiceLayer(ServicesError),
-    /// The Service state could not be locked to retire the pod's layer.
-    #[error("cannot lock the Service state")]
-    ServiceLock(ServicesError),
     /// A test asked for this step to fail (fault-injection builds only).
     #[error("injected failure at step {0}")]
     Injected(String),
@@ -128,6 +125,9 @@ pub fn attach(
     let netns = Netns::open_foreign(netns_path)?;
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(false)?;
+    // This pod's alone (an apply's or a repair's visit of it waits, and nothing else): the
+    // record and the layer are whole before anyone looks at the pod.
+    let _pod = netns.lock()?;
     let fail = injected_failure();
     let fail_step = fail.as_deref().and_then(|s| s.parse::<aether_rules::Step>().ok());
     // The record's netns cookie is read on this visit: asking `netns` for it would enter the
@@ -156,8 +156,8 @@ pub fn attach(
             Err(e) => warn!("the plugin binary was removed by an uninstall during this ADD and cannot be put back; this pod's DEL will fail: {e}"),
         }
     }
-    // The Service layer comes after the record: `services apply` either sees the record or
-    // ADD reads the snapshot that apply stored (both under the services lock).
+    // The Service layer comes after the record: an apply either lists the record (and visits
+    // the pod after this, under its netns lock) or stored its layer before it is read here.
     let layered = recorded.and_then(|()| {
         if fail.as_deref() == Some("services") {
             return Err(AttachmentError::Injected("services".into()));
@@ -310,6 +310,8 @@ fn undo(
     key: &str,
     forget: impl FnOnce() -> Result<(), StateError>,
 ) -> Result<(), AttachmentError> {
+    // The pod's alone, until its record is gone: an apply never re-creates its layer.
+    let _pod = netns.as_ref().map(Netns::lock).transpose()?;
     let removed = match &netns {
         Some(netns) => {
             // The policy routes ADD installed are in the record (one per family); without one
@@ -324,7 +326,6 @@ fn undo(
         None => None,
     };
     let retired = services::retire_layer(&conf.state_dir, netns.as_ref(), key, forget).map_err(|e| match e {
-        RetireError::Lock(e) => AttachmentError::ServiceLock(e),
         RetireError::Forget(e) => AttachmentError::State(e),
         RetireError::Injected(step) => AttachmentError::Injected(step.into()),
     })?;

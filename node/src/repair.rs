@@ -1,9 +1,9 @@
 //! Repairing a pod to its record, for the installer's reconciler: the pod's capture ruleset as
 //! its record says (`to_record`), the current ruleset for a pod of an earlier release
 //! (`migrate`), or the stored Service layer (`services`). Each takes the record as a pass read
-//! it and, under the exclusive state lock (held throughout: no ADD or DEL runs meanwhile, as
-//! for GC), reads it again: a record that went or changed since is left to whoever changed
-//! it. Then the pod's netns is opened and the ruleset programmed in one transaction (the table
+//! it and, holding the pod's netns lock (no ADD, DEL or apply visit of that pod runs
+//! meanwhile; other pods' ADDs and DELs run on) and the state lock shared (no GC), reads it
+//! again: a record that went or changed since is left to whoever changed it. Then the pod's netns is opened and the ruleset programmed in one transaction (the table
 //! replaced: conntrack, and so every open connection and its ct mark, is untouched).
 
 use std::path::Path;
@@ -35,11 +35,23 @@ pub enum RepairError {
     Services(#[from] ServicesError),
 }
 
-/// `seen` as it is now, under the exclusive state lock (held as long as the returned guard
-/// lives), and its pod's netns, open.
-fn locked(state_dir: &Path, seen: &Record) -> Result<(Record, aether_netns::Netns, Lock), RepairError> {
+/// The pod's netns, open, and what holds it still: the state lock (shared) and the pod's netns
+/// lock, held as long as the returned guards live.
+struct Locked {
+    netns: aether_netns::Netns,
+    _pod: aether_netns::NetnsLock,
+    _state: Lock,
+}
+
+/// `seen` as it is now, with its pod's netns open and locked (`Locked`).
+fn locked(state_dir: &Path, seen: &Record) -> Result<(Record, Locked), RepairError> {
     let state = StateDir::new(state_dir);
-    let lock = state.lock(true)?;
+    let lock = state.lock(false)?;
+    let netns = match seen.open_netns()? {
+        PodNetns::Live(ns) => ns,
+        PodNetns::Gone(why) => return Err(RepairError::NetnsGone(why)),
+    };
+    let pod = netns.lock()?;
     let now = state
         .read(&seen.network, &seen.container_id, &seen.ifname)
         .map_err(|u| RepairError::RecordUnreadable { key: seen.key(), why: u.why })?
@@ -47,17 +59,13 @@ fn locked(state_dir: &Path, seen: &Record) -> Result<(Record, aether_netns::Netn
     if now != *seen {
         return Err(RepairError::RecordChanged(seen.key()));
     }
-    let netns = match now.open_netns()? {
-        PodNetns::Live(ns) => ns,
-        PodNetns::Gone(why) => return Err(RepairError::NetnsGone(why)),
-    };
-    Ok((now, netns, lock))
+    Ok((now, Locked { netns, _pod: pod, _state: lock }))
 }
 
 /// The pod's capture ruleset as its record holds it: an earlier release's pod is repaired to
 /// what it holds (and migrated after, by `migrate`).
 pub fn to_record(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
-    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let (now, Locked { netns, _pod, _state }) = locked(state_dir, seen)?;
     let cfg = now.capture.as_ref().ok_or_else(|| RepairError::NoCapture(seen.key()))?;
     let ruleset = match now.ruleset() {
         Recorded::Known(v) => capture::capture_ruleset_of(cfg, v)?,
@@ -71,7 +79,7 @@ pub fn to_record(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
 /// names the earlier ruleset and the pod is found drifted from it: repaired to it, then
 /// migrated again.
 pub fn migrate(state_dir: &Path, seen: &Record) -> Result<(), RepairError> {
-    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let (now, Locked { netns, _pod, _state }) = locked(state_dir, seen)?;
     let cfg = now.capture.as_ref().ok_or_else(|| RepairError::NoCapture(seen.key()))?;
     // A record that names no ruleset, over a pod that holds the current one (a build from
     // before records named it): nothing to program, only the record to bring up to date.
@@ -127,7 +135,7 @@ pub fn holds_older_layer(record: &Record) -> bool {
 /// The stored Service layer rebuilt in the pod's netns; false when it was found as stored
 /// when compared again (an apply or ADD had brought it there).
 pub fn services(state_dir: &Path, seen: &Record) -> Result<bool, RepairError> {
-    let (now, netns, _lock) = locked(state_dir, seen)?;
+    let (now, Locked { netns, _pod, _state }) = locked(state_dir, seen)?;
     let mark = now.capture.as_ref().map(|c| c.divert_mark);
     Ok(!services::repair_pod_layer(state_dir, &netns, mark)?.is_empty())
 }

@@ -15,7 +15,7 @@
 //! `verify`) changes is seen by the next document, and anything in doubt is read again.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach
 use super::change::splice::ServiceIndex;
 use super::engine::{self, open_pod, PodLink, Pods};
 use super::{change, flat, journal, layer_file, FileId, ServicesDir, ServicesError, StoredLayer};
-use crate::state::{self, Record, StateDir};
+use crate::state::{Record, StateDir};
 use crate::PodError;
 use aether_rules::services::HeldLayer;
 
@@ -181,8 +181,6 @@ struct Kept {
     /// checked them: the links' beliefs hold only while no one else has stored a layer since.
     layer_bin: (Option<FileId>, Option<FileId>),
     journal: Option<KeptJournal>,
-    /// The spare files `snapshot.json` and `layer.bin` are written through.
-    spares: BTreeMap<String, state::Spare>,
 }
 
 impl Kept {
@@ -302,10 +300,6 @@ impl PodReach for Kept {
             }
         }
         Ok(())
-    }
-
-    fn write_stored(&mut self, dir: &ServicesDir, name: &str, body: &[u8]) -> Result<(), ServicesError> {
-        dir.replace_via_spare(name, body, self.spares.entry(name.to_string()).or_default())
     }
 
     fn canonical_stored(&mut self, dir: &ServicesDir) -> Result<Option<StoredText<'_>>, ServicesError> {

@@ -462,21 +462,20 @@ impl ServicesDir {
     }
 }
 
-/// For ADD, in the host netns, after the attachment record is written: applies the stored
-/// layer (if any) to the pod netns `netns`, under the shared services lock, and records
-/// capture's divert mark for later applies. Loads `layer.bin`, never the JSON snapshot, and
-/// reads nothing back from the kernel. Returns the generation applied, `None` when the agent
-/// has sent no snapshot yet (the pod then has no layer until the first apply).
+/// For ADD, in the host netns, after the attachment record is written and holding the pod's
+/// netns lock: applies the stored layer (if any) to the pod netns `netns`. Takes no lock of
+/// the node's: an apply storing a layer meanwhile lists the records after storing it, so it
+/// either reaches this pod (after this, under the same netns lock, and brings it forward
+/// from the name its tables carry) or stored before the reading here. Loads `layer.bin`,
+/// never the JSON snapshot, and reads nothing back from the kernel. Returns the generation
+/// applied, `None` when the agent has sent no snapshot yet (the pod then has no layer until
+/// the first apply).
 pub fn apply_current_snapshot_in_netns(
     state_dir: &Path,
     netns: &Netns,
     divert_mark: u32,
 ) -> Result<Option<u64>, ServicesError> {
     let dir = ServicesDir::new(state_dir);
-    let _lock = dir.lock(false)?;
-    if dir.divert_mark() != divert_mark {
-        dir.write_atomic("divert-mark", format!("{divert_mark:#x}\n").as_bytes())?;
-    }
     // The transaction the last ADD of this layer and mark sent, kept (`encoded`): sent as
     // it is, without reading `layer.bin` or building the layer.
     let key = encoded::Key::now(&dir, divert_mark);
@@ -512,7 +511,10 @@ pub fn apply_current_snapshot_in_netns(
         Some(p) => flat(netns.run(|| p.rebuild()))?,
         None => flat(netns.run(|| layer::remove().map(Applied::Removed)))?,
     };
-    if let (Some((bytes, seq_count)), Some(key)) = (kept, &key) {
+    // Kept only when the stored files did not move while they were read (no lock keeps them
+    // still): the bytes are then the layer of the files the key names.
+    let unmoved = key.is_some() && key == encoded::Key::now(&dir, divert_mark);
+    if let (Some((bytes, seq_count)), Some(key), true) = (kept, &key, unmoved) {
         let c =
             encoded::Cached { generation: stored.generation, digest: stored.digest, seq_count, bytes: bytes.into() };
         encoded::write(&dir, key, &c);

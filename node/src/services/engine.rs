@@ -228,6 +228,20 @@ pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
     }
 }
 
+/// The pod's netns lock (`Netns::lock`), taken for a visit, when its record is still there
+/// once it is held; `PodError::Gone` when not. ADD, DEL and repairs hold the same lock for
+/// their pod, and a DEL removes the record before letting go: a visit never re-creates the
+/// layer of a pod being deleted, nor meets an ADD's half-made one. Only this pod waits.
+pub(super) fn still_recorded(state: &StateDir, r: &Record, ns: &Netns) -> Result<aether_netns::NetnsLock, PodError> {
+    let lock = ns.lock().map_err(PodError::Netns)?;
+    match state.read(&r.network, &r.container_id, &r.ifname) {
+        Ok(Some(now)) if now.netns_id == r.netns_id => Ok(lock),
+        Ok(Some(_)) => Err(PodError::Gone(format!("the record {} now names another netns (a new ADD)", r.key()))),
+        Ok(None) => Err(PodError::Gone(format!("the record {} went (the pod's DEL)", r.key()))),
+        Err(u) => Err(PodError::Gone(format!("the record {} cannot be read: {}", r.key(), u.why))),
+    }
+}
+
 /// Once `new` is stored (`previous`: what was stored before): every recorded pod brought to
 /// it, as `decide` says, reached through `pods`; run on a tour (`aether_netns::tour` or
 /// `tour_here`: one thread entering each pod's netns in turn, as a thread per pod cost more
@@ -288,8 +302,12 @@ pub(super) fn apply_to_pods(
         dir,
     };
     let mut outcomes = Vec::with_capacity(records.len());
+    let state = StateDir::new(&dir.state);
     for (i, r) in records.iter().enumerate() {
-        let result = pods.reach(i, r).and_then(|pod| pass.visit(r, pod));
+        let result = pods.reach(i, r).and_then(|pod| {
+            let _pod = still_recorded(&state, r, pod.netns())?;
+            pass.visit(r, pod)
+        });
         outcomes.push(PodOutcome {
             container_id: r.container_id.clone(),
             ifname: r.ifname.clone(),

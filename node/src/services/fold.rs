@@ -11,11 +11,9 @@ use serde_json::Value;
 use super::{flat, ServicesDir, ServicesError};
 use crate::state;
 
-/// Why retiring a pod's layer failed: the services lock, or the caller's `forget`.
+/// Why retiring a pod's layer failed: the caller's `forget`.
 #[derive(Debug, thiserror::Error)]
 pub enum RetireError<E> {
-    #[error("cannot lock the Service state: {0}")]
-    Lock(ServicesError),
     #[error(transparent)]
     Forget(E),
     /// A test asked this step to fail (fault-injection builds only).
@@ -38,6 +36,21 @@ impl ServicesDir {
         self.write_atomic("accumulator.json", &serde_json::to_vec_pretty(acc).expect("counts serialize"))
     }
 
+    /// The lock of `accumulator.json`'s read-modify-writes (`counts.lock`), held only around
+    /// them: never across a kernel's work, never the apply's lock, so a DEL folding its pod
+    /// waits for no apply and no other pod's removal, only another fold's file write.
+    pub(super) fn counts_lock(&self) -> Result<state::Lock, ServicesError> {
+        let dir = self.open(true)?.expect("created");
+        dir.lock(COUNTS_LOCK, true, None)
+            .map_err(|source| ServicesError::Lock { path: self.root.join(COUNTS_LOCK), source })
+    }
+
+    /// `accumulator.json`'s identity: readers that add live pods to it read it again after,
+    /// and start over when a fold replaced it meanwhile (`report::node_counters`).
+    pub(super) fn accumulator_id(&self) -> Option<super::FileId> {
+        super::FileId::of(&self.root.join("accumulator.json"))
+    }
+
     /// Folds each pod's current `counts` into the node totals, idempotently: only what grew
     /// since the pod's last fold is added, and the pod stays marked as folding (so readers
     /// subtract what is already in the totals) until [`ServicesDir::end_folding`]. A process
@@ -47,6 +60,7 @@ impl ServicesDir {
         &self,
         pods: &[(String, BTreeMap<String, u64>)],
     ) -> Result<Vec<BTreeMap<String, u64>>, ServicesError> {
+        let _lock = self.counts_lock()?;
         let mut acc = self.accumulator()?;
         let mut added = Vec::new();
         for (key, counts) in pods {
@@ -66,6 +80,7 @@ impl ServicesDir {
 
     /// Ends the folding of pods whose layers are gone.
     pub(super) fn end_folding(&self, keys: &[String]) -> Result<(), ServicesError> {
+        let _lock = self.counts_lock()?;
         let mut acc = self.accumulator()?;
         let before = acc.folding.len();
         for k in keys {
@@ -77,6 +92,9 @@ impl ServicesDir {
         Ok(())
     }
 }
+
+/// The lock file of `accumulator.json`'s updates.
+const COUNTS_LOCK: &str = "counts.lock";
 
 /// `accumulator.json`: the node totals of layers that are gone, and the pods being retired.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -108,8 +126,9 @@ impl Accumulator {
     }
 }
 
-/// For ADD, before `apply_current_snapshot_in_netns`: ends the folding mark of attachment
-/// `key` if a DEL killed after removing its layer left one and no layer is there now. The
+/// For ADD, before `apply_current_snapshot_in_netns`, holding the pod's netns lock: ends the
+/// folding mark of attachment `key` if a DEL killed after removing its layer left one and no
+/// layer is there now. The
 /// layer ADD makes counts from zero; with the old mark still there, readers would subtract
 /// the old pod's folded counts from the new one's (a runtime re-ADDs the same container, e.g.
 /// podman's network reload: DEL then ADD). Costs one small read when there is no mark.
@@ -119,8 +138,7 @@ pub fn end_stale_fold(state_dir: &Path, netns: &Netns, key: &str) -> Result<(), 
     if !marked(&dir) {
         return Ok(());
     }
-    let _lock = dir.lock(true)?;
-    if marked(&dir) && matches!(netns.run(layer::counters), Ok(Ok(None))) {
+    if matches!(netns.run(layer::counters), Ok(Ok(None))) {
         dir.end_folding(&[key.to_string()])?;
     }
     Ok(())
@@ -135,16 +153,18 @@ pub struct Retired {
     pub warnings: Vec<String>,
 }
 
-/// For DEL and GC, in the host netns: under the services lock (exclusive), folds the pod's
-/// final counts into the node totals, removes its layer, and runs `forget` (which removes
-/// the attachment record). `services apply` holds the same lock while it walks the records,
-/// so it either ran before (and its layer is removed here) or runs after (and no longer sees
-/// the pod): it never re-creates a layer in a pod being deleted.
+/// For DEL and GC, in the host netns, holding the pod's netns lock (`Netns::lock`): folds
+/// the pod's final counts into the node totals, removes its layer, and runs `forget` (which
+/// removes the attachment record). An apply visits a pod only holding the same lock, and only
+/// while its record is still there (`engine`), so it either visited before (and its layer is
+/// removed here) or after (and finds no record): it never re-creates a layer in a pod being
+/// deleted. No lock of the whole node is held: a drain's DELs run side by side, and none
+/// waits for an apply.
 ///
 /// Fold first, idempotently ([`ServicesDir::fold_pods`], keyed by the attachment `key`),
 /// then remove: killed at any point, no count is lost or counted twice, and a retried DEL
 /// finishes the job. `netns` is `None` when the pod's netns is already gone: nothing to fold.
-/// Only `forget` and the lock can fail the call (and, in a fault-injection build, a test's
+/// Only `forget` can fail the call (and, in a fault-injection build, a test's
 /// `AETHER_CNI_INJECT_FAILURE=del-folded`: after the fold, before the layer is removed); a count or a layer that cannot be read or
 /// removed must not keep a pod from being deleted, so it is reported in `warnings`.
 pub fn retire_layer<E>(
@@ -154,7 +174,6 @@ pub fn retire_layer<E>(
     forget: impl FnOnce() -> Result<(), E>,
 ) -> Result<Retired, RetireError<E>> {
     let dir = ServicesDir::new(state_dir);
-    let _lock = dir.lock(true).map_err(RetireError::Lock)?;
     let mut out = Retired::default();
     if let Some(ns) = netns {
         match flat(ns.run(layer::counters)) {

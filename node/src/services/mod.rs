@@ -15,21 +15,22 @@
 //! - `layer.journal`: the changes the installer's applier stored since the two files above
 //!   were written whole, which every reader folds in (`journal`);
 //! - `accumulator.json`: the final counts of pods DEL has folded in (node totals never go
-//!   backwards when pods go);
-//! - `divert-mark`: capture's divert mark, recorded by ADD (default 0xae71);
-//!
-//! What each pod holds is in no file: its tables name it (`layer::Named`), and every change
-//! swaps that name in the same transaction as its elements (`engine`).
+//!   backwards when pods go), changed only under `counts.lock`, around its read and write;
 //! - `encoded-<mark>`: the transaction the first ADD of the stored layer sent for that divert
 //!   mark, which the next ADDs send as it is (`encoded`: valid only for the very `layer.bin`
 //!   and binary that wrote it);
-//! - `lock`: `services apply` holds it exclusively while it stores the snapshot and applies
-//!   it to every recorded pod; ADD holds it shared while it applies the stored snapshot to
-//!   its pod. ADD must call `apply_current_snapshot_in_netns` after its attachment record is
-//!   written: then either the apply sees the record, or ADD reads the apply's snapshot, so no
-//!   pod misses a generation (a lock, not a generation check). DEL and GC hold it exclusively
-//!   while they fold a pod's counts, remove its layer and forget its record
-//!   (`retire_layer`), so no apply re-creates the layer of a pod being deleted.
+//! - `lock`: appliers (`services apply`, the installer's applier, `services verify`) hold it
+//!   exclusively while they store a layer and bring the recorded pods to it; readers
+//!   (`counters`, `demand`, `snapshot`) shared. ADD and DEL never take it.
+//!
+//! What each pod holds is in no file: its tables name it (`layer::Named`), and every change
+//! swaps that name in the same transaction as its elements (`engine`). What keeps work on one
+//! pod apart is the pod's own netns lock (`Netns::lock`, no file): ADD holds it while it
+//! writes the record and builds the layer, DEL while it folds the counts, removes the layer
+//! and forgets the record, an apply or repair while it visits the pod, which it does only
+//! while the record is there (`engine::still_recorded`). An apply lists the records after it
+//! stored its layer, and ADD reads the stored layer after it wrote its record, so no pod
+//! misses a generation; and no pod start waits for another pod's work or for an apply.
 
 pub mod applier;
 pub mod apply;
@@ -256,13 +257,6 @@ impl ServicesDir {
         dir.write_atomic(name, body).map_err(|source| ServicesError::Write { path: self.root.join(name), source })
     }
 
-    /// `write_atomic` through a spare kept between writes (`Dir::replace_via_spare`).
-    fn replace_via_spare(&self, name: &str, body: &[u8], spare: &mut crate::state::Spare) -> Result<(), ServicesError> {
-        let dir = self.open(true)?.expect("created");
-        dir.replace_via_spare(name, body, spare)
-            .map_err(|source| ServicesError::Write { path: self.root.join(name), source })
-    }
-
     /// Removes a file of the directory, if there.
     fn remove(&self, name: &str) -> Result<(), ServicesError> {
         let dir = self.open(true)?.expect("created");
@@ -361,25 +355,28 @@ impl ServicesDir {
     }
 
     /// Removes what releases before this one kept of what each pod holds (`pods/`,
-    /// `pods.moves`, the `applying` mark and its spare): the pods' tables say it now. Once per
+    /// `pods.moves`, the `applying` mark and its spare: the pods' tables say it now), the
+    /// spares of the stored files (the journal made whole writes rare) and `divert-mark`
+    /// (each record names its mark). Once per
     /// `ServicesDir`, under the exclusive lock. Left behind, a release rolled back to would
     /// trust files that no longer say what the pods hold.
     fn sweep_legacy_files(&self) {
         if self.legacy_swept.set(()).is_err() {
             return;
         }
-        for name in ["pods.moves", "applying", ".applying.spare"] {
+        for name in
+            ["pods.moves", "applying", ".applying.spare", ".snapshot.json.spare", ".layer.bin.spare", "divert-mark"]
+        {
             let _ = fs::remove_file(self.root.join(name));
         }
         let _ = fs::remove_dir_all(self.root.join("pods"));
     }
 
+    /// The divert mark of a pod whose record names no capture (records of the first
+    /// releases): the default. (Releases before this one also kept ADD's last mark in
+    /// `divert-mark`; every record names its own now, and the file is swept.)
     fn divert_mark(&self) -> u32 {
-        self.read("divert-mark")
-            .ok()
-            .flatten()
-            .and_then(|s| u32::from_str_radix(String::from_utf8_lossy(&s).trim().trim_start_matches("0x"), 16).ok())
-            .unwrap_or(aether_rules::capture::DIVERT_MARK)
+        aether_rules::capture::DIVERT_MARK
     }
 }
 

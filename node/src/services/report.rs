@@ -88,35 +88,50 @@ impl NodeCounters {
 /// Node totals (folded counts of removed pods + live pods) and per-pod rows. A pod whose
 /// netns is gone or has no layer has no row.
 pub fn node_counters(dir: &ServicesDir) -> Result<NodeCounters, ServicesError> {
-    // Shared with other readers, exclusive of DEL/GC folding a pod: a pod is then counted
-    // either in the accumulator or in its own row, never in neither (totals never dip).
     let _lock = dir.read_lock()?;
-    let acc = dir.accumulator()?;
+    // A pod is counted either in the accumulator or in its own row, never in neither (totals
+    // never dip): a DEL folds it in before removing its layer, and a fold replaces
+    // `accumulator.json`, so a reading during which it was replaced is made again. DELs wait
+    // for no reading, but for the last of a few tries, made holding the lock of the folds
+    // (a DEL per try is a drain: its DELs then wait one reading, not the totals dipping).
+    let mut tries = 0;
+    let (acc, pods, unreadable) = loop {
+        tries += 1;
+        let _folds = if tries == COUNTER_READINGS { Some(dir.counts_lock()?) } else { None };
+        let before = dir.accumulator_id();
+        let acc = dir.accumulator()?;
+        let scan = StateDir::new(&dir.state).scan();
+        let live = |records: Vec<Record>| {
+            let mut pods = Vec::new();
+            for r in records {
+                let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+                if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
+                    pods.push((r, c));
+                }
+            }
+            pods
+        };
+        let pods = aether_netns::tour(|| live(scan.records)).map_err(ServicesError::Tour)?;
+        if dir.accumulator_id() == before || tries == COUNTER_READINGS {
+            break (acc, pods, scan.unreadable);
+        }
+    };
     let folded = acc.totals.clone();
     let mut totals: BTreeMap<String, u64> =
         COUNTERS.iter().map(|c| (c.to_string(), folded.get(*c).copied().unwrap_or(0))).collect();
-    let scan = StateDir::new(&dir.state).scan();
-    let live = |records: Vec<Record>| {
-        let mut pods = Vec::new();
-        for r in records {
-            let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
-            if let Ok(Ok(Some(c))) = ns.run(layer::counters) {
-                pods.push((r, c));
-            }
-        }
-        pods
-    };
-    let pods = aether_netns::tour(|| live(scan.records)).map_err(ServicesError::Tour)?;
     for (r, c) in &pods {
         // A pod a killed DEL already folded counts only its growth since.
         for (k, v) in acc.live_part(&r.key(), c) {
             *totals.entry(k).or_default() += v;
         }
     }
-    let unreadable = scan.unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
+    let unreadable = unreadable.into_iter().map(|u| format!("{}: {}", u.file, u.why)).collect();
     let generation = dir.stored_header().ok().flatten().map(|(generation, _)| generation);
     Ok(NodeCounters { generation, totals, folded, pods, unreadable })
 }
+
+/// How many times `node_counters` reads the node while folds keep replacing the accumulator.
+const COUNTER_READINGS: usize = 4;
 
 /// The union of what the node's pods dialled, as `VIP:port/proto` (`[VIP]:port/proto` for
 /// an IPv6 VIP).
@@ -212,21 +227,32 @@ impl VerifyReport {
 
 /// `services verify`: reads every recorded pod's layer back, compares it with the stored
 /// snapshot, and repairs what differs (the element change, or a rebuild). Pods whose netns
-/// is gone are left out. Exclusive of applies, ADD and DEL (the services lock).
+/// is gone are left out. Exclusive of applies (the services lock), and of ADD, DEL and repairs
+/// of each pod while it is visited (its netns lock).
 pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
     let _lock = dir.lock(true)?;
     let stored = dir.stored_layer()?;
     let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
-    let records = StateDir::new(&dir.state).records();
-    aether_netns::tour(|| verify_each(records, stored.as_ref(), node_mark, &mut pods)).map_err(ServicesError::Tour)?;
+    let state = StateDir::new(&dir.state);
+    let records = state.records();
+    aether_netns::tour(|| verify_each(&state, records, stored.as_ref(), node_mark, &mut pods))
+        .map_err(ServicesError::Tour)?;
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
 /// `verify_pods`' visit of each pod.
-fn verify_each(records: Vec<Record>, stored: Option<&StoredLayer>, node_mark: u32, pods: &mut Vec<PodVerified>) {
+fn verify_each(
+    state: &StateDir,
+    records: Vec<Record>,
+    stored: Option<&StoredLayer>,
+    node_mark: u32,
+    pods: &mut Vec<PodVerified>,
+) {
     for r in records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
+        // A pod whose DEL came meanwhile is left out, as one already gone.
+        let Ok(_pod) = super::engine::still_recorded(state, &r, &ns) else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
         let mut migrated = None;
@@ -261,7 +287,10 @@ pub fn stored_header(state_dir: &Path) -> Result<Option<LayerHeader>, ServicesEr
 /// One pod's layer compared with the stored one (`services verify`'s comparison of one pod,
 /// nothing repaired): its differences (empty: intact), prefixed `Service layer:`, and the
 /// stored layer they were compared with ([`stored_header`]). Under the shared services lock:
-/// never halfway through an apply. `divert_mark`: the pod's capture's (else the node's).
+/// never halfway through an apply's tour, so a pod the tour has not reached yet is not taken
+/// for drift (the reconciler's look; never called holding a pod's netns lock, which an apply
+/// holding the services lock may be waiting for). `divert_mark`: the pod's capture's (else
+/// the node's).
 pub fn verify_pod_layer(
     state_dir: &Path,
     netns: &Netns,
@@ -269,6 +298,15 @@ pub fn verify_pod_layer(
 ) -> Result<(Vec<String>, Option<LayerHeader>), ServicesError> {
     let dir = ServicesDir::new(state_dir);
     let _lock = dir.read_lock()?;
+    compare_pod_layer(&dir, netns, divert_mark)
+}
+
+/// `verify_pod_layer` without the lock: the stored layer read as ADD reads it.
+fn compare_pod_layer(
+    dir: &ServicesDir,
+    netns: &Netns,
+    divert_mark: Option<u32>,
+) -> Result<(Vec<String>, Option<LayerHeader>), ServicesError> {
     let stored = dir.stored_layer()?;
     let header = stored.as_ref().map(|s| (s.generation, s.source));
     let mark = divert_mark.unwrap_or_else(|| dir.divert_mark());
@@ -282,14 +320,16 @@ pub fn verify_pod_layer(
 /// counters carried over), if it still differs when compared again (an apply or ADD may have
 /// brought it there since it was found different). With no snapshot stored, a layer the pod
 /// holds is removed (as `services verify` does). Returns the differences it repaired (empty:
-/// none were left). The caller holds the state lock, so no ADD or DEL of the pod runs.
+/// none were left). The caller holds the pod's netns lock, so no ADD, DEL or apply visit of
+/// the pod runs meanwhile.
 /// `divert_mark`: the pod's capture's (else the node's).
 pub fn repair_pod_layer(
     state_dir: &Path,
     netns: &Netns,
     divert_mark: Option<u32>,
 ) -> Result<Vec<String>, ServicesError> {
-    let (diffs, _) = verify_pod_layer(state_dir, netns, divert_mark)?;
+    // Compared again without the services lock: the caller holds the pod's netns lock.
+    let (diffs, _) = compare_pod_layer(&ServicesDir::new(state_dir), netns, divert_mark)?;
     if diffs.is_empty() {
         return Ok(diffs);
     }
@@ -299,9 +339,7 @@ pub fn repair_pod_layer(
     if super::apply_current_snapshot_in_netns(state_dir, netns, divert_mark)?.is_none() {
         // No layer applied: none stored (then none belongs in the pod), or one that cannot be
         // read (then the pod is left as it is, and the error said so).
-        let dir = ServicesDir::new(state_dir);
-        let _lock = dir.read_lock()?;
-        if dir.stored_layer()?.is_none() {
+        if ServicesDir::new(state_dir).stored_layer()?.is_none() {
             flat(netns.run(layer::remove))?;
         }
     }

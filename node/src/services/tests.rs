@@ -109,8 +109,10 @@ fn parallel_adds_and_applies_leave_every_pod_at_the_newest_generation() {
         for (i, ns) in netns.iter().enumerate() {
             let state = state.clone();
             s.spawn(move || {
-                StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
+                // As ADD does it: the pod's netns lock held over the record and the layer.
                 let n = Netns::open_foreign(ns.path()).unwrap();
+                let _pod = n.lock().unwrap();
+                StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
                 apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
             });
         }
@@ -146,7 +148,9 @@ fn parallel_dels_and_applies_leave_no_layer_behind() {
         for (i, ns) in netns.iter().enumerate() {
             let state = state.clone();
             s.spawn(move || {
+                // As DEL does it: the pod's netns lock held until the record is forgotten.
                 let n = Netns::open_foreign(ns.path()).unwrap();
+                let _pod = n.lock().unwrap();
                 let forget = || StateDir::new(&state).remove("k8s-pod-network", &format!("c{i}"), "eth0");
                 let retired = retire_layer(&state, Some(&n), &format!("k8s-pod-network/c{i}/eth0"), forget).unwrap();
                 assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
@@ -159,6 +163,52 @@ fn parallel_dels_and_applies_leave_no_layer_behind() {
         assert!(left.is_none(), "{}: an apply re-created the layer of a deleted pod", ns.name);
     }
     assert!(StateDir::new(&state).records().is_empty());
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// ADD and DEL of a pod take no lock of the node's: with an apply holding the services lock
+/// (as for the whole of its tour of the pods), a pod's ADD and then its DEL still finish.
+/// Made to wait (each on a thread of its own), the test fails instead of hanging.
+#[test]
+fn add_and_del_finish_while_an_apply_holds_the_services_lock() {
+    if !root_or_skip("add_and_del_finish_while_an_apply_holds_the_services_lock") {
+        return;
+    }
+    let state = tmp("nowait");
+    let dir = ServicesDir::new(&state);
+    apply_document(&dir, &doc(1)).unwrap();
+    let ns = TestNetns::new("svc-nowait");
+    let apply_lock = dir.lock(true).unwrap();
+    let path = ns.path();
+    let finished = |work: Box<dyn FnOnce() + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            work();
+            let _ = tx.send(());
+        });
+        // Not a timing: a bound on a wait that, were it a lock's, would never end.
+        rx.recv_timeout(std::time::Duration::from_secs(60)).is_ok()
+    };
+    let (s, p) = (state.clone(), path.clone());
+    let added = finished(Box::new(move || {
+        let n = Netns::open_foreign(&p).unwrap();
+        let _pod = n.lock().unwrap();
+        StateDir::new(&s).write(&rec("c0", &p)).unwrap();
+        assert_eq!(apply_current_snapshot_in_netns(&s, &n, 0xae71).unwrap(), Some(1));
+    }));
+    assert!(added, "ADD waited for the apply's lock");
+    let (s, p) = (state.clone(), path.clone());
+    let deleted = finished(Box::new(move || {
+        let n = Netns::open_foreign(&p).unwrap();
+        let _pod = n.lock().unwrap();
+        let forget = || StateDir::new(&s).remove("k8s-pod-network", "c0", "eth0");
+        let retired = retire_layer(&s, Some(&n), "k8s-pod-network/c0/eth0", forget).unwrap();
+        assert!(retired.warnings.is_empty(), "{:?}", retired.warnings);
+    }));
+    assert!(deleted, "DEL waited for the apply's lock");
+    drop(apply_lock);
+    let left = Netns::open_foreign(&path).unwrap().run(layer::counters).unwrap().unwrap();
+    assert!(left.is_none(), "DEL removed the layer ADD made");
     let _ = fs::remove_dir_all(&state);
 }
 
@@ -647,5 +697,64 @@ fn add_sends_the_kept_transaction_of_the_stored_layer() {
         report.pods.iter().any(|p| p.container_id == "kept-e" && !matches!(&p.result, Ok((d, _)) if d.is_empty()));
     assert!(flagged, "RIG BROKEN: verify does not see a pod sent another layer's kept transaction");
     drop((a, b, c, d, e));
+    let _ = fs::remove_dir_all(&state);
+}
+
+/// The kinds of files under `<stateDir>/services` (`encoded-<mark>` one kind whatever the
+/// mark), locks apart.
+fn file_kinds(state: &Path) -> (std::collections::BTreeSet<String>, std::collections::BTreeSet<String>) {
+    let kinds: std::collections::BTreeSet<String> = fs::read_dir(state.join("services"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .map(|n| if n.starts_with("encoded-") { "encoded-<mark>".to_string() } else { n })
+        .collect();
+    kinds.into_iter().partition(|k| k != "lock" && k != "counts.lock")
+}
+
+/// After the sequence a node goes through (pods added, three snapshots, three change
+/// documents through the installer's applier, a DEL, an ADD), `<stateDir>/services` holds
+/// six kinds of files besides its locks, each one design.md's state list names.
+#[test]
+fn the_service_state_is_six_kinds_of_files_besides_the_locks() {
+    if !root_or_skip("the_service_state_is_six_kinds_of_files_besides_the_locks") {
+        return;
+    }
+    use std::collections::BTreeSet;
+    let state = tmp("kinds");
+    let dir = ServicesDir::new(&state);
+    let pods: Vec<TestNetns> = (0..4).map(|_| TestNetns::new("svc-kinds")).collect();
+    for (i, ns) in pods.iter().enumerate() {
+        let n = Netns::open_foreign(ns.path()).unwrap();
+        let _pod = n.lock().unwrap();
+        StateDir::new(&state).write(&rec(&format!("c{i}"), &ns.path())).unwrap();
+        apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap();
+    }
+    for g in 1..=3 {
+        apply_document(&dir, &doc(g)).unwrap();
+    }
+    let mut applier = Applier::new(&state);
+    for g in 4..=6u64 {
+        let change = json!({"baseGeneration": g - 1, "generation": g, "servicesPut": [
+            {"namespace": "n", "name": format!("s{g}"), "vip": format!("10.96.2.{g}"),
+             "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true}]});
+        applier.apply(change.to_string().as_bytes()).unwrap();
+    }
+    let n = Netns::open_foreign(pods[0].path()).unwrap();
+    {
+        let _pod = n.lock().unwrap();
+        let forget = || StateDir::new(&state).remove("k8s-pod-network", "c0", "eth0");
+        retire_layer(&state, Some(&n), "k8s-pod-network/c0/eth0", forget).unwrap();
+        StateDir::new(&state).write(&rec("c9", &pods[0].path())).unwrap();
+        assert_eq!(apply_current_snapshot_in_netns(&state, &n, 0xae71).unwrap(), Some(6));
+    }
+    let (kinds, locks) = file_kinds(&state);
+    let named: BTreeSet<String> =
+        ["snapshot.json", "snapshot.source", "layer.bin", "layer.journal", "accumulator.json", "encoded-<mark>"]
+            .map(String::from)
+            .into();
+    assert_eq!(kinds, named, "the kinds of files (locks apart: {locks:?})");
+    // Control: a file of another kind (a release before's mirror of a pod) is seen.
+    fs::write(state.join("services/pods.moves"), b"").unwrap();
+    assert!(file_kinds(&state).0.contains("pods.moves"), "RIG BROKEN: a stray file is not seen");
     let _ = fs::remove_dir_all(&state);
 }

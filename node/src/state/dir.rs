@@ -172,62 +172,6 @@ impl Dir {
         })
     }
 
-    /// Writes `name` as [`Dir::write_atomic`] does (readers find a whole file at the name at
-    /// every moment, and a file they hold open never changes), through a spare file kept
-    /// beside it, `.<name>.spare`: the body is written over the spare's pages, flushed, and
-    /// the two files are swapped by one rename (`RENAME_EXCHANGE`), the replaced one
-    /// becoming the spare. For a large file rewritten again and again (the Service layer's
-    /// 1.5 MB `snapshot.json` under churn): on a tmpfs a new file is pages allocated, and
-    /// the replaced one's freed at the rename, which cost more than the copy itself.
-    ///
-    /// The spare is written over only when no one else has it open (a reader who opened it
-    /// at the name before it was swapped out), which the kernel tells by granting a write
-    /// lease; otherwise, and whenever the spare is not the file kept in `spare`, this is
-    /// `write_atomic` (the spare is tried again the next time).
-    pub fn replace_via_spare(&self, name: &str, body: &[u8], spare: &mut Spare) -> std::io::Result<()> {
-        let spare_name = format!(".{name}.spare");
-        let kept = spare.file.take().filter(|f| self.is_linked_at(f, &spare_name));
-        let file = match kept {
-            Some(f) => f,
-            None => match self.open_spare(&spare_name, true) {
-                Some(f) => f,
-                None => return self.write_atomic(name, body),
-            },
-        };
-        if !open_here_alone(&file) {
-            spare.file = Some(file);
-            return self.write_atomic(name, body);
-        }
-        overwrite_file(&file, body, file.metadata()?.len())?;
-        file.sync_all()?;
-        let (from, to) = (cstr(OsStr::new(&spare_name))?, cstr(OsStr::new(name))?);
-        let dirfd = self.fd.as_raw_fd();
-        match check(unsafe { libc::renameat2(dirfd, from.as_ptr(), dirfd, to.as_ptr(), libc::RENAME_EXCHANGE) }) {
-            Ok(_) => {}
-            // Nothing at the name yet: the spare becomes the file, and a new spare is made
-            // the next time.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.rename(&spare_name, name),
-            Err(e) => return Err(e),
-        }
-        spare.file = self.open_spare(&spare_name, false);
-        Ok(())
-    }
-
-    /// The regular file at `name` opened for `replace_via_spare` (created 0600 if `create`).
-    fn open_spare(&self, name: &str, create: bool) -> Option<File> {
-        let flags = libc::O_RDWR | if create { libc::O_CREAT } else { 0 };
-        let f = self.openat(name, flags, 0o600).ok()?;
-        f.metadata().ok().filter(|m| m.file_type().is_file()).map(|_| f)
-    }
-
-    /// Whether `f` is the file linked at `name` in this directory.
-    fn is_linked_at(&self, f: &File, name: &str) -> bool {
-        match (f.metadata(), self.metadata(name)) {
-            (Ok(open), Ok(there)) => open.nlink() > 0 && open.dev() == there.dev() && open.ino() == there.ino(),
-            _ => false,
-        }
-    }
-
     /// Writes `body` over `name` in place (created if absent): no temporary file, rename or
     /// flush. Only for files whose loss, or a torn or empty copy left by a crash, costs
     /// nothing but work (a pod's `services/pods/` file: a rebuild); a few system calls
@@ -327,29 +271,6 @@ fn flock(f: File, exclusive: bool, timeout: Option<Duration>) -> std::io::Result
             Err(e) => return Err(e),
         }
     }
-}
-
-/// The spare file [`Dir::replace_via_spare`] keeps between writes (none at first).
-#[derive(Debug, Default)]
-pub struct Spare {
-    file: Option<File>,
-}
-
-/// Whether no one but this descriptor has `f`'s file open: the kernel grants a write lease
-/// only then. The lease is let go at once; while held, someone opening the file would make
-/// the kernel signal this process (SIGIO by default, which ends it), so the signal is set
-/// to SIGWINCH, ignored by default.
-fn open_here_alone(f: &File) -> bool {
-    // F_SETSIG: 10 on every Linux architecture (the libc crate lacks it on some targets).
-    const F_SETSIG: libc::c_int = 10;
-    let fd = f.as_raw_fd();
-    unsafe {
-        if libc::fcntl(fd, F_SETSIG, libc::SIGWINCH) < 0 || libc::fcntl(fd, libc::F_SETLEASE, libc::F_WRLCK) < 0 {
-            return false;
-        }
-        libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK);
-    }
-    true
 }
 
 /// `body` written over the open file `f` (now `len` bytes long) in place, as `Dir::overwrite`.

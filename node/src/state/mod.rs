@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use dir::is_stale_temp;
-pub use dir::{overwrite_file, read_capped, Dir, Lock, Spare};
+pub use dir::{overwrite_file, read_capped, Dir, Lock};
 pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError, Recorded};
 pub use uninstall::{
     finish_uninstall, keep_binary_for_attachment, UninstallError, Uninstalled, RELOAD_GRACE, UNINSTALLED_FILE,

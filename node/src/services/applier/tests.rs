@@ -7,6 +7,7 @@ use super::*;
 use crate::services::{apply_change, apply_current_snapshot_in_netns, apply_document, layer_file};
 use crate::state::NetnsIdentity;
 use aether_rules::services as layer;
+use std::collections::BTreeMap;
 
 fn tmp(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("aether-applier-{tag}-{}", std::process::id()));
