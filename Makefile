@@ -43,6 +43,10 @@ INSTALLER_SBOM ?= target/image/aether-cni-installer-$(VERSION).cdx.json
 # builds its plugin from this clone's history into target/previous-release/, once).
 PREVIOUS_RELEASE := 7d8c46d
 PREVIOUS_BIN := target/previous-release/aether-cni
+# The releases whose Service layers conformance/tests/services_releases.rs upgrades from (shape
+# 2, and shape 3 before its tables named what they hold) and rolls back to (the later one):
+# each built from the history into target/previous-release/<commit>/aether-cni.
+LAYER_RELEASES := 36df875 3499904
 # The same release's plugin as it shipped (static, its release profile), which make bench
 # runs beside this one's (AETHER_BENCH_OLD_BIN).
 PREVIOUS_RELEASE_BIN := target/previous-release/release/aether-cni
@@ -114,6 +118,7 @@ sbom: build $(CARGO_CYCLONEDX)
 ## previous-release: the previous release's plugin ($(PREVIOUS_BIN)), built from the history
 previous-release: deps
 	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE)
+	for r in $(LAYER_RELEASES); do CARGO=$(CARGO) bash scripts/previous-release.sh $$r debug target/previous-release/$$r || exit 1; done
 
 ## previous-release-static: the previous release's plugin as it shipped ($(PREVIOUS_RELEASE_BIN):
 ## static, its release profile), for make bench, built from the history
@@ -175,6 +180,8 @@ bench: deps build clients-deps previous-release-static
 		$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
 	AETHER_INSTALLER_BIN=$(CURDIR)/$(INSTALLER_BIN) $(CARGO) bench -p aether-cni --bench services_scale
+	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_BENCH_OLD_BIN=$(CURDIR)/$(PREVIOUS_RELEASE_BIN) \
+		$(CARGO) bench -p aether-cni --bench pod_storms
 	$(CARGO) bench -p aether-installer --bench repair
 	$(CARGO) bench -p aether-installer --bench reconcile_pass
 	@# cargo bench rebuilt target/release/aether-cni and aether-cni-installer (dynamic, for

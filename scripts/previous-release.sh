@@ -10,6 +10,9 @@
 #                                                 shipped it, for make bench's side-by-side
 #                                                 (AETHER_BENCH_OLD_BIN):
 #                                                 target/previous-release/release/aether-cni
+#   scripts/previous-release.sh COMMIT debug DIR  the debug binary into DIR (the Service
+#                                                 layer's releases before: make test builds
+#                                                 each into target/previous-release/COMMIT)
 set -euo pipefail
 want=${1:?usage: previous-release.sh COMMIT [release]}
 profile=${2:-debug}
@@ -21,14 +24,18 @@ fi
 rev=$(git rev-parse --verify "$want^{commit}")
 out=target/previous-release
 case "$profile" in
-debug) dest=$out ;;
+debug) dest=${3:-$out} ;;
 release) dest=$out/release ;;
 *) echo "previous-release: unknown profile $profile (debug or release)" >&2; exit 2 ;;
 esac
 if [ -x "$dest/aether-cni" ] && [ "$(cat "$dest/commit" 2>/dev/null)" = "$rev" ]; then
 	exit 0
 fi
-src=$out/src-$profile
+src=$out/src-$profile-$rev
+# A target directory per release built into a directory of its own: cargo reuses a path
+# package's artifacts by name and version, whatever its source, across releases.
+target_dir=$PWD/$out/target
+[ -n "${3:-}" ] && target_dir=$PWD/$dest/target
 rm -rf "$src" "$dest/aether-cni"
 mkdir -p "$src" "$dest"
 git archive "$rev" | tar -x -C "$src"
@@ -41,8 +48,8 @@ if [ "$profile" = release ]; then
 		--manifest-path "$src/Cargo.toml" -p aether-cni
 	install -m 0755 "$out/target/$target/release/aether-cni" "$dest/aether-cni"
 else
-	CARGO_TARGET_DIR="$PWD/$out/target" ${CARGO:-cargo} build --locked -q --manifest-path "$src/Cargo.toml" -p aether-cni
-	install -m 0755 "$out/target/debug/aether-cni" "$dest/aether-cni"
+	CARGO_TARGET_DIR="$target_dir" ${CARGO:-cargo} build --locked -q --manifest-path "$src/Cargo.toml" -p aether-cni
+	install -m 0755 "$target_dir/debug/aether-cni" "$dest/aether-cni"
 fi
 echo "$rev" >"$dest/commit"
 rm -rf "$src"

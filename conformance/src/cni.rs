@@ -65,29 +65,39 @@ impl Outcome {
 /// Runs the plugin with a clean environment (`env`) and `conf` on stdin, inside the network
 /// namespace at `run_in` (the simulated node's host netns: where a runtime runs plugins).
 pub fn run(run_in: &str, env: &[(&str, &str)], conf: &Value) -> Outcome {
-    spawn_in(Some(run_in), &[], env, conf.to_string().as_bytes())
+    spawn_in(cni_bin(), Some(run_in), &[], env, conf.to_string().as_bytes())
+}
+
+/// Like `run`, with another build of the plugin (a release before, built from the history).
+pub fn run_bin(bin: &Path, run_in: &str, env: &[(&str, &str)], conf: &Value) -> Outcome {
+    spawn_in(bin, Some(run_in), &[], env, conf.to_string().as_bytes())
+}
+
+/// Like `run_cli`, with another build of the plugin.
+pub fn run_cli_bin(bin: &Path, run_in: &str, args: &[&str], stdin: &[u8]) -> Outcome {
+    spawn_in(bin, Some(run_in), args, &[], stdin)
 }
 
 /// Like `run`, in the caller's own network namespace (the tests' stand-in for the node).
 pub fn run_here(env: &[(&str, &str)], conf: &Value) -> Outcome {
-    spawn_in(None, &[], env, conf.to_string().as_bytes())
+    spawn_in(cni_bin(), None, &[], env, conf.to_string().as_bytes())
 }
 
 /// Runs the binary as the operator CLI (`args`, e.g. `["services", "--state-dir", D,
 /// "apply"]`) with a clean environment and `stdin`, inside the network namespace at `run_in`
 /// (the simulated node's host netns: where the node agent runs it).
 pub fn run_cli(run_in: &str, args: &[&str], stdin: &[u8]) -> Outcome {
-    spawn_in(Some(run_in), args, &[], stdin)
+    spawn_in(cni_bin(), Some(run_in), args, &[], stdin)
 }
 
 /// Like `run_cli`, in the caller's own network namespace.
 pub fn run_cli_here(args: &[&str], stdin: &[u8]) -> Outcome {
-    spawn_in(None, args, &[], stdin)
+    spawn_in(cni_bin(), None, args, &[], stdin)
 }
 
-fn spawn_in(run_in: Option<&str>, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
+fn spawn_in(bin: &Path, run_in: Option<&str>, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Outcome {
     let ns = run_in.map(|p| std::fs::File::open(p).unwrap_or_else(|e| panic!("open {p}: {e}")));
-    let mut cmd = Command::new(cni_bin());
+    let mut cmd = Command::new(bin);
     cmd.args(args)
         .env_clear()
         .envs(env.iter().copied())
@@ -105,7 +115,7 @@ fn spawn_in(run_in: Option<&str>, args: &[&str], env: &[(&str, &str)], stdin: &[
             });
         }
     }
-    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {}: {e}", cni_bin().display()));
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
     drop(ns);
     child.stdin.take().unwrap().write_all(stdin).unwrap();
     let out = child.wait_with_output().unwrap();

@@ -197,6 +197,14 @@ impl SimNode {
         cni::run_cli(&self.host.path(), &full, stdin)
     }
 
+    /// `services` as above, by another build of the plugin (a release before).
+    pub fn services_with(&self, bin: &Path, args: &[&str], stdin: &[u8]) -> cni::Outcome {
+        let dir = self.state_dir.0.display().to_string();
+        let mut full = vec!["services", "--state-dir", dir.as_str()];
+        full.extend_from_slice(args);
+        cni::run_cli_bin(bin, &self.host.path(), &full, stdin)
+    }
+
     /// A node-level CNI command (STATUS, GC) as the runtime runs it: no pod, no container,
     /// from inside the host netns.
     pub fn cni(&self, command: &str, conf: &Value) -> cni::Outcome {
@@ -292,6 +300,11 @@ impl Pod {
 
     /// Runs the plugin for this pod through the CNI protocol, from inside the node's netns.
     pub fn cni(&self, command: &str, conf: &Value) -> cni::Outcome {
+        self.cni_with(cni::cni_bin(), command, conf)
+    }
+
+    /// `cni` by another build of the plugin (a release before, built from the history).
+    pub fn cni_with(&self, bin: &Path, command: &str, conf: &Value) -> cni::Outcome {
         let netns = self.path();
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=sim;K8S_POD_NAME={}", self.name);
         let env = [
@@ -302,7 +315,7 @@ impl Pod {
             ("CNI_PATH", "/opt/cni/bin"),
             ("CNI_ARGS", args.as_str()),
         ];
-        cni::run(&self.node_netns, &env, conf)
+        cni::run_bin(bin, &self.node_netns, &env, conf)
     }
 
     /// ADD with `conf(extra)`; panics unless it succeeds and passes `prevResult` through.

@@ -1,0 +1,342 @@
+//! Pod start and stop as a node meets them: many at once (a node's reboot, a drain), and one
+//! while the installer rebuilds every pod's Service layer (the agent's first snapshot). Each
+//! beside what it is compared with, in the same run: Debian's `tuning` plugin the same way
+//! (a chained plugin that does next to nothing: the cost of being a chained plugin), the
+//! plugin with no Services stored, and the kernel's own element work (the floor).
+//!
+//! `AETHER_BENCH_BIN`: the plugin binary (the release's, as shipped); `AETHER_BENCH_ROUNDS`:
+//! rounds per row (3). Root: it makes its own network namespaces.
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aether_netns::Netns;
+use aether_rules::model::Proto;
+use aether_rules::services::{self, LayerMode, ServiceLayer, ServicePort};
+use aether_testkit::TestNetns;
+use serde_json::{json, Value};
+
+/// A node's pods at once: the kubelet's default maximum (110).
+const STORM: usize = 110;
+/// The pods whose layers the installer rebuilds while one more starts.
+const REBUILT: usize = 100;
+const SERVICES: u32 = 10_000;
+const TUNING: &str = "/usr/lib/cni/tuning";
+
+fn rounds() -> usize {
+    std::env::var("AETHER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3)
+}
+
+fn bin() -> String {
+    std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn service_vip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a60_0000 + 2 + i)
+}
+
+fn service_ports(i: u32) -> [u16; 2] {
+    [80, 8080 + (i % 7) as u16]
+}
+
+/// `n` Services of two TCP ports each, one in ten without endpoints (as `services_scale`).
+fn snapshot(generation: u64, n: u32) -> Vec<u8> {
+    let services: Vec<Value> = (0..n)
+        .map(|i| {
+            let ports: Vec<Value> = service_ports(i).iter().map(|p| json!({"protocol": "TCP", "port": p})).collect();
+            json!({"namespace": format!("ns-{}", i % 50), "name": format!("svc-{i}"), "vip": service_vip(i).to_string(),
+                   "ports": ports, "usableEndpoints": i % 10 != 0})
+        })
+        .collect();
+    serde_json::to_vec(&json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/15"],
+        "meshVIPs": [], "services": services}))
+    .unwrap()
+}
+
+/// The same Services as the layer's model (for the kernel's floor).
+fn layer(n: u32) -> ServiceLayer {
+    let mut l = ServiceLayer::new(LayerMode::Refuse);
+    l.ranges = vec!["10.96.0.0/15".parse().unwrap()];
+    l.ports = (0..n)
+        .flat_map(|i| {
+            service_ports(i).map(|port| ServicePort {
+                vip: service_vip(i).into(),
+                proto: Proto::Tcp,
+                port,
+                has_endpoints: i % 10 != 0,
+            })
+        })
+        .collect();
+    l
+}
+
+/// A state directory on tmpfs, as the node's /var/run/aether-cni is.
+fn state_dir(tag: &str) -> PathBuf {
+    let d = PathBuf::from(format!("/dev/shm/aether-bench-storms-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Removes the state directories when dropped (also on a panic).
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// One plugin run: `conf` on stdin, the CNI environment for `netns`/`id`; its wall time.
+/// A failure stops the bench (a storm that fails is no figure).
+fn plugin(bin: &str, cmd: &str, netns: &str, id: &str, conf: &[u8]) -> Duration {
+    let t = Instant::now();
+    let mut child = Command::new(bin)
+        .env_clear()
+        .env("CNI_COMMAND", cmd)
+        .env("CNI_CONTAINERID", id)
+        .env("CNI_NETNS", netns)
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/opt/cni/bin:/usr/lib/cni")
+        .env("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(conf).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let wall = t.elapsed();
+    assert!(
+        out.status.success(),
+        "{bin} {cmd} {id}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wall
+}
+
+/// `cmd` for every pod at once (a thread each, released together): the wall time until the
+/// last is done, and each one's.
+fn storm(bin: &str, cmd: &str, pods: &[TestNetns], conf: &[u8]) -> (Duration, Vec<Duration>) {
+    let go = std::sync::Barrier::new(pods.len() + 1);
+    std::thread::scope(|s| {
+        let each: Vec<_> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let go = &go;
+                s.spawn(move || {
+                    go.wait();
+                    plugin(bin, cmd, &p.path(), &format!("storm-{i}"), conf)
+                })
+            })
+            .collect();
+        go.wait();
+        let t = Instant::now();
+        let each: Vec<Duration> = each.into_iter().map(|h| h.join().unwrap()).collect();
+        (t.elapsed(), each)
+    })
+}
+
+fn aether_conf(state: &Path) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "cniVersion": "1.0.0", "name": "bench-storms", "type": "aether-cni", "stateDir": state,
+        "hostIP": "10.0.0.1",
+        "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}],
+                       "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
+    }))
+    .unwrap()
+}
+
+fn tuning_conf(data: &Path) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "cniVersion": "1.0.0", "name": "bench-storms", "type": "tuning", "dataDir": data,
+        "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}],
+                       "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
+    }))
+    .unwrap()
+}
+
+/// `aether-cni services apply` of `doc` into `state`.
+fn services_apply(bin: &str, state: &Path, doc: &[u8]) {
+    let mut child = Command::new(bin)
+        .args(["services", "apply", "--state-dir"])
+        .arg(state)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(doc).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "services apply: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The kernel's floor of a storm with `n` Services: every pod's layer, encoded once, created
+/// by a thread per pod at once, then removed the same way (no process, no file, no capture):
+/// the element work alone. (create, remove) wall times.
+fn floor(pods: &[TestNetns], n: u32) -> (Duration, Duration) {
+    let prepared = services::Prepared::new(&layer(n)).unwrap().expect("a layer");
+    let at_once = |work: &(dyn Fn() + Sync)| {
+        let go = std::sync::Barrier::new(pods.len() + 1);
+        std::thread::scope(|s| {
+            let each: Vec<_> = pods
+                .iter()
+                .map(|p| {
+                    let go = &go;
+                    s.spawn(move || {
+                        let ns = Netns::open_foreign(p.path()).unwrap();
+                        go.wait();
+                        ns.run(work).unwrap();
+                    })
+                })
+                .collect();
+            go.wait();
+            let t = Instant::now();
+            each.into_iter().for_each(|h| h.join().unwrap());
+            t.elapsed()
+        })
+    };
+    let create = at_once(&|| prepared.create().send().unwrap());
+    let remove = at_once(&|| assert!(services::remove().unwrap()));
+    (create, remove)
+}
+
+/// One ADD while `bin`'s one-shot apply brings `rebuilt`'s pods their first layer, and the
+/// same ADD on the idle node (into `extra`): medians (idle, during, the apply) in ms.
+fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &TestNetns) -> (f64, f64, f64) {
+    let conf = aether_conf(state);
+    for (i, p) in rebuilt.iter().enumerate() {
+        plugin(bin, "ADD", &p.path(), &format!("pod-{i}"), &conf);
+    }
+    let doc = snapshot(1, SERVICES);
+    let (mut idle, mut during, mut applies) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds() {
+        // The node as before the agent's first snapshot: no snapshot, no layer in any pod.
+        let _ = std::fs::remove_dir_all(state.join("services"));
+        for p in rebuilt {
+            Netns::open_foreign(p.path()).unwrap().run(services::remove).unwrap().unwrap();
+        }
+        let (wall, apply_wall) = std::thread::scope(|s| {
+            let apply = s.spawn(|| {
+                let t = Instant::now();
+                services_apply(bin, state, &doc);
+                t.elapsed()
+            });
+            // Started once the apply has stored the layer (it then tours the pods at once).
+            while !state.join("services/layer.bin").exists() {
+                assert!(!apply.is_finished(), "the apply ended before it stored a layer");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(!apply.is_finished(), "the apply ended before the ADD started: not an ADD during a rebuild");
+            let wall = plugin(bin, "ADD", &extra.path(), &format!("extra-{round}"), &conf);
+            (wall, apply.join().unwrap())
+        });
+        during.push(ms(wall));
+        applies.push(ms(apply_wall));
+        plugin(bin, "DEL", &extra.path(), &format!("extra-{round}"), &conf);
+        idle.push(ms(plugin(bin, "ADD", &extra.path(), &format!("idle-{round}"), &conf)));
+        plugin(bin, "DEL", &extra.path(), &format!("idle-{round}"), &conf);
+    }
+    for (i, p) in rebuilt.iter().enumerate() {
+        plugin(bin, "DEL", &p.path(), &format!("pod-{i}"), &conf);
+    }
+    (median(idle), median(during), median(applies))
+}
+
+fn main() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("the storm bench needs root (it makes its own network namespaces)");
+        std::process::exit(1);
+    }
+    let bin = bin();
+    // `AETHER_BENCH_OLD_BIN`: a release before, measured the same way beside this one.
+    let old = std::env::var("AETHER_BENCH_OLD_BIN").ok().filter(|b| Path::new(b).exists());
+    let tags = ["none", "services", "rebuild", "tuning", "old-services", "old-rebuild"];
+    let dirs = Cleanup(tags.into_iter().map(state_dir).collect());
+    let [none, with_services, rebuild, tuning_data, old_services, old_rebuild] =
+        [0, 1, 2, 3, 4, 5].map(|i| dirs.0[i].as_path());
+    println!(
+        "pod storms and an ADD during a rebuild: {SERVICES} Services, {STORM} pods at once, medians of {} rounds",
+        rounds()
+    );
+    println!("  (wall time from the first start to the last exit; the machine may be shared)\n");
+
+    let pods: Vec<TestNetns> = (0..STORM).map(|_| TestNetns::new("bstorm")).collect();
+    for p in &pods {
+        // tuning needs the interface it is chained for: a veth pair inside the pod netns.
+        let ok = Command::new("ip")
+            .args(["-n", &p.name, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0peer"])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+    services_apply(&bin, with_services, &snapshot(1, SERVICES));
+    let mut contenders: Vec<(String, Vec<u8>, String)> = vec![
+        ("Debian tuning (chained, does next to nothing)".into(), tuning_conf(tuning_data), TUNING.into()),
+        ("aether-cni, no Services stored".into(), aether_conf(none), bin.clone()),
+        ("aether-cni, 10,000 Services stored".into(), aether_conf(with_services), bin.clone()),
+    ];
+    if let Some(old) = &old {
+        services_apply(old, old_services, &snapshot(1, SERVICES));
+        contenders.push(("the release before, 10,000 Services stored".into(), aether_conf(old_services), old.clone()));
+    }
+    let n = contenders.len();
+    let (mut adds, mut add_p99, mut dels) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
+    let (mut floors, mut del_floors) = (Vec::new(), Vec::new());
+    for _ in 0..rounds() {
+        let (create, remove) = floor(&pods, SERVICES);
+        floors.push(ms(create));
+        del_floors.push(ms(remove));
+        for (i, (_, conf, b)) in contenders.iter().enumerate() {
+            let (wall, mut each) = storm(b, "ADD", &pods, conf);
+            each.sort();
+            adds[i].push(ms(wall));
+            add_p99[i].push(ms(each[each.len() * 99 / 100]));
+            dels[i].push(ms(storm(b, "DEL", &pods, conf).0));
+        }
+    }
+    let (floor, del_floor) = (median(floors), median(del_floors));
+    println!("{STORM} ADDs at once (a node's reboot):");
+    let tuning_add = median(adds[0].clone());
+    for (i, (name, _, _)) in contenders.iter().enumerate() {
+        let (wall, p99) = (median(adds[i].clone()), median(add_p99[i].clone()));
+        println!("  {name:<48} {wall:>9.1} ms  (p99 of one ADD {p99:>7.1} ms)  / tuning {:.2}x", wall / tuning_add);
+    }
+    let what = "floor: the 10,000-Service layer in every pod";
+    println!("  {what:<48} {floor:>9.1} ms  (the kernel's element work alone: threads, no process)");
+    println!("\n{STORM} DELs at once (a node's drain):");
+    let tuning_del = median(dels[0].clone());
+    for (i, (name, _, _)) in contenders.iter().enumerate() {
+        let wall = median(dels[i].clone());
+        let goal = if i == 2 { "  (goal <= 1.5x)" } else { "" };
+        println!("  {name:<48} {wall:>9.1} ms  / tuning {:.2}x{goal}", wall / tuning_del);
+    }
+    let what = "floor: the 10,000-Service layer removed in every pod";
+    println!("  {what:<48} {del_floor:>9.1} ms  (the kernel's element work alone: threads, no process)");
+    let (rebuilt, extra) = (&pods[..REBUILT], &pods[REBUILT]);
+    let mut runs = vec![("aether-cni", add_during_rebuild(&bin, rebuild, rebuilt, extra))];
+    if let Some(old) = &old {
+        runs.push(("the release before", add_during_rebuild(old, old_rebuild, rebuilt, extra)));
+    }
+    for (name, (idle, during, apply)) in runs {
+        println!("\n{name}: one ADD while {REBUILT} pods get their first {SERVICES}-Service layer (the apply: {apply:.0} ms):");
+        println!("  {:<48} {idle:>9.1} ms", "ADD, idle node");
+        println!("  {:<48} {during:>9.1} ms  / idle {:.2}x  (goal <= 2x)", "ADD during the rebuild", during / idle);
+    }
+}
