@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::cri::CriRuntime;
-use super::{action_kind, Limits, NodeOps, Outcome, PassReport, Reconciler, Runtime, Stopping};
+use super::{action_kind, Held, Limits, NodeOps, Outcome, PassReport, Reconciler, Runtime, Stopping};
 use crate::serve::Shared;
 
 /// The last pass, in the state directory (read by `aether-cni inspect` with no argument).
@@ -115,7 +115,7 @@ where
             }
             shared.metrics.reconcile.observe(&report, trigger);
             write_last_pass(&state_dir, &report);
-            match next(&rx, started + period, &shared) {
+            match next(&rx, started + period, &shared, waits_for_ready(&report)) {
                 Some(t) => trigger = t,
                 None => return,
             }
@@ -131,11 +131,23 @@ fn is_ready(shared: &Shared) -> bool {
     shared.status.lock().unwrap().not_ready.is_empty()
 }
 
+/// Whether the pass held a pod only because the node was not ready (a missed pod while the
+/// plugin is not chained yet): the pass once the node is ready is for it.
+fn waits_for_ready(report: &PassReport) -> bool {
+    report.findings.iter().any(|f| matches!(f.held, Some(Held::NodeNotReady(_))))
+}
+
 /// The next pass's trigger, or `None` to stop: the period (counted from the last pass's
 /// start, so that a long pass does not stretch the time between two looks at a pod), a poke,
-/// or the node turning ready (missed pods were held while it was not).
-fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'static str> {
-    let was_ready = is_ready(shared);
+/// or the node being ready when the last pass held pods for it (`held_for_ready`): at once
+/// if the node turned ready while that pass ran (the first pass itself clears `starting`),
+/// else when it does. Decided on what the last pass held, not on the node's readiness when it
+/// ended, which missed a node that turned ready during the pass (the period then); and no
+/// extra pass when nothing waits for it (it would only redo the last one's work at once).
+fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared, held_for_ready: bool) -> Option<&'static str> {
+    if held_for_ready && is_ready(shared) {
+        return Some("ready");
+    }
     let first = loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
@@ -144,7 +156,7 @@ fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'stat
         match rx.recv_timeout(left.min(READY_POLL)) {
             Ok(m) => break m,
             Err(RecvTimeoutError::Timeout) => {
-                if !was_ready && is_ready(shared) {
+                if held_for_ready && is_ready(shared) {
                     return Some("ready");
                 }
             }

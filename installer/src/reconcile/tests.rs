@@ -543,3 +543,75 @@ fn a_pass_that_repairs_capture_and_layer_counts_once_toward_fought() {
     let layer_repairs = r.node.calls.iter().filter(|c| c.starts_with("repair-services ")).count();
     assert_eq!((repairs, layer_repairs), (plan::FOUGHT_REPAIRS, plan::FOUGHT_REPAIRS), "{:?}", r.node.calls);
 }
+
+/// A runtime whose listing is the moment the node turns ready (the installer's first install
+/// ending while the reconciler's first pass runs), and which tells the test each pass.
+struct TurnsReadyDuringThePass {
+    inner: FakeRuntime,
+    shared: std::sync::Arc<crate::serve::Shared>,
+    calls: std::sync::mpsc::Sender<String>,
+}
+
+impl Runtime for TurnsReadyDuringThePass {
+    type Error = String;
+    fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
+        self.shared.status.lock().unwrap().not_ready.clear();
+        let _ = self.calls.send("list".into());
+        self.inner.sandboxes()
+    }
+    fn network(&mut self, id: &str) -> Result<PodNetwork, String> {
+        self.inner.network(id)
+    }
+    fn stop(&mut self, id: &str) -> Result<(), String> {
+        let _ = self.calls.send(format!("stop {id}"));
+        self.inner.stop(id)
+    }
+}
+
+/// The reconciler's thread with a period of an hour over `runtime` and `node`, its node
+/// `starting` (not ready) when the first pass begins; the calls its runtime saw within
+/// `within` of the start, or its first `enough` (the thread is stopped then).
+fn calls_within(tag: &str, runtime: FakeRuntime, node: FakeNode, within: Duration, enough: usize) -> Vec<String> {
+    let shared = std::sync::Arc::new(crate::serve::Shared::new());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dir = aether_testkit::ScratchDir::new(&format!("ready-pass-{tag}"));
+    let rt = TurnsReadyDuringThePass { inner: runtime, shared: shared.clone(), calls: tx };
+    let looper = looper::spawn(
+        Reconciler::new(Some(rt), node, Limits::default()),
+        Duration::from_secs(3600),
+        shared,
+        dir.0.clone(),
+        Stopping::new(),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + within;
+    let mut calls = Vec::new();
+    while calls.len() < enough {
+        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { break };
+        match rx.recv_timeout(left) {
+            Ok(c) => calls.push(c),
+            Err(_) => break,
+        }
+    }
+    looper.stop();
+    calls
+}
+
+/// A missed pod held by the first pass because the node was not ready yet, the node turning
+/// ready while that pass runs: the "ready" pass follows at once and restarts the pod, not
+/// the period's end (an hour here; the readiness was looked at only after the pass, so it was
+/// never seen to change). Control: a first pass that held nothing for the node's readiness
+/// (a drifted record, repaired whatever the readiness) gets no extra pass: it would only
+/// redo that pass's work at once, and hid that pass from whoever reads the last pass.
+#[test]
+fn a_pod_held_for_readiness_gets_the_ready_pass_at_once_and_nothing_else_does() {
+    let mut runtime = FakeRuntime { sandboxes: vec![sandbox("missed", "shop", "cart", &[])], ..Default::default() };
+    runtime.netns.insert("missed".into(), pod_network("/run/netns/missed"));
+    let calls = calls_within("held", runtime, FakeNode::default(), Duration::from_secs(60), 3);
+    assert_eq!(calls, ["list", "list", "stop missed"], "the ready pass, long before the period's end");
+
+    let drifted = Observation::Drifted(Differences { capture: vec!["table gone".into()], ..Default::default() });
+    let runtime = FakeRuntime { sandboxes: vec![sandbox("web", "shop", "web", &[])], ..Default::default() };
+    let calls = calls_within("drift", runtime, node_with_record("web", "web", drifted), Duration::from_secs(2), 2);
+    assert_eq!(calls, ["list"], "one pass, then the period: nothing waited for the node to be ready");
+}
