@@ -53,7 +53,7 @@ impl Installer {
             l.local_addr().unwrap()
         };
         // The last installer's last pass is not this one's.
-        let _ = std::fs::remove_file(ctrd.state_dir.join("reconciler-last-pass.json"));
+        passes::forget(&ctrd.state_dir);
         let log = ctrd.dir.join(&format!("installer-{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(aether_testkit::installer_bin())
@@ -69,6 +69,7 @@ impl Installer {
             .arg("--reconcile-period-seconds=1")
             .args(extra)
             .envs(env.iter().copied())
+            .env(passes::JOURNAL_ENV.0, passes::JOURNAL_ENV.1)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)

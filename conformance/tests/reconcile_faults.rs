@@ -99,7 +99,7 @@ struct Installer {
 impl Installer {
     fn start(node: &Node, extra: &[&str]) -> Installer {
         let log = node.scratch.0.join(format!("installer-{}.log", std::process::id()));
-        let _ = std::fs::remove_file(node.sim.state_dir().join("reconciler-last-pass.json"));
+        passes::forget(node.sim.state_dir());
         let host = node.sim.host.path();
         let ns = std::fs::File::open(&host).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
@@ -114,6 +114,7 @@ impl Installer {
             .arg("--services-socket=")
             .arg("--reconcile-period-seconds=1")
             .args(extra)
+            .env(passes::JOURNAL_ENV.0, passes::JOURNAL_ENV.1)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());

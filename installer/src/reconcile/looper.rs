@@ -224,7 +224,32 @@ fn write_last_pass(state_dir: &std::path::Path, report: &PassReport) {
     if let Err(e) = crate::files::write_atomic(&path, &body, 0o600) {
         tracing::warn!(file = %path.display(), "cannot write the reconciler's last pass: {e}");
     }
+    #[cfg(feature = "fault-injection")]
+    journal(state_dir, report);
 }
+
+/// A test's fault-injection build, with `AETHER_INSTALLER_PASS_JOURNAL=1`, also appends every
+/// pass, one JSON line each, to [`PASS_JOURNAL_FILE`] in the state directory: the last-pass
+/// file is replaced by each pass, so a test reading it could miss a pass that another
+/// followed at once (the "ready" pass, a poke); the journal misses none.
+#[cfg(feature = "fault-injection")]
+fn journal(state_dir: &std::path::Path, report: &PassReport) {
+    use std::io::Write as _;
+    if std::env::var_os("AETHER_INSTALLER_PASS_JOURNAL").is_none_or(|v| v != "1") {
+        return;
+    }
+    let mut line = serde_json::to_vec(&last_pass_json(report)).expect("JSON values serialize");
+    line.push(b'\n');
+    let path = state_dir.join(PASS_JOURNAL_FILE);
+    let written = std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| f.write_all(&line));
+    if let Err(e) = written {
+        tracing::warn!(file = %path.display(), "cannot append to the pass journal: {e}");
+    }
+}
+
+/// Every pass, one JSON line each: written only by a test's fault-injection build (see
+/// `journal`).
+pub const PASS_JOURNAL_FILE: &str = "reconciler-passes.jsonl";
 
 /// The reconciler's settings, from the installer's flags (`InstallArgs::reconciler`): the
 /// flags know the reconciler, never the other way round.
