@@ -54,10 +54,8 @@ pub fn wait_pass(
 ) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if let Some(p) = journal(state_dir)
-            .into_iter()
-            .flatten()
-            .find(|p| p["pass"].as_u64().is_some_and(|n| n >= from) && cond(p))
+        if let Some(p) =
+            journal(state_dir).into_iter().flatten().find(|p| p["pass"].as_u64().is_some_and(|n| n >= from) && cond(p))
         {
             return p;
         }

@@ -241,7 +241,8 @@ fn journal(state_dir: &std::path::Path, report: &PassReport) {
     let mut line = serde_json::to_vec(&last_pass_json(report)).expect("JSON values serialize");
     line.push(b'\n');
     let path = state_dir.join(PASS_JOURNAL_FILE);
-    let written = std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| f.write_all(&line));
+    let written =
+        std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| f.write_all(&line));
     if let Err(e) = written {
         tracing::warn!(file = %path.display(), "cannot append to the pass journal: {e}");
     }
@@ -265,6 +266,16 @@ pub struct Settings {
     pub period: Duration,
     pub limits: Limits,
     pub state_dir: std::path::PathBuf,
+}
+
+/// The time a pass may wait on the runtime in all: `--cri-pass-budget-seconds`, but no more
+/// than the period, or one call's timeout if that is longer (a slow list is still read
+/// whole). The records' repairs are done at a pass's start, before the runtime is asked, so
+/// drift waits at most for the pass under way: a runtime that stalls holds it up no longer
+/// than the period (or one call), and drift is repaired within about a period of being made
+/// whatever the runtime does. What is not asked in time is asked by a later pass.
+pub fn pass_budget(budget: Duration, period: Duration, call_timeout: Duration) -> Duration {
+    budget.min(period.max(call_timeout))
 }
 
 /// Starts the reconciler's thread for the installer (unless `--reconcile=false`): the
@@ -291,7 +302,7 @@ where
                 socket,
                 settings.cri_timeout,
                 settings.cri_max_message_bytes,
-                settings.cri_pass_budget,
+                pass_budget(settings.cri_pass_budget, settings.period, settings.cri_timeout),
                 stopping.clone(),
                 rt,
             ))
@@ -300,4 +311,22 @@ where
     };
     let reconciler = Reconciler::new(runtime, node, settings.limits);
     spawn(reconciler, settings.period, shared, settings.state_dir, stopping).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass waits on the runtime no longer than the period (so the next pass's repairs are
+    /// not held up by a runtime that stalls), except that one call always gets its timeout.
+    #[test]
+    fn a_pass_waits_on_the_runtime_at_most_a_period_or_one_call() {
+        let s = Duration::from_secs;
+        // The node: period 1 s, CRI timeout 2 s, the default budget.
+        assert_eq!(pass_budget(s(10), s(1), s(2)), s(2));
+        // The defaults: unchanged.
+        assert_eq!(pass_budget(s(10), s(10), s(5)), s(10));
+        assert_eq!(pass_budget(s(3), s(10), s(5)), s(3));
+        assert_eq!(pass_budget(s(60), s(30), s(5)), s(30));
+    }
 }

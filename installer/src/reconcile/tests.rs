@@ -17,7 +17,12 @@ struct FakeRuntime {
     fail_list: Option<String>,
     /// Calls a pass may make, if bounded.
     budget: Option<usize>,
+    /// Every call of this runtime and of the node sharing it, in order.
+    order: Order,
 }
+
+/// The calls of a runtime and a node, in the order they came.
+type Order = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 
 impl Runtime for FakeRuntime {
     type Error = String;
@@ -26,6 +31,7 @@ impl Runtime for FakeRuntime {
     }
     fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
         self.calls.push("list".into());
+        self.order.lock().unwrap().push("list".into());
         match &self.fail_list {
             Some(e) => Err(e.clone()),
             None => Ok(self.sandboxes.clone()),
@@ -59,6 +65,8 @@ struct FakeNode {
     fought_services: bool,
     /// In-place captures are refused (the netns is another record's).
     refuse_capture: bool,
+    /// Shared with the runtime: see [`FakeRuntime::order`].
+    order: Order,
 }
 
 impl NodeOps for FakeNode {
@@ -94,6 +102,7 @@ impl NodeOps for FakeNode {
     }
     fn repair(&mut self, r: &RecordView) -> Result<(), String> {
         self.calls.push(format!("repair {}", r.key));
+        self.order.lock().unwrap().push(format!("repair {}", r.key));
         if let Some(answer) = self.repair_answer.take() {
             return Err(answer);
         }
@@ -614,4 +623,51 @@ fn a_pod_held_for_readiness_gets_the_ready_pass_at_once_and_nothing_else_does() 
     let runtime = FakeRuntime { sandboxes: vec![sandbox("web", "shop", "web", &[])], ..Default::default() };
     let calls = calls_within("drift", runtime, node_with_record("web", "web", drifted), Duration::from_secs(2), 2);
     assert_eq!(calls, ["list"], "one pass, then the period: nothing waited for the node to be ready");
+}
+
+/// Drift in a recorded pod is repaired before the runtime is asked anything, so a runtime
+/// that stalls (each call up to its timeout, a pass up to its budget) never delays it; the
+/// pass's plan with the runtime's list does not repair it again, and reports it as before.
+/// Negative control: the order (the pass asked the runtime first, then repaired).
+#[test]
+fn drift_is_repaired_before_the_runtime_is_asked_and_once() {
+    let drifted = Observation::Drifted(Differences::capture(vec!["table gone".into()]));
+    let mut node = node_with_record("web", "web", drifted);
+    let mut listed = sandbox("web", "shop", "web", &[]);
+    listed.uid = "uid-web".into();
+    let runtime = FakeRuntime { sandboxes: vec![listed], order: node.order.clone(), ..Default::default() };
+    node.order = runtime.order.clone();
+    let order = runtime.order.clone();
+    let mut r = Reconciler::new(Some(runtime), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(*order.lock().unwrap(), ["repair net/web/eth0", "list"], "the repair waited on the runtime");
+    assert_eq!(r.node.calls, ["repair net/web/eth0"], "repaired once");
+    assert_eq!(report.actions.len(), 1, "{:?}", report.actions);
+    assert!(matches!(&report.actions[0], (Action::Repair { .. }, Outcome::Done)), "{:?}", report.actions);
+    assert_eq!(report.count(PodState::Drifted), 1);
+    assert!(report.findings.iter().all(|f| f.held.is_none()), "{:?}", report.findings);
+    // The next pass finds it intact and does nothing.
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty(), "{:?}", report.actions);
+    assert_eq!(report.count(PodState::Captured), 1);
+}
+
+/// Records repaired first never make the pass act on less evidence: with the runtime's list
+/// failing, a record whose sandbox the runtime may or may not have is neither collected nor
+/// restarted, while the drift of another is repaired (fail-closed, as without the runtime).
+#[test]
+fn what_needs_the_runtime_s_answer_still_waits_for_it() {
+    let drifted = Observation::Drifted(Differences::capture(vec!["table gone".into()]));
+    let mut node = node_with_record("web", "web", drifted);
+    let other = node_with_record("db", "db", Observation::Intact);
+    node.records.extend(other.records);
+    let runtime = FakeRuntime { fail_list: Some("deadline exceeded".into()), ..Default::default() };
+    let mut limits = Limits::default();
+    limits.leftover_grace = Duration::ZERO;
+    let mut r = Reconciler::new(Some(runtime), node, limits);
+    for _ in 0..2 {
+        r.pass(Ok(()));
+    }
+    assert_eq!(r.node.calls, ["repair net/web/eth0"], "only the repair: nothing collected by absence");
+    assert_eq!(r.node.records.len(), 2);
 }
