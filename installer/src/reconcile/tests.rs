@@ -662,8 +662,7 @@ fn what_needs_the_runtime_s_answer_still_waits_for_it() {
     let other = node_with_record("db", "db", Observation::Intact);
     node.records.extend(other.records);
     let runtime = FakeRuntime { fail_list: Some("deadline exceeded".into()), ..Default::default() };
-    let mut limits = Limits::default();
-    limits.leftover_grace = Duration::ZERO;
+    let limits = Limits { leftover_grace: Duration::ZERO, ..Default::default() };
     let mut r = Reconciler::new(Some(runtime), node, limits);
     for _ in 0..2 {
         r.pass(Ok(()));
