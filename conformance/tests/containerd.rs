@@ -1,4 +1,4 @@
-//! The kubelet's own runtime: Debian's containerd 1.6 and its CRI plugin, private to the test
+//! The kubelet's own runtime: containerd and its CRI plugin, private to the test
 //! (see `aether_conformance::containerd`), starting pod sandboxes through the CRI gRPC API on
 //! a network that chains `bridge` + `host-local` + `portmap` + `aether-cni`, checked from the
 //! outside: the pod netns as the kernel reports it, `aether-cni inspect`, the plugin's records,
@@ -6,9 +6,14 @@
 //! a containerd node that gets aether-cni from the installer's image (run by podman) and
 //! loses it again on uninstall.
 //!
-//! What containerd 1.6 sends (and the other clients do not): the pod's annotations in
+//! What containerd sends (and the other clients do not): the pod's annotations in
 //! `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, `null` for a pod without any;
-//! `K8S_POD_*` pairs in `CNI_ARGS` in varying order; two DELs per stop + remove; no CHECK.
+//! `K8S_POD_*` pairs in `CNI_ARGS` in varying order; two DELs per stop + remove; no CHECK and
+//! no GC; on containerd 2 with a list at 1.1.0, STATUS once per CRI `Status` call.
+//!
+//! Each scenario runs on Debian bookworm's containerd 1.6 (CNI plugins 1.1.1, a list at
+//! 1.0.0) and on Debian unstable's containerd 2.1 (CNI plugins 1.9.1, a list at 1.1.0),
+//! fetched and unpacked by `make clients-deps` (`Flavor`).
 //!
 //! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI),
 //! as they also do there when `make clients-deps` has not been run.
@@ -566,4 +571,97 @@ fn containerd2_status_reports_the_installer_s_not_ready_mark_only_for_a_1_1_0_li
     let (ready_now, why) = network_ready(&ctrd);
     assert!(ready_now, "a 1.0.0 list was asked STATUS: {why}");
     std::fs::remove_file(&marker).unwrap();
+}
+
+/// `aether-cni` in the node's bin dir as a wrapper that writes each command it is run with
+/// (`CNI_COMMAND`) to a file, then runs the plugin under test; the file's path.
+fn counting_plugin(ctrd: &Containerd) -> std::path::PathBuf {
+    let commands = ctrd.dir.join("commands");
+    let wrapper =
+        format!("#!/bin/sh\necho \"$CNI_COMMAND\" >>'{}'\nexec '{}' \"$@\"\n", commands.display(), cni_bin().display());
+    let path = ctrd.bin_dir.join("aether-cni");
+    std::fs::write(&path, wrapper).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    commands
+}
+
+/// How many times the runtime ran aether-cni with each command.
+fn commands(file: &std::path::Path) -> std::collections::BTreeMap<String, usize> {
+    let mut m = std::collections::BTreeMap::new();
+    for c in std::fs::read_to_string(file).unwrap_or_default().lines() {
+        *m.entry(c.to_string()).or_insert(0) += 1;
+    }
+    m
+}
+
+fn count(file: &std::path::Path, command: &str) -> usize {
+    commands(file).get(command).copied().unwrap_or(0)
+}
+
+/// What each containerd runs aether-cni with, counted by a wrapper around the plugin: ADD at
+/// RunPodSandbox, two DELs per stop + remove, never CHECK or GC (across a containerd restart
+/// too); STATUS never on 1.6 (its list at 1.0.0, the newest bookworm's plugins speak), and on
+/// 2.x (its list at 1.1.0) once per CRI `Status` call (not at start, not before ADD). Also timed, not asserted: how soon a conflist change is loaded; and what the runtime
+/// says with an empty conf dir.
+fn commands_per_runtime(flavor: Flavor) {
+    let test = &tag("containerd_commands", flavor);
+    if !ready(test, flavor) {
+        return;
+    }
+    let mut ctrd = Containerd::new_on(flavor, &tag("ctrdcmd", flavor), &NET, true);
+    let file = counting_plugin(&ctrd);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pod = ctrd.run_pod("shop", "count-0", None).unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", log(&ctrd)));
+    let sb = ready_sandbox(&ctrd, &pod);
+    assert_captured(&sb.netns, &[]);
+    assert_eq!(commands(&file), [("ADD".to_string(), 1)].into(), "{}: at start and the first ADD", flavor.name());
+    for _ in 0..5 {
+        ctrd.cri("Status", &json!({})).unwrap();
+    }
+    let statuses = match flavor {
+        Flavor::V1_6 => 0,
+        Flavor::V2 => 5,
+    };
+    assert_eq!(count(&file, "STATUS"), statuses, "{}: STATUS per CRI Status call", flavor.name());
+    ctrd.stop();
+    ctrd.start();
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+    let seen = commands(&file);
+    assert_eq!(seen.get("ADD"), Some(&1), "{seen:?}");
+    assert_eq!(seen.get("DEL"), Some(&2), "two DELs per stop + remove: {seen:?}");
+    assert!(!seen.contains_key("CHECK") && !seen.contains_key("GC"), "{}: {seen:?}", flavor.name());
+
+    // A conflist change, timed until the runtime shows it loaded.
+    let path = ctrd.net_dir.join(CHAINED_CONFLIST);
+    let mut list: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    list["plugins"][2]["logLevel"] = json!("debug");
+    let changed = Instant::now();
+    std::fs::write(&path, serde_json::to_string_pretty(&list).unwrap()).unwrap();
+    ctrd.wait_cni_config("the changed conflist", |c| c.contains("logLevel"));
+    eprintln!("{test}: {} loaded a conflist change within {:?}", flavor.name(), changed.elapsed());
+    // An empty conf dir.
+    std::fs::remove_file(&path).unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(20);
+    let why = loop {
+        let (ready_now, why) = network_ready(&ctrd);
+        if !ready_now {
+            break why;
+        }
+        assert!(Instant::now() < deadline, "{}: still network-ready with an empty conf dir", flavor.name());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(why.contains("cni plugin not initialized"), "{}: {why}", flavor.name());
+    eprintln!("{test}: {} with an empty conf dir: NetworkReady=false: {why}", flavor.name());
+}
+
+#[test]
+fn containerd_runs_add_and_two_dels_and_never_check_gc_or_status() {
+    commands_per_runtime(Flavor::V1_6);
+}
+
+#[test]
+fn containerd2_runs_status_per_cri_status_call_and_never_check_or_gc() {
+    commands_per_runtime(Flavor::V2);
 }
