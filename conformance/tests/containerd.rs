@@ -531,8 +531,9 @@ fn network_ready(ctrd: &Containerd) -> (bool, String) {
 /// containerd 2 calls STATUS once per CRI `Status` call when the chained list says
 /// `cniVersion` 1.1.0: the installer's not-ready mark (`<stateDir>/node-not-ready`) makes the
 /// runtime report `NetworkReady=false` with its reason, and clearing it makes it ready again;
-/// pods still start meanwhile. Control: the same list at 1.0.0 is never asked STATUS, so the
-/// mark changes nothing the runtime reports.
+/// pods still start meanwhile. The plugin binary missing while the list names it: not ready
+/// either, naming it, and no sandbox starts. Control: the same list at 1.0.0 is never asked
+/// STATUS, so the mark changes nothing the runtime reports.
 #[test]
 fn containerd2_status_reports_the_installer_s_not_ready_mark_only_for_a_1_1_0_list() {
     let flavor = Flavor::V2;
@@ -561,6 +562,19 @@ fn containerd2_status_reports_the_installer_s_not_ready_mark_only_for_a_1_1_0_li
     let (ready_now, why) = network_ready(&ctrd);
     assert!(ready_now, "still not ready once the mark is cleared: {why}");
     stop_and_remove(&ctrd, &pod, &sb, "ctrdstatkeep");
+
+    // The plugin binary missing while the conflist names it: STATUS cannot run it, so the
+    // network is not ready, naming it, and a sandbox cannot start; back, ready again.
+    let binary = ctrd.bin_dir.join("aether-cni");
+    let aside = ctrd.dir.join("aether-cni.aside");
+    std::fs::rename(&binary, &aside).unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(!ready_now && why.contains("aether-cni"), "the binary missing: ready {ready_now}: {why}");
+    let err = ctrd.run_pod("shop", "nobinary-0", None).expect_err("a sandbox started without the plugin");
+    assert!(err.contains("aether-cni"), "{err}");
+    std::fs::rename(&aside, &binary).unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(ready_now, "the binary back, still not ready: {why}");
 
     // Control: the same chain at 1.0.0: no STATUS, whatever the mark says.
     let path = ctrd.net_dir.join(CHAINED_CONFLIST);
