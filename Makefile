@@ -62,7 +62,9 @@ deps:
 	fi
 
 ## clients-deps: real CNI clients for conformance/tests/real_clients.rs and containerd.rs:
-## Debian's CNI plugins, podman 4.3 (CNI backend, runc), containerd 1.6 with a pause image and a
+## Debian's CNI plugins, podman 4.3 (CNI backend, runc), containerd 1.6, and containerd 2.1 with the
+## CNI plugins 1.9 from Debian unstable unpacked into target/clients/containerd2 (nothing
+## installed), with a pause image and a
 ## CRI client of our own (target/clients/), and cnitool built offline from Debian's source
 ## package into target/clients/cnitool (cached)
 clients-deps: deps

@@ -7,6 +7,8 @@
 #   - cnitool, built offline from Debian's source package golang-github-appc-cni with Debian's
 #     Go in GOPATH mode against libcni 1.1.2 from golang-github-appc-cni-dev, cached at
 #     $OUT/cnitool;
+#   - containerd 2.x and CNI plugins 1.9 from Debian unstable, unpacked into $OUT/containerd2/root
+#     (nothing installed; see below);
 #   - for containerd: $OUT/pause (static), $OUT/pause-oci.tar (it, as an OCI image archive for
 #     `ctr images import`), $OUT/cri/runtime_v1_pb2.py (protoc's code for cri/proto/runtime_v1.proto,
 #     the proto the installer's CRI client is built from too).
@@ -108,6 +110,81 @@ if [ ! "$OUT/cri/runtime_v1_pb2.py" -nt cri/proto/runtime_v1.proto ]; then
     protoc --python_out="$OUT/cri" -I cri/proto cri/proto/runtime_v1.proto
 fi
 echo "clients-deps: containerd $(dpkg-query -W -f='${Version}' containerd), $OUT/pause-oci.tar, $OUT/cri/runtime_v1_pb2.py"
+
+# --- containerd 2 and CNI plugins 1.9 (CNI 1.1), unpacked into $OUT/containerd2/, installing
+# nothing: Debian unstable's `containerd` and `containernetworking-plugins`, fetched with
+# `apt-get download` through an apt state of our own (its sources list names the machine's
+# own Debian mirror, read from its apt sources, with the suite `sid`; its lists and cache
+# under $OUT/containerd2/apt), and `dpkg-deb -x`. Cached: fetched again only when the wanted
+# versions change. runc stays bookworm's (unstable's needs a newer glibc).
+C2_PACKAGES=(containerd containernetworking-plugins)
+C2=$OUT/containerd2
+# The first `deb` URI of the machine's sources that is not a security archive.
+machine_mirror() {
+    local f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -e "$f" ] && [ "$f" != "$SRC_LIST" ] || continue
+        awk '
+            function flush() {
+                if (types ~ /(^|[ \t])deb([ \t]|$)/ && tolower(enabled) != "no" && suites !~ /-security/ && uris != "") {
+                    split(uris, u, /[ \t]+/); print u[1]; found = 1; exit
+                }
+                types = ""; enabled = ""; uris = ""; suites = ""
+            }
+            /^#/ { next }
+            /^[ \t]*$/ { flush(); next }
+            {
+                field = tolower($0); sub(/:.*/, "", field)
+                value = $0; sub(/^[^:]*:[ \t]*/, "", value)
+                if (field == "types") types = value
+                if (field == "enabled") enabled = value
+                if (field == "uris") uris = value
+                if (field == "suites") suites = value
+            }
+            END { if (!found) flush() }
+        ' "$f"
+    done
+    [ ! -f /etc/apt/sources.list ] || awk '
+        /^[ \t]*deb[ \t]/ {
+            line = $0; sub(/^[ \t]*deb[ \t]+/, "", line)
+            if (line ~ /^\[/) sub(/^[^]]*\][ \t]*/, "", line)
+            split(line, w, /[ \t]+/)
+            if (w[2] !~ /-security/) { print w[1]; exit }
+        }
+    ' /etc/apt/sources.list
+}
+c2_wanted() { cat "$C2/wanted" 2>/dev/null; }
+if [ ! -x "$C2/root/usr/bin/containerd" ] || [ ! -x "$C2/root/usr/lib/cni/bridge" ] \
+    || [ -n "${AETHER_REFRESH_CONTAINERD2:-}" ] || [ -z "$(c2_wanted)" ]; then
+    mirror=$(machine_mirror | head -n1)
+    [ -n "$mirror" ] || { echo "clients-deps: no Debian mirror in the machine's apt sources" >&2; exit 1; }
+    apt_dir=$C2/apt
+    mkdir -p "$apt_dir"/etc/sources.list.d "$apt_dir"/etc/preferences.d "$apt_dir"/state/lists/partial \
+        "$apt_dir"/cache/archives/partial "$C2/debs"
+    keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+    printf 'deb [signed-by=%s] %s sid main\n' "$keyring" "$mirror" >"$apt_dir/etc/sources.list"
+    apt_private=(-o "Dir::Etc::SourceList=$apt_dir/etc/sources.list"
+                 -o "Dir::Etc::SourceParts=$apt_dir/etc/sources.list.d"
+                 -o "Dir::Etc::Preferences=$apt_dir/etc/preferences"
+                 -o "Dir::Etc::PreferencesParts=$apt_dir/etc/preferences.d"
+                 -o "Dir::State=$apt_dir/state" -o "Dir::Cache=$apt_dir/cache"
+                 -o "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false"
+                 -o "Debug::NoLocking=1")
+    apt-get "${apt_private[@]}" update -qq >"$tmp_log" 2>&1 || { cat "$tmp_log" >&2; exit 1; }
+    wanted=$(for p in "${C2_PACKAGES[@]}"; do
+        printf '%s=%s\n' "$p" "$(apt-cache "${apt_private[@]}" show "$p" | awk '/^Version:/ { print $2; exit }')"
+    done)
+    if [ "$wanted" != "$(c2_wanted)" ] || [ ! -x "$C2/root/usr/bin/containerd" ]; then
+        echo "clients-deps: fetching $(echo $wanted) from unstable into $C2"
+        rm -rf "$C2/debs" "$C2/root" && mkdir -p "$C2/debs" "$C2/root"
+        # shellcheck disable=SC2046
+        (cd "$C2/debs" && apt-get "${apt_private[@]}" download -qq $(echo "$wanted") >"$tmp_log" 2>&1) \
+            || { cat "$tmp_log" >&2; exit 1; }
+        for deb in "$C2"/debs/*.deb; do dpkg-deb -x "$deb" "$C2/root"; done
+        printf '%s\n' "$wanted" >"$C2/wanted"
+    fi
+fi
+echo "clients-deps: containerd 2 and CNI plugins in $C2/root: $("$C2/root/usr/bin/containerd" --version | cut -d' ' -f3), plugins $(tr '\n' ' ' <"$C2/wanted")"
 
 # --- cnitool
 if cnitool_built; then

@@ -1,5 +1,7 @@
-//! A containerd 1.6 (Debian's, with its CRI plugin) private to one test, and a CRI client for
-//! it: the kubelet's own runtime, calling the built `aether-cni` through go-cni and libcni.
+//! A containerd private to one test, and a CRI client for it: the kubelet's own runtime,
+//! calling the built `aether-cni` through go-cni and libcni. Debian bookworm's 1.6 (with its
+//! CRI plugin and CNI plugins 1.1.1), or unstable's 2.x with the CNI plugins 1.9.1, unpacked
+//! by `make clients-deps` ([`Flavor`]).
 //!
 //! - Everything is the test's own: root, state, sockets and config under one temp dir; the
 //!   CNI conf and bin dirs (`bridge`, `host-local`, `portmap`, `loopback` from Debian, plus
@@ -39,16 +41,94 @@ pub const MAIN_CONFLIST: &str = "10-bridge.conflist";
 /// Debian's CNI plugins.
 const DEBIAN_CNI_DIR: &str = "/usr/lib/cni";
 
-/// What the tests need that `make clients-deps` provides.
+/// Which containerd a test runs: bookworm's 1.6 (installed by `make clients-deps`), or
+/// unstable's 2.x with the CNI plugins 1.9 (unpacked by it into `target/clients/containerd2`,
+/// nothing installed; bookworm's runc either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    V1_6,
+    V2,
+}
+
+impl Flavor {
+    pub const ALL: [Flavor; 2] = [Flavor::V1_6, Flavor::V2];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::V1_6 => "containerd 1.6",
+            Flavor::V2 => "containerd 2",
+        }
+    }
+
+    /// Where its binaries and CNI plugins are: `/` or the unpacked packages.
+    fn root(self) -> PathBuf {
+        match self {
+            Flavor::V1_6 => PathBuf::from("/"),
+            Flavor::V2 => clients_dir().join("containerd2/root"),
+        }
+    }
+
+    pub fn containerd(self) -> PathBuf {
+        self.root().join("usr/bin/containerd")
+    }
+
+    pub fn ctr(self) -> PathBuf {
+        self.root().join("usr/bin/ctr")
+    }
+
+    /// Its CNI plugins (`bridge`, `host-local`, `portmap`, `loopback`): Debian's 1.1.1 for 1.6,
+    /// 1.9.1 for 2.x.
+    pub fn cni_dir(self) -> PathBuf {
+        self.root().join(DEBIAN_CNI_DIR.trim_start_matches('/'))
+    }
+
+    /// The node conflist's `cniVersion`: 1.0.0 (the newest bookworm's plugins speak), 1.1.0
+    /// on 2.x (STATUS is only called for a 1.1.0 list).
+    pub fn cni_version(self) -> &'static str {
+        match self {
+            Flavor::V1_6 => "1.0.0",
+            Flavor::V2 => "1.1.0",
+        }
+    }
+
+    /// Its configuration's template: version 2 for 1.6, version 3 (the CRI plugin split in
+    /// three) for 2.x.
+    fn config_template(self) -> &'static str {
+        match self {
+            Flavor::V1_6 => "containerd.toml.in",
+            Flavor::V2 => "containerd2.toml.in",
+        }
+    }
+
+    /// What the tests on it need that `make clients-deps` provides.
+    pub fn requirements(self) -> Vec<PathBuf> {
+        let mut v = vec![
+            self.containerd(),
+            self.ctr(),
+            PathBuf::from("/usr/sbin/runc"),
+            self.cni_dir().join("loopback"),
+            clients_dir().join("pause-oci.tar"),
+            clients_dir().join("cri/runtime_v1_pb2.py"),
+        ];
+        if self == Flavor::V2 {
+            v.push(self.root().join("usr/bin/containerd-shim-runc-v2"));
+        }
+        v
+    }
+}
+
+/// The machine's architecture as Go (and OCI platforms) name it.
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+/// What the tests on containerd 1.6 need that `make clients-deps` provides.
 pub fn requirements() -> Vec<PathBuf> {
-    vec![
-        PathBuf::from("/usr/bin/containerd"),
-        PathBuf::from("/usr/bin/ctr"),
-        PathBuf::from("/usr/sbin/runc"),
-        PathBuf::from(DEBIAN_CNI_DIR).join("loopback"),
-        clients_dir().join("pause-oci.tar"),
-        clients_dir().join("cri/runtime_v1_pb2.py"),
-    ]
+    Flavor::V1_6.requirements()
 }
 
 /// The node's addressing: the bridge and its subnet exist only in the node netns.
@@ -82,6 +162,7 @@ pub struct Sandbox {
 }
 
 pub struct Containerd {
+    pub flavor: Flavor,
     pub dir: TempDir,
     pub node: TestNetns,
     pub network: String,
@@ -110,18 +191,24 @@ impl Containerd {
     /// chains `aether-cni` after `bridge` and `portmap` (`10-aether.conflist`); without, it is
     /// the node's main CNI alone (`10-bridge.conflist`), for an installer to chain.
     pub fn new(tag: &str, net: &NodeNet, chained: bool) -> Self {
+        Containerd::new_on(Flavor::V1_6, tag, net, chained)
+    }
+
+    /// [`Containerd::new`] on `flavor`.
+    pub fn new_on(flavor: Flavor, tag: &str, net: &NodeNet, chained: bool) -> Self {
         let dir = TempDir::new(tag);
         let pid = std::process::id();
         let network = format!("aether-{tag}-{pid}");
         let (net_dir, bin_dir, state_dir, ipam_dir) =
             (dir.mkdir("net"), dir.mkdir("bin"), dir.mkdir("aether-state"), dir.mkdir("ipam"));
         for plugin in ["bridge", "host-local", "portmap", "loopback"] {
-            std::os::unix::fs::symlink(Path::new(DEBIAN_CNI_DIR).join(plugin), bin_dir.join(plugin)).unwrap();
+            std::os::unix::fs::symlink(flavor.cni_dir().join(plugin), bin_dir.join(plugin)).unwrap();
         }
         let log_file = dir.join("aether-cni.log");
         let conflist = render(
             "containerd.conflist.in",
             &[
+                ("CNI_VERSION", flavor.cni_version().into()),
                 ("NAME", network.clone()),
                 ("BRIDGE", net.bridge.into()),
                 ("SUBNET", net.subnet.into()),
@@ -139,18 +226,20 @@ impl Containerd {
             std::fs::write(net_dir.join(MAIN_CONFLIST), serde_json::to_string_pretty(&main).unwrap()).unwrap();
         }
         let config = render(
-            "containerd.toml.in",
+            flavor.config_template(),
             &[
                 ("DIR", dir.0.display().to_string()),
                 ("SANDBOX_IMAGE", SANDBOX_IMAGE.into()),
                 ("BIN_DIR", bin_dir.display().to_string()),
                 ("NET_DIR", net_dir.display().to_string()),
+                ("PLATFORM", format!("linux/{}", go_arch())),
             ],
         );
         std::fs::write(dir.join("config.toml"), config).unwrap();
         let socket = dir.join("containerd.sock");
         let node = TestNetns::new(&format!("{tag}node"));
         Containerd {
+            flavor,
             network,
             net_dir,
             bin_dir,
@@ -180,8 +269,11 @@ impl Containerd {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("containerd.log")).unwrap();
         let child = Command::new("nsenter")
             .arg(format!("--net={}", self.node.path()))
-            .args(["containerd", "--config"])
+            .arg(self.flavor.containerd())
+            .arg("--config")
             .arg(self.dir.join("config.toml"))
+            // Its own shim first (containerd finds `containerd-shim-runc-v2` in its PATH).
+            .env("PATH", self.path_env())
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -200,6 +292,12 @@ impl Containerd {
             assert!(Instant::now() < deadline, "containerd's CRI did not answer in 30 s:\n{}", self.containerd_log());
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// containerd's PATH: its own binaries (the shim) first.
+    fn path_env(&self) -> String {
+        let system = std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into());
+        format!("{}:{system}", self.flavor.root().join("usr/bin").display())
     }
 
     /// Stops containerd (SIGTERM to its PID, SIGKILL after 10 s). Its shims and the pods
@@ -227,7 +325,7 @@ impl Containerd {
         must(
             "ctr images import",
             exec(
-                Command::new("ctr")
+                Command::new(self.flavor.ctr())
                     .arg("--address")
                     .arg(&self.socket)
                     .args(["-n", "k8s.io", "images", "import", "--snapshotter", "native"])
@@ -368,7 +466,10 @@ impl Containerd {
 
     /// The pod netns mounts containerd holds (`netns_mounts_under_state_dir`).
     pub fn netns_mounts(&self) -> Vec<String> {
-        let dir = self.dir.join("state/io.containerd.grpc.v1.cri/netns");
+        let dir = self.dir.join(match self.flavor {
+            Flavor::V1_6 => "state/io.containerd.grpc.v1.cri/netns",
+            Flavor::V2 => "state/io.containerd.cri.v1.runtime/netns",
+        });
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .into_iter()
             .flatten()

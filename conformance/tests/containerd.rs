@@ -1,4 +1,4 @@
-//! The kubelet's own runtime: Debian's containerd 1.6 and its CRI plugin, private to the test
+//! The kubelet's own runtime: containerd and its CRI plugin, private to the test
 //! (see `aether_conformance::containerd`), starting pod sandboxes through the CRI gRPC API on
 //! a network that chains `bridge` + `host-local` + `portmap` + `aether-cni`, checked from the
 //! outside: the pod netns as the kernel reports it, `aether-cni inspect`, the plugin's records,
@@ -6,9 +6,14 @@
 //! a containerd node that gets aether-cni from the installer's image (run by podman) and
 //! loses it again on uninstall.
 //!
-//! What containerd 1.6 sends (and the other clients do not): the pod's annotations in
+//! What containerd sends (and the other clients do not): the pod's annotations in
 //! `runtimeConfig["io.kubernetes.cri.pod-annotations"]`, `null` for a pod without any;
-//! `K8S_POD_*` pairs in `CNI_ARGS` in varying order; two DELs per stop + remove; no CHECK.
+//! `K8S_POD_*` pairs in `CNI_ARGS` in varying order; two DELs per stop + remove; no CHECK and
+//! no GC; on containerd 2 with a list at 1.1.0, STATUS once per CRI `Status` call.
+//!
+//! Each scenario runs on Debian bookworm's containerd 1.6 (CNI plugins 1.1.1, a list at
+//! 1.0.0) and on Debian unstable's containerd 2.1 (CNI plugins 1.9.1, a list at 1.1.0),
+//! fetched and unpacked by `make clients-deps` (`Flavor`).
 //!
 //! Root tests: they skip loudly without root, and fail under AETHER_REQUIRE_ROOT_TESTS=1 (CI),
 //! as they also do there when `make clients-deps` has not been run.
@@ -20,15 +25,23 @@ use aether_conformance::clients::{
     assert_captured, assert_clean, capture_state, client, exec, must, records, repo, table_handle, KeptNetns, Podman,
 };
 use aether_conformance::cni_bin;
-use aether_conformance::containerd::{requirements, Containerd, NodeNet, Sandbox, Traces, CHAINED_CONFLIST};
+use aether_conformance::containerd::{Containerd, Flavor, NodeNet, Sandbox, Traces, CHAINED_CONFLIST};
 use aether_testkit::root_or_skip;
 use serde_json::json;
 
 const NET: NodeNet = NodeNet { bridge: "aectrd0", subnet: "10.250.9.0/24", gateway: "10.250.9.1" };
 
-/// The test may run: root, and everything `make clients-deps` installs.
-fn ready(test: &str) -> bool {
-    root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
+/// The test may run on `flavor`: root, and everything `make clients-deps` provides for it.
+fn ready(test: &str, flavor: Flavor) -> bool {
+    root_or_skip(test) && flavor.requirements().iter().all(|p| client(test, p).is_some())
+}
+
+/// A tag for `flavor`'s run of a scenario (its temp dir, netns and network names).
+fn tag(base: &str, flavor: Flavor) -> String {
+    match flavor {
+        Flavor::V1_6 => base.to_string(),
+        Flavor::V2 => format!("{base}2"),
+    }
 }
 
 /// `aether-cni inspect <sandbox id>` against the network's state dir: (exit ok, stdout+stderr).
@@ -63,12 +76,23 @@ fn stop_and_remove(ctrd: &Containerd, id: &str, sb: &Sandbox, tag: &str) {
 
 #[test]
 fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_restart() {
-    let test = "containerd_cri_pod_sandboxes";
-    if !ready(test) {
+    pod_sandboxes(Flavor::V1_6);
+}
+
+/// The same on containerd 2, its chain the CNI plugins 1.9 at cniVersion 1.1.0.
+#[test]
+fn containerd2_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_restart() {
+    pod_sandboxes(Flavor::V2);
+}
+
+fn pod_sandboxes(flavor: Flavor) {
+    let test = &tag("containerd_cri_pod_sandboxes", flavor);
+    if !ready(test, flavor) {
         return;
     }
     let started = Instant::now();
-    let mut ctrd = Containerd::new("ctrd", &NET, true);
+    let keep = |n: u32| tag(&format!("ctrdkeep{n}"), flavor);
+    let mut ctrd = Containerd::new_on(flavor, &tag("ctrd", flavor), &NET, true);
     std::os::unix::fs::symlink(cni_bin(), ctrd.bin_dir.join("aether-cni")).unwrap();
     ctrd.start();
     ctrd.import_sandbox_image();
@@ -144,8 +168,8 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
     assert_eq!(before, ctrd.traces(), "a failed sandbox left something behind");
 
     // --- Stop and remove take everything away.
-    stop_and_remove(&ctrd, &annotated, &annotated_sb, "ctrdkeep1");
-    stop_and_remove(&ctrd, &system, &system_sb, "ctrdkeep2");
+    stop_and_remove(&ctrd, &annotated, &annotated_sb, &keep(1));
+    stop_and_remove(&ctrd, &system, &system_sb, &keep(2));
 
     // --- containerd restarts (the pods and shims keep running): the capture still holds, in
     // the same table, and the pods stop and go away cleanly through the new containerd.
@@ -157,13 +181,17 @@ fn containerd_cri_pod_sandboxes_captured_stopped_removed_and_kept_across_a_resta
     assert_eq!(handle, table_handle(&plain_ns), "the capture table was re-created across the restart");
     let (ok, text) = inspect(&ctrd, &plain);
     assert!(ok, "aether-cni inspect after the restart:\n{text}");
-    stop_and_remove(&ctrd, &plain, &plain_sb, "ctrdkeep3");
-    stop_and_remove(&ctrd, &scoped, &scoped_sb, "ctrdkeep4");
+    stop_and_remove(&ctrd, &plain, &plain_sb, &keep(3));
+    stop_and_remove(&ctrd, &scoped, &scoped_sb, &keep(4));
 
     // Nothing of any pod is left.
     assert_eq!(ctrd.traces(), Traces::default(), "something of a pod is left");
 
-    eprintln!("{test}: containerd 1.6 CRI run/status/stop/remove and a restart, through bridge+host-local+portmap+aether-cni, in {:?}", started.elapsed());
+    eprintln!(
+        "{test}: {} CRI run/status/stop/remove and a restart, through bridge+host-local+portmap+aether-cni, in {:?}",
+        flavor.name(),
+        started.elapsed()
+    );
 }
 
 /// The ruleset ADD makes in a fresh netns when the plugin is run directly with the conflist's
@@ -177,7 +205,7 @@ fn direct_add_ruleset(ctrd: &Containerd, annotations: &serde_json::Value) -> Str
     entry["name"] = conflist["name"].clone();
     entry["stateDir"] = json!(ctrd.dir.mkdir("direct-add-state").display().to_string());
     entry["runtimeConfig"] = json!({ "io.kubernetes.cri.pod-annotations": annotations });
-    entry["prevResult"] = json!({"cniVersion": "1.0.0", "interfaces": [], "ips": []});
+    entry["prevResult"] = json!({"cniVersion": conflist["cniVersion"], "interfaces": [], "ips": []});
     let pod = aether_testkit::TestNetns::new("ctrddirect");
     let path = pod.path();
     let out = aether_conformance::cni::run_here(
@@ -290,7 +318,7 @@ impl<'a> ImageInstaller<'a> {
     fn start(ctrd: &'a Containerd) -> Self {
         // podman's own network config dir is not the node's (it keeps a cni.lock there).
         let podman = Podman::new(&ctrd.node, &ctrd.dir, &ctrd.bin_dir, &ctrd.dir.mkdir("podman-net"));
-        let image = format!("localhost/aether-cni:ctrd-{}", std::process::id());
+        let image = format!("localhost/aether-cni:{}", ctrd.network);
         let binary = cni_bin();
         let installer = aether_testkit::installer_bin();
         must(
@@ -313,7 +341,7 @@ impl<'a> ImageInstaller<'a> {
                     ),
             ),
         );
-        let name = format!("aether-installer-{}", std::process::id());
+        let name = format!("aether-installer-{}", ctrd.network);
         let state = ctrd.state_dir.display().to_string();
         let mut args: Vec<String> = vec![
             "run".into(),
@@ -356,20 +384,30 @@ impl<'a> ImageInstaller<'a> {
 
 #[test]
 fn containerd_node_installer_chains_captures_and_uninstall_restores() {
-    let test = "containerd_node_installer";
-    if !ready(test) || client(test, std::path::Path::new("/usr/bin/podman")).is_none() {
+    node_installer(Flavor::V1_6);
+}
+
+/// The same on containerd 2, the node's CNI the plugins 1.9 at cniVersion 1.1.0.
+#[test]
+fn containerd2_node_installer_chains_captures_and_uninstall_restores() {
+    node_installer(Flavor::V2);
+}
+
+fn node_installer(flavor: Flavor) {
+    let test = &tag("containerd_node_installer", flavor);
+    if !ready(test, flavor) || client(test, std::path::Path::new("/usr/bin/podman")).is_none() {
         return;
     }
     let started = Instant::now();
     // A node whose CNI is bridge + host-local + portmap alone, and nothing of aether-cni.
-    let mut ctrd = Containerd::new("ctrdinst", &NET, false);
+    let mut ctrd = Containerd::new_on(flavor, &tag("ctrdinst", flavor), &NET, false);
     let (conf_before, bin_before) = (dir_state(&ctrd.net_dir), dir_state(&ctrd.bin_dir));
     ctrd.start();
     ctrd.import_sandbox_image();
     let before = ctrd.run_pod("shop", "before-0", None).unwrap_or_else(|e| panic!("RunPodSandbox before install: {e}"));
     let sb = ready_sandbox(&ctrd, &before);
     assert!(!capture_state(&sb.netns).0.contains("aether"), "a pod was captured before the installer ran");
-    stop_and_remove(&ctrd, &before, &sb, "ctrdinstkeep0");
+    stop_and_remove(&ctrd, &before, &sb, &tag("ctrdinstkeep0", flavor));
 
     // The installer's image: it copies the binary and chains the entry onto the node's
     // conflist; containerd picks the chained file up by itself.
@@ -436,14 +474,14 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
     std::fs::remove_file(ctrd.net_dir.join(&chained_name)).unwrap();
     ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
 
-    // containerd 1.6 tears the others down with the chain it holds now, without aether-cni:
+    // containerd (1.6 and 2 alike) tears the others down with the chain it holds now, without aether-cni:
     // their teardown succeeds and releases their addresses; their records (their netns gone)
     // and the binary stay.
     for (id, sb) in [(&annotated, &annotated_sb), (&pod, &sb)] {
         stop_and_remove_without_aether(&ctrd, id, sb);
     }
     assert!(binary.exists() && uninstalled.exists(), "the binary went while records remain");
-    // CNI GC (what a CNI 1.1 runtime runs; by hand on containerd 1.6) collects them, and the
+    // CNI GC (which no containerd runs, 2.x included: by hand here) collects them, and the
     // last record takes the binary and the word with it.
     let gc = gc_nothing_valid(&ctrd, &binary);
     assert!(gc.status.success(), "GC: {}", String::from_utf8_lossy(&gc.stdout));
@@ -467,10 +505,177 @@ fn containerd_node_installer_chains_captures_and_uninstall_restores() {
         !ruleset.contains("aether") && !rules.contains("0xae71"),
         "a pod was captured after uninstall:\n{ruleset}{rules}"
     );
-    stop_and_remove(&ctrd, &after, &sb, "ctrdinstkeep3");
+    stop_and_remove(&ctrd, &after, &sb, &tag("ctrdinstkeep3", flavor));
 
     eprintln!(
-        "{test}: aether-cni-installer on a containerd node, pods captured, uninstall restored it, in {:?}",
+        "{test}: aether-cni-installer on a {} node, pods captured, uninstall restored it, in {:?}",
+        flavor.name(),
         started.elapsed()
     );
+}
+
+/// The CNI configuration containerd 2 holds names aether-cni and says `cniVersion` `version`.
+fn loaded_at(config: &str, version: &str) -> bool {
+    config.contains("aether-cni") && config.contains(&format!("\"CNIVersion\":\"{version}\""))
+}
+
+/// The runtime's `NetworkReady` condition, from the CRI `Status` call: (status, message).
+fn network_ready(ctrd: &Containerd) -> (bool, String) {
+    let r = ctrd.cri("Status", &json!({})).unwrap_or_else(|e| panic!("Status: {e}"));
+    let conditions = r["status"]["conditions"].as_array().cloned().unwrap_or_default();
+    let c =
+        conditions.iter().find(|c| c["type"] == "NetworkReady").unwrap_or_else(|| panic!("no NetworkReady in {r:#}"));
+    (c["status"].as_bool().unwrap_or(false), c["message"].as_str().unwrap_or_default().to_string())
+}
+
+/// containerd 2 calls STATUS once per CRI `Status` call when the chained list says
+/// `cniVersion` 1.1.0: the installer's not-ready mark (`<stateDir>/node-not-ready`) makes the
+/// runtime report `NetworkReady=false` with its reason, and clearing it makes it ready again;
+/// pods still start meanwhile. The plugin binary missing while the list names it: not ready
+/// either, naming it, and no sandbox starts. Control: the same list at 1.0.0 is never asked
+/// STATUS, so the mark changes nothing the runtime reports.
+#[test]
+fn containerd2_status_reports_the_installer_s_not_ready_mark_only_for_a_1_1_0_list() {
+    let flavor = Flavor::V2;
+    let test = "containerd2_status";
+    if !ready(test, flavor) {
+        return;
+    }
+    let mut ctrd = Containerd::new_on(flavor, "ctrdstat2", &NET, true);
+    std::os::unix::fs::symlink(cni_bin(), ctrd.bin_dir.join("aether-cni")).unwrap();
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    ctrd.wait_cni_config("the chained conflist at 1.1.0", |c| loaded_at(c, "1.1.0"));
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(ready_now, "the network is not ready with nothing marked: {why}\n{}", log(&ctrd));
+
+    let marker = ctrd.state_dir.join("node-not-ready");
+    std::fs::write(&marker, "installer: the test marked the node\n").unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(!ready_now, "the runtime reports the network ready while the node is marked not ready");
+    assert!(why.contains("the test marked the node"), "the runtime's message does not carry the reason: {why}");
+    // containerd itself still starts sandboxes (the kubelet is what holds pods).
+    let pod = ctrd.run_pod("shop", "marked-0", None).unwrap_or_else(|e| panic!("RunPodSandbox while marked: {e}"));
+    let sb = ready_sandbox(&ctrd, &pod);
+    assert_captured(&sb.netns, &[]);
+    std::fs::remove_file(&marker).unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(ready_now, "still not ready once the mark is cleared: {why}");
+    stop_and_remove(&ctrd, &pod, &sb, "ctrdstatkeep");
+
+    // The plugin binary missing while the conflist names it: STATUS cannot run it, so the
+    // network is not ready, naming it, and a sandbox cannot start; back, ready again.
+    let binary = ctrd.bin_dir.join("aether-cni");
+    let aside = ctrd.dir.join("aether-cni.aside");
+    std::fs::rename(&binary, &aside).unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(!ready_now && why.contains("aether-cni"), "the binary missing: ready {ready_now}: {why}");
+    let err = ctrd.run_pod("shop", "nobinary-0", None).expect_err("a sandbox started without the plugin");
+    assert!(err.contains("aether-cni"), "{err}");
+    std::fs::rename(&aside, &binary).unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(ready_now, "the binary back, still not ready: {why}");
+
+    // Control: the same chain at 1.0.0: no STATUS, whatever the mark says.
+    let path = ctrd.net_dir.join(CHAINED_CONFLIST);
+    let list = std::fs::read_to_string(&path).unwrap().replace("\"1.1.0\"", "\"1.0.0\"");
+    std::fs::write(&path, list).unwrap();
+    ctrd.wait_cni_config("the chained conflist at 1.0.0", |c| loaded_at(c, "1.0.0"));
+    std::fs::write(&marker, "installer: the test marked the node\n").unwrap();
+    let (ready_now, why) = network_ready(&ctrd);
+    assert!(ready_now, "a 1.0.0 list was asked STATUS: {why}");
+    std::fs::remove_file(&marker).unwrap();
+}
+
+/// `aether-cni` in the node's bin dir as a wrapper that writes each command it is run with
+/// (`CNI_COMMAND`) to a file, then runs the plugin under test; the file's path.
+fn counting_plugin(ctrd: &Containerd) -> std::path::PathBuf {
+    let commands = ctrd.dir.join("commands");
+    let wrapper =
+        format!("#!/bin/sh\necho \"$CNI_COMMAND\" >>'{}'\nexec '{}' \"$@\"\n", commands.display(), cni_bin().display());
+    let path = ctrd.bin_dir.join("aether-cni");
+    std::fs::write(&path, wrapper).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    commands
+}
+
+/// How many times the runtime ran aether-cni with each command.
+fn commands(file: &std::path::Path) -> std::collections::BTreeMap<String, usize> {
+    let mut m = std::collections::BTreeMap::new();
+    for c in std::fs::read_to_string(file).unwrap_or_default().lines() {
+        *m.entry(c.to_string()).or_insert(0) += 1;
+    }
+    m
+}
+
+fn count(file: &std::path::Path, command: &str) -> usize {
+    commands(file).get(command).copied().unwrap_or(0)
+}
+
+/// What each containerd runs aether-cni with, counted by a wrapper around the plugin: ADD at
+/// RunPodSandbox, two DELs per stop + remove, never CHECK or GC (across a containerd restart
+/// too); STATUS never on 1.6 (its list at 1.0.0, the newest bookworm's plugins speak), and on
+/// 2.x (its list at 1.1.0) once per CRI `Status` call (not at start, not before ADD). Also timed, not asserted: how soon a conflist change is loaded; and what the runtime
+/// says with an empty conf dir.
+fn commands_per_runtime(flavor: Flavor) {
+    let test = &tag("containerd_commands", flavor);
+    if !ready(test, flavor) {
+        return;
+    }
+    let mut ctrd = Containerd::new_on(flavor, &tag("ctrdcmd", flavor), &NET, true);
+    let file = counting_plugin(&ctrd);
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let pod = ctrd.run_pod("shop", "count-0", None).unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", log(&ctrd)));
+    let sb = ready_sandbox(&ctrd, &pod);
+    assert_captured(&sb.netns, &[]);
+    assert_eq!(commands(&file), [("ADD".to_string(), 1)].into(), "{}: at start and the first ADD", flavor.name());
+    for _ in 0..5 {
+        ctrd.cri("Status", &json!({})).unwrap();
+    }
+    let statuses = match flavor {
+        Flavor::V1_6 => 0,
+        Flavor::V2 => 5,
+    };
+    assert_eq!(count(&file, "STATUS"), statuses, "{}: STATUS per CRI Status call", flavor.name());
+    ctrd.stop();
+    ctrd.start();
+    ctrd.stop_pod(&pod);
+    ctrd.remove_pod(&pod);
+    let seen = commands(&file);
+    assert_eq!(seen.get("ADD"), Some(&1), "{seen:?}");
+    assert_eq!(seen.get("DEL"), Some(&2), "two DELs per stop + remove: {seen:?}");
+    assert!(!seen.contains_key("CHECK") && !seen.contains_key("GC"), "{}: {seen:?}", flavor.name());
+
+    // A conflist change, timed until the runtime shows it loaded.
+    let path = ctrd.net_dir.join(CHAINED_CONFLIST);
+    let mut list: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    list["plugins"][2]["logLevel"] = json!("debug");
+    let changed = Instant::now();
+    std::fs::write(&path, serde_json::to_string_pretty(&list).unwrap()).unwrap();
+    ctrd.wait_cni_config("the changed conflist", |c| c.contains("logLevel"));
+    eprintln!("{test}: {} loaded a conflist change within {:?}", flavor.name(), changed.elapsed());
+    // An empty conf dir.
+    std::fs::remove_file(&path).unwrap();
+    let deadline = Instant::now() + std::time::Duration::from_secs(20);
+    let why = loop {
+        let (ready_now, why) = network_ready(&ctrd);
+        if !ready_now {
+            break why;
+        }
+        assert!(Instant::now() < deadline, "{}: still network-ready with an empty conf dir", flavor.name());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(why.contains("cni plugin not initialized"), "{}: {why}", flavor.name());
+    eprintln!("{test}: {} with an empty conf dir: NetworkReady=false: {why}", flavor.name());
+}
+
+#[test]
+fn containerd_runs_add_and_two_dels_and_never_check_gc_or_status() {
+    commands_per_runtime(Flavor::V1_6);
+}
+
+#[test]
+fn containerd2_runs_status_per_cri_status_call_and_never_check_or_gc() {
+    commands_per_runtime(Flavor::V2);
 }

@@ -1,5 +1,5 @@
 //! The installer's reconciler on a real containerd 1.6 node (see
-//! `aether_conformance::containerd`): pods that started before aether-cni was chained are
+//! `aether_conformance::containerd`; the missed-pod scenarios on containerd 2 as well): pods that started before aether-cni was chained are
 //! restarted through the CRI (and come back captured by a real ADD) or only reported, by
 //! policy; kube-system, `aether.io/capture: disabled` and malformed pods are left alone;
 //! drift in a running pod is repaired to exactly its record, and stays broken with the
@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_conformance::clients::{assert_captured, capture_state, client, exec, must, records, terminate};
-use aether_conformance::containerd::{requirements, Containerd, NodeNet};
+use aether_conformance::containerd::{Containerd, Flavor, NodeNet};
 use aether_conformance::{cni_bin, passes, sock};
 use aether_testkit::{http, root_or_skip};
 use serde_json::{json, Value};
@@ -31,7 +31,19 @@ use serde_json::{json, Value};
 const NET: NodeNet = NodeNet { bridge: "aerec0", subnet: "10.250.13.0/24", gateway: "10.250.13.1" };
 
 fn ready(test: &str) -> bool {
-    root_or_skip(test) && requirements().iter().all(|p| client(test, p).is_some())
+    ready_on(test, Flavor::V1_6)
+}
+
+fn ready_on(test: &str, flavor: Flavor) -> bool {
+    root_or_skip(test) && flavor.requirements().iter().all(|p| client(test, p).is_some())
+}
+
+/// `base` for containerd 1.6, `base2` for containerd 2: a test's and its node's names.
+fn on(base: &str, flavor: Flavor) -> String {
+    match flavor {
+        Flavor::V1_6 => base.to_string(),
+        Flavor::V2 => format!("{base}2"),
+    }
 }
 
 /// `aether-cni-installer` on the test's node, run by the test (installing the plugin under test).
@@ -53,7 +65,7 @@ impl Installer {
             l.local_addr().unwrap()
         };
         // The last installer's last pass is not this one's.
-        let _ = std::fs::remove_file(ctrd.state_dir.join("reconciler-last-pass.json"));
+        passes::forget(&ctrd.state_dir);
         let log = ctrd.dir.join(&format!("installer-{tag}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(aether_testkit::installer_bin())
@@ -69,6 +81,7 @@ impl Installer {
             .arg("--reconcile-period-seconds=1")
             .args(extra)
             .envs(env.iter().copied())
+            .env(passes::JOURNAL_ENV.0, passes::JOURNAL_ENV.1)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
@@ -195,11 +208,21 @@ fn untouched(ctrd: &Containerd, pods: &EarlyPods, pass: &Value) {
 
 #[test]
 fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_others_alone() {
-    let test = "reconciler_restarts_a_missed_pod";
-    if !ready(test) {
+    restarts_a_missed_pod(Flavor::V1_6);
+}
+
+/// The same on containerd 2 (its chain the CNI plugins 1.9 at cniVersion 1.1.0).
+#[test]
+fn reconciler_restarts_a_missed_pod_on_containerd2() {
+    restarts_a_missed_pod(Flavor::V2);
+}
+
+fn restarts_a_missed_pod(flavor: Flavor) {
+    let test = &on("reconciler_restarts_a_missed_pod", flavor);
+    if !ready_on(test, flavor) {
         return;
     }
-    let mut ctrd = Containerd::new("rcrst", &NET, false);
+    let mut ctrd = Containerd::new_on(flavor, &on("rcrst", flavor), &NET, false);
     ctrd.start();
     ctrd.import_sandbox_image();
     let pods = early_pods(&ctrd);
@@ -244,11 +267,21 @@ fn reconciler_restarts_a_missed_pod_which_comes_back_captured_and_leaves_the_oth
 
 #[test]
 fn reconciler_captures_a_missed_pod_in_place_exactly_as_add_would() {
-    let test = "reconciler_captures_in_place";
-    if !ready(test) {
+    captures_in_place(Flavor::V1_6);
+}
+
+/// The same on containerd 2.
+#[test]
+fn reconciler_captures_a_missed_pod_in_place_on_containerd2() {
+    captures_in_place(Flavor::V2);
+}
+
+fn captures_in_place(flavor: Flavor) {
+    let test = &on("reconciler_captures_in_place", flavor);
+    if !ready_on(test, flavor) {
         return;
     }
-    let mut ctrd = Containerd::new("rccap", &NET, false);
+    let mut ctrd = Containerd::new_on(flavor, &on("rccap", flavor), &NET, false);
     ctrd.start();
     ctrd.import_sandbox_image();
     let pods = early_pods(&ctrd);

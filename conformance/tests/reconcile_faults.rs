@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use aether_conformance::clients::{assert_captured, records};
+use aether_conformance::clients::{assert_captured, capture_state, records};
 use aether_conformance::{cni_bin, passes, sock, Pod, SimNode, HOST_IP};
 use aether_cri::api::PodSandbox;
 use aether_cri::fake::{self, FakeRuntime, Reply, Script};
@@ -99,7 +99,7 @@ struct Installer {
 impl Installer {
     fn start(node: &Node, extra: &[&str]) -> Installer {
         let log = node.scratch.0.join(format!("installer-{}.log", std::process::id()));
-        let _ = std::fs::remove_file(node.sim.state_dir().join("reconciler-last-pass.json"));
+        passes::forget(node.sim.state_dir());
         let host = node.sim.host.path();
         let ns = std::fs::File::open(&host).unwrap();
         let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
@@ -114,6 +114,7 @@ impl Installer {
             .arg("--services-socket=")
             .arg("--reconcile-period-seconds=1")
             .args(extra)
+            .env(passes::JOURNAL_ENV.0, passes::JOURNAL_ENV.1)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -351,7 +352,7 @@ fn a_pod_list_over_4_mib_is_seen() {
 /// A runtime that hangs on the verbose status of twelve would-be missed pods: each is asked
 /// once, its failure remembered with a backoff instead of asked again every pass, so the
 /// passes stay short and a drifted pod is still repaired. Negative control: before, every pass
-/// asked all twelve again (24 s a pass at a 2 s timeout).
+/// asked all twelve again, each for its whole timeout.
 #[test]
 fn a_runtime_hung_on_statuses_is_asked_once_per_backoff() {
     if !root_or_skip("a_runtime_hung_on_statuses_is_asked_once_per_backoff") {
@@ -373,12 +374,13 @@ fn a_runtime_hung_on_statuses_is_asked_once_per_backoff() {
         &node,
         &[
             "--missed-pods=report",
-            "--cri-timeout-seconds=2",
+            "--cri-timeout-seconds=1",
             "--cri-pass-budget-seconds=5",
             "--reconcile-backoff-seconds=120",
         ],
     );
-    // Every hung sandbox asked once (a few per pass, within the budget).
+    // Every hung sandbox asked once: one per pass here (a pass waits on the runtime no longer
+    // than the 1 s period), so within the wait's 30 s.
     let asked = |i: usize| node.fake.calls().iter().filter(|c| **c == format!("status hung-{i}")).count();
     inst.wait_pass(1, "every hung sandbox asked", |_| (0..12).all(|i| asked(i) >= 1));
     // Drift in the intact pod: its capture table deleted by hand.
@@ -396,6 +398,61 @@ fn a_runtime_hung_on_statuses_is_asked_once_per_backoff() {
     let last = inst.last_pass().unwrap();
     let held = last["pods"].as_array().unwrap().iter().find(|p| p["pod"] == "sim/hung-3").unwrap();
     assert!(held["held"].as_str().unwrap().contains("asked again in"), "{last:#}");
+}
+
+/// A runtime that stalls never delays a repair that needs no answer from it: twelve would-be
+/// missed sandboxes whose verbose status never answers, a 2 s call timeout, the default pass
+/// budget (10 s) and a 1 s period. Drift made in the recorded pod while the first pass waits
+/// on the runtime is repaired within 5 periods (the pass under way waits on it at most a period
+/// or one call, 2 s here; the next pass repairs before it asks anything). Negative control: before, a pass asked the
+/// runtime for up to its whole budget before acting: the repair came after 18 s.
+#[test]
+fn a_stalled_runtime_never_delays_a_repair_that_needs_no_answer_from_it() {
+    if !root_or_skip("a_stalled_runtime_never_delays_a_repair_that_needs_no_answer_from_it") {
+        return;
+    }
+    let node = Node::new("rcstall", &["shop-a"]);
+    let intact = capture_state(&node.pods[0].path());
+    let mut listed = node.listing();
+    let hung: Vec<PodSandbox> = (0..12)
+        .map(|i| fake::sandbox(&format!("hung-{i}"), "sim", &format!("hung-{i}"), &format!("uid-h{i}"), 5))
+        .collect();
+    listed.extend(hung.iter().cloned());
+    node.fake.script(|s| {
+        for h in &hung {
+            s.status.insert(h.id.clone(), Reply::Hang);
+        }
+        s.list = Reply::Answer(listed);
+    });
+    let mut inst = Installer::start(&node, &["--missed-pods=report", "--cri-timeout-seconds=2"]);
+    // The first pass is waiting on a hung status: the drift is made now.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while node.fake.count("status hung-") == 0 {
+        assert!(Instant::now() < deadline, "the runtime was never asked a status:\n{}", inst.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    node.pods[0].nft(&["delete", "table", "ip", "aether_capture"]);
+    let tampered = Instant::now();
+    assert_ne!(capture_state(&node.pods[0].path()), intact, "the tamper changed nothing");
+    let period = Duration::from_secs(1);
+    while capture_state(&node.pods[0].path()) != intact {
+        assert!(
+            tampered.elapsed() < 5 * period,
+            "the drift was not repaired within 5 periods of the runtime stalling; calls: {:?}\n{}",
+            node.fake.calls(),
+            inst.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("repaired {:?} after the tamper", tampered.elapsed());
+    node.captured(&node.pods[0]);
+    let pass = inst.wait_pass(1, "the repair", |p| {
+        p["actions"].as_array().into_iter().flatten().any(|a| a["kind"] == "repair" && a["outcome"] == "done")
+    });
+    // The pass that repaired is the one after the stalled first pass, which still read the
+    // runtime's list (the stalled sandboxes are in it).
+    assert_eq!(pass["pass"], 2, "{pass:#}");
+    assert!(pass["pods"].as_array().unwrap().iter().any(|p| p["pod"] == "sim/hung-0"), "the list was read: {pass:#}");
 }
 
 /// SIGTERM while a pass waits on a runtime that never answers (a call timeout of 60 s): the

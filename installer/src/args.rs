@@ -78,7 +78,8 @@ pub struct InstallArgs {
     #[arg(long, default_value = "5", value_name = "SECONDS")]
     pub cri_timeout_seconds: u64,
     /// Seconds one reconciler pass may wait on the runtime in all (its calls, each within
-    /// --cri-timeout-seconds): what is not asked in time is asked by a later pass.
+    /// --cri-timeout-seconds), and never more than the period (or one call's timeout, if
+    /// longer): what is not asked in time is asked by a later pass.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub cri_pass_budget_seconds: u64,
     /// The largest answer read from the runtime, in MiB (the kubelet reads up to 16): a pod

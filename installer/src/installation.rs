@@ -289,7 +289,10 @@ impl Node {
         tracing::info!(
             binary = %binary.display(),
             "the plugin binary stays while {pods} pods attached on this node may still be torn down: \
-             the DEL of the last of them removes it (docs/operating.md, \"Uninstall\")"
+             the DEL or CNI GC that removes the last of their records removes it; containerd (1.6 to 2.x) \
+             tears pods down after its reload without aether-cni and never runs GC, so there their \
+             records stay until GC is run by hand or an installer runs again \
+             (docs/operating.md, \"Uninstall with pods running\")"
         );
         Ok(())
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::cri::CriRuntime;
-use super::{action_kind, Limits, NodeOps, Outcome, PassReport, Reconciler, Runtime, Stopping};
+use super::{action_kind, Held, Limits, NodeOps, Outcome, PassReport, Reconciler, Runtime, Stopping};
 use crate::serve::Shared;
 
 /// The last pass, in the state directory (read by `aether-cni inspect` with no argument).
@@ -115,7 +115,7 @@ where
             }
             shared.metrics.reconcile.observe(&report, trigger);
             write_last_pass(&state_dir, &report);
-            match next(&rx, started + period, &shared) {
+            match next(&rx, started + period, &shared, waits_for_ready(&report)) {
                 Some(t) => trigger = t,
                 None => return,
             }
@@ -131,11 +131,23 @@ fn is_ready(shared: &Shared) -> bool {
     shared.status.lock().unwrap().not_ready.is_empty()
 }
 
+/// Whether the pass held a pod only because the node was not ready (a missed pod while the
+/// plugin is not chained yet): the pass once the node is ready is for it.
+fn waits_for_ready(report: &PassReport) -> bool {
+    report.findings.iter().any(|f| matches!(f.held, Some(Held::NodeNotReady(_))))
+}
+
 /// The next pass's trigger, or `None` to stop: the period (counted from the last pass's
 /// start, so that a long pass does not stretch the time between two looks at a pod), a poke,
-/// or the node turning ready (missed pods were held while it was not).
-fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'static str> {
-    let was_ready = is_ready(shared);
+/// or the node being ready when the last pass held pods for it (`held_for_ready`): at once
+/// if the node turned ready while that pass ran (the first pass itself clears `starting`),
+/// else when it does. Decided on what the last pass held, not on the node's readiness when it
+/// ended, which missed a node that turned ready during the pass (the period then); and no
+/// extra pass when nothing waits for it (it would only redo the last one's work at once).
+fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared, held_for_ready: bool) -> Option<&'static str> {
+    if held_for_ready && is_ready(shared) {
+        return Some("ready");
+    }
     let first = loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
@@ -144,7 +156,7 @@ fn next(rx: &Receiver<Msg>, deadline: Instant, shared: &Shared) -> Option<&'stat
         match rx.recv_timeout(left.min(READY_POLL)) {
             Ok(m) => break m,
             Err(RecvTimeoutError::Timeout) => {
-                if !was_ready && is_ready(shared) {
+                if held_for_ready && is_ready(shared) {
                     return Some("ready");
                 }
             }
@@ -212,7 +224,33 @@ fn write_last_pass(state_dir: &std::path::Path, report: &PassReport) {
     if let Err(e) = crate::files::write_atomic(&path, &body, 0o600) {
         tracing::warn!(file = %path.display(), "cannot write the reconciler's last pass: {e}");
     }
+    #[cfg(feature = "fault-injection")]
+    journal(state_dir, report);
 }
+
+/// A test's fault-injection build, with `AETHER_INSTALLER_PASS_JOURNAL=1`, also appends every
+/// pass, one JSON line each, to [`PASS_JOURNAL_FILE`] in the state directory: the last-pass
+/// file is replaced by each pass, so a test reading it could miss a pass that another
+/// followed at once (the "ready" pass, a poke); the journal misses none.
+#[cfg(feature = "fault-injection")]
+fn journal(state_dir: &std::path::Path, report: &PassReport) {
+    use std::io::Write as _;
+    if std::env::var_os("AETHER_INSTALLER_PASS_JOURNAL").is_none_or(|v| v != "1") {
+        return;
+    }
+    let mut line = serde_json::to_vec(&last_pass_json(report)).expect("JSON values serialize");
+    line.push(b'\n');
+    let path = state_dir.join(PASS_JOURNAL_FILE);
+    let written =
+        std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| f.write_all(&line));
+    if let Err(e) = written {
+        tracing::warn!(file = %path.display(), "cannot append to the pass journal: {e}");
+    }
+}
+
+/// Every pass, one JSON line each: written only by a test's fault-injection build (see
+/// `journal`).
+pub const PASS_JOURNAL_FILE: &str = "reconciler-passes.jsonl";
 
 /// The reconciler's settings, from the installer's flags (`InstallArgs::reconciler`): the
 /// flags know the reconciler, never the other way round.
@@ -228,6 +266,16 @@ pub struct Settings {
     pub period: Duration,
     pub limits: Limits,
     pub state_dir: std::path::PathBuf,
+}
+
+/// The time a pass may wait on the runtime in all: `--cri-pass-budget-seconds`, but no more
+/// than the period, or one call's timeout if that is longer (a slow list is still read
+/// whole). The records' repairs are done at a pass's start, before the runtime is asked, so
+/// drift waits at most for the pass under way: a runtime that stalls holds it up no longer
+/// than the period (or one call), and drift is repaired within about a period of being made
+/// whatever the runtime does. What is not asked in time is asked by a later pass.
+pub fn pass_budget(budget: Duration, period: Duration, call_timeout: Duration) -> Duration {
+    budget.min(period.max(call_timeout))
 }
 
 /// Starts the reconciler's thread for the installer (unless `--reconcile=false`): the
@@ -254,7 +302,7 @@ where
                 socket,
                 settings.cri_timeout,
                 settings.cri_max_message_bytes,
-                settings.cri_pass_budget,
+                pass_budget(settings.cri_pass_budget, settings.period, settings.cri_timeout),
                 stopping.clone(),
                 rt,
             ))
@@ -263,4 +311,22 @@ where
     };
     let reconciler = Reconciler::new(runtime, node, settings.limits);
     spawn(reconciler, settings.period, shared, settings.state_dir, stopping).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass waits on the runtime no longer than the period (so the next pass's repairs are
+    /// not held up by a runtime that stalls), except that one call always gets its timeout.
+    #[test]
+    fn a_pass_waits_on_the_runtime_at_most_a_period_or_one_call() {
+        let s = Duration::from_secs;
+        // The node: period 1 s, CRI timeout 2 s, the default budget.
+        assert_eq!(pass_budget(s(10), s(1), s(2)), s(2));
+        // The defaults: unchanged.
+        assert_eq!(pass_budget(s(10), s(10), s(5)), s(10));
+        assert_eq!(pass_budget(s(3), s(10), s(5)), s(3));
+        assert_eq!(pass_budget(s(60), s(30), s(5)), s(30));
+    }
 }

@@ -13,7 +13,9 @@
 //!
 //! The decisions are `plan`'s pure code. This module gathers their inputs through two small
 //! traits, [`Runtime`] (the CRI) and [`NodeOps`] (the node's records and a pod's attachment),
-//! carries the actions out one by one, and reports the pass. Without the runtime (no socket,
+//! carries the actions out one by one, and reports the pass. What the records alone decide
+//! (drift, migrations, a gone netns) is done before the runtime is asked anything, so a
+//! runtime that stalls never delays it. Without the runtime (no socket,
 //! errors) the pass still handles drift and leftovers from the records alone, and says that
 //! missed pods cannot be seen.
 
@@ -242,6 +244,30 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         };
         let observations = self.node.observe_all(&records);
         let observed: Vec<(RecordView, Observation)> = records.into_iter().zip(observations).collect();
+        let records: BTreeMap<&str, &RecordView> = observed.iter().map(|(r, _)| (r.key.as_str(), r)).collect();
+        let node_ready = node_ready.as_ref().map(|_| ()).map_err(String::as_str);
+        let mut actions = Vec::new();
+        let mut refusals = Vec::new();
+        // Pods whose drift this pass already counted toward "fought": a pod whose capture and
+        // Service layer both drifted gets two repairs in one pass, but was undone once.
+        let mut counted_repairs: HashSet<String> = HashSet::new();
+        // What the records alone decide (drift repaired, migrations, records whose netns is
+        // gone) is done before the runtime is asked, so that a runtime that stalls never
+        // delays it; the plan with the runtime's list then decides the rest (missed pods,
+        // records whose sandbox is gone, which need its positive answer) on the memory as it
+        // was before, and does not do again what was done.
+        let memory = self.memory.clone();
+        let records_only = Input { runtime: Err("not asked yet"), records: &observed, node_ready, now: Instant::now() };
+        let early = plan::plan(&records_only, &self.limits, &self.memory);
+        let no_sandboxes = BTreeMap::new();
+        for action in early.actions {
+            if self.stopping.is_set() {
+                break;
+            }
+            let outcome = self.act(&action, &no_sandboxes, &records, &mut counted_repairs, &mut refusals);
+            actions.push((action, outcome));
+        }
+        let done_early: HashSet<(&'static str, String)> = actions.iter().map(|(a, _)| record_action(a)).collect();
         let listed = match self.runtime.as_mut() {
             None => Err("no CRI socket configured".to_string()),
             Some(rt) => {
@@ -267,11 +293,10 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
         let input = Input {
             runtime: views.as_ref().map(Vec::as_slice).map_err(String::as_str),
             records: &observed,
-            node_ready: node_ready.as_ref().map(|_| ()).map_err(String::as_str),
+            node_ready,
             now: Instant::now(),
         };
-        let plan = plan::plan(&input, &self.limits, &self.memory);
-        let mut refusals = Vec::new();
+        let plan = plan::plan(&input, &self.limits, &memory);
         if let Some(why) = &plan.suspect {
             refusals.push((
                 "suspect-list",
@@ -287,58 +312,16 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             Ok(v) => v.iter().map(|v| (v.sandbox.id.as_str(), &v.sandbox)).collect(),
             Err(_) => BTreeMap::new(),
         };
-        let records: BTreeMap<&str, &RecordView> = observed.iter().map(|(r, _)| (r.key.as_str(), r)).collect();
-        let mut actions = Vec::new();
-        // Pods whose drift this pass already counted toward "fought": a pod whose capture and
-        // Service layer both drifted gets two repairs in one pass, but was undone once.
-        let mut counted_repairs: HashSet<String> = HashSet::new();
         for action in plan.actions {
             // The installer is stopping: nothing more starts (what was not done is found again
             // by the next installer's first pass).
             if self.stopping.is_set() {
                 break;
             }
-            let outcome = self.execute(&action, &sandboxes, &records);
-            // A restart or capture counts whatever its outcome (the pod may come back
-            // uncaptured); a repair or migration only when it failed (drift again later is
-            // repaired again), or, for a repair of drift, when it is the latest of too many in a
-            // window (drift that is fought). A migration is no drift: it never counts as fought.
-            let repair =
-                matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
-            let drift = matches!(action, Action::Repair { .. } | Action::RepairServices { .. });
-            let now = Instant::now();
-            match &outcome {
-                // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
-                Outcome::Moot(_) if !matches!(action, Action::Capture { .. } | Action::Restart { .. }) => {
-                    self.memory.forget(action.pod());
-                }
-                Outcome::Refused(why) => {
-                    if let Action::Capture { sandbox_id, pod, .. } = &action {
-                        self.memory.refuse(sandbox_id, why);
-                        refusals.push(("netns-owned", format!("{pod} (sandbox {sandbox_id})"), why.clone()));
-                    }
-                }
-                Outcome::Failed(_) if action.counts_as_attempt() => self.memory.acted(action.pod(), now, &self.limits),
-                Outcome::Done if action.counts_as_attempt() && !repair => {
-                    self.memory.acted(action.pod(), now, &self.limits)
-                }
-                Outcome::Done if drift && !counted_repairs.insert(action.pod().history_key()) => {}
-                Outcome::Done if drift => {
-                    if let Some(n) = self.memory.repaired(action.pod(), now) {
-                        self.memory.acted(action.pod(), now, &self.limits);
-                        self.memory.fought(
-                            action.pod(),
-                            format!(
-                                "its drift was repaired {n} times within {} min: something in the pod keeps \
-                                 undoing the capture; backed off (then only reported after --reconcile-attempts)",
-                                plan::FOUGHT_WINDOW.as_secs() / 60
-                            ),
-                        );
-                    }
-                }
-                _ => {}
+            if done_early.contains(&record_action(&action)) {
+                continue;
             }
-            log_action(&action, &outcome);
+            let outcome = self.act(&action, &sandboxes, &records, &mut counted_repairs, &mut refusals);
             actions.push((action, outcome));
         }
         // Why a pod needing something got nothing: one line when it starts, not per pass
@@ -395,6 +378,58 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             compared: self.node.comparisons(),
             refusals,
         }
+    }
+
+    /// Carries out one action, and remembers what it says of the pod.
+    fn act(
+        &mut self,
+        action: &Action,
+        sandboxes: &BTreeMap<&str, &Sandbox>,
+        records: &BTreeMap<&str, &RecordView>,
+        counted_repairs: &mut HashSet<String>,
+        refusals: &mut Vec<(&'static str, String, String)>,
+    ) -> Outcome {
+        let outcome = self.execute(action, sandboxes, records);
+        // A restart or capture counts whatever its outcome (the pod may come back
+        // uncaptured); a repair or migration only when it failed (drift again later is
+        // repaired again), or, for a repair of drift, when it is the latest of too many in a
+        // window (drift that is fought). A migration is no drift: it never counts as fought.
+        let repair = matches!(action, Action::Repair { .. } | Action::RepairServices { .. } | Action::Migrate { .. });
+        let drift = matches!(action, Action::Repair { .. } | Action::RepairServices { .. });
+        let now = Instant::now();
+        match &outcome {
+            // The record went (its DEL) or changed (a new ADD): the pod's history goes with it.
+            Outcome::Moot(_) if !matches!(action, Action::Capture { .. } | Action::Restart { .. }) => {
+                self.memory.forget(action.pod());
+            }
+            Outcome::Refused(why) => {
+                if let Action::Capture { sandbox_id, pod, .. } = action {
+                    self.memory.refuse(sandbox_id, why);
+                    refusals.push(("netns-owned", format!("{pod} (sandbox {sandbox_id})"), why.clone()));
+                }
+            }
+            Outcome::Failed(_) if action.counts_as_attempt() => self.memory.acted(action.pod(), now, &self.limits),
+            Outcome::Done if action.counts_as_attempt() && !repair => {
+                self.memory.acted(action.pod(), now, &self.limits)
+            }
+            Outcome::Done if drift && !counted_repairs.insert(action.pod().history_key()) => {}
+            Outcome::Done if drift => {
+                if let Some(n) = self.memory.repaired(action.pod(), now) {
+                    self.memory.acted(action.pod(), now, &self.limits);
+                    self.memory.fought(
+                        action.pod(),
+                        format!(
+                            "its drift was repaired {n} times within {} min: something in the pod keeps \
+                             undoing the capture; backed off (then only reported after --reconcile-attempts)",
+                            plan::FOUGHT_WINDOW.as_secs() / 60
+                        ),
+                    );
+                }
+            }
+            _ => {}
+        }
+        log_action(action, &outcome);
+        outcome
     }
 
     /// This pass's refusals, each logged once when it starts (and once when it ends).
@@ -524,6 +559,18 @@ impl<R: Runtime, N: NodeOps> Reconciler<R, N> {
             Ok(()) => Outcome::Done,
             Err(e) => self.node.outcome_of(&e).unwrap_or_else(|| Outcome::Failed(e.to_string())),
         }
+    }
+}
+
+/// A record's action (its kind and the record), to know one the pass already did before it
+/// asked the runtime; an action on a sandbox (restart, capture) is none.
+fn record_action(a: &Action) -> (&'static str, String) {
+    match a {
+        Action::Repair { record, .. }
+        | Action::RepairServices { record, .. }
+        | Action::Migrate { record, .. }
+        | Action::Collect { record, .. } => (action_kind(a), record.clone()),
+        Action::Restart { sandbox_id, .. } | Action::Capture { sandbox_id, .. } => ("", sandbox_id.clone()),
     }
 }
 

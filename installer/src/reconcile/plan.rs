@@ -387,7 +387,7 @@ struct History {
 
 /// What the reconciler remembers between passes: each pod's attempts, and since when each
 /// record's sandbox has been missing from the runtime's list.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Memory {
     pods: HashMap<String, History>,
     orphans: HashMap<String, Instant>,

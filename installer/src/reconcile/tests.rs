@@ -17,7 +17,12 @@ struct FakeRuntime {
     fail_list: Option<String>,
     /// Calls a pass may make, if bounded.
     budget: Option<usize>,
+    /// Every call of this runtime and of the node sharing it, in order.
+    order: Order,
 }
+
+/// The calls of a runtime and a node, in the order they came.
+type Order = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
 
 impl Runtime for FakeRuntime {
     type Error = String;
@@ -26,6 +31,7 @@ impl Runtime for FakeRuntime {
     }
     fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
         self.calls.push("list".into());
+        self.order.lock().unwrap().push("list".into());
         match &self.fail_list {
             Some(e) => Err(e.clone()),
             None => Ok(self.sandboxes.clone()),
@@ -59,6 +65,8 @@ struct FakeNode {
     fought_services: bool,
     /// In-place captures are refused (the netns is another record's).
     refuse_capture: bool,
+    /// Shared with the runtime: see [`FakeRuntime::order`].
+    order: Order,
 }
 
 impl NodeOps for FakeNode {
@@ -94,6 +102,7 @@ impl NodeOps for FakeNode {
     }
     fn repair(&mut self, r: &RecordView) -> Result<(), String> {
         self.calls.push(format!("repair {}", r.key));
+        self.order.lock().unwrap().push(format!("repair {}", r.key));
         if let Some(answer) = self.repair_answer.take() {
             return Err(answer);
         }
@@ -542,4 +551,122 @@ fn a_pass_that_repairs_capture_and_layer_counts_once_toward_fought() {
     let repairs = r.node.calls.iter().filter(|c| c.starts_with("repair ")).count();
     let layer_repairs = r.node.calls.iter().filter(|c| c.starts_with("repair-services ")).count();
     assert_eq!((repairs, layer_repairs), (plan::FOUGHT_REPAIRS, plan::FOUGHT_REPAIRS), "{:?}", r.node.calls);
+}
+
+/// A runtime whose listing is the moment the node turns ready (the installer's first install
+/// ending while the reconciler's first pass runs), and which tells the test each pass.
+struct TurnsReadyDuringThePass {
+    inner: FakeRuntime,
+    shared: std::sync::Arc<crate::serve::Shared>,
+    calls: std::sync::mpsc::Sender<String>,
+}
+
+impl Runtime for TurnsReadyDuringThePass {
+    type Error = String;
+    fn sandboxes(&mut self) -> Result<Vec<Sandbox>, String> {
+        self.shared.status.lock().unwrap().not_ready.clear();
+        let _ = self.calls.send("list".into());
+        self.inner.sandboxes()
+    }
+    fn network(&mut self, id: &str) -> Result<PodNetwork, String> {
+        self.inner.network(id)
+    }
+    fn stop(&mut self, id: &str) -> Result<(), String> {
+        let _ = self.calls.send(format!("stop {id}"));
+        self.inner.stop(id)
+    }
+}
+
+/// The reconciler's thread with a period of an hour over `runtime` and `node`, its node
+/// `starting` (not ready) when the first pass begins; the calls its runtime saw within
+/// `within` of the start, or its first `enough` (the thread is stopped then).
+fn calls_within(tag: &str, runtime: FakeRuntime, node: FakeNode, within: Duration, enough: usize) -> Vec<String> {
+    let shared = std::sync::Arc::new(crate::serve::Shared::new());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dir = aether_testkit::ScratchDir::new(&format!("ready-pass-{tag}"));
+    let rt = TurnsReadyDuringThePass { inner: runtime, shared: shared.clone(), calls: tx };
+    let looper = looper::spawn(
+        Reconciler::new(Some(rt), node, Limits::default()),
+        Duration::from_secs(3600),
+        shared,
+        dir.0.clone(),
+        Stopping::new(),
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + within;
+    let mut calls = Vec::new();
+    while calls.len() < enough {
+        let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { break };
+        match rx.recv_timeout(left) {
+            Ok(c) => calls.push(c),
+            Err(_) => break,
+        }
+    }
+    looper.stop();
+    calls
+}
+
+/// A missed pod held by the first pass because the node was not ready yet, the node turning
+/// ready while that pass runs: the "ready" pass follows at once and restarts the pod, not
+/// the period's end (an hour here; the readiness was looked at only after the pass, so it was
+/// never seen to change). Control: a first pass that held nothing for the node's readiness
+/// (a drifted record, repaired whatever the readiness) gets no extra pass: it would only
+/// redo that pass's work at once, and hid that pass from whoever reads the last pass.
+#[test]
+fn a_pod_held_for_readiness_gets_the_ready_pass_at_once_and_nothing_else_does() {
+    let mut runtime = FakeRuntime { sandboxes: vec![sandbox("missed", "shop", "cart", &[])], ..Default::default() };
+    runtime.netns.insert("missed".into(), pod_network("/run/netns/missed"));
+    let calls = calls_within("held", runtime, FakeNode::default(), Duration::from_secs(60), 3);
+    assert_eq!(calls, ["list", "list", "stop missed"], "the ready pass, long before the period's end");
+
+    let drifted = Observation::Drifted(Differences { capture: vec!["table gone".into()], ..Default::default() });
+    let runtime = FakeRuntime { sandboxes: vec![sandbox("web", "shop", "web", &[])], ..Default::default() };
+    let calls = calls_within("drift", runtime, node_with_record("web", "web", drifted), Duration::from_secs(2), 2);
+    assert_eq!(calls, ["list"], "one pass, then the period: nothing waited for the node to be ready");
+}
+
+/// Drift in a recorded pod is repaired before the runtime is asked anything, so a runtime
+/// that stalls (each call up to its timeout, a pass up to its budget) never delays it; the
+/// pass's plan with the runtime's list does not repair it again, and reports it as before.
+/// Negative control: the order (the pass asked the runtime first, then repaired).
+#[test]
+fn drift_is_repaired_before_the_runtime_is_asked_and_once() {
+    let drifted = Observation::Drifted(Differences::capture(vec!["table gone".into()]));
+    let mut node = node_with_record("web", "web", drifted);
+    let mut listed = sandbox("web", "shop", "web", &[]);
+    listed.uid = "uid-web".into();
+    let runtime = FakeRuntime { sandboxes: vec![listed], order: node.order.clone(), ..Default::default() };
+    node.order = runtime.order.clone();
+    let order = runtime.order.clone();
+    let mut r = Reconciler::new(Some(runtime), node, Limits::default());
+    let report = r.pass(Ok(()));
+    assert_eq!(*order.lock().unwrap(), ["repair net/web/eth0", "list"], "the repair waited on the runtime");
+    assert_eq!(r.node.calls, ["repair net/web/eth0"], "repaired once");
+    assert_eq!(report.actions.len(), 1, "{:?}", report.actions);
+    assert!(matches!(&report.actions[0], (Action::Repair { .. }, Outcome::Done)), "{:?}", report.actions);
+    assert_eq!(report.count(PodState::Drifted), 1);
+    assert!(report.findings.iter().all(|f| f.held.is_none()), "{:?}", report.findings);
+    // The next pass finds it intact and does nothing.
+    let report = r.pass(Ok(()));
+    assert!(report.actions.is_empty(), "{:?}", report.actions);
+    assert_eq!(report.count(PodState::Captured), 1);
+}
+
+/// Records repaired first never make the pass act on less evidence: with the runtime's list
+/// failing, a record whose sandbox the runtime may or may not have is neither collected nor
+/// restarted, while the drift of another is repaired (fail-closed, as without the runtime).
+#[test]
+fn what_needs_the_runtime_s_answer_still_waits_for_it() {
+    let drifted = Observation::Drifted(Differences::capture(vec!["table gone".into()]));
+    let mut node = node_with_record("web", "web", drifted);
+    let other = node_with_record("db", "db", Observation::Intact);
+    node.records.extend(other.records);
+    let runtime = FakeRuntime { fail_list: Some("deadline exceeded".into()), ..Default::default() };
+    let limits = Limits { leftover_grace: Duration::ZERO, ..Default::default() };
+    let mut r = Reconciler::new(Some(runtime), node, limits);
+    for _ in 0..2 {
+        r.pass(Ok(()));
+    }
+    assert_eq!(r.node.calls, ["repair net/web/eth0"], "only the repair: nothing collected by absence");
+    assert_eq!(r.node.records.len(), 2);
 }
