@@ -149,8 +149,13 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
-    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
     let rt = running.server.runtime();
+    match args.events() {
+        Ok(Some(settings)) => running.shared.events.start(settings, &rt),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("Kubernetes Events are off: {e}"),
+    }
+    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
     running.reconciler =
         reconcile::looper::start(args.reconciler(), running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {
