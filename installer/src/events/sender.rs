@@ -132,6 +132,9 @@ async fn send(client: &Client, write: &Write, timeout: Duration) -> (WriteOutcom
             _ => (WriteOutcome::Refused("rejected"), None),
         },
         // No answer: refused or dropped connection, TLS, a body that is no Status.
-        Err(_) => (WriteOutcome::Retry, None),
+        Err(e) => {
+            tracing::debug!(verb = write.verb(), "an Event's write had no answer: {e}");
+            (WriteOutcome::Retry, None)
+        }
     }
 }
