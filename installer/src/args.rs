@@ -60,6 +60,10 @@ pub struct InstallArgs {
     /// plugin's own parser in a cniVersion 1.1.0 list), and exit: nothing is installed.
     #[arg(long)]
     pub print_entry: bool,
+    /// Print one Event body of every kind (a JSON list, as they are created and as a series
+    /// makes them) and exit: the chart's tests validate them against the Kubernetes schemas.
+    #[arg(long, hide = true)]
+    pub print_event_examples: bool,
     /// Full re-check period: binary, conflist, kernel checks while they fail.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub resync_seconds: u64,

@@ -132,6 +132,10 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // CLI restores SIGPIPE's default for the commands that print.)
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let node = LiveNode::new(&args.state_dir);
+    if args.print_event_examples {
+        println!("{}", crate::events::examples_json(args.node_name.trim()));
+        return Ok(());
+    }
     if args.print_entry {
         println!("{}", entry_for_display(&args, &node)?);
         return Ok(());

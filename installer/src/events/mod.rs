@@ -218,6 +218,34 @@ pub fn from_pass(report: &PassReport) -> Vec<NodeEvent> {
     out
 }
 
+/// One body of every kind of Event, as created and (the second of each) with a series: what
+/// `--print-event-examples` prints for the chart's schema tests.
+pub fn examples_json(node: &str) -> String {
+    let node = if node.is_empty() { "node-a" } else { node };
+    let pod = PodRef { namespace: "shop".into(), name: "cart-7d9f".into(), uid: "0b5e1c8e-3f7e-4b8e-9c1d-2a6f1e0c9d41".into() };
+    let all = [
+        NodeEvent::MissedPodRestarted { pod: pod.clone() },
+        NodeEvent::MissedPodCaptured { pod: pod.clone() },
+        NodeEvent::MissedPodReported { pod: pod.clone(), why: Held::Reported.to_string() },
+        NodeEvent::DriftRepaired { pod: pod.clone(), layer: Layer::Capture, differences: vec!["chain prerouting: rule 2 missing".into()] },
+        NodeEvent::DriftRepaired { pod: pod.clone(), layer: Layer::Services, differences: vec![] },
+        NodeEvent::DriftFought { pod: pod.clone(), why: "its drift was repaired 5 times within 10 min".into() },
+        NodeEvent::CaptureRefused { pod: pod.clone(), why: "its netns is shop/other's".into() },
+        NodeEvent::CaptureMigrated { pod, from: "capture ruleset of release 0.0.9".into() },
+        NodeEvent::NodeNotReady { why: "kernel: kernel checks failed: nft_tproxy".into() },
+        NodeEvent::NodeReady,
+    ];
+    let now = std::time::SystemTime::now();
+    let bodies: Vec<serde_json::Value> = all
+        .iter()
+        .flat_map(|e| {
+            let name = body::event_name(e, node, now);
+            [None, Some((2, now))].map(|series| serde_json::to_value(event_body(e, node, &name, now, series)).expect("Events serialize"))
+        })
+        .collect();
+    serde_json::to_string_pretty(&bodies).expect("JSON values serialize")
+}
+
 /// Where Events go and what they may cost.
 #[derive(Debug, Clone)]
 pub struct Settings {
