@@ -113,10 +113,7 @@ fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Request> {
 
 fn respond(conn: &mut TcpStream, code: u16, body: &Value) {
     let body = body.to_string();
-    let head = format!(
-        "HTTP/1.1 {code} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
+    let head = format!("HTTP/1.1 {code} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n", body.len());
     let _ = conn.write_all(head.as_bytes());
     let _ = conn.write_all(body.as_bytes());
 }
@@ -142,7 +139,10 @@ fn serve(conn: TcpStream, mode: &Mutex<Mode>, requests: &Mutex<Vec<Request>>, st
                 let mut ev = req.body.clone();
                 ev["metadata"]["uid"] = json!("e-uid");
                 ev["metadata"]["resourceVersion"] = json!("1");
-                store.lock().unwrap().insert(req.path.clone() + "/" + ev["metadata"]["name"].as_str().unwrap_or(""), ev.clone());
+                store
+                    .lock()
+                    .unwrap()
+                    .insert(req.path.clone() + "/" + ev["metadata"]["name"].as_str().unwrap_or(""), ev.clone());
                 respond(&mut writer, 201, &ev);
             }
             Mode::Answer if req.method == "PATCH" => {
@@ -152,7 +152,11 @@ fn serve(conn: TcpStream, mode: &Mutex<Mode>, requests: &Mutex<Vec<Request>>, st
                         ev["series"] = req.body["series"].clone();
                         respond(&mut writer, 200, ev);
                     }
-                    None => respond(&mut writer, 404, &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound"})),
+                    None => respond(
+                        &mut writer,
+                        404,
+                        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound"}),
+                    ),
                 }
             }
             Mode::Answer => respond(&mut writer, 405, &json!({})),
@@ -228,7 +232,10 @@ fn events_reach_the_api_as_it_takes_them_and_repeats_become_one_series() {
     // The node's readiness, on the Node, in `default`, with the token.
     let seen = api.wait_for("the node's ready Event", |s| s.iter().any(|q| q.body["reason"] == "AetherCNIReady"));
     let ready = seen.iter().find(|q| q.body["reason"] == "AetherCNIReady").unwrap();
-    assert_eq!((ready.method.as_str(), ready.path.as_str()), ("POST", "/apis/events.k8s.io/v1/namespaces/default/events"));
+    assert_eq!(
+        (ready.method.as_str(), ready.path.as_str()),
+        ("POST", "/apis/events.k8s.io/v1/namespaces/default/events")
+    );
     assert_eq!(ready.headers.get("authorization").map(String::as_str), Some("Bearer secret-token"));
     assert_eq!(ready.body["regarding"]["kind"], "Node");
     assert_eq!(ready.body["regarding"]["name"], "node-a");
@@ -244,7 +251,8 @@ fn events_reach_the_api_as_it_takes_them_and_repeats_become_one_series() {
         r.shared.events.emit(drift(1));
     }
     let seen = api.wait_for("the pod's Event and its series", |s| {
-        s.iter().any(|q| q.method == "PATCH" && q.path.starts_with("/apis/events.k8s.io/v1/namespaces/shop/events/cart-1."))
+        s.iter()
+            .any(|q| q.method == "PATCH" && q.path.starts_with("/apis/events.k8s.io/v1/namespaces/shop/events/cart-1."))
     });
     let create = seen.iter().find(|q| q.body["regarding"]["uid"] == "uid-1").unwrap();
     assert_eq!(create.path, "/apis/events.k8s.io/v1/namespaces/shop/events");
@@ -259,7 +267,8 @@ fn events_reach_the_api_as_it_takes_them_and_repeats_become_one_series() {
     // between (its next series write waits for the refresh period).
     r.shared.events.emit(drift(2));
     let seen = api.wait_for("the second pod's Event", |s| s.iter().any(|q| q.body["regarding"]["uid"] == "uid-2"));
-    let about_first = seen.iter().filter(|q| q.path.contains("cart-1.") || q.body["regarding"]["uid"] == "uid-1").count();
+    let about_first =
+        seen.iter().filter(|q| q.path.contains("cart-1.") || q.body["regarding"]["uid"] == "uid-1").count();
     assert_eq!(about_first, 2, "{seen:#?}");
 
     // Not ready: the reasons in the note, as Warning.
@@ -277,7 +286,8 @@ fn events_off_write_nothing() {
     // The negative control of the file: the same node without --events.
     let fake = ready_node("events-off");
     let api = FakeApi::start(Mode::Answer);
-    let r = start(fake.args(&["--node-name=node-a"]), common::plugin(&Switches::default()), fake_binary(4096, 3)).unwrap();
+    let r =
+        start(fake.args(&["--node-name=node-a"]), common::plugin(&Switches::default()), fake_binary(4096, 3)).unwrap();
     wait_ready(&r);
     for i in 0..100 {
         r.shared.events.emit(drift(i));

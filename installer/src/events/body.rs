@@ -43,7 +43,13 @@ pub fn namespace_of(regarding: &Regarding) -> String {
 
 /// The Event to create: `name` unique in its namespace, first seen at `first`; a series when
 /// the event was seen more than once by then.
-pub fn event_body(event: &NodeEvent, node: &str, name: &str, first: SystemTime, series: Option<(i32, SystemTime)>) -> Event {
+pub fn event_body(
+    event: &NodeEvent,
+    node: &str,
+    name: &str,
+    first: SystemTime,
+    series: Option<(i32, SystemTime)>,
+) -> Event {
     let about = event.regarding();
     let regarding = match &about {
         Regarding::Pod(pod) => ObjectReference {

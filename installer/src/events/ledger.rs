@@ -173,7 +173,8 @@ impl Ledger {
     /// (a later occurrence makes a new Event, as Kubernetes' recorder does).
     pub fn expire(&mut self, now: Instant) {
         let window = self.window;
-        self.entries.retain(|_, e| e.in_flight || e.due().is_some() || now.saturating_duration_since(e.last_seen) < window);
+        self.entries
+            .retain(|_, e| e.in_flight || e.due().is_some() || now.saturating_duration_since(e.last_seen) < window);
     }
 
     /// The earliest time a write is due, if any is.
@@ -183,11 +184,8 @@ impl Ledger {
 
     /// The write due now that arrived first, marked in flight until [`Ledger::finish`].
     pub fn next_write(&mut self, now: Instant, wall: SystemTime) -> Option<Write> {
-        let (key, entry) = self
-            .entries
-            .iter_mut()
-            .filter(|(_, e)| e.due().is_some_and(|d| d <= now))
-            .min_by_key(|(_, e)| e.seq)?;
+        let (key, entry) =
+            self.entries.iter_mut().filter(|(_, e)| e.due().is_some_and(|d| d <= now)).min_by_key(|(_, e)| e.seq)?;
         entry.in_flight = true;
         let (key, count) = (key.clone(), entry.count);
         let namespace = namespace_of(&entry.event.regarding());

@@ -125,12 +125,16 @@ impl NodeEvent {
     /// by `body`).
     pub fn note(&self) -> String {
         match self {
-            NodeEvent::MissedPodRestarted { .. } => "started before aether-cni was chained (no capture): its sandbox was stopped \
+            NodeEvent::MissedPodRestarted { .. } => {
+                "started before aether-cni was chained (no capture): its sandbox was stopped \
                  through the CRI (--missed-pods=restart); the kubelet recreates it through ADD"
-                .into(),
-            NodeEvent::MissedPodCaptured { .. } => "started before aether-cni was chained (no capture): captured in place in its \
+                    .into()
+            }
+            NodeEvent::MissedPodCaptured { .. } => {
+                "started before aether-cni was chained (no capture): captured in place in its \
                  network namespace (--missed-pods=capture)"
-                .into(),
+                    .into()
+            }
             NodeEvent::MissedPodReported { why, .. } => format!("not captured, left as it is: {why}"),
             NodeEvent::DriftRepaired { layer, differences, .. } => {
                 let what = match layer {
@@ -201,7 +205,9 @@ pub fn from_pass(report: &PassReport) -> Vec<NodeEvent> {
             (Some(held @ (Held::Reported | Held::GaveUp(_))), PodState::Missed) => {
                 out.push(NodeEvent::MissedPodReported { pod: f.pod.clone(), why: held.to_string() })
             }
-            (Some(Held::NetnsOwned(why)), _) => out.push(NodeEvent::CaptureRefused { pod: f.pod.clone(), why: why.clone() }),
+            (Some(Held::NetnsOwned(why)), _) => {
+                out.push(NodeEvent::CaptureRefused { pod: f.pod.clone(), why: why.clone() })
+            }
             _ => {}
         }
     }
@@ -222,12 +228,20 @@ pub fn from_pass(report: &PassReport) -> Vec<NodeEvent> {
 /// `--print-event-examples` prints for the chart's schema tests.
 pub fn examples_json(node: &str) -> String {
     let node = if node.is_empty() { "node-a" } else { node };
-    let pod = PodRef { namespace: "shop".into(), name: "cart-7d9f".into(), uid: "0b5e1c8e-3f7e-4b8e-9c1d-2a6f1e0c9d41".into() };
+    let pod = PodRef {
+        namespace: "shop".into(),
+        name: "cart-7d9f".into(),
+        uid: "0b5e1c8e-3f7e-4b8e-9c1d-2a6f1e0c9d41".into(),
+    };
     let all = [
         NodeEvent::MissedPodRestarted { pod: pod.clone() },
         NodeEvent::MissedPodCaptured { pod: pod.clone() },
         NodeEvent::MissedPodReported { pod: pod.clone(), why: Held::Reported.to_string() },
-        NodeEvent::DriftRepaired { pod: pod.clone(), layer: Layer::Capture, differences: vec!["chain prerouting: rule 2 missing".into()] },
+        NodeEvent::DriftRepaired {
+            pod: pod.clone(),
+            layer: Layer::Capture,
+            differences: vec!["chain prerouting: rule 2 missing".into()],
+        },
         NodeEvent::DriftRepaired { pod: pod.clone(), layer: Layer::Services, differences: vec![] },
         NodeEvent::DriftFought { pod: pod.clone(), why: "its drift was repaired 5 times within 10 min".into() },
         NodeEvent::CaptureRefused { pod: pod.clone(), why: "its netns is shop/other's".into() },
@@ -240,7 +254,8 @@ pub fn examples_json(node: &str) -> String {
         .iter()
         .flat_map(|e| {
             let name = body::event_name(e, node, now);
-            [None, Some((2, now))].map(|series| serde_json::to_value(event_body(e, node, &name, now, series)).expect("Events serialize"))
+            [None, Some((2, now))]
+                .map(|series| serde_json::to_value(event_body(e, node, &name, now, series)).expect("Events serialize"))
         })
         .collect();
     serde_json::to_string_pretty(&bodies).expect("JSON values serialize")

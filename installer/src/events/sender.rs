@@ -26,14 +26,16 @@ pub enum ClientError {
     #[error("the API server address {address:?} is not a URL: {why}")]
     Address { address: String, why: String },
     #[error("cannot make the Kubernetes client for {address}: {source}")]
-    Client { address: String, source: kube::Error },
+    Client { address: String, source: Box<kube::Error> },
 }
 
 /// kube's client for `settings`: the token file (re-read as the kubelet rotates it), the CA
 /// file, the request timeout; no retries of its own (the ledger retries, within its bounds).
 pub fn client(settings: &Settings) -> Result<Client, ClientError> {
     let address = settings.api_server.clone();
-    let url = address.parse::<hyper::Uri>().map_err(|e| ClientError::Address { address: address.clone(), why: e.to_string() })?;
+    let url = address
+        .parse::<hyper::Uri>()
+        .map_err(|e| ClientError::Address { address: address.clone(), why: e.to_string() })?;
     let mut config = Config::new(url);
     // Re-read as the cluster's CA rotates (kube's verifier for an in-cluster CA file).
     config.root_cert_file = settings.ca_file.clone();
@@ -42,7 +44,7 @@ pub fn client(settings: &Settings) -> Result<Client, ClientError> {
     config.read_timeout = Some(settings.request_timeout);
     config.write_timeout = Some(settings.request_timeout);
     config.default_retry = false;
-    Client::try_from(config).map_err(|source| ClientError::Client { address, source })
+    Client::try_from(config).map_err(|source| ClientError::Client { address, source: Box::new(source) })
 }
 
 /// The task: runs until the channel closes (the installer stops).
@@ -85,7 +87,7 @@ pub async fn run(mut rx: mpsc::Receiver<NodeEvent>, settings: Settings, metrics:
         let now = Instant::now();
         ledger.expire(now);
         metrics.ledger.set(ledger.len() as i64);
-        if now < paused_until || !ledger.next_due().is_some_and(|d| d <= now) || !bucket.try_take(now) {
+        if now < paused_until || ledger.next_due().is_none_or(|d| d > now) || !bucket.try_take(now) {
             continue;
         }
         let Some(write) = ledger.next_write(now, SystemTime::now()) else { continue };

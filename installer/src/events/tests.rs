@@ -13,7 +13,11 @@ fn pod(i: usize) -> PodRef {
 }
 
 fn drift(i: usize) -> NodeEvent {
-    NodeEvent::DriftRepaired { pod: pod(i), layer: Layer::Capture, differences: vec!["table aether_cni: chain gone".into()] }
+    NodeEvent::DriftRepaired {
+        pod: pod(i),
+        layer: Layer::Capture,
+        differences: vec!["table aether_cni: chain gone".into()],
+    }
 }
 
 fn report(actions: Vec<(Action, Outcome)>, findings: Vec<Finding>, refusals: Vec<Refusal>) -> PassReport {
@@ -59,8 +63,10 @@ fn a_pass_makes_one_event_per_thing_done_and_none_for_what_failed_or_was_collect
             Refusal { kind: "drift-fought", subject: "shop/cart-3".into(), why: "repaired 5 times".into(), new: false },
         ],
     );
-    let reasons: Vec<(&str, String)> =
-        from_pass(&r).iter().map(|e| (e.reason(), if let Regarding::Pod(p) = e.regarding() { p.uid } else { "node".into() })).collect();
+    let reasons: Vec<(&str, String)> = from_pass(&r)
+        .iter()
+        .map(|e| (e.reason(), if let Regarding::Pod(p) = e.regarding() { p.uid } else { "node".into() }))
+        .collect();
     let want = [
         ("MissedPodRestarted", "uid-0"),
         ("MissedPodCaptured", "uid-1"),
@@ -77,10 +83,17 @@ fn a_pass_makes_one_event_per_thing_done_and_none_for_what_failed_or_was_collect
 
 #[test]
 fn bodies_name_the_pod_the_node_and_the_rule_and_cut_the_note_to_the_api_limit() {
-    let e = NodeEvent::DriftRepaired { pod: pod(1), layer: Layer::Services, differences: vec!["map svc: 2 elements".into()] };
+    let e = NodeEvent::DriftRepaired {
+        pod: pod(1),
+        layer: Layer::Services,
+        differences: vec!["map svc: 2 elements".into()],
+    };
     let b = event_body(&e, "node-a", "cart-1.1", SystemTime::UNIX_EPOCH, None);
     let v = serde_json::to_value(&b).unwrap();
-    assert_eq!(v["regarding"], serde_json::json!({"apiVersion": "v1", "kind": "Pod", "namespace": "shop", "name": "cart-1", "uid": "uid-1"}));
+    assert_eq!(
+        v["regarding"],
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod", "namespace": "shop", "name": "cart-1", "uid": "uid-1"})
+    );
     assert_eq!(v["metadata"]["namespace"], "shop");
     assert_eq!(v["reportingController"], REPORTING_CONTROLLER);
     assert_eq!(v["reportingInstance"], "node-a");
@@ -88,7 +101,13 @@ fn bodies_name_the_pod_the_node_and_the_rule_and_cut_the_note_to_the_api_limit()
     assert!(v["note"].as_str().unwrap().contains("map svc: 2 elements"), "{v}");
     assert!(v.get("series").is_none());
 
-    let n = event_body(&NodeEvent::NodeNotReady { why: "kernel: nft_tproxy".into() }, "node-a", "x", SystemTime::now(), None);
+    let n = event_body(
+        &NodeEvent::NodeNotReady { why: "kernel: nft_tproxy".into() },
+        "node-a",
+        "x",
+        SystemTime::now(),
+        None,
+    );
     let v = serde_json::to_value(&n).unwrap();
     assert_eq!((v["regarding"]["kind"].as_str(), v["metadata"]["namespace"].as_str()), (Some("Node"), Some("default")));
     assert_eq!(v["type"], "Warning");
@@ -208,7 +227,7 @@ fn a_drift_storm_of_100_pods_costs_at_most_one_write_per_second() {
     let mut at = Duration::ZERO;
     while at < Duration::from_secs(600) {
         let now = t0 + at;
-        if at.as_millis() % 10_000 == 0 {
+        if at.as_millis().is_multiple_of(10_000) {
             for i in 0..100 {
                 l.record(drift(i), now, SystemTime::now());
             }
@@ -222,7 +241,12 @@ fn a_drift_storm_of_100_pods_costs_at_most_one_write_per_second() {
         at += step;
     }
     for pair in writes.windows(2) {
-        assert!(pair[1].0 - pair[0].0 >= Duration::from_secs(1), "two writes within a second: {:?} {:?}", pair[0].0, pair[1].0);
+        assert!(
+            pair[1].0 - pair[0].0 >= Duration::from_secs(1),
+            "two writes within a second: {:?} {:?}",
+            pair[0].0,
+            pair[1].0
+        );
     }
     let creates = writes.iter().filter(|(_, w)| w.verb() == "create").count();
     assert_eq!(creates, 100, "one Event per pod");
