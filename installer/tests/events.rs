@@ -358,3 +358,135 @@ fn throttled_and_dropped_connections_are_retried_within_bounds_then_counted() {
     assert_eq!(r.shared.metrics.events.writes.with_label_values(&["create", "ok"]).get(), 1);
     r.stop().unwrap();
 }
+
+mod reconciler {
+    //! The reconciler's passes with Events hanging are the passes without them: the same
+    //! repairs, pass after pass, as a fake node of 100 drifted pods sees them.
+
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use aether_installer::reconcile::{
+        self, looper, Differences, Limits, NodeOps, Observation, PodNetwork, RecordView, Runtime, Wants,
+    };
+    use aether_installer::serve::Shared;
+
+    use super::*;
+
+    struct NoRuntime;
+
+    impl Runtime for NoRuntime {
+        type Error = String;
+        fn sandboxes(&mut self) -> Result<Vec<aether_cri::Sandbox>, String> {
+            Err("none".into())
+        }
+        fn network(&mut self, _: &str) -> Result<PodNetwork, String> {
+            Err("none".into())
+        }
+        fn stop(&mut self, _: &str) -> Result<(), String> {
+            Err("none".into())
+        }
+    }
+
+    /// 100 records whose capture keeps drifting; counts each pass's repairs.
+    struct DriftingNode {
+        repairs: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl NodeOps for DriftingNode {
+        type Error = String;
+        fn wants(&self, _: &aether_cri::Sandbox) -> Wants {
+            Wants::Capture
+        }
+        fn records(&mut self) -> Result<Vec<RecordView>, String> {
+            self.repairs.lock().unwrap().push(0);
+            Ok((0..100)
+                .map(|i| RecordView {
+                    key: format!("k{i}"),
+                    sandbox_id: format!("s{i}"),
+                    pod: pod(i),
+                    netns: format!("/n{i}"),
+                })
+                .collect())
+        }
+        fn observe(&mut self, _: &RecordView) -> Observation {
+            Observation::Drifted(Differences::capture(vec!["chain prerouting gone".into()]))
+        }
+        fn repair(&mut self, _: &RecordView) -> Result<(), String> {
+            *self.repairs.lock().unwrap().last_mut().unwrap() += 1;
+            Ok(())
+        }
+        fn repair_services(&mut self, _: &RecordView) -> Result<(), String> {
+            Ok(())
+        }
+        fn migrate(&mut self, _: &RecordView) -> Result<(), String> {
+            Ok(())
+        }
+        fn collect(&mut self, _: &RecordView, _: &reconcile::Leftover) -> Result<(), String> {
+            Ok(())
+        }
+        fn capture(&mut self, _: &aether_cri::Sandbox, _: &str, _: &[String]) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    /// The repairs of the first `passes` passes, with Events posted to `api` (or off).
+    fn repairs_per_pass(api: Option<&FakeApi>, passes: usize) -> (Vec<usize>, Arc<Shared>) {
+        let rt = aether_installer::runtime::new().unwrap();
+        let driving = rt.clone();
+        let done = Arc::new(AtomicBool::new(false));
+        let stop = done.clone();
+        let driver = std::thread::spawn(move || {
+            driving.block_on(async {
+                while !stop.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        });
+        let shared = Arc::new(Shared::new());
+        if let Some(api) = api {
+            shared.events.start(
+                aether_installer::events::Settings {
+                    api_server: api.url(),
+                    token_file: None,
+                    ca_file: None,
+                    node_name: "node-a".into(),
+                    writes_per_second: 1.0,
+                    request_timeout: Duration::from_secs(5),
+                    queue: aether_installer::events::Settings::DEFAULT_QUEUE,
+                    ledger: aether_installer::events::Settings::DEFAULT_LEDGER,
+                    series_refresh: aether_installer::events::Settings::DEFAULT_SERIES_REFRESH,
+                    series_window: aether_installer::events::Settings::DEFAULT_SERIES_WINDOW,
+                },
+                &rt,
+            );
+        }
+        let repairs = Arc::new(Mutex::new(Vec::new()));
+        let node = DriftingNode { repairs: repairs.clone() };
+        let reconciler = reconcile::Reconciler::new(None::<NoRuntime>, node, Limits::default());
+        let state =
+            std::env::temp_dir().join(format!("aether-events-reconciler-{}-{}", std::process::id(), api.is_some()));
+        fs::create_dir_all(&state).unwrap();
+        let stopping = reconcile::Stopping::new();
+        let l = looper::spawn(reconciler, Duration::from_millis(10), shared.clone(), state.clone(), stopping).unwrap();
+        wait_until("the passes", || repairs.lock().unwrap().len() > passes);
+        l.stop();
+        done.store(true, Ordering::SeqCst);
+        driver.join().unwrap();
+        let _ = fs::remove_dir_all(&state);
+        let seen = repairs.lock().unwrap()[..passes].to_vec();
+        (seen, shared)
+    }
+
+    #[test]
+    fn passes_with_the_api_hanging_are_the_passes_without_events() {
+        let api = FakeApi::start(Mode::Hang);
+        let (with_hang, shared) = repairs_per_pass(Some(&api), 20);
+        let (without, _) = repairs_per_pass(None, 20);
+        assert_eq!(with_hang, without);
+        // Every pod was repaired, until its drift counted as fought (then backed off).
+        assert_eq!(with_hang[0], 100);
+        // The pod Events did reach the sender, and what could not wait was dropped.
+        api.wait_for("a write in flight", |s| !s.is_empty());
+        assert!(shared.metrics.events.dropped_total() > 0 || shared.metrics.events.ledger.get() > 0);
+    }
+}
