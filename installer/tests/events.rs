@@ -490,3 +490,159 @@ mod reconciler {
         assert!(shared.metrics.events.dropped_total() > 0 || shared.metrics.events.ledger.get() > 0);
     }
 }
+
+mod tls {
+    //! The path a cluster takes: https, the cluster's CA from a file, rustls on ring. A
+    //! Python TLS server (certificates made by the openssl CLI for this test) answers as the
+    //! API does; a CA that did not sign its certificate is refused (the control).
+
+    use std::process::{Child, Command, Stdio};
+
+    use super::*;
+
+    const SERVER: &str = r#"
+import http.server, json, ssl, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        print("POST", self.path.split("?")[0], body["reason"], self.headers["authorization"], flush=True)
+        body["metadata"]["uid"] = "e-uid"
+        out = json.dumps(body).encode()
+        self.send_response(201)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+s.socket = ctx.wrap_socket(s.socket, server_side=True)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"#;
+
+    fn openssl(dir: &std::path::Path, args: &[&str]) -> bool {
+        Command::new("openssl").args(args).current_dir(dir).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    }
+
+    /// A CA, a server certificate for 127.0.0.1 it signed, and another CA; false without the
+    /// openssl CLI.
+    fn certificates(dir: &std::path::Path) -> bool {
+        fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+        let mut ok = true;
+        for ca in ["ca", "other-ca"] {
+            let (key, crt, subj) = (format!("{ca}.key"), format!("{ca}.crt"), format!("/CN={ca}"));
+            let mut a = vec!["req", "-x509"];
+            a.extend(ec);
+            a.extend(["-keyout", &key, "-out", &crt, "-days", "2", "-subj", &subj]);
+            ok &= openssl(dir, &a);
+        }
+        let mut a = vec!["req"];
+        a.extend(ec);
+        a.extend(["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"]);
+        ok &= openssl(dir, &a);
+        ok && openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                "server.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "server.crt",
+                "-days",
+                "2",
+                "-extfile",
+                "san.ext",
+            ],
+        )
+    }
+
+    struct Server {
+        child: Child,
+        port: u16,
+        lines: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn server(dir: &std::path::Path) -> Server {
+        let mut child = Command::new("python3")
+            .args(["-c", SERVER, "server.crt", "server.key"])
+            .current_dir(dir)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 runs");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        out.read_line(&mut first).unwrap();
+        let port = first.trim().parse().unwrap_or_else(|_| panic!("the TLS server said {first:?}"));
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let l = lines.clone();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                l.lock().unwrap().push(line);
+            }
+        });
+        Server { child, port, lines }
+    }
+
+    #[test]
+    fn events_go_over_tls_verified_by_the_cluster_ca_file() {
+        let fake = ready_node("events-tls");
+        let dir = fake.root.join("tls");
+        fs::create_dir_all(&dir).unwrap();
+        if !certificates(&dir) || Command::new("python3").arg("-V").output().is_err() {
+            assert!(std::env::var("AETHER_REQUIRE_ROOT_TESTS").as_deref() != Ok("1"), "needs openssl and python3");
+            eprintln!("SKIPPED events_go_over_tls_verified_by_the_cluster_ca_file: no openssl or python3");
+            return;
+        }
+        let token = fake.root.join("token");
+        fs::write(&token, "tls-token").unwrap();
+        let srv = server(&dir);
+        let start_with = |ca: &str| {
+            let args = [
+                "--events".to_string(),
+                format!("--events-api-server=https://127.0.0.1:{}", srv.port),
+                format!("--events-token-file={}", token.display()),
+                format!("--events-ca-file={}", dir.join(ca).display()),
+                "--node-name=node-a".into(),
+            ];
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            start(fake.args(&args), common::plugin(&Switches::default()), fake_binary(4096, 3)).unwrap()
+        };
+        // The control first: a CA that did not sign the server's certificate.
+        let r = start_with("other-ca.crt");
+        wait_ready(&r);
+        wait_until("the refused handshake counted", || {
+            r.shared.metrics.events.writes.with_label_values(&["create", "error"]).get() >= 1
+        });
+        r.stop().unwrap();
+        assert!(srv.lines.lock().unwrap().is_empty(), "{:?}", srv.lines.lock().unwrap());
+
+        let r = start_with("ca.crt");
+        wait_ready(&r);
+        wait_until("the ready Event over TLS", || !srv.lines.lock().unwrap().is_empty());
+        assert_eq!(
+            srv.lines.lock().unwrap()[0],
+            "POST /apis/events.k8s.io/v1/namespaces/default/events AetherCNIReady Bearer tls-token"
+        );
+        wait_until("the write counted", || {
+            r.shared.metrics.events.writes.with_label_values(&["create", "ok"]).get() == 1
+        });
+        r.stop().unwrap();
+    }
+}
