@@ -38,6 +38,8 @@ struct Request {
     path: String,
     headers: HashMap<String, String>,
     body: Value,
+    /// When the API read it (for the measure below, never asserted on).
+    at: Instant,
 }
 
 struct FakeApi {
@@ -108,7 +110,13 @@ fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Request> {
     let len: usize = headers.get("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
     let mut body = vec![0; len];
     reader.read_exact(&mut body).ok()?;
-    Some(Request { method, path, headers, body: serde_json::from_slice(&body).unwrap_or(Value::Null) })
+    Some(Request {
+        method,
+        path,
+        headers,
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        at: Instant::now(),
+    })
 }
 
 fn respond(conn: &mut TcpStream, code: u16, body: &Value) {
@@ -356,6 +364,40 @@ fn throttled_and_dropped_connections_are_retried_within_bounds_then_counted() {
         s.iter().filter(|q| q.body["regarding"]["uid"] == "uid-1").count() == 2
     });
     assert_eq!(r.shared.metrics.events.writes.with_label_values(&["create", "ok"]).get(), 1);
+    r.stop().unwrap();
+}
+
+/// The figure for docs and reviews, not a check (`--ignored`): a drift storm of 100 pods, all
+/// repaired every second for 60 s, at the default rate; prints the API writes and the busiest
+/// second.
+#[test]
+#[ignore]
+fn measure_a_drift_storm_of_100_pods() {
+    let fake = ready_node("events-storm");
+    let api = FakeApi::start(Mode::Answer);
+    let r = installer(&fake, &api, &[]);
+    wait_ready(&r);
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(60) {
+        for i in 0..100 {
+            r.shared.events.emit(drift(i));
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let seen = api.requests();
+    let times: Vec<Instant> = seen.iter().map(|q| q.at).filter(|t| *t >= started).collect();
+    let busiest =
+        times.iter().map(|t| times.iter().filter(|u| **u >= *t && **u < *t + Duration::from_secs(1)).count()).max();
+    let min_gap = times.windows(2).map(|w| w[1] - w[0]).min();
+    eprintln!(
+        "drift storm of 100 pods for 60 s: {} occurrences, {} API writes ({} creates), busiest second {:?} writes, closest two writes {:?} apart, {} dropped",
+        6000,
+        times.len(),
+        seen.iter().filter(|q| q.method == "POST" && q.at >= started).count(),
+        busiest,
+        min_gap,
+        r.shared.metrics.events.dropped_total()
+    );
     r.stop().unwrap();
 }
 
