@@ -310,6 +310,14 @@ impl InstallArgs {
     /// The Events' settings from these flags and the in-cluster environment: `None` when
     /// Events are off.
     pub fn events(&self) -> Result<Option<events::Settings>, events::SettingsError> {
+        self.events_in(|name| std::env::var(name).ok())
+    }
+
+    /// `events` with the environment read through `env`.
+    fn events_in(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<events::Settings>, events::SettingsError> {
         if !self.events {
             return Ok(None);
         }
@@ -317,7 +325,7 @@ impl InstallArgs {
             Some(url) => url.to_string(),
             None => {
                 let var = |name: &'static str| {
-                    std::env::var(name).ok().filter(|v| !v.is_empty()).ok_or(events::SettingsError::NoApiServer(name))
+                    env(name).filter(|v| !v.is_empty()).ok_or(events::SettingsError::NoApiServer(name))
                 };
                 let host = var("KUBERNETES_SERVICE_HOST")?;
                 let port = var("KUBERNETES_SERVICE_PORT")?;
@@ -489,5 +497,33 @@ mod tests {
         for bad in ["localhost:18095", "10.0.0.1", "10.0.0.1:http"] {
             assert!(parse_listen(bad).unwrap_err().contains(bad));
         }
+    }
+
+    #[test]
+    fn events_find_the_api_server_in_the_cluster_and_need_the_node_name() {
+        let parse =
+            |flags: &[&str]| Cli::try_parse_from(std::iter::once("install").chain(flags.iter().copied())).unwrap().args;
+        let env = |host: &'static str| {
+            move |name: &str| match name {
+                "KUBERNETES_SERVICE_HOST" => Some(host.to_string()),
+                "KUBERNETES_SERVICE_PORT" => Some("443".to_string()),
+                _ => None,
+            }
+        };
+        assert!(parse(&[]).events_in(env("10.96.0.1")).unwrap().is_none(), "off by default");
+        let on = parse(&["--events", "--node-name=node-a"]);
+        let s = on.events_in(env("10.96.0.1")).unwrap().unwrap();
+        assert_eq!((s.api_server.as_str(), s.node_name.as_str()), ("https://10.96.0.1:443", "node-a"));
+        assert_eq!(s.token_file.unwrap(), PathBuf::from("/var/run/secrets/kubernetes.io/serviceaccount/token"));
+        assert_eq!(on.events_in(env("fd00:10:96::1")).unwrap().unwrap().api_server, "https://[fd00:10:96::1]:443");
+        // Named where they are missing: the address, the node's name, a rate.
+        assert!(matches!(on.events_in(|_| None), Err(events::SettingsError::NoApiServer("KUBERNETES_SERVICE_HOST"))));
+        assert!(matches!(parse(&["--events"]).events_in(env("10.96.0.1")), Err(events::SettingsError::NoNodeName)));
+        let zero = parse(&["--events", "--node-name=n", "--events-writes-per-second=0"]);
+        assert!(matches!(zero.events_in(env("10.96.0.1")), Err(events::SettingsError::Rate(_))));
+        let given =
+            parse(&["--events", "--node-name=n", "--events-api-server=http://127.0.0.1:8080", "--events-ca-file="]);
+        let s = given.events_in(|_| None).unwrap().unwrap();
+        assert_eq!((s.api_server.as_str(), s.ca_file), ("http://127.0.0.1:8080", None));
     }
 }
