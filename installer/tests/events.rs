@@ -26,6 +26,8 @@ enum Mode {
     Answer,
     /// A Status with this code (403, 429...).
     Refuse(u16),
+    /// 403 for a namespace being deleted, as the API says it.
+    Terminating,
     /// Reads the request, never answers, keeps the connection open.
     Hang,
     /// Reads the request and closes the connection.
@@ -142,6 +144,12 @@ fn serve(conn: TcpStream, mode: &Mutex<Mode>, requests: &Mutex<Vec<Request>>, st
                 let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                     "message": "events.events.k8s.io is refused", "reason": "Forbidden", "code": code});
                 respond(&mut writer, code, &status);
+            }
+            Mode::Terminating => {
+                let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": "events.events.k8s.io \"x\" is forbidden: unable to create new content in namespace shop because it is being terminated",
+                    "reason": "Forbidden", "code": 403});
+                respond(&mut writer, 403, &status);
             }
             Mode::Answer if req.method == "POST" => {
                 let mut ev = req.body.clone();
@@ -364,6 +372,24 @@ fn throttled_and_dropped_connections_are_retried_within_bounds_then_counted() {
         s.iter().filter(|q| q.body["regarding"]["uid"] == "uid-1").count() == 2
     });
     assert_eq!(r.shared.metrics.events.writes.with_label_values(&["create", "ok"]).get(), 1);
+    r.stop().unwrap();
+}
+
+#[test]
+fn a_namespace_being_deleted_refuses_its_event_and_pauses_nothing_else() {
+    let fake = ready_node("events-terminating");
+    let api = FakeApi::start(Mode::Answer);
+    let r = installer(&fake, &api, &["--events-writes-per-second=50"]);
+    wait_ready(&r);
+    api.wait_for("the ready Event", |s| s.len() == 1);
+    *api.mode.lock().unwrap() = Mode::Terminating;
+    r.shared.events.emit(drift(1));
+    wait_until("the refused Event counted", || dropped(&r, "rejected") == 1);
+    *api.mode.lock().unwrap() = Mode::Answer;
+    // The next Event is written at once: no pause, unlike a 403 for the token's rights.
+    r.shared.events.emit(drift(2));
+    api.wait_for("the next Event", |s| s.iter().any(|q| q.body["regarding"]["uid"] == "uid-2"));
+    assert_eq!(dropped(&r, "forbidden"), 0);
     r.stop().unwrap();
 }
 

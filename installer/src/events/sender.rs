@@ -128,6 +128,9 @@ async fn send(client: &Client, write: &Write, timeout: Duration) -> (WriteOutcom
             (404, Write::Patch { .. }) => (WriteOutcome::Gone, None),
             (409, Write::Create { .. }) => (WriteOutcome::NameTaken, None),
             (401, _) => (WriteOutcome::Refused("unauthorized"), Some(PAUSE_REFUSED)),
+            // A namespace being deleted refuses new objects with a 403: that pod's Event
+            // only, not the token's rights, so nothing else waits.
+            (403, _) if status.message.contains("being terminated") => (WriteOutcome::Refused("rejected"), None),
             (403, _) => (WriteOutcome::Refused("forbidden"), Some(PAUSE_REFUSED)),
             (429, _) => (WriteOutcome::Retry, Some(PAUSE_THROTTLED)),
             (c, _) if c >= 500 => (WriteOutcome::Retry, None),
