@@ -34,6 +34,7 @@ K3S = {
     "metrics": {"enabled": False},
     "reconciler": {"enabled": False},
     "servicesSocket": {"enabled": False},
+    "events": {"enabled": False},
     "image": {"repository": "images.invalid/mesh/aether-cni", "tag": "v9", "pullSecrets": ["regcred"]},
 }
 # Every plugin setting given.
@@ -91,7 +92,8 @@ def test_lint_is_clean_and_every_object_is_valid_kubernetes(values):
     bad = [m for m in report["messages"] if m["severity"] >= 2] + report.get("errors", [])
     assert not bad, bad
     objects, notes = render(values)
-    assert [o["kind"] for o in objects] == ["DaemonSet"]
+    rbac = [] if values is K3S else ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
+    assert [o["kind"] for o in objects] == ["DaemonSet", *rbac]
     version = kubernetes_validate.utils.latest_version()
     for o in objects:
         kubernetes_validate.validate(o, version, strict=True)
@@ -139,9 +141,14 @@ def test_defaults():
         "--reconcile-backoff-seconds=30",
         "--reconcile-attempts=3",
         "--leftover-grace-seconds=60",
+        "--events",
+        "--events-writes-per-second=1",
         "--services-socket=/var/run/aether-cni/agent/services.sock",
     ]
-    assert c["env"] == [{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+    assert c["env"] == [
+        {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
     assert c["ports"] == [
         {"name": "probes", "containerPort": 18095, "protocol": "TCP"},
         {"name": "metrics", "containerPort": 18096, "protocol": "TCP"},
@@ -159,9 +166,10 @@ def test_defaults():
         "state": "/var/run/aether-cni",
         "netns": "/var/run/netns",
         "cri-socket": "/run/containerd/containerd.sock",
+        "events-token": "/var/run/secrets/kubernetes.io/serviceaccount",
     }
     assert mounts["netns"]["readOnly"] is True and mounts["netns"]["mountPropagation"] == "HostToContainer"
-    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert volumes == {
         "cni-bin": "/opt/cni/bin",
         "cni-conf": "/etc/cni/net.d",
@@ -233,7 +241,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     }
     ds = daemonset(values)
     c = container(ds)
-    assert c["args"][9:-1] == [
+    assert c["args"][9:-3] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
         "--cri-max-message-mib=32",
         "--cri-timeout-seconds=2",
@@ -319,7 +327,7 @@ def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:-11] == [
+    assert c["args"][9:-13] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",
@@ -344,7 +352,7 @@ def test_every_plugin_setting_becomes_a_flag():
     assert c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
 
 
-NODE_ENV = {"status.hostIP": "10.0.0.21", "status.hostIPs": "10.0.0.21,fd00::21"}
+NODE_ENV = {"status.hostIP": "10.0.0.21", "status.hostIPs": "10.0.0.21,fd00::21", "spec.nodeName": "node-a"}
 
 
 def entry_from_args(values, node=NODE_ENV):
@@ -402,5 +410,5 @@ def test_node_addresses_of_both_families_reach_the_entry():
     entry = entry_from_args({"installer": {"hostIPsFromNode": True}})
     assert (entry["hostIP"], entry["hostIPv6"]) == ("10.0.0.21", "fd00::21")
     # An IPv6-only node: status.hostIP is IPv6; it becomes hostIPv6 and the listen address.
-    entry = entry_from_args({}, {"status.hostIP": "fd00::22"})
+    entry = entry_from_args({}, {"status.hostIP": "fd00::22", "spec.nodeName": "node-a"})
     assert "hostIP" not in entry and entry["hostIPv6"] == "fd00::22"

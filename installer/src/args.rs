@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use crate::chain::PLUGIN_TYPE;
+use crate::events;
 use crate::reconcile::node_lib::NodeFiles;
 use crate::reconcile::{self, Limits, MissedPolicy};
 
@@ -59,6 +60,10 @@ pub struct InstallArgs {
     /// plugin's own parser in a cniVersion 1.1.0 list), and exit: nothing is installed.
     #[arg(long)]
     pub print_entry: bool,
+    /// Print one Event body of every kind (a JSON list, as they are created and as a series
+    /// makes them) and exit: the chart's tests validate them against the Kubernetes schemas.
+    #[arg(long, hide = true)]
+    pub print_event_examples: bool,
     /// Full re-check period: binary, conflist, kernel checks while they fail.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub resync_seconds: u64,
@@ -107,6 +112,30 @@ pub struct InstallArgs {
     /// lists a sandbox only after its ADD wrote the record).
     #[arg(long, default_value = "60", value_name = "SECONDS")]
     pub leftover_grace_seconds: u64,
+
+    /// Post Kubernetes Events (events.k8s.io/v1) for what the node did to each pod and for
+    /// the node's readiness, with the service-account token in --events-token-file. Never a
+    /// dependency: an API server that is slow, refuses or is gone loses Events (counted in
+    /// aether_cni_installer_events_dropped_total), nothing else.
+    #[arg(long, env = "AETHER_CNI_EVENTS", value_parser = clap::builder::BoolishValueParser::new(), default_value = "false", num_args = 0..=1, default_missing_value = "true")]
+    pub events: bool,
+    /// The API server, e.g. https://10.96.0.1:443. Default: the in-cluster address,
+    /// https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT.
+    #[arg(long, env = "AETHER_CNI_EVENTS_API_SERVER", value_name = "URL")]
+    pub events_api_server: Option<String>,
+    /// The service-account token (a projected volume the kubelet rotates; re-read as it does).
+    #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount/token", value_name = "PATH")]
+    pub events_token_file: PathBuf,
+    /// The cluster's CA bundle (PEM). Empty: none (a plain-http API server, for tests).
+    #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt", value_name = "PATH")]
+    pub events_ca_file: String,
+    /// The node's name (the chart passes spec.nodeName): the Events' reportingInstance and
+    /// the Node the readiness Events are about.
+    #[arg(long, env = "NODE_NAME", default_value = "")]
+    pub node_name: String,
+    /// API writes per second for Events, at most (a token bucket with a burst of one).
+    #[arg(long, default_value = "1", value_name = "N")]
+    pub events_writes_per_second: f64,
 
     /// The node address of the DNS proxy (the chart passes status.hostIP): entry `hostIP`, or
     /// `hostIPv6` when it is an IPv6 address (an IPv6-only node).
@@ -279,6 +308,53 @@ impl InstallArgs {
         }
     }
 
+    /// The Events' settings from these flags and the in-cluster environment: `None` when
+    /// Events are off.
+    pub fn events(&self) -> Result<Option<events::Settings>, events::SettingsError> {
+        self.events_in(|name| std::env::var(name).ok())
+    }
+
+    /// `events` with the environment read through `env`.
+    fn events_in(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<events::Settings>, events::SettingsError> {
+        if !self.events {
+            return Ok(None);
+        }
+        let api_server = match self.events_api_server.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            Some(url) => url.to_string(),
+            None => {
+                let var = |name: &'static str| {
+                    env(name).filter(|v| !v.is_empty()).ok_or(events::SettingsError::NoApiServer(name))
+                };
+                let host = var("KUBERNETES_SERVICE_HOST")?;
+                let port = var("KUBERNETES_SERVICE_PORT")?;
+                // An IPv6 service address goes in brackets.
+                let host = if host.contains(':') { format!("[{host}]") } else { host };
+                format!("https://{host}:{port}")
+            }
+        };
+        if self.node_name.trim().is_empty() {
+            return Err(events::SettingsError::NoNodeName);
+        }
+        if !(self.events_writes_per_second.is_finite() && self.events_writes_per_second > 0.0) {
+            return Err(events::SettingsError::Rate(self.events_writes_per_second));
+        }
+        Ok(Some(events::Settings {
+            api_server,
+            token_file: Some(self.events_token_file.clone()).filter(|p| !p.as_os_str().is_empty()),
+            ca_file: Some(PathBuf::from(&self.events_ca_file)).filter(|p| !p.as_os_str().is_empty()),
+            node_name: self.node_name.trim().to_string(),
+            writes_per_second: self.events_writes_per_second,
+            request_timeout: Duration::from_secs(5),
+            queue: events::Settings::DEFAULT_QUEUE,
+            ledger: events::Settings::DEFAULT_LEDGER,
+            series_refresh: events::Settings::DEFAULT_SERIES_REFRESH,
+            series_window: events::Settings::DEFAULT_SERIES_WINDOW,
+        }))
+    }
+
     /// Where the reconciler's node library finds the node's files, and the entry it chains.
     pub fn node_files(&self) -> NodeFiles {
         NodeFiles {
@@ -422,5 +498,33 @@ mod tests {
         for bad in ["localhost:18095", "10.0.0.1", "10.0.0.1:http"] {
             assert!(parse_listen(bad).unwrap_err().contains(bad));
         }
+    }
+
+    #[test]
+    fn events_find_the_api_server_in_the_cluster_and_need_the_node_name() {
+        let parse =
+            |flags: &[&str]| Cli::try_parse_from(std::iter::once("install").chain(flags.iter().copied())).unwrap().args;
+        let env = |host: &'static str| {
+            move |name: &str| match name {
+                "KUBERNETES_SERVICE_HOST" => Some(host.to_string()),
+                "KUBERNETES_SERVICE_PORT" => Some("443".to_string()),
+                _ => None,
+            }
+        };
+        assert!(parse(&[]).events_in(env("10.96.0.1")).unwrap().is_none(), "off by default");
+        let on = parse(&["--events", "--node-name=node-a"]);
+        let s = on.events_in(env("10.96.0.1")).unwrap().unwrap();
+        assert_eq!((s.api_server.as_str(), s.node_name.as_str()), ("https://10.96.0.1:443", "node-a"));
+        assert_eq!(s.token_file.unwrap(), PathBuf::from("/var/run/secrets/kubernetes.io/serviceaccount/token"));
+        assert_eq!(on.events_in(env("fd00:10:96::1")).unwrap().unwrap().api_server, "https://[fd00:10:96::1]:443");
+        // Named where they are missing: the address, the node's name, a rate.
+        assert!(matches!(on.events_in(|_| None), Err(events::SettingsError::NoApiServer("KUBERNETES_SERVICE_HOST"))));
+        assert!(matches!(parse(&["--events"]).events_in(env("10.96.0.1")), Err(events::SettingsError::NoNodeName)));
+        let zero = parse(&["--events", "--node-name=n", "--events-writes-per-second=0"]);
+        assert!(matches!(zero.events_in(env("10.96.0.1")), Err(events::SettingsError::Rate(_))));
+        let given =
+            parse(&["--events", "--node-name=n", "--events-api-server=http://127.0.0.1:8080", "--events-ca-file="]);
+        let s = given.events_in(|_| None).unwrap().unwrap();
+        assert_eq!((s.api_server.as_str(), s.ca_file), ("http://127.0.0.1:8080", None));
     }
 }

@@ -90,6 +90,13 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
         })
     };
     let rt = runtime::new().map_err(|e| Error::Listen { addr: args.listen, why: e.to_string() })?;
+    // Events before the first pass, which tells the node's readiness; never an error here:
+    // the installer does its work without them.
+    match args.events() {
+        Ok(Some(settings)) => shared.events.start(settings, &rt),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("Kubernetes Events are off: {e}"),
+    }
     let server = serve::start(&args.http(), shared.clone(), plugin, on_end, rt)?;
     let changes = tx.clone();
     let on_change = move |name, at| changes.send(Msg::Changed { name, at }).is_ok();
@@ -125,6 +132,10 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // CLI restores SIGPIPE's default for the commands that print.)
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let node = LiveNode::new(&args.state_dir);
+    if args.print_event_examples {
+        println!("{}", crate::events::examples_json(args.node_name.trim()));
+        return Ok(());
+    }
     if args.print_entry {
         println!("{}", entry_for_display(&args, &node)?);
         return Ok(());
@@ -149,8 +160,8 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     // The signal iterator ends without a signal when serving ends: `stop` then says why.
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
-    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
     let rt = running.server.runtime();
+    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
     running.reconciler =
         reconcile::looper::start(args.reconciler(), running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {

@@ -49,6 +49,9 @@ pub struct Node {
     conflist_installed: bool,
     kernel_ok: bool,
     marker_written: Option<String>,
+    /// The readiness last told to the cluster as an Event: `Some(None)` ready, `Some(Some(why))`
+    /// not ready for these reasons.
+    readiness_told: Option<Option<String>>,
 }
 
 impl Node {
@@ -64,6 +67,7 @@ impl Node {
             conflist_installed: false,
             kernel_ok: false,
             marker_written: None,
+            readiness_told: None,
         }
     }
 
@@ -219,6 +223,7 @@ impl Node {
             let reasons: Vec<String> = status.not_ready.iter().map(|(r, w)| format!("{}: {w}", r.name())).collect();
             (format!("aether-cni installer: {}\n", reasons.join("; ")), reasons.is_empty())
         };
+        self.tell_readiness(if ready { None } else { Some(text.trim_end().to_string()) });
         let marker = self.args.state_dir.join(aether_node::state::NOT_READY_MARKER);
         let want = if ready { None } else { Some(text) };
         if want == self.marker_written && (want.is_some() == marker.exists()) {
@@ -232,6 +237,18 @@ impl Node {
             Ok(()) => self.marker_written = want,
             Err(e) => tracing::warn!(file = %marker.display(), "cannot update the not-ready marker: {e}"),
         }
+    }
+
+    /// A Node Event when the readiness (or a not-ready reason) changes.
+    fn tell_readiness(&mut self, now: Option<String>) {
+        if self.readiness_told.as_ref() == Some(&now) {
+            return;
+        }
+        self.shared.events.emit(match &now {
+            None => crate::events::NodeEvent::NodeReady,
+            Some(why) => crate::events::NodeEvent::NodeNotReady { why: why.clone() },
+        });
+        self.readiness_told = Some(now);
     }
 
     /// One full pass: binary first (the entry must never name a missing plugin), then the

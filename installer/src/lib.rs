@@ -23,6 +23,7 @@ pub mod chain;
 pub mod checks;
 pub mod daemon;
 pub mod error;
+pub mod events;
 pub mod files;
 pub mod installation;
 pub mod reconcile;

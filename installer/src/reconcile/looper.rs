@@ -114,6 +114,7 @@ where
                 return;
             }
             shared.metrics.reconcile.observe(&report, trigger);
+            shared.events.pass(&report);
             write_last_pass(&state_dir, &report);
             match next(&rx, started + period, &shared, waits_for_ready(&report)) {
                 Some(t) => trigger = t,

@@ -67,6 +67,8 @@ pub struct Metrics {
     pub http_accept_errors: IntCounterVec,
     /// The Service layer's socket (registered here, observed by its applier thread).
     pub services: std::sync::Arc<crate::services_socket::ServicesMetrics>,
+    /// Kubernetes Events (registered here, observed by their sender task).
+    pub events: std::sync::Arc<crate::events::EventMetrics>,
 }
 
 impl Metrics {
@@ -171,6 +173,8 @@ impl Metrics {
         reconcile.register(&registry).unwrap();
         let services = std::sync::Arc::new(crate::services_socket::ServicesMetrics::new());
         services.register(&registry).unwrap();
+        let events = std::sync::Arc::new(crate::events::EventMetrics::new());
+        events.register(&registry).unwrap();
         for face in Face::ALL {
             http_connections.with_label_values(&[face.name()]);
             http_accept_errors.with_label_values(&[face.name()]);
@@ -193,6 +197,7 @@ impl Metrics {
             http_limited,
             http_accept_errors,
             services,
+            events,
         }
     }
 
@@ -231,6 +236,8 @@ impl Default for Metrics {
 pub struct Shared {
     pub status: Mutex<Status>,
     pub metrics: Metrics,
+    /// Kubernetes Events: off until `daemon::run` starts them.
+    pub events: crate::events::Events,
 }
 
 impl Shared {
@@ -238,7 +245,9 @@ impl Shared {
     pub fn new() -> Shared {
         let mut status = Status::default();
         status.not_ready.insert(Reason::Starting, "the first pass has not finished".into());
-        Shared { status: Mutex::new(status), metrics: Metrics::new() }
+        let metrics = Metrics::new();
+        let events = crate::events::Events::new(metrics.events.clone());
+        Shared { status: Mutex::new(status), metrics, events }
     }
 }
 
