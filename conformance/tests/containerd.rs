@@ -679,3 +679,163 @@ fn containerd_runs_add_and_two_dels_and_never_check_gc_or_status() {
 fn containerd2_runs_status_per_cri_status_call_and_never_check_or_gc() {
     commands_per_runtime(Flavor::V2);
 }
+
+/// `aether-cni-installer` run by the test on the node (as the chart runs it: `--cri-socket`
+/// given), chaining itself onto the node's own conflist; its stderr in `log`.
+struct DirectInstaller {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl DirectInstaller {
+    fn start(ctrd: &Containerd, cri_socket: &std::path::Path, wait_seconds: u64) -> Self {
+        let log = ctrd.dir.join("installer.log");
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(aether_testkit::installer_bin())
+            .arg(format!("--plugin-binary={}", cni_bin().display()))
+            .arg(format!("--cni-bin-dir={}", ctrd.bin_dir.display()))
+            .arg(format!("--cni-conf-dir={}", ctrd.net_dir.display()))
+            .arg(format!("--state-dir={}", ctrd.state_dir.display()))
+            .arg("--listen=127.0.0.1:0")
+            .arg(format!("--host-ip={}", NET.gateway))
+            .arg("--reconcile=false")
+            .arg(format!("--cri-socket={}", cri_socket.display()))
+            .arg(format!("--uninstall-wait-seconds={wait_seconds}"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn aether-cni-installer");
+        DirectInstaller { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn sigterm(&self) {
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+    }
+
+    /// Waits (up to `within`) for the installer to exit; its exit status.
+    fn wait(&mut self, within: std::time::Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("the installer did not exit within {within:?}:\n{}", self.log());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for DirectInstaller {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// On containerd 2 (which tears pods down with the chain it holds now and never runs GC, so
+/// no DEL or GC of aether-cni comes after the conflist went): the stopping installer asks
+/// the runtime which chain it holds; once that names no aether-cni the binary goes, the
+/// records of pods still running stay, and once their teardown took their netns and
+/// sandboxes away the installer collects their records and ends: the node holds nothing of
+/// aether-cni, with no re-install and no GC run by hand.
+#[test]
+fn containerd2_uninstall_finishes_once_the_runtime_drops_the_chain_and_the_pods_are_gone() {
+    uninstall_finishes(Flavor::V2, false);
+}
+
+/// Control: the runtime's answer withheld (the CRI socket answers nothing): nothing is
+/// removed, neither the binary, nor `uninstalled`, nor the records of the pods torn down, and
+/// the log says what stays and why.
+#[test]
+fn containerd2_uninstall_without_the_runtime_s_answer_removes_nothing() {
+    uninstall_finishes(Flavor::V2, true);
+}
+
+fn uninstall_finishes(flavor: Flavor, withheld: bool) {
+    let test = &tag(if withheld { "containerd_uninstall_withheld" } else { "containerd_uninstall_finishes" }, flavor);
+    if !ready(test, flavor) {
+        return;
+    }
+    let started = Instant::now();
+    let mut ctrd = Containerd::new_on(flavor, &tag(if withheld { "ctrdunw" } else { "ctrdunf" }, flavor), &NET, false);
+    let (conf_before, bin_before) = (dir_state(&ctrd.net_dir), dir_state(&ctrd.bin_dir));
+    ctrd.start();
+    ctrd.import_sandbox_image();
+    let socket = if withheld { ctrd.dir.join("withheld.sock") } else { ctrd.socket().to_path_buf() };
+    let mut installer = DirectInstaller::start(&ctrd, &socket, if withheld { 12 } else { 40 });
+    ctrd.wait_cni_config("the chained conflist", |c| c.contains("aether-cni"));
+    let mut pods = Vec::new();
+    for name in ["cart-0", "cart-1"] {
+        let id = ctrd
+            .run_pod("shop", name, None)
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n--- installer\n{}", installer.log()));
+        let sb = ready_sandbox(&ctrd, &id);
+        assert_captured(&sb.netns, &["dnat to 10.250.9.1:18054"]);
+        pods.push((id, sb));
+    }
+    let binary = ctrd.bin_dir.join("aether-cni");
+    let uninstalled = ctrd.state_dir.join("uninstalled");
+
+    // Uninstall with both pods running.
+    installer.sigterm();
+    ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+    if !withheld {
+        // The runtime holds no chain naming aether-cni: the binary goes (after the reload
+        // grace), the records of the pods still running stay.
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        while binary.exists() {
+            assert!(Instant::now() < deadline, "the binary stayed:\n{}", installer.log());
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        assert_eq!(records(&ctrd.state_dir).len(), 2, "a running pod's record went:\n{}", installer.log());
+        assert!(installer.child.try_wait().unwrap().is_none(), "the installer ended with pods running");
+    }
+    // The pods' teardown, by the chain the runtime holds now (without aether-cni): it
+    // succeeds, releases their addresses; their netns and sandboxes go.
+    for (id, sb) in &pods {
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+        assert!(ctrd.sandbox(id).is_err(), "sandbox {id} still known after RemovePodSandbox");
+        assert!(!std::path::Path::new(&sb.netns).exists(), "containerd kept {}", sb.netns);
+        assert!(!ctrd.ipam_leases().contains(&sb.ip), "{id}: host-local still holds {}", sb.ip);
+    }
+    let status = installer.wait(std::time::Duration::from_secs(if withheld { 30 } else { 45 }));
+    let log = installer.log();
+    assert!(status.success(), "the installer's uninstall failed ({status}):\n{log}");
+    let conf_after = dir_state(&ctrd.net_dir);
+    assert!(conf_after == conf_before, "the conf dir differs:\n{}", text_diff(&conf_before, &conf_after));
+    let bin_after = dir_state(&ctrd.bin_dir);
+    if withheld {
+        assert!(binary.exists(), "the binary went without the runtime's word:\n{log}");
+        assert!(uninstalled.exists(), "`uninstalled` went without the runtime's word:\n{log}");
+        let left = records(&ctrd.state_dir);
+        assert_eq!(left.len(), 2, "records went without the runtime's word: {left:?}\n{log}");
+        assert!(
+            log.contains("stay with the records of 2 pods") && log.contains("withheld.sock"),
+            "the log does not say what stays and why:\n{log}"
+        );
+    } else {
+        assert!(bin_after == bin_before, "the bin dir differs:\n{}\n{log}", text_diff(&bin_before, &bin_after));
+        assert!(!uninstalled.exists(), "`uninstalled` stayed:\n{log}");
+        assert!(records(&ctrd.state_dir).is_empty(), "records stayed: {:?}\n{log}", records(&ctrd.state_dir));
+        assert!(log.contains("nothing of aether-cni is left on this node"), "{log}");
+        let state: Vec<String> = std::fs::read_dir(&ctrd.state_dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        eprintln!("{test}: the state dir holds {state:?}");
+    }
+    eprintln!("{test}: {} in {:?}", if withheld { "nothing removed" } else { "nothing left" }, started.elapsed());
+}

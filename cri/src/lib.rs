@@ -187,6 +187,14 @@ impl Client {
         })
     }
 
+    /// Status, verbose: the runtime's verbose info, as it gives it (containerd: `cniconfig`,
+    /// the CNI configuration its CRI plugin holds now, as JSON, and `lastCNILoadStatus`).
+    pub async fn runtime_info(&mut self) -> Result<BTreeMap<String, String>, Error> {
+        let mut rt = self.runtime.clone();
+        let r = self.call("Status", rt.status(api::StatusRequest { verbose: true })).await?;
+        Ok(r.info.into_iter().collect())
+    }
+
     /// ListPodSandbox: every sandbox the runtime has, ready or not, in the runtime's order.
     pub async fn sandboxes(&mut self) -> Result<Vec<Sandbox>, Error> {
         let mut rt = self.runtime.clone();

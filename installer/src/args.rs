@@ -91,6 +91,13 @@ pub struct InstallArgs {
     /// list larger than this cannot be read, and missed pods cannot be seen.
     #[arg(long, default_value = "16", value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub cri_max_message_mib: u64,
+    /// Seconds an uninstall that left the plugin binary for attached pods may wait, asking the
+    /// runtime (--cri-socket) each second which CNI chain it holds and which pods are gone, to
+    /// remove the binary and the records no teardown needs any more (containerd never runs a
+    /// DEL or GC of aether-cni after its reload). 0: the runtime is not asked. Within the
+    /// chart's terminationGracePeriodSeconds (30).
+    #[arg(long, default_value = "20", value_name = "SECONDS")]
+    pub uninstall_wait_seconds: u64,
     /// Seconds between reconciler passes.
     #[arg(long, default_value = "10", value_name = "SECONDS")]
     pub reconcile_period_seconds: u64,
@@ -280,6 +287,10 @@ impl InstallArgs {
 
     pub fn cri_timeout(&self) -> Duration {
         Duration::from_secs(self.cri_timeout_seconds.max(1))
+    }
+
+    pub fn uninstall_wait(&self) -> Duration {
+        Duration::from_secs(self.uninstall_wait_seconds)
     }
 
     pub fn cri_pass_budget(&self) -> Duration {

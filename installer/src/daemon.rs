@@ -75,7 +75,7 @@ impl Running {
 pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>) -> Result<Running, Error> {
     let plugin: Arc<dyn NodeChecks> = Arc::new(node);
     let shared = Arc::new(Shared::new());
-    let node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
+    let mut node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
     node.preflight()?;
     let (tx, rx) = mpsc::channel();
     let serving_end = Arc::new(std::sync::Mutex::new(ServingEnd::Running { wake: None }));
@@ -97,6 +97,7 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
         Ok(None) => {}
         Err(e) => tracing::warn!("Kubernetes Events are off: {e}"),
     }
+    node.set_runtime(rt.clone());
     let server = serve::start(&args.http(), shared.clone(), plugin, on_end, rt)?;
     let changes = tx.clone();
     let on_change = move |name, at| changes.send(Msg::Changed { name, at }).is_ok();

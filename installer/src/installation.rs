@@ -52,6 +52,8 @@ pub struct Node {
     /// The readiness last told to the cluster as an Event: `Some(None)` ready, `Some(Some(why))`
     /// not ready for these reasons.
     readiness_told: Option<Option<String>>,
+    /// The installer's async runtime, for the CRI calls of an uninstall (none in tests).
+    runtime: Option<std::sync::Arc<tokio::runtime::Runtime>>,
 }
 
 impl Node {
@@ -68,6 +70,7 @@ impl Node {
             kernel_ok: false,
             marker_written: None,
             readiness_told: None,
+            runtime: None,
         }
     }
 
@@ -303,15 +306,45 @@ impl Node {
             return remove(binary);
         }
         state.mark_uninstalled(&binary)?;
+        drop(_lock);
+        let finish = crate::uninstall::Finish {
+            cri_socket: self.args.cri_socket(),
+            cri_timeout: self.args.cri_timeout(),
+            wait: self.args.uninstall_wait(),
+            state_dir: self.args.state_dir.clone(),
+            binary: binary.clone(),
+            files: self.args.node_files(),
+        };
         tracing::info!(
             binary = %binary.display(),
             "the plugin binary stays while {pods} pods attached on this node may still be torn down: \
              the DEL or CNI GC that removes the last of their records removes it; containerd (1.6 to 2.x) \
-             tears pods down after its reload without aether-cni and never runs GC, so there their \
-             records stay until GC is run by hand or an installer runs again \
-             (docs/operating.md, \"Uninstall with pods running\")"
+             tears pods down after its reload without aether-cni and never runs GC, so for up to {:?} this \
+             installer asks the runtime (--cri-socket) which CNI chain it holds and which pods are gone, \
+             and removes what no teardown needs any more (docs/operating.md, \"Uninstall with pods running\")",
+            finish.wait
         );
+        match &self.runtime {
+            Some(rt) if !finish.wait.is_zero() => {
+                let outcome = crate::uninstall::finish(&finish, rt);
+                crate::uninstall::say(&outcome, &finish);
+            }
+            _ => crate::uninstall::say(
+                &crate::uninstall::Outcome::Left {
+                    runtime: crate::uninstall::RuntimeChain::Unknown("--uninstall-wait-seconds=0: the runtime is not asked".into()),
+                    binary_removed: false,
+                    records: state.scan().records.iter().map(|r| r.key()).collect(),
+                    collected: 0,
+                },
+                &finish,
+            ),
+        }
         Ok(())
+    }
+
+    /// The async runtime the uninstall asks the CRI through (the installer's one).
+    pub fn set_runtime(&mut self, rt: std::sync::Arc<tokio::runtime::Runtime>) {
+        self.runtime = Some(rt);
     }
 
     /// Reconciles on every change and every resync period until `Stop`, then uninstalls.

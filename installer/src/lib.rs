@@ -30,6 +30,7 @@ pub mod reconcile;
 pub mod runtime;
 pub mod serve;
 pub mod services_socket;
+pub mod uninstall;
 pub mod watch;
 
 pub use args::InstallArgs;

@@ -1,0 +1,376 @@
+//! Finishing an uninstall that left the plugin binary for attached pods, where the runtime
+//! says enough to know that nothing needs it any more.
+//!
+//! containerd (1.6 to 2.x) tears a pod down with the CNI chain it holds *now*, and never runs
+//! CNI GC: once it reloaded after the conflist went, no DEL or GC of aether-cni ever runs on
+//! the node again, so the DEL that would remove the last record (and with it the binary and
+//! `<stateDir>/uninstalled`, `aether_node::state::uninstall`) never comes. So the stopping
+//! installer asks the runtime itself, for at most `--uninstall-wait-seconds`:
+//!
+//! - **The chain it holds**: the CRI `Status` call's verbose info. containerd gives the CNI
+//!   configuration its CRI plugin holds as JSON (`cniconfig`) and whether its last load
+//!   worked (`lastCNILoadStatus`). Only a configuration that loaded, parses as go-cni's, and
+//!   names no aether-cni anywhere is taken for "no chain names it" ([`RuntimeChain::Free`]);
+//!   no answer, no `cniconfig` (CRI-O, a runtime that keeps each pod's chain), a failed load,
+//!   or another runtime handler's configuration it does not show: unknown, nothing removed.
+//! - **The binary** goes once the runtime said so and [`RELOAD_GRACE`] passed since it first
+//!   said so: a DEL or ADD that took the old chain just before the reload has run aether-cni
+//!   by then (it is last in the chain: DEL runs it first). Under the state directory's
+//!   exclusive lock, and only the very file `uninstalled` names: an ADD that raced and put it
+//!   back, or a re-install, is never undone from under it.
+//! - **A record** is collected (as GC collects it: its Service layer retired, its counts
+//!   folded) only for a pod that is gone by positive evidence: its recorded network namespace
+//!   is gone **and** the runtime's answered pod list does not have its sandbox ready. A list
+//!   that did not come is no evidence.
+//!
+//! Once no record is left, nothing of aether-cni is on the node. What stays when the wait
+//! ends is said in the log (and in docs/operating.md).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aether_cri::{Client, SandboxState};
+use aether_node::attachment;
+use aether_node::config;
+use aether_node::state::{PodNetns, StateDir, RELOAD_GRACE};
+use serde_json::Value;
+use tokio::runtime::Runtime;
+
+use crate::chain;
+use crate::reconcile::node_lib::NodeFiles;
+
+/// What the runtime says of the CNI chain it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeChain {
+    /// It names aether-cni: the runtime may still run it for a teardown.
+    Names,
+    /// It loaded a configuration, shows all of it, and none of it names aether-cni.
+    Free,
+    /// No answer, or one that does not say: why.
+    Unknown(String),
+}
+
+/// [`RuntimeChain`] from the verbose `Status` info: fail closed, `Free` only on positive
+/// evidence. `plugin` is the plugin's type (its binary's name).
+pub fn runtime_chain(info: &BTreeMap<String, String>, plugin: &str) -> RuntimeChain {
+    use RuntimeChain::Unknown;
+    if let Some(key) = info.keys().find(|k| k.starts_with("lastCNILoadStatus.")) {
+        return Unknown(format!("the runtime holds another CNI configuration ({key}) it does not show"));
+    }
+    let Some(text) = info.get("cniconfig") else {
+        return Unknown("the runtime's verbose Status has no \"cniconfig\" (only containerd's shows the chain it holds)".into());
+    };
+    match info.get("lastCNILoadStatus").map(String::as_str) {
+        Some("OK") => {}
+        Some(failed) => return Unknown(format!("the runtime's last CNI load failed: {failed}")),
+        None => return Unknown("the runtime's verbose Status has no \"lastCNILoadStatus\"".into()),
+    }
+    // Anywhere in it (a plugin's type, its source, a network's name): not free.
+    if text.contains(plugin) {
+        return RuntimeChain::Names;
+    }
+    let Ok(v) = serde_json::from_str::<Value>(text) else {
+        return Unknown("\"cniconfig\" is not JSON".into());
+    };
+    let Some(networks) = v.get("Networks").and_then(Value::as_array) else {
+        return Unknown("\"cniconfig\" has no Networks list".into());
+    };
+    for n in networks {
+        let Some(plugins) = n.pointer("/Config/Plugins").and_then(Value::as_array) else {
+            return Unknown("a network of \"cniconfig\" has no Config.Plugins list".into());
+        };
+        if plugins.iter().any(|p| p.pointer("/Network/type").and_then(Value::as_str).is_none()) {
+            return Unknown("a plugin of \"cniconfig\" has no type".into());
+        }
+    }
+    RuntimeChain::Free
+}
+
+/// Where the runtime's answered pod list has a record's sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    Ready,
+    NotReady,
+    Absent,
+}
+
+/// A pod is gone on positive evidence only: its recorded netns is gone and the runtime, which
+/// answered, does not have its sandbox ready (`None`: no answer).
+pub fn pod_gone(listed: Option<Listed>, netns_gone: bool) -> bool {
+    netns_gone && matches!(listed, Some(Listed::NotReady | Listed::Absent))
+}
+
+/// What may be removed now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Decision {
+    pub remove_binary: bool,
+    /// The records (keys) of pods gone.
+    pub collect: Vec<String>,
+}
+
+/// The decision: nothing unless the runtime's chain is free and was for [`RELOAD_GRACE`]
+/// (`free_for`: since its first such answer); then the binary, and the records of the pods
+/// gone (`pods`: each record's key and whether its pod is gone, by [`pod_gone`]).
+pub fn decide(runtime: &RuntimeChain, free_for: Option<Duration>, pods: &[(String, bool)]) -> Decision {
+    match (runtime, free_for) {
+        (RuntimeChain::Free, Some(t)) if t >= RELOAD_GRACE => Decision {
+            remove_binary: true,
+            collect: pods.iter().filter(|(_, gone)| *gone).map(|(k, _)| k.clone()).collect(),
+        },
+        _ => Decision::default(),
+    }
+}
+
+/// How the wait ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing of aether-cni is left: `collected` records, and the binary.
+    Finished { collected: usize },
+    /// `uninstalled` went by another hand (the last DEL, or a re-install): nothing more to do.
+    TakenOver,
+    /// The wait ended with these left.
+    Left { runtime: RuntimeChain, binary_removed: bool, records: Vec<String>, collected: usize },
+}
+
+/// The settings of the wait.
+pub struct Finish {
+    pub cri_socket: Option<PathBuf>,
+    pub cri_timeout: Duration,
+    pub wait: Duration,
+    pub state_dir: PathBuf,
+    pub binary: PathBuf,
+    pub files: NodeFiles,
+}
+
+fn ask_runtime(rt: &Runtime, socket: &Path, timeout: Duration, list: bool) -> (RuntimeChain, Option<BTreeMap<String, SandboxState>>) {
+    let answer = rt.block_on(async {
+        let mut c = Client::connect(socket, timeout).await?;
+        let info = c.runtime_info().await?;
+        let chain = runtime_chain(&info, chain::PLUGIN_TYPE);
+        let sandboxes = if list && chain == RuntimeChain::Free {
+            c.sandboxes().await.ok().map(|l| l.into_iter().map(|s| (s.id, s.state)).collect())
+        } else {
+            None
+        };
+        Ok::<_, aether_cri::Error>((chain, sandboxes))
+    });
+    answer.unwrap_or_else(|e| (RuntimeChain::Unknown(e.to_string()), None))
+}
+
+/// Removes the binary `uninstalled` names (under the exclusive lock) and that word. `None`:
+/// `uninstalled` went meanwhile (taken over); `Some(removed)` otherwise.
+fn remove_binary(state: &StateDir, binary: &Path) -> Result<Option<bool>, String> {
+    let _lock = state.lock(true).map_err(|e| e.to_string())?;
+    let Some(u) = state.uninstalled() else { return Ok(None) };
+    let removed = match std::fs::metadata(binary) {
+        Ok(m) if (m.dev(), m.ino()) == (u.dev, u.ino) => {
+            std::fs::remove_file(binary).map_err(|e| format!("cannot remove {}: {e}", binary.display()))?;
+            true
+        }
+        // Another file there (not the one left): not ours to remove.
+        Ok(_) => false,
+        Err(_) => false,
+    };
+    state.clear_uninstalled().map_err(|e| e.to_string())?;
+    Ok(Some(removed))
+}
+
+/// The entry on a stand-in list, as the plugin parses it: what GC needs to collect a record.
+fn collect_conf(files: &NodeFiles) -> Option<config::NetConf> {
+    let stand_in = chain::Primary {
+        path: PathBuf::from("(uninstall)"),
+        bytes: br#"{"cniVersion":"1.1.0","name":"uninstall","plugins":[{"type":"main-cni"}]}"#.to_vec(),
+        mode: 0o644,
+    };
+    let (_, as_passed) = chain::chain(&stand_in, &files.entry).ok()?;
+    config::parse(&as_passed).ok()
+}
+
+/// Waits (at most `wait`, asking each second) until nothing of aether-cni is left, removing
+/// what the runtime's answers allow (see the module's text).
+pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
+    let state = StateDir::new(&s.state_dir);
+    let deadline = Instant::now() + s.wait;
+    if s.cri_socket.is_none() {
+        let records = state.scan().records.iter().map(|r| r.key()).collect();
+        let runtime = RuntimeChain::Unknown("no --cri-socket: the runtime is not asked".into());
+        return Outcome::Left { runtime, binary_removed: false, records, collected: 0 };
+    }
+    let mut free_since: Option<Instant> = None;
+    let (mut binary_removed, mut collected) = (false, 0);
+    loop {
+        let (runtime, listed) = match &s.cri_socket {
+            Some(socket) => ask_runtime(rt, socket, s.cri_timeout, true),
+            None => (RuntimeChain::Unknown("no --cri-socket: the runtime is not asked".into()), None),
+        };
+        if runtime == RuntimeChain::Free {
+            free_since.get_or_insert_with(Instant::now);
+        } else {
+            free_since = None;
+        }
+        let scan = state.scan();
+        let pods: Vec<(String, bool)> = scan
+            .records
+            .iter()
+            .map(|r| {
+                let netns_gone = matches!(r.open_netns(), Ok(PodNetns::Gone(_)));
+                let on_list = listed.as_ref().map(|l| match l.get(&r.container_id) {
+                    Some(SandboxState::Ready) => Listed::Ready,
+                    Some(SandboxState::NotReady) => Listed::NotReady,
+                    None => Listed::Absent,
+                });
+                (r.key(), pod_gone(on_list, netns_gone))
+            })
+            .collect();
+        let decision = decide(&runtime, free_since.map(|t| t.elapsed()), &pods);
+        // Before the binary went, `uninstalled` gone is another's hand (the last DEL, a
+        // re-install); after, it is back only if an ADD that raced put the binary back.
+        if !binary_removed && state.uninstalled().is_none() {
+            return Outcome::TakenOver;
+        }
+        if decision.remove_binary && state.uninstalled().is_some() {
+            match remove_binary(&state, &s.binary) {
+                Ok(None) => {}
+                Ok(Some(removed)) => {
+                    if removed {
+                        tracing::info!(file = %s.binary.display(), "removed: the runtime's CNI chain names no aether-cni any more");
+                    }
+                    binary_removed = true;
+                }
+                Err(e) => tracing::warn!("the plugin binary stays: {e}"),
+            }
+        }
+        if let Some(conf) = collect_conf(&s.files) {
+            for r in scan.records.iter().filter(|r| decision.collect.contains(&r.key())) {
+                let mut c = conf.clone();
+                c.name = r.network.clone();
+                c.state_dir = s.state_dir.clone();
+                let (id, ifname) = (r.container_id.clone(), r.ifname.clone());
+                match attachment::collect(&c, |ci, i| !(ci == id && i == ifname)) {
+                    Ok(()) => {
+                        collected += 1;
+                        tracing::info!(record = %r.key(), "collected: its pod is gone (netns gone, the runtime has no ready sandbox)");
+                    }
+                    Err(e) => tracing::warn!(record = %r.key(), "the record stays: {e}"),
+                }
+            }
+        }
+        let left = state.scan();
+        let records: Vec<String> = left
+            .records
+            .iter()
+            .map(|r| r.key())
+            .chain(left.unreadable.iter().map(|u| u.file.clone()))
+            .collect();
+        if binary_removed && records.is_empty() && state.uninstalled().is_none() {
+            return Outcome::Finished { collected };
+        }
+        if Instant::now() >= deadline {
+            return Outcome::Left { runtime, binary_removed, records, collected };
+        }
+        std::thread::sleep(Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+/// The log line for `outcome`: what was removed, what stays, and how it goes.
+pub fn say(outcome: &Outcome, s: &Finish) {
+    let state = s.state_dir.display();
+    match outcome {
+        Outcome::Finished { collected } => tracing::info!(
+            "uninstall finished: the runtime's CNI chain names no aether-cni and the pods it captured are gone \
+             ({collected} records collected), the plugin binary and {state}/uninstalled removed: nothing of \
+             aether-cni is left on this node"
+        ),
+        Outcome::TakenOver => tracing::info!(
+            "{state}/uninstalled went meanwhile (the last DEL, or an installer again): the uninstall is theirs to finish"
+        ),
+        Outcome::Left { runtime: RuntimeChain::Free, records, collected, .. } => tracing::warn!(
+            "after {:?}, the plugin binary is removed (the runtime's CNI chain names no aether-cni; {collected} records \
+             collected), and the records of {} pods still running stay in {state}/attachments: {}; no teardown needs \
+             them (the runtime's DEL no longer runs aether-cni), and they go with an installer again (its reconciler \
+             collects records whose netns is gone), with the state directory if it is a tmpfs (a reboot), or by hand \
+             once their netns are gone (docs/operating.md, \"Uninstall with pods running\")",
+            s.wait,
+            records.len(),
+            records.join(", ")
+        ),
+        Outcome::Left { runtime, records, binary_removed, collected } => tracing::warn!(
+            "the plugin binary{} and {state}/uninstalled stay with the records of {} pods ({}; {collected} collected): \
+             it cannot be known that no teardown needs them ({}); the DEL or CNI GC that removes the last record \
+             removes them, or an installer again (its reconciler collects records whose netns is gone), or by hand \
+             once `aether-cni inspect` shows no live netns (docs/operating.md, \"Uninstall with pods running\")",
+            if *binary_removed { " (removed)" } else { "" },
+            records.len(),
+            records.join(", "),
+            match runtime {
+                RuntimeChain::Names => "the runtime's CNI chain still names aether-cni".to_string(),
+                RuntimeChain::Unknown(why) => why.clone(),
+                RuntimeChain::Free => unreachable!(),
+            }
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// As containerd 2.1.9 gives it (trimmed): loopback, then the node's bridge list.
+    const BRIDGE: &str = r#"{"PluginDirs":["/opt/cni/bin"],"PluginConfDir":"/etc/cni/net.d","PluginMaxConfNum":1,"Prefix":"eth","Networks":[{"Config":{"Name":"cni-loopback","CNIVersion":"0.3.1","Plugins":[{"Network":{"type":"loopback","ipam":{},"dns":{}},"Source":"{\"type\":\"loopback\"}"}],"Source":"{}"},"IFName":"lo"},{"Config":{"Name":"node","CNIVersion":"1.1.0","Plugins":[{"Network":{"type":"bridge","ipam":{},"dns":{}},"Source":"{}"},{"Network":{"type":"portmap","ipam":{},"dns":{}},"Source":"{}"}],"Source":"{}"},"IFName":"eth0"}]}"#;
+
+    #[test]
+    fn a_loaded_chain_without_the_plugin_is_free() {
+        assert_eq!(runtime_chain(&info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK")]), "aether-cni"), RuntimeChain::Free);
+    }
+
+    #[test]
+    fn a_chain_naming_the_plugin_anywhere_is_not_free() {
+        let chained = BRIDGE.replace(r#"{"Network":{"type":"portmap""#, r#"{"Network":{"type":"aether-cni""#);
+        assert_eq!(runtime_chain(&info(&[("cniconfig", &chained), ("lastCNILoadStatus", "OK")]), "aether-cni"), RuntimeChain::Names);
+    }
+
+    /// Fail closed: every answer that does not say is unknown, never free.
+    #[test]
+    fn answers_that_do_not_say_are_unknown() {
+        let unknown = |i: &[(&str, &str)]| matches!(runtime_chain(&info(i), "aether-cni"), RuntimeChain::Unknown(_));
+        assert!(unknown(&[]), "no verbose info (CRI-O, or a runtime that gives none)");
+        assert!(unknown(&[("lastCNILoadStatus", "OK")]), "no cniconfig");
+        assert!(unknown(&[("cniconfig", BRIDGE)]), "no load status");
+        assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "cni config load failed: no network config")]));
+        assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.kata", "OK")]), "another handler's chain, not shown");
+        assert!(unknown(&[("cniconfig", "{"), ("lastCNILoadStatus", "OK")]), "not JSON");
+        assert!(unknown(&[("cniconfig", "{}"), ("lastCNILoadStatus", "OK")]), "no Networks");
+        assert!(unknown(&[("cniconfig", r#"{"Networks":[{"Config":{}}]}"#), ("lastCNILoadStatus", "OK")]));
+        assert!(unknown(&[("cniconfig", r#"{"Networks":[{"Config":{"Plugins":[{"Network":{}}]}}]}"#), ("lastCNILoadStatus", "OK")]));
+    }
+
+    #[test]
+    fn a_pod_is_gone_only_on_positive_evidence() {
+        assert!(pod_gone(Some(Listed::Absent), true));
+        assert!(pod_gone(Some(Listed::NotReady), true));
+        assert!(!pod_gone(None, true), "no list: no evidence");
+        assert!(!pod_gone(Some(Listed::Ready), true), "the runtime has it ready");
+        assert!(!pod_gone(Some(Listed::Absent), false), "its netns is still there");
+        assert!(!pod_gone(None, false));
+    }
+
+    #[test]
+    fn nothing_goes_unless_the_runtime_is_free_for_the_grace() {
+        let pods = vec![("net/a/eth0".to_string(), true), ("net/b/eth0".to_string(), false)];
+        let nothing = Decision::default();
+        assert_eq!(decide(&RuntimeChain::Unknown("no answer".into()), Some(RELOAD_GRACE * 10), &pods), nothing);
+        assert_eq!(decide(&RuntimeChain::Names, Some(RELOAD_GRACE * 10), &pods), nothing);
+        assert_eq!(decide(&RuntimeChain::Free, None, &pods), nothing);
+        assert_eq!(decide(&RuntimeChain::Free, Some(RELOAD_GRACE / 2), &pods), nothing, "a DEL that took the old chain may run");
+        let d = decide(&RuntimeChain::Free, Some(RELOAD_GRACE), &pods);
+        assert_eq!(d, Decision { remove_binary: true, collect: vec!["net/a/eth0".into()] }, "the pod still there keeps its record");
+        assert_eq!(decide(&RuntimeChain::Free, Some(RELOAD_GRACE), &[]), Decision { remove_binary: true, collect: vec![] });
+    }
+}
