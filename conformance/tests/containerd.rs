@@ -762,6 +762,12 @@ fn containerd2_uninstall_without_the_runtime_s_answer_removes_nothing() {
     uninstall_finishes(Flavor::V2, true);
 }
 
+/// The same on containerd 1.6, whose verbose `Status` shows the chain it holds as 2.x's does.
+#[test]
+fn containerd_uninstall_finishes_once_the_runtime_drops_the_chain_and_the_pods_are_gone() {
+    uninstall_finishes(Flavor::V1_6, false);
+}
+
 fn uninstall_finishes(flavor: Flavor, withheld: bool) {
     let test = &tag(if withheld { "containerd_uninstall_withheld" } else { "containerd_uninstall_finishes" }, flavor);
     if !ready(test, flavor) {

@@ -57,12 +57,18 @@ pub enum RuntimeChain {
 /// evidence. `plugin` is the plugin's type (its binary's name).
 pub fn runtime_chain(info: &BTreeMap<String, String>, plugin: &str) -> RuntimeChain {
     use RuntimeChain::Unknown;
-    if let Some(key) = info.keys().find(|k| k.starts_with("lastCNILoadStatus.")) {
+    // containerd 2 says each network plugin's load status as `lastCNILoadStatus.<name>`
+    // (`default`: the one `cniconfig` shows, also said as `lastCNILoadStatus`); another
+    // name is a runtime handler's own CNI configuration, which it does not show.
+    if let Some(key) = info.keys().find(|k| k.starts_with("lastCNILoadStatus.") && *k != "lastCNILoadStatus.default") {
         return Unknown(format!("the runtime holds another CNI configuration ({key}) it does not show"));
     }
     let Some(text) = info.get("cniconfig") else {
         return Unknown("the runtime's verbose Status has no \"cniconfig\" (only containerd's shows the chain it holds)".into());
     };
+    if let Some(failed) = info.get("lastCNILoadStatus.default").filter(|s| *s != "OK") {
+        return Unknown(format!("the runtime's last CNI load failed: {failed}"));
+    }
     match info.get("lastCNILoadStatus").map(String::as_str) {
         Some("OK") => {}
         Some(failed) => return Unknown(format!("the runtime's last CNI load failed: {failed}")),
@@ -200,12 +206,21 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
         return Outcome::Left { runtime, binary_removed: false, records, collected: 0 };
     }
     let mut free_since: Option<Instant> = None;
+    let mut last: Option<RuntimeChain> = None;
     let (mut binary_removed, mut collected) = (false, 0);
     loop {
         let (runtime, listed) = match &s.cri_socket {
             Some(socket) => ask_runtime(rt, socket, s.cri_timeout, true),
             None => (RuntimeChain::Unknown("no --cri-socket: the runtime is not asked".into()), None),
         };
+        if last.as_ref() != Some(&runtime) {
+            match &runtime {
+                RuntimeChain::Free => tracing::info!("the runtime's CNI chain names no aether-cni"),
+                RuntimeChain::Names => tracing::info!("the runtime's CNI chain still names aether-cni"),
+                RuntimeChain::Unknown(why) => tracing::info!("the runtime does not say which CNI chain it holds: {why}"),
+            }
+            last = Some(runtime.clone());
+        }
         if runtime == RuntimeChain::Free {
             free_since.get_or_insert_with(Instant::now);
         } else {
@@ -328,6 +343,9 @@ mod tests {
     #[test]
     fn a_loaded_chain_without_the_plugin_is_free() {
         assert_eq!(runtime_chain(&info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK")]), "aether-cni"), RuntimeChain::Free);
+        // containerd 2: the default network plugin's status said twice.
+        let two = info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.default", "OK")]);
+        assert_eq!(runtime_chain(&two, "aether-cni"), RuntimeChain::Free);
     }
 
     #[test]
@@ -345,6 +363,7 @@ mod tests {
         assert!(unknown(&[("cniconfig", BRIDGE)]), "no load status");
         assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "cni config load failed: no network config")]));
         assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.kata", "OK")]), "another handler's chain, not shown");
+        assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.default", "failed")]), "as the default's status");
         assert!(unknown(&[("cniconfig", "{"), ("lastCNILoadStatus", "OK")]), "not JSON");
         assert!(unknown(&[("cniconfig", "{}"), ("lastCNILoadStatus", "OK")]), "no Networks");
         assert!(unknown(&[("cniconfig", r#"{"Networks":[{"Config":{}}]}"#), ("lastCNILoadStatus", "OK")]));
