@@ -331,7 +331,9 @@ impl Node {
             }
             _ => crate::uninstall::say(
                 &crate::uninstall::Outcome::Left {
-                    runtime: crate::uninstall::RuntimeChain::Unknown("--uninstall-wait-seconds=0: the runtime is not asked".into()),
+                    runtime: crate::uninstall::RuntimeChain::Unknown(
+                        "--uninstall-wait-seconds=0: the runtime is not asked".into(),
+                    ),
                     binary_removed: false,
                     records: state.scan().records.iter().map(|r| r.key()).collect(),
                     collected: 0,

@@ -64,7 +64,9 @@ pub fn runtime_chain(info: &BTreeMap<String, String>, plugin: &str) -> RuntimeCh
         return Unknown(format!("the runtime holds another CNI configuration ({key}) it does not show"));
     }
     let Some(text) = info.get("cniconfig") else {
-        return Unknown("the runtime's verbose Status has no \"cniconfig\" (only containerd's shows the chain it holds)".into());
+        return Unknown(
+            "the runtime's verbose Status has no \"cniconfig\" (only containerd's shows the chain it holds)".into(),
+        );
     };
     if let Some(failed) = info.get("lastCNILoadStatus.default").filter(|s| *s != "OK") {
         return Unknown(format!("the runtime's last CNI load failed: {failed}"));
@@ -151,7 +153,12 @@ pub struct Finish {
     pub files: NodeFiles,
 }
 
-fn ask_runtime(rt: &Runtime, socket: &Path, timeout: Duration, list: bool) -> (RuntimeChain, Option<BTreeMap<String, SandboxState>>) {
+fn ask_runtime(
+    rt: &Runtime,
+    socket: &Path,
+    timeout: Duration,
+    list: bool,
+) -> (RuntimeChain, Option<BTreeMap<String, SandboxState>>) {
     let answer = rt.block_on(async {
         let mut c = Client::connect(socket, timeout).await?;
         let info = c.runtime_info().await?;
@@ -217,7 +224,9 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
             match &runtime {
                 RuntimeChain::Free => tracing::info!("the runtime's CNI chain names no aether-cni"),
                 RuntimeChain::Names => tracing::info!("the runtime's CNI chain still names aether-cni"),
-                RuntimeChain::Unknown(why) => tracing::info!("the runtime does not say which CNI chain it holds: {why}"),
+                RuntimeChain::Unknown(why) => {
+                    tracing::info!("the runtime does not say which CNI chain it holds: {why}")
+                }
             }
             last = Some(runtime.clone());
         }
@@ -274,12 +283,8 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
             }
         }
         let left = state.scan();
-        let records: Vec<String> = left
-            .records
-            .iter()
-            .map(|r| r.key())
-            .chain(left.unreadable.iter().map(|u| u.file.clone()))
-            .collect();
+        let records: Vec<String> =
+            left.records.iter().map(|r| r.key()).chain(left.unreadable.iter().map(|u| u.file.clone())).collect();
         if binary_removed && records.is_empty() && state.uninstalled().is_none() {
             return Outcome::Finished { collected };
         }
@@ -342,7 +347,10 @@ mod tests {
 
     #[test]
     fn a_loaded_chain_without_the_plugin_is_free() {
-        assert_eq!(runtime_chain(&info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK")]), "aether-cni"), RuntimeChain::Free);
+        assert_eq!(
+            runtime_chain(&info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK")]), "aether-cni"),
+            RuntimeChain::Free
+        );
         // containerd 2: the default network plugin's status said twice.
         let two = info(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.default", "OK")]);
         assert_eq!(runtime_chain(&two, "aether-cni"), RuntimeChain::Free);
@@ -351,7 +359,10 @@ mod tests {
     #[test]
     fn a_chain_naming_the_plugin_anywhere_is_not_free() {
         let chained = BRIDGE.replace(r#"{"Network":{"type":"portmap""#, r#"{"Network":{"type":"aether-cni""#);
-        assert_eq!(runtime_chain(&info(&[("cniconfig", &chained), ("lastCNILoadStatus", "OK")]), "aether-cni"), RuntimeChain::Names);
+        assert_eq!(
+            runtime_chain(&info(&[("cniconfig", &chained), ("lastCNILoadStatus", "OK")]), "aether-cni"),
+            RuntimeChain::Names
+        );
     }
 
     /// Fail closed: every answer that does not say is unknown, never free.
@@ -362,12 +373,21 @@ mod tests {
         assert!(unknown(&[("lastCNILoadStatus", "OK")]), "no cniconfig");
         assert!(unknown(&[("cniconfig", BRIDGE)]), "no load status");
         assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "cni config load failed: no network config")]));
-        assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.kata", "OK")]), "another handler's chain, not shown");
-        assert!(unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.default", "failed")]), "as the default's status");
+        assert!(
+            unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.kata", "OK")]),
+            "another handler's chain, not shown"
+        );
+        assert!(
+            unknown(&[("cniconfig", BRIDGE), ("lastCNILoadStatus", "OK"), ("lastCNILoadStatus.default", "failed")]),
+            "as the default's status"
+        );
         assert!(unknown(&[("cniconfig", "{"), ("lastCNILoadStatus", "OK")]), "not JSON");
         assert!(unknown(&[("cniconfig", "{}"), ("lastCNILoadStatus", "OK")]), "no Networks");
         assert!(unknown(&[("cniconfig", r#"{"Networks":[{"Config":{}}]}"#), ("lastCNILoadStatus", "OK")]));
-        assert!(unknown(&[("cniconfig", r#"{"Networks":[{"Config":{"Plugins":[{"Network":{}}]}}]}"#), ("lastCNILoadStatus", "OK")]));
+        assert!(unknown(&[
+            ("cniconfig", r#"{"Networks":[{"Config":{"Plugins":[{"Network":{}}]}}]}"#),
+            ("lastCNILoadStatus", "OK")
+        ]));
     }
 
     #[test]
@@ -380,6 +400,47 @@ mod tests {
         assert!(!pod_gone(None, false));
     }
 
+    /// The wait itself, fail closed: a runtime that does not answer (or none given) removes
+    /// neither the binary nor `uninstalled`, and the wait ends at its bound.
+    #[test]
+    fn without_the_runtime_s_answer_the_wait_removes_nothing() {
+        let dir = aether_testkit::ScratchDir::new("uninstall-withheld");
+        let (state_dir, binary) = (dir.0.join("state"), dir.0.join("aether-cni"));
+        std::fs::write(&binary, b"plugin").unwrap();
+        let state = StateDir::new(&state_dir);
+        state.mark_uninstalled(&binary).unwrap();
+        let files = NodeFiles {
+            state_dir: state_dir.clone(),
+            conf_dir: dir.0.join("net"),
+            conflist_name: "00-aether-cni.conflist".into(),
+            entry: serde_json::Map::new(),
+        };
+        let rt = crate::runtime::new().unwrap();
+        for socket in [Some(dir.0.join("nobody.sock")), None] {
+            let s = Finish {
+                cri_socket: socket.clone(),
+                cri_timeout: Duration::from_secs(1),
+                wait: Duration::from_millis(1500),
+                state_dir: state_dir.clone(),
+                binary: binary.clone(),
+                files: files.clone(),
+            };
+            let started = Instant::now();
+            let outcome = finish(&s, &rt);
+            let Outcome::Left { runtime: RuntimeChain::Unknown(why), binary_removed: false, .. } = &outcome else {
+                panic!("{outcome:?}")
+            };
+            match &socket {
+                Some(p) => {
+                    assert!(why.contains(&p.display().to_string()), "{why}");
+                    assert!(started.elapsed() >= s.wait, "the wait ended early: {:?}", started.elapsed());
+                }
+                None => assert!(why.contains("--cri-socket"), "{why}"),
+            }
+            assert!(binary.exists() && state.uninstalled().is_some(), "removed without the runtime's word");
+        }
+    }
+
     #[test]
     fn nothing_goes_unless_the_runtime_is_free_for_the_grace() {
         let pods = vec![("net/a/eth0".to_string(), true), ("net/b/eth0".to_string(), false)];
@@ -387,9 +448,20 @@ mod tests {
         assert_eq!(decide(&RuntimeChain::Unknown("no answer".into()), Some(RELOAD_GRACE * 10), &pods), nothing);
         assert_eq!(decide(&RuntimeChain::Names, Some(RELOAD_GRACE * 10), &pods), nothing);
         assert_eq!(decide(&RuntimeChain::Free, None, &pods), nothing);
-        assert_eq!(decide(&RuntimeChain::Free, Some(RELOAD_GRACE / 2), &pods), nothing, "a DEL that took the old chain may run");
+        assert_eq!(
+            decide(&RuntimeChain::Free, Some(RELOAD_GRACE / 2), &pods),
+            nothing,
+            "a DEL that took the old chain may run"
+        );
         let d = decide(&RuntimeChain::Free, Some(RELOAD_GRACE), &pods);
-        assert_eq!(d, Decision { remove_binary: true, collect: vec!["net/a/eth0".into()] }, "the pod still there keeps its record");
-        assert_eq!(decide(&RuntimeChain::Free, Some(RELOAD_GRACE), &[]), Decision { remove_binary: true, collect: vec![] });
+        assert_eq!(
+            d,
+            Decision { remove_binary: true, collect: vec!["net/a/eth0".into()] },
+            "the pod still there keeps its record"
+        );
+        assert_eq!(
+            decide(&RuntimeChain::Free, Some(RELOAD_GRACE), &[]),
+            Decision { remove_binary: true, collect: vec![] }
+        );
     }
 }
