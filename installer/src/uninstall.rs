@@ -49,22 +49,26 @@ pub enum RuntimeChain {
     Names,
     /// It loaded a configuration, shows all of it, and none of it names aether-cni.
     Free,
-    /// No answer, or one that does not say: why.
+    /// No answer yet, or one that may say later (a failed load): why. Asked again.
     Unknown(String),
+    /// It answers, and its answers do not show the chain it holds (not containerd: no
+    /// `cniconfig`; a runtime handler's own CNI configuration; no `Status` call): why. Not
+    /// asked again: it will not say.
+    Silent(String),
 }
 
 /// [`RuntimeChain`] from the verbose `Status` info: fail closed, `Free` only on positive
 /// evidence. `plugin` is the plugin's type (its binary's name).
 pub fn runtime_chain(info: &BTreeMap<String, String>, plugin: &str) -> RuntimeChain {
-    use RuntimeChain::Unknown;
+    use RuntimeChain::{Silent, Unknown};
     // containerd 2 says each network plugin's load status as `lastCNILoadStatus.<name>`
     // (`default`: the one `cniconfig` shows, also said as `lastCNILoadStatus`); another
     // name is a runtime handler's own CNI configuration, which it does not show.
     if let Some(key) = info.keys().find(|k| k.starts_with("lastCNILoadStatus.") && *k != "lastCNILoadStatus.default") {
-        return Unknown(format!("the runtime holds another CNI configuration ({key}) it does not show"));
+        return Silent(format!("the runtime holds another CNI configuration ({key}) it does not show"));
     }
     let Some(text) = info.get("cniconfig") else {
-        return Unknown(
+        return Silent(
             "the runtime's verbose Status has no \"cniconfig\" (only containerd's shows the chain it holds)".into(),
         );
     };
@@ -170,7 +174,12 @@ fn ask_runtime(
         };
         Ok::<_, aether_cri::Error>((chain, sandboxes))
     });
-    answer.unwrap_or_else(|e| (RuntimeChain::Unknown(e.to_string()), None))
+    answer.unwrap_or_else(|e| match e {
+        aether_cri::Error::Call { code: aether_cri::Code::Unimplemented, .. } => {
+            (RuntimeChain::Silent(e.to_string()), None)
+        }
+        e => (RuntimeChain::Unknown(e.to_string()), None),
+    })
 }
 
 /// Removes the binary `uninstalled` names (under the exclusive lock) and that word. `None`:
@@ -224,7 +233,7 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
             match &runtime {
                 RuntimeChain::Free => tracing::info!("the runtime's CNI chain names no aether-cni"),
                 RuntimeChain::Names => tracing::info!("the runtime's CNI chain still names aether-cni"),
-                RuntimeChain::Unknown(why) => {
+                RuntimeChain::Unknown(why) | RuntimeChain::Silent(why) => {
                     tracing::info!("the runtime does not say which CNI chain it holds: {why}")
                 }
             }
@@ -288,7 +297,7 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
         if binary_removed && records.is_empty() && state.uninstalled().is_none() {
             return Outcome::Finished { collected };
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline || matches!(runtime, RuntimeChain::Silent(_)) {
             return Outcome::Left { runtime, binary_removed, records, collected };
         }
         std::thread::sleep(Duration::from_secs(1).min(deadline.saturating_duration_since(Instant::now())));
@@ -327,7 +336,7 @@ pub fn say(outcome: &Outcome, s: &Finish) {
             records.join(", "),
             match runtime {
                 RuntimeChain::Names => "the runtime's CNI chain still names aether-cni".to_string(),
-                RuntimeChain::Unknown(why) => why.clone(),
+                RuntimeChain::Unknown(why) | RuntimeChain::Silent(why) => why.clone(),
                 RuntimeChain::Free => unreachable!(),
             }
         ),
@@ -368,7 +377,9 @@ mod tests {
     /// Fail closed: every answer that does not say is unknown, never free.
     #[test]
     fn answers_that_do_not_say_are_unknown() {
-        let unknown = |i: &[(&str, &str)]| matches!(runtime_chain(&info(i), "aether-cni"), RuntimeChain::Unknown(_));
+        let unknown = |i: &[(&str, &str)]| {
+            matches!(runtime_chain(&info(i), "aether-cni"), RuntimeChain::Unknown(_) | RuntimeChain::Silent(_))
+        };
         assert!(unknown(&[]), "no verbose info (CRI-O, or a runtime that gives none)");
         assert!(unknown(&[("lastCNILoadStatus", "OK")]), "no cniconfig");
         assert!(unknown(&[("cniconfig", BRIDGE)]), "no load status");
@@ -447,6 +458,7 @@ mod tests {
         let nothing = Decision::default();
         assert_eq!(decide(&RuntimeChain::Unknown("no answer".into()), Some(RELOAD_GRACE * 10), &pods), nothing);
         assert_eq!(decide(&RuntimeChain::Names, Some(RELOAD_GRACE * 10), &pods), nothing);
+        assert_eq!(decide(&RuntimeChain::Silent("no cniconfig".into()), Some(RELOAD_GRACE * 10), &pods), nothing);
         assert_eq!(decide(&RuntimeChain::Free, None, &pods), nothing);
         assert_eq!(
             decide(&RuntimeChain::Free, Some(RELOAD_GRACE / 2), &pods),
