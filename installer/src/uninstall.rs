@@ -316,7 +316,7 @@ pub fn say(outcome: &Outcome, s: &Finish) {
         Outcome::TakenOver => tracing::info!(
             "{state}/uninstalled went meanwhile (the last DEL, or an installer again): the uninstall is theirs to finish"
         ),
-        Outcome::Left { runtime: RuntimeChain::Free, records, collected, .. } => tracing::warn!(
+        Outcome::Left { runtime: RuntimeChain::Free, binary_removed: true, records, collected } => tracing::warn!(
             "after {:?}, the plugin binary is removed (the runtime's CNI chain names no aether-cni; {collected} records \
              collected), and the records of {} pods still running stay in {state}/attachments: {}; no teardown needs \
              them (the runtime's DEL no longer runs aether-cni), and they go with an installer again (its reconciler \
@@ -337,7 +337,7 @@ pub fn say(outcome: &Outcome, s: &Finish) {
             match runtime {
                 RuntimeChain::Names => "the runtime's CNI chain still names aether-cni".to_string(),
                 RuntimeChain::Unknown(why) | RuntimeChain::Silent(why) => why.clone(),
-                RuntimeChain::Free => unreachable!(),
+                RuntimeChain::Free => format!("the runtime's CNI chain named no aether-cni for less than {RELOAD_GRACE:?}"),
             }
         ),
     }
