@@ -745,8 +745,10 @@ impl Drop for DirectInstaller {
 
 /// On containerd 2 (which tears pods down with the chain it holds now and never runs GC, so
 /// no DEL or GC of aether-cni comes after the conflist went): the stopping installer asks
-/// the runtime which chain it holds; once that names no aether-cni the binary goes, the
-/// records of pods still running stay, and once their teardown took their netns and
+/// the runtime which chain it holds. While that names aether-cni (the chained list loaded
+/// again, for a runtime that has not reloaded yet) nothing goes and a pod's teardown runs
+/// aether-cni's DEL; once it names no aether-cni the binary goes, the record of the pod
+/// still running stays, and once its teardown took its netns and
 /// sandboxes away the installer collects their records and ends: the node holds nothing of
 /// aether-cni, with no re-install and no GC run by hand.
 #[test]
@@ -792,24 +794,51 @@ fn uninstall_finishes(flavor: Flavor, withheld: bool) {
     }
     let binary = ctrd.bin_dir.join("aether-cni");
     let uninstalled = ctrd.state_dir.join("uninstalled");
+    let chained_name = names(&dir_state(&ctrd.net_dir))
+        .into_iter()
+        .find(|n| !names(&conf_before).contains(n))
+        .expect("the chained conflist")
+        .to_string();
+    let chained = std::fs::read(ctrd.net_dir.join(&chained_name)).unwrap();
 
     // Uninstall with both pods running.
     installer.sigterm();
     ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
+    let mut torn_down = 0;
     if !withheld {
+        // A runtime that still runs the chain the pods were set up with (containerd before
+        // its reload): the chained list loaded again stands for it. While the runtime's chain
+        // names aether-cni nothing goes, and a teardown through it runs aether-cni's DEL: the
+        // DEL race stays closed.
+        std::fs::write(ctrd.net_dir.join(&chained_name), &chained).unwrap();
+        ctrd.wait_cni_config("the chained conflist again", |c| c.contains("aether-cni"));
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        assert!(binary.exists() && uninstalled.exists(), "the binary went while the runtime's chain names it");
+        let (id, sb) = &pods[0];
+        ctrd.stop_pod(id);
+        ctrd.remove_pod(id);
+        assert!(!ctrd.ipam_leases().contains(&sb.ip), "{id}: host-local still holds {}", sb.ip);
+        assert!(
+            !records(&ctrd.state_dir).iter().any(|r| r.contains(id.as_str())),
+            "{id}: aether-cni's DEL did not run"
+        );
+        assert!(binary.exists(), "the binary went with a pod still attached and the chain naming it");
+        torn_down = 1;
+        std::fs::remove_file(ctrd.net_dir.join(&chained_name)).unwrap();
+        ctrd.wait_cni_config("the node's own conflist again", |c| c.contains("bridge") && !c.contains("aether-cni"));
         // The runtime holds no chain naming aether-cni: the binary goes (after the reload
-        // grace), the records of the pods still running stay.
+        // grace), the record of the pod still running stays.
         let deadline = Instant::now() + std::time::Duration::from_secs(20);
         while binary.exists() {
             assert!(Instant::now() < deadline, "the binary stayed:\n{}", installer.log());
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
-        assert_eq!(records(&ctrd.state_dir).len(), 2, "a running pod's record went:\n{}", installer.log());
+        assert_eq!(records(&ctrd.state_dir).len(), 1, "a running pod's record went:\n{}", installer.log());
         assert!(installer.child.try_wait().unwrap().is_none(), "the installer ended with pods running");
     }
     // The pods' teardown, by the chain the runtime holds now (without aether-cni): it
     // succeeds, releases their addresses; their netns and sandboxes go.
-    for (id, sb) in &pods {
+    for (id, sb) in &pods[torn_down..] {
         ctrd.stop_pod(id);
         ctrd.remove_pod(id);
         assert!(ctrd.sandbox(id).is_err(), "sandbox {id} still known after RemovePodSandbox");
