@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use aether_conformance::clients::records;
+use aether_conformance::clients::{records, repo};
 use aether_conformance::cni_bin;
 use aether_conformance::containerd::{Containerd, Flavor, NodeNet, CHAINED_CONFLIST};
 use serde_json::{json, Value};
@@ -44,8 +44,13 @@ fn rounds() -> usize {
     std::env::var("AETHER_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3)
 }
 
+/// The plugin as `make bench` ships it; without `AETHER_BENCH_BIN`, the workspace's
+/// (`AETHER_CNI_BIN`, or a debug build: figures of no use beside a release's).
 fn bin() -> PathBuf {
-    std::env::var_os("AETHER_BENCH_BIN").map(PathBuf::from).unwrap_or_else(|| cni_bin().to_path_buf())
+    std::env::var_os("AETHER_BENCH_BIN").map(PathBuf::from).unwrap_or_else(|| {
+        eprintln!("AETHER_BENCH_BIN unset: the workspace's plugin, which may be a debug build");
+        cni_bin().to_path_buf()
+    })
 }
 
 fn ms(d: Duration) -> f64 {
@@ -200,7 +205,11 @@ fn main() {
     );
     println!("  {SEQUENTIAL} pods one after another per node, then {rounds} bursts of {BURST} at once per node,");
     println!("  the nodes interleaved pod by pod and burst by burst; kernel {}", kernel.trim());
-    println!("  plugin {}; load average at start {}\n", bin.display(), load());
+    // The plugin's path inside the workspace (an absolute path names the machine, not the build).
+    let workspace = repo().canonicalize().unwrap();
+    let shown = bin.canonicalize().unwrap();
+    let shown = shown.strip_prefix(&workspace).unwrap_or(&shown);
+    println!("  plugin {}; load average at start {}\n", shown.display(), load());
 
     let mut nodes = vec![
         Node::new("main chain alone", "bps0", &NETS[0], None, &bin),
