@@ -170,7 +170,8 @@ demo: build
 ## a static C no-op) and beside the previous release's plugin ($(PREVIOUS_RELEASE_BIN)); 2. the Service layer at
 ## 1,000 and 10,000 ports: full build vs one Service more vs verify; 3. the Service layer at
 ## cluster scale (10,000 Services, 100 pods, vs the kernel floor; bench/results/services-scale.*);
-## 4. the installer's repair latency. Medians and ratios.
+## 4. the installer's repair latency; 5. pod start through containerd 2's CRI (RunPodSandbox to
+## ready), the main chain alone vs with aether-cni at 0 and 10,000 Services. Medians and ratios.
 bench: deps build clients-deps previous-release-static
 	@dpkg-query -W -f='$${Status}' python3-matplotlib 2>/dev/null | grep -q 'install ok installed' || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null)
@@ -186,6 +187,9 @@ bench: deps build clients-deps previous-release-static
 		$(CARGO) bench -p aether-cni --bench pod_storms
 	$(CARGO) bench -p aether-installer --bench repair
 	$(CARGO) bench -p aether-installer --bench reconcile_pass
+	@# 5. pod start through containerd 2's CRI (clients-deps): the main chain alone, and with
+	@# aether-cni chained at 0 and 10,000 Services; 50 pods one after another, bursts of 30.
+	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni $(CARGO) bench -p aether-conformance --bench pod_start
 	@# cargo bench rebuilt target/release/aether-cni and aether-cni-installer (dynamic, for
 	@# CARGO_BIN_EXE): put the static ones back
 	$(ship_plugin)

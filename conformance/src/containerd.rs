@@ -343,6 +343,27 @@ impl Containerd {
     /// One CRI call: `Ok(response)`, or `Err(the gRPC status and message)`. Calls go to one
     /// `cri.py --serve` process, started on first use (Python's start-up paid once).
     pub fn cri(&self, call: &str, request: &Value) -> Result<Value, String> {
+        self.cri_timed(call, request).0
+    }
+
+    /// [`Containerd::cri`], with the call's own wall time as the client measured it (from the
+    /// request sent on a connected channel to the answer).
+    pub fn cri_timed(&self, call: &str, request: &Value) -> (Result<Value, String>, Duration) {
+        outcome(&self.exchange(&json!({"call": call, "request": request})))
+    }
+
+    /// Every call at the same moment (a client thread and connection each, released
+    /// together): each one's outcome and wall time, in order, and the wall time from the
+    /// release until the last answered.
+    pub fn cri_at_once(&self, calls: &[(&str, Value)]) -> (Vec<(Result<Value, String>, Duration)>, Duration) {
+        let calls: Vec<Value> = calls.iter().map(|(call, request)| json!({"call": call, "request": request})).collect();
+        let answer = self.exchange(&json!({"at_once": calls}));
+        let answers = answer["answers"].as_array().unwrap_or_else(|| panic!("cri.py said {answer}"));
+        (answers.iter().map(outcome).collect(), seconds(&answer))
+    }
+
+    /// One line to `cri.py --serve` and its answer.
+    fn exchange(&self, line: &Value) -> Value {
         let mut cri = self.cri.borrow_mut();
         let client = cri.get_or_insert_with(|| {
             let mut child = Command::new("/usr/bin/python3")
@@ -360,15 +381,10 @@ impl Containerd {
             let stdout = BufReader::new(child.stdout.take().unwrap());
             CriClient { child, stdout }
         });
-        let line = json!({"call": call, "request": request}).to_string();
         writeln!(client.child.stdin.as_mut().unwrap(), "{line}").expect("write to cri.py");
         let mut answer = String::new();
         client.stdout.read_line(&mut answer).expect("read from cri.py");
-        let answer: Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("cri.py said {answer:?}: {e}"));
-        match answer.get("error").and_then(Value::as_str) {
-            Some(e) => Err(e.to_string()),
-            None => Ok(answer["response"].clone()),
-        }
+        serde_json::from_str(&answer).unwrap_or_else(|e| panic!("cri.py said {answer:?}: {e}"))
     }
 
     /// RunPodSandbox for pod `namespace/name`, with these annotations (none: the field is
@@ -386,6 +402,32 @@ impl Containerd {
         annotations: Option<Value>,
         attempt: u32,
     ) -> Result<String, String> {
+        let (result, _) = self.cri_timed("RunPodSandbox", &self.pod_request(namespace, name, annotations, attempt));
+        self.sandbox_started(result)
+    }
+
+    /// RunPodSandbox of pod `namespace/name` (no annotations): the sandbox ID and the call's
+    /// wall time (it answers once the sandbox is ready: network set up, pause started).
+    pub fn run_pod_timed(&self, namespace: &str, name: &str) -> Result<(String, Duration), String> {
+        let (result, wall) = self.cri_timed("RunPodSandbox", &self.pod_request(namespace, name, None, 0));
+        self.sandbox_started(result).map(|id| (id, wall))
+    }
+
+    /// RunPodSandbox of every pod `namespace/name` of `names` at the same moment: each one's
+    /// sandbox ID and wall time, and the wall time until the last was ready.
+    pub fn run_pods_at_once(
+        &self,
+        namespace: &str,
+        names: &[String],
+    ) -> (Vec<Result<(String, Duration), String>>, Duration) {
+        let calls: Vec<(&str, Value)> =
+            names.iter().map(|n| ("RunPodSandbox", self.pod_request(namespace, n, None, 0))).collect();
+        let (answers, wall) = self.cri_at_once(&calls);
+        let each = answers.into_iter().map(|(result, t)| self.sandbox_started(result).map(|id| (id, t))).collect();
+        (each, wall)
+    }
+
+    fn pod_request(&self, namespace: &str, name: &str, annotations: Option<Value>, attempt: u32) -> Value {
         let mut config = json!({
             "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "attempt": attempt},
             "hostname": name,
@@ -394,8 +436,12 @@ impl Containerd {
         if let Some(a) = annotations {
             config["annotations"] = a;
         }
-        let response = self.cri("RunPodSandbox", &json!({"config": config}))?;
-        let id = response["pod_sandbox_id"].as_str().expect("pod_sandbox_id").to_string();
+        json!({"config": config})
+    }
+
+    /// A RunPodSandbox's answer: its sandbox, kept for the drop's clean-up.
+    fn sandbox_started(&self, result: Result<Value, String>) -> Result<String, String> {
+        let id = result?["pod_sandbox_id"].as_str().expect("pod_sandbox_id").to_string();
         self.sandboxes.borrow_mut().push(id.clone());
         Ok(id)
     }
@@ -448,6 +494,17 @@ impl Containerd {
         self.cri("RemovePodSandbox", &json!({"pod_sandbox_id": id}))
             .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}"));
         self.sandboxes.borrow_mut().retain(|s| s != id);
+    }
+
+    /// StopPodSandbox of every sandbox of `ids` at once, then RemovePodSandbox of each at once.
+    pub fn remove_pods_at_once(&self, ids: &[String]) {
+        for call in ["StopPodSandbox", "RemovePodSandbox"] {
+            let calls: Vec<(&str, Value)> = ids.iter().map(|id| (call, json!({"pod_sandbox_id": id}))).collect();
+            for (id, (result, _)) in ids.iter().zip(self.cri_at_once(&calls).0) {
+                result.unwrap_or_else(|e| panic!("{call} {id}: {e}"));
+            }
+        }
+        self.sandboxes.borrow_mut().retain(|s| !ids.contains(s));
     }
 
     pub fn traces(&self) -> Traces {
@@ -507,6 +564,19 @@ impl Containerd {
             .filter(|n| n.starts_with(&format!("{}-", self.network)))
             .collect()
     }
+}
+
+/// One answer of `cri.py --serve`: the outcome and the call's wall time.
+fn outcome(answer: &Value) -> (Result<Value, String>, Duration) {
+    let result = match answer.get("error").and_then(Value::as_str) {
+        Some(e) => Err(e.to_string()),
+        None => Ok(answer["response"].clone()),
+    };
+    (result, seconds(answer))
+}
+
+fn seconds(answer: &Value) -> Duration {
+    Duration::from_secs_f64(answer["seconds"].as_f64().unwrap_or_default())
 }
 
 impl Drop for Containerd {

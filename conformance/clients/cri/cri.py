@@ -3,7 +3,11 @@
 
     cri.py --socket PATH --gen DIR CALL      request as JSON on stdin, response as JSON on stdout
     cri.py --socket PATH --gen DIR --serve   one call per line: {"call": CALL, "request": {...}}
-                                             in, {"response": {...}} or {"error": "..."} out
+                                             in, {"response": {...}} or {"error": "..."} out,
+                                             with "seconds": the call's own wall time; or
+                                             {"at_once": [{"call": ..., "request": ...}, ...]}
+                                             in: every call at the same moment, a thread each,
+                                             {"answers": [...], "seconds": wall} out
 
 CALL is a method of runtime.v1.RuntimeService (Version, RunPodSandbox, StopPodSandbox,
 RemovePodSandbox, PodSandboxStatus, ListPodSandbox, Status) or ImageService (ImageStatus).
@@ -20,6 +24,8 @@ Debian's python3-grpcio and python3-protobuf, run with /usr/bin/python3.
 import argparse
 import json
 import sys
+import threading
+import time
 
 import grpc
 from google.protobuf import json_format
@@ -36,10 +42,14 @@ SERVICES = {
 }
 
 
-def call(api, socket, name, request_json, timeout):
-    """(response as a dict, None) or (None, error text)."""
+def call(api, socket, name, request_json, timeout, channel_ready=None):
+    """(response as a dict, None, seconds) or (None, error text, seconds): seconds is the
+    call's wall time, from sending the request to its answer (0 for a request not sent).
+    `channel_ready`: called once the channel is connected, before the request is sent."""
     if name not in SERVICES:
-        return None, "unknown call %r" % name
+        if channel_ready:
+            channel_ready()
+        return None, "unknown call %r" % name, 0.0
     request = json_format.Parse(request_json, getattr(api, name + "Request")())
     with grpc.insecure_channel("unix://" + socket) as channel:
         method = channel.unary_unary(
@@ -47,13 +57,49 @@ def call(api, socket, name, request_json, timeout):
             request_serializer=lambda m: m.SerializeToString(),
             response_deserializer=getattr(api, name + "Response").FromString,
         )
+        if channel_ready:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                pass  # the call then fails as it would have
+            channel_ready()
+        started = time.monotonic()
         try:
             response = method(request, timeout=timeout)
         except grpc.RpcError as e:
-            return None, "%s %s: %s" % (name, e.code().name, e.details())
+            return None, "%s %s: %s" % (name, e.code().name, e.details()), time.monotonic() - started
+        seconds = time.monotonic() - started
     return json_format.MessageToDict(
         response, preserving_proto_field_name=True, including_default_value_fields=True
-    ), None
+    ), None, seconds
+
+
+def answer(response, error, seconds):
+    if error:
+        return {"error": error, "seconds": seconds}
+    return {"response": response, "seconds": seconds}
+
+
+def at_once(api, socket, calls, timeout):
+    """Every call of `calls` at the same moment: a thread and a channel each, released
+    together once every channel is connected. Each one's answer, and the wall time from the
+    release until the last answered."""
+    results = [None] * len(calls)
+    release = threading.Barrier(len(calls) + 1, timeout=timeout)
+
+    def one(i, msg):
+        results[i] = answer(
+            *call(api, socket, msg["call"], json.dumps(msg.get("request", {})), timeout, release.wait)
+        )
+
+    threads = [threading.Thread(target=one, args=(i, m)) for i, m in enumerate(calls)]
+    for t in threads:
+        t.start()
+    release.wait()
+    started = time.monotonic()
+    for t in threads:
+        t.join()
+    return {"answers": results, "seconds": time.monotonic() - started}
 
 
 def main():
@@ -68,7 +114,7 @@ def main():
     import runtime_v1_pb2 as api
 
     if not a.serve:
-        response, error = call(api, a.socket, a.call, sys.stdin.read() or "{}", a.timeout)
+        response, error, _ = call(api, a.socket, a.call, sys.stdin.read() or "{}", a.timeout)
         if error:
             sys.stderr.write(error + "\n")
             return 1
@@ -76,8 +122,11 @@ def main():
         return 0
     for line in sys.stdin:
         msg = json.loads(line)
-        response, error = call(api, a.socket, msg["call"], json.dumps(msg.get("request", {})), a.timeout)
-        print(json.dumps({"error": error} if error else {"response": response}), flush=True)
+        if "at_once" in msg:
+            print(json.dumps(at_once(api, a.socket, msg["at_once"], a.timeout)), flush=True)
+            continue
+        out = answer(*call(api, a.socket, msg["call"], json.dumps(msg.get("request", {})), a.timeout))
+        print(json.dumps(out), flush=True)
     return 0
 
 
