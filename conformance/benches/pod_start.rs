@@ -146,7 +146,8 @@ impl Node {
         });
         ctrd.start();
         ctrd.import_sandbox_image();
-        let node = Node { name, ctrd, _state: state, sequential: Vec::new(), bursts: Vec::new(), burst_each: Vec::new() };
+        let node =
+            Node { name, ctrd, _state: state, sequential: Vec::new(), bursts: Vec::new(), burst_each: Vec::new() };
         // A first pod, not counted: what the first sandbox alone pays (the shim's binary and
         // the image's snapshot read from disk, the bridge made).
         let (id, _) = node.run("warm-up");
@@ -183,7 +184,12 @@ impl Node {
 }
 
 fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn main() {

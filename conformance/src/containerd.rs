@@ -576,7 +576,9 @@ fn outcome(answer: &Value) -> (Result<Value, String>, Duration) {
 }
 
 fn seconds(answer: &Value) -> Duration {
-    Duration::from_secs_f64(answer["seconds"].as_f64().unwrap_or_default())
+    Duration::from_secs_f64(
+        answer["seconds"].as_f64().unwrap_or_else(|| panic!("no timing in the CRI client's answer: {answer}")),
+    )
 }
 
 impl Drop for Containerd {

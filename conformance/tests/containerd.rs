@@ -525,7 +525,8 @@ fn network_ready(ctrd: &Containerd) -> (bool, String) {
     let conditions = r["status"]["conditions"].as_array().cloned().unwrap_or_default();
     let c =
         conditions.iter().find(|c| c["type"] == "NetworkReady").unwrap_or_else(|| panic!("no NetworkReady in {r:#}"));
-    (c["status"].as_bool().unwrap_or(false), c["message"].as_str().unwrap_or_default().to_string())
+    let ready = c["status"].as_bool().unwrap_or_else(|| panic!("NetworkReady without a status: {r:#}"));
+    (ready, c["message"].as_str().unwrap_or_default().to_string())
 }
 
 /// containerd 2 calls STATUS once per CRI `Status` call when the chained list says

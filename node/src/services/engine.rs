@@ -232,12 +232,27 @@ pub(super) fn open_pod(r: &Record) -> Result<Netns, PodError> {
 /// once it is held; `PodError::Gone` when not. ADD, DEL and repairs hold the same lock for
 /// their pod, and a DEL removes the record before letting go: a visit never re-creates the
 /// layer of a pod being deleted, nor meets an ADD's half-made one. Only this pod waits.
-pub(super) fn still_recorded(state: &StateDir, r: &Record, ns: &Netns) -> Result<aether_netns::NetnsLock, PodError> {
+/// `listed`: when `r` was read. A record not written since (by its change time, with a margin
+/// for the coarse clock of file times) is `r` itself: one `stat`, not a reading (an apply
+/// visits every pod on every change: 100 readings were a millisecond).
+pub(super) fn still_recorded(
+    state: &StateDir,
+    r: &Record,
+    ns: &Netns,
+    listed: std::time::SystemTime,
+) -> Result<aether_netns::NetnsLock, PodError> {
+    const FILE_CLOCK_MARGIN: std::time::Duration = std::time::Duration::from_millis(50);
     let lock = ns.lock().map_err(PodError::Netns)?;
+    let went = || PodError::Gone(format!("the record {} went (the pod's DEL)", r.key()));
+    match state.record_changed_at(&r.network, &r.container_id, &r.ifname) {
+        Ok(None) => return Err(went()),
+        Ok(Some(at)) if at + FILE_CLOCK_MARGIN < listed => return Ok(lock),
+        _ => {}
+    }
     match state.read(&r.network, &r.container_id, &r.ifname) {
         Ok(Some(now)) if now.netns_id == r.netns_id => Ok(lock),
         Ok(Some(_)) => Err(PodError::Gone(format!("the record {} now names another netns (a new ADD)", r.key()))),
-        Ok(None) => Err(PodError::Gone(format!("the record {} went (the pod's DEL)", r.key()))),
+        Ok(None) => Err(went()),
         Err(u) => Err(PodError::Gone(format!("the record {} cannot be read: {}", r.key(), u.why))),
     }
 }
@@ -254,6 +269,8 @@ pub(super) fn apply_to_pods(
     mut warnings: Vec<String>,
     pods: &mut dyn Pods,
 ) -> Result<ApplyReport, ServicesError> {
+    // Before the listing: every record it holds was written before this.
+    let listed = std::time::SystemTime::now();
     let records = pods.records(dir, &mut warnings);
     dir.sweep_legacy_files();
     // A pod still marked as folding whose layer is gone (a DEL or apply killed after removing
@@ -305,7 +322,7 @@ pub(super) fn apply_to_pods(
     let state = StateDir::new(&dir.state);
     for (i, r) in records.iter().enumerate() {
         let result = pods.reach(i, r).and_then(|pod| {
-            let _pod = still_recorded(&state, r, pod.netns())?;
+            let _pod = still_recorded(&state, r, pod.netns(), listed)?;
             pass.visit(r, pod)
         });
         outcomes.push(PodOutcome {

@@ -235,15 +235,16 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
     let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
     let state = StateDir::new(&dir.state);
+    let listed = std::time::SystemTime::now();
     let records = state.records();
-    aether_netns::tour(|| verify_each(&state, records, stored.as_ref(), node_mark, &mut pods))
+    aether_netns::tour(|| verify_each((&state, listed), records, stored.as_ref(), node_mark, &mut pods))
         .map_err(ServicesError::Tour)?;
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
 /// `verify_pods`' visit of each pod.
 fn verify_each(
-    state: &StateDir,
+    (state, listed): (&StateDir, std::time::SystemTime),
     records: Vec<Record>,
     stored: Option<&StoredLayer>,
     node_mark: u32,
@@ -252,7 +253,7 @@ fn verify_each(
     for r in records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         // A pod whose DEL came meanwhile is left out, as one already gone.
-        let Ok(_pod) = super::engine::still_recorded(state, &r, &ns) else { continue };
+        let Ok(_pod) = super::engine::still_recorded(state, &r, &ns, listed) else { continue };
         let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
         let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
         let mut migrated = None;

@@ -758,3 +758,46 @@ fn the_service_state_is_six_kinds_of_files_besides_the_locks() {
     assert!(file_kinds(&state).0.contains("pods.moves"), "RIG BROKEN: a stray file is not seen");
     let _ = fs::remove_dir_all(&state);
 }
+
+/// A visit's check that the pod's record is still the one listed: a record unchanged since
+/// the listing is taken by its change time alone; one removed is gone; one written again
+/// since, naming another netns (a new ADD of the same attachment elsewhere), is read and
+/// found to be another pod's.
+#[test]
+fn a_visit_goes_ahead_only_while_the_listed_record_is_there() {
+    if !root_or_skip("a_visit_goes_ahead_only_while_the_listed_record_is_there") {
+        return;
+    }
+    let state = tmp("recorded");
+    let dirs = StateDir::new(&state);
+    let ns = TestNetns::new("svc-recorded");
+    let n = Netns::open_foreign(ns.path()).unwrap();
+    let listed_record = Record { netns_id: Some(crate::state::NetnsIdentity::of(&n)), ..rec("c0", &ns.path()) };
+    dirs.write(&listed_record).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let listed = std::time::SystemTime::now();
+    assert!(engine::still_recorded(&dirs, &listed_record, &n, listed).is_ok(), "the listed record, unchanged");
+    // Written again after the listing, naming another netns: read, and refused.
+    let elsewhere = TestNetns::new("svc-recorded2");
+    let other = Netns::open_foreign(elsewhere.path()).unwrap();
+    dirs.write(&Record { netns_id: Some(crate::state::NetnsIdentity::of(&other)), ..rec("c0", &elsewhere.path()) })
+        .unwrap();
+    match engine::still_recorded(&dirs, &listed_record, &n, listed) {
+        Err(PodError::Gone(why)) => assert!(why.contains("another netns"), "{why}"),
+        other => panic!("a record written since for another netns: {other:?}"),
+    }
+    // Control: listed after that write (by more than the margin), the change time alone
+    // vouches for it, so the check is the listing's time, not chance.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let later = std::time::SystemTime::now();
+    assert!(
+        engine::still_recorded(&dirs, &listed_record, &n, later).is_ok(),
+        "listed after the write, the change time alone vouches (the listing would hold the new record)"
+    );
+    dirs.remove("k8s-pod-network", "c0", "eth0").unwrap();
+    match engine::still_recorded(&dirs, &listed_record, &n, later) {
+        Err(PodError::Gone(why)) => assert!(why.contains("went"), "{why}"),
+        other => panic!("a removed record: {other:?}"),
+    }
+    let _ = fs::remove_dir_all(&state);
+}

@@ -189,6 +189,27 @@ impl StateDir {
         }
     }
 
+    /// When the record of an attachment was last written (its inode's change time), without
+    /// reading it: `Ok(None)` when there is none. One `stat`, for checks repeated per pod
+    /// (an apply's visit) that only need to know whether it is still the record they read.
+    pub fn record_changed_at(
+        &self,
+        network: &str,
+        container_id: &str,
+        ifname: &str,
+    ) -> std::io::Result<Option<std::time::SystemTime>> {
+        use std::os::unix::fs::MetadataExt;
+        let path = self.root.join("attachments").join(Self::record_name(network, container_id, ifname));
+        match std::fs::symlink_metadata(path) {
+            Ok(m) => {
+                let since_epoch = Duration::new(m.ctime().max(0) as u64, m.ctime_nsec().clamp(0, 999_999_999) as u32);
+                Ok(Some(std::time::UNIX_EPOCH + since_epoch))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Removes a record; absence is fine.
     pub fn remove(&self, network: &str, container_id: &str, ifname: &str) -> Result<(), StateError> {
         self.remove_file(&Self::record_name(network, container_id, ifname))
