@@ -8,16 +8,18 @@
 //! rounds per row (3). Root: it makes its own network namespaces.
 
 use std::io::Write;
-use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aether_netns::Netns;
-use aether_rules::model::Proto;
-use aether_rules::services::{self, LayerMode, ServiceLayer, ServicePort};
+use aether_rules::services;
 use aether_testkit::TestNetns;
-use serde_json::{json, Value};
+use serde_json::json;
+
+#[path = "common/services_doc.rs"]
+mod services_doc;
+use services_doc::{layer, median, ms, snapshot};
 
 /// A node's pods at once: the kubelet's default maximum (110).
 const STORM: usize = 110;
@@ -32,54 +34,6 @@ fn rounds() -> usize {
 
 fn bin() -> String {
     std::env::var("AETHER_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_aether-cni").to_string())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn service_vip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::from(0x0a60_0000 + 2 + i)
-}
-
-fn service_ports(i: u32) -> [u16; 2] {
-    [80, 8080 + (i % 7) as u16]
-}
-
-/// `n` Services of two TCP ports each, one in ten without endpoints (as `services_scale`).
-fn snapshot(generation: u64, n: u32) -> Vec<u8> {
-    let services: Vec<Value> = (0..n)
-        .map(|i| {
-            let ports: Vec<Value> = service_ports(i).iter().map(|p| json!({"protocol": "TCP", "port": p})).collect();
-            json!({"namespace": format!("ns-{}", i % 50), "name": format!("svc-{i}"), "vip": service_vip(i).to_string(),
-                   "ports": ports, "usableEndpoints": i % 10 != 0})
-        })
-        .collect();
-    serde_json::to_vec(&json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/15"],
-        "meshVIPs": [], "services": services}))
-    .unwrap()
-}
-
-/// The same Services as the layer's model (for the kernel's floor).
-fn layer(n: u32) -> ServiceLayer {
-    let mut l = ServiceLayer::new(LayerMode::Refuse);
-    l.ranges = vec!["10.96.0.0/15".parse().unwrap()];
-    l.ports = (0..n)
-        .flat_map(|i| {
-            service_ports(i).map(|port| ServicePort {
-                vip: service_vip(i).into(),
-                proto: Proto::Tcp,
-                port,
-                has_endpoints: i % 10 != 0,
-            })
-        })
-        .collect();
-    l
 }
 
 /// A state directory on tmpfs, as the node's /var/run/aether-cni is.

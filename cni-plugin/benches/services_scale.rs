@@ -43,6 +43,10 @@ use aether_testkit::memcg::ScratchMemcg;
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
+#[path = "common/services_doc.rs"]
+mod services_doc;
+use services_doc::{layer, median, ms, service_ports, service_vip, snapshot};
+
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
 const SERVICES: u32 = 10_000;
 const PODS: usize = 100;
@@ -58,37 +62,6 @@ fn change_rounds() -> usize {
     3 * rounds()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// Service `i`: a VIP in 10.96.0.0/15 and two TCP ports; one in ten has no endpoint.
-fn service_vip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::from(0x0a60_0000 + 2 + i)
-}
-
-fn service_ports(i: u32) -> [u16; 2] {
-    [80, 8080 + (i % 7) as u16]
-}
-
-fn snapshot(generation: u64, n: u32) -> Vec<u8> {
-    let services: Vec<Value> = (0..n)
-        .map(|i| {
-            let ports: Vec<Value> = service_ports(i).iter().map(|p| json!({"protocol": "TCP", "port": p})).collect();
-            json!({"namespace": format!("ns-{}", i % 50), "name": format!("svc-{i}"), "vip": service_vip(i).to_string(),
-                   "ports": ports, "usableEndpoints": i % 10 != 0})
-        })
-        .collect();
-    serde_json::to_vec(&json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/15"],
-        "meshVIPs": [], "services": services}))
-    .unwrap()
-}
-
 /// `snapshot(generation, n)` with `extra` more Services (in another /16 of the ranges), each
 /// of a port profile many share (TCP 80 and 8080, endpoints), as most new Services are: one
 /// verdict map element each, to that profile's chain.
@@ -100,23 +73,6 @@ fn with_more(generation: u64, n: u32, extra: u32) -> Vec<u8> {
             "ports": [{"protocol": "TCP", "port": 80}, {"protocol": "TCP", "port": 8080}], "usableEndpoints": true}));
     }
     serde_json::to_vec(&doc).unwrap()
-}
-
-/// The same Services as `snapshot`, as the layer's model.
-fn layer(n: u32) -> ServiceLayer {
-    let mut l = ServiceLayer::new(LayerMode::Refuse);
-    l.ranges = vec!["10.96.0.0/15".parse().unwrap()];
-    l.ports = (0..n)
-        .flat_map(|i| {
-            service_ports(i).map(|port| ServicePort {
-                vip: service_vip(i).into(),
-                proto: Proto::Tcp,
-                port,
-                has_endpoints: i % 10 != 0,
-            })
-        })
-        .collect();
-    l
 }
 
 /// IPv6 Service `i`: a VIP in fd00:10:96::/108, the same ports as `service_vip(i)`'s.
