@@ -349,6 +349,22 @@ fn a_pod_list_over_4_mib_is_seen() {
     assert_eq!(inst.metric("aether_cni_reconciler_runtime_up"), 0.0);
 }
 
+/// The node's listing plus `n` sandboxes `hung-<i>` (would-be missed pods) whose status
+/// the fake runtime never answers.
+fn list_hung_sandboxes(node: &Node, n: usize) {
+    let mut listed = node.listing();
+    let hung: Vec<PodSandbox> = (0..n)
+        .map(|i| fake::sandbox(&format!("hung-{i}"), "sim", &format!("hung-{i}"), &format!("uid-h{i}"), 5))
+        .collect();
+    listed.extend(hung.iter().cloned());
+    node.fake.script(|s| {
+        for h in &hung {
+            s.status.insert(h.id.clone(), Reply::Hang);
+        }
+        s.list = Reply::Answer(listed);
+    });
+}
+
 /// A runtime that hangs on the verbose status of twelve would-be missed pods: each is asked
 /// once, its failure remembered with a backoff instead of asked again every pass, so the
 /// passes stay short and a drifted pod is still repaired. Negative control: before, every pass
@@ -359,17 +375,7 @@ fn a_runtime_hung_on_statuses_is_asked_once_per_backoff() {
         return;
     }
     let node = Node::new("rchung", &["shop-a"]);
-    let mut listed = node.listing();
-    let hung: Vec<PodSandbox> = (0..12)
-        .map(|i| fake::sandbox(&format!("hung-{i}"), "sim", &format!("hung-{i}"), &format!("uid-h{i}"), 5))
-        .collect();
-    listed.extend(hung.iter().cloned());
-    node.fake.script(|s| {
-        for h in &hung {
-            s.status.insert(h.id.clone(), Reply::Hang);
-        }
-        s.list = Reply::Answer(listed);
-    });
+    list_hung_sandboxes(&node, 12);
     let mut inst = Installer::start(
         &node,
         &[
@@ -413,17 +419,7 @@ fn a_stalled_runtime_never_delays_a_repair_that_needs_no_answer_from_it() {
     }
     let node = Node::new("rcstall", &["shop-a"]);
     let intact = capture_state(&node.pods[0].path());
-    let mut listed = node.listing();
-    let hung: Vec<PodSandbox> = (0..12)
-        .map(|i| fake::sandbox(&format!("hung-{i}"), "sim", &format!("hung-{i}"), &format!("uid-h{i}"), 5))
-        .collect();
-    listed.extend(hung.iter().cloned());
-    node.fake.script(|s| {
-        for h in &hung {
-            s.status.insert(h.id.clone(), Reply::Hang);
-        }
-        s.list = Reply::Answer(listed);
-    });
+    list_hung_sandboxes(&node, 12);
     let mut inst = Installer::start(&node, &["--missed-pods=report", "--cri-timeout-seconds=2"]);
     // The first pass is waiting on a hung status: the drift is made now.
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -134,8 +134,7 @@ impl Accumulator {
 /// podman's network reload: DEL then ADD). Costs one small read when there is no mark.
 pub fn end_stale_fold(state_dir: &Path, netns: &Netns, key: &str) -> Result<(), ServicesError> {
     let dir = ServicesDir::new(state_dir);
-    let marked = |dir: &ServicesDir| dir.accumulator().is_ok_and(|a| a.folding.contains_key(key));
-    if !marked(&dir) {
+    if !dir.accumulator().is_ok_and(|a| a.folding.contains_key(key)) {
         return Ok(());
     }
     if matches!(netns.run(layer::counters), Ok(Ok(None))) {
