@@ -26,6 +26,7 @@ use aether_rules::nft::{Encoded, KeptSocket};
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
 use super::change::splice::ServiceIndex;
 use super::engine::{self, open_pod, PodLink, Pods};
+use super::plan::Plan;
 use super::{change, flat, journal, layer_file, FileId, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{Record, StateDir};
 use crate::PodError;
@@ -243,22 +244,28 @@ impl PodReach for Kept {
         }
     }
 
-    fn budget_records(&mut self, dir: &ServicesDir) -> Arc<Vec<Record>> {
+    fn plan(
+        &mut self,
+        dir: &ServicesDir,
+        new: &StoredLayer,
+        previous: Option<&StoredLayer>,
+    ) -> Result<Plan, ServicesError> {
         // The kept records while the directory is unchanged (not refreshed here: the apply's
         // own reading is what tells it to prune).
-        match &self.records {
+        let records = match &self.records {
             Some(k) if k.dir.is_some() && k.dir == FileId::of(&dir.state.join("attachments")) => k.records.clone(),
             _ => Arc::new(StateDir::new(&dir.state).scan().records),
-        }
-    }
-
-    fn budget_held(&mut self, _dir: &ServicesDir, r: &Record) -> Option<HeldLayer> {
-        // A pod reached before holds what this applier believes (its table read when in
-        // doubt), without opening its netns each change.
-        match self.links.get_mut(&r.key()) {
-            Some(l) if l.opened_for(r) => l.held(false).ok(),
-            _ => flat(engine::open_pod(r).ok()?.run(aether_rules::services::held)).ok(),
-        }
+        };
+        let node_mark = dir.divert_mark();
+        aether_netns::tour_here(|| {
+            Plan::make(&records, node_mark, previous, new, |r| match self.links.get_mut(&r.key()) {
+                // A pod reached before holds what this applier believes (its table read when
+                // in doubt), without opening its netns each change.
+                Some(l) if l.opened_for(r) => l.held(false).ok(),
+                _ => flat(engine::open_pod(r).ok()?.run(aether_rules::services::held)).ok(),
+            })
+        })
+        .map_err(ServicesError::Tour)
     }
 
     fn journal_room(&mut self, dir: &ServicesDir) -> bool {
@@ -340,15 +347,15 @@ impl PodReach for Kept {
     fn apply_to_pods(
         &mut self,
         dir: &ServicesDir,
-        new: &StoredLayer,
-        previous: Option<&StoredLayer>,
+        layers: (&StoredLayer, Option<&StoredLayer>),
+        plan: &Plan,
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError> {
         // On this thread (a tour of its own: `Netns::run` enters a pod in place), through the
         // kept links. A rebuild's socket is closed at once, waiting for the kernel to destroy
         // the layer it replaced before the next pod's: in a long-lived process under a memory
         // limit, the old layers are not left pending together.
-        aether_netns::tour_here(|| engine::apply_to_pods(dir, new, previous, warnings, self))
+        aether_netns::tour_here(|| engine::apply_to_pods(dir, layers, plan, warnings, self))
             .map_err(ServicesError::Tour)?
     }
 }

@@ -11,9 +11,9 @@ use aether_rules::services::{self as layer, Applied};
 
 use super::change::splice::ServiceIndex;
 use super::engine;
+use super::plan::Plan;
 use super::{budget, change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
 use crate::PodError;
-use aether_rules::services::HeldLayer;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
@@ -123,15 +123,16 @@ fn store_and_apply(
             return Err(ServicesError::GenerationReused(new.generation));
         }
     }
-    // Before anything is stored: work that would cross this process's memory limit is
-    // refused whole (the OOM killer would stop it midway).
-    apply_fits(dir, &new, previous.as_ref(), reach)?;
+    // Before anything is stored: what each pod gets, decided once; work that would cross this
+    // process's memory limit is refused whole (the OOM killer would stop it midway).
+    let plan = reach.plan(dir, &new, previous.as_ref())?;
+    apply_fits(&plan, &new, previous.as_ref())?;
     // Whether `snapshot.source` names `text` as the canonical document `new` was made from
     // (with the journal: names the canonical document the journal's changes apply to).
     let file = match storing {
         Storing::Journal(entry) => {
             reach.append_journal(dir, &entry)?;
-            let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
+            let report = reach.apply_to_pods(dir, (&new, previous.as_ref()), &plan, warnings);
             reach.stored(dir, text, index, new, canonical);
             return report;
         }
@@ -156,72 +157,37 @@ fn store_and_apply(
     } else {
         canonical && dir.source_marker() == Some((source, true))
     };
-    let report = reach.apply_to_pods(dir, &new, previous.as_ref(), warnings);
+    let report = reach.apply_to_pods(dir, (&new, previous.as_ref()), &plan, warnings);
     reach.stored(dir, text, index, new, canonical_vouched);
     report
 }
 
-/// Before an apply stores anything: whether bringing every recorded pod to `new` fits. A
-/// quick bound first (every pod rebuilt); only when that does not fit, each pod's file is
-/// read to tell the pods that need nothing or only the change.
-/// The attachment records and what each pod holds are asked of `reach` (the long-lived
-/// applier knows both), only when some limit binds this process.
-fn apply_fits(
-    dir: &ServicesDir,
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
-    reach: &mut dyn PodReach,
-) -> Result<(), ServicesError> {
+/// Before an apply stores anything: whether carrying out `plan` (every recorded pod brought
+/// to `new`) fits this process's memory limit, when one binds. A quick bound first (every pod
+/// rebuilt at a bound of the layer's elements: the exact count groups 20,000 ports into
+/// profiles at 10,000 Services, which was half of a change's CPU under a limit); only when
+/// that does not fit, the plan's elements: the change's for each pod that gets it (counted,
+/// not built), the whole layer's for each rebuilt.
+fn apply_fits(plan: &Plan, new: &StoredLayer, previous: Option<&StoredLayer>) -> Result<(), ServicesError> {
     // A test's way to reach the checks made pod by pod: the estimate before the apply skipped.
     if new.layer.mode == layer::LayerMode::Off || crate::state::fails_here("memory-budget-estimate") {
         return Ok(());
     }
     let Some((reading, per)) = budget::budget() else { return Ok(()) };
-    let records = reach.budget_records(dir);
-    // Every pod rebuilt, at a bound of the layer's elements: the exact count groups 20,000
-    // ports into profiles at 10,000 Services, which was half of a change's CPU under a limit.
+    let tally = plan.tally();
+    let pods = tally.changed + tally.rebuilt + tally.migrated;
     let bound = budget::layer_bound(&new.layer);
-    if crate::memcg::fits(&reading, records.len() as u64 * bound, per).is_ok() {
+    if crate::memcg::fits(&reading, pods as u64 * bound, per).is_ok() {
         return Ok(());
     }
-    let elements = pods_elements(dir, &records, new, previous, bound, reach);
+    let change = || match previous {
+        // At most the new layer cut to the VIPs that differ (the change's sets are what the
+        // apply will build; the estimate must not cost that).
+        Some(prev) => budget::layer_elements(&engine::narrowed(prev, new).1).min(bound),
+        None => budget::layer_elements(&new.layer),
+    };
+    let elements = tally.elements(change, || budget::layer_elements(&new.layer));
     crate::memcg::fits(&reading, elements, per).map_err(ServicesError::OverBudget)
-}
-
-/// The elements bringing each of `records`' pods to `new` adds, by what its tables say it
-/// holds (as `reach` knows it). `bound` is at least the new layer's elements; they are
-/// counted exactly only for a pod rebuilt.
-fn pods_elements(
-    dir: &ServicesDir,
-    records: &[crate::state::Record],
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
-    bound: u64,
-    reach: &mut dyn PodReach,
-) -> u64 {
-    let node_mark = dir.divert_mark();
-    let mut change: Option<u64> = None;
-    let mut whole: Option<u64> = None;
-    let mut sum = 0;
-    for r in records {
-        // `None`: the pod is gone (or cannot be read: the apply will say so).
-        let Some(held) = reach.budget_held(dir, r) else { continue };
-        let mark = engine::mark_of(r, node_mark);
-        // The engine's own decision, so the estimate counts what the apply will do.
-        sum += match (engine::decide(&held, previous, new, mark), previous) {
-            (engine::Action::Nothing | engine::Action::Remove | engine::Action::Rename(_), _) => 0,
-            // At most the new layer cut to the VIPs that differ: counted, not built (the
-            // change's sets are what the apply will build; the estimate must not cost that).
-            (engine::Action::Change, Some(prev)) => *change.get_or_insert_with(|| {
-                let (_, to) = engine::narrowed(prev, new);
-                budget::layer_elements(&to).min(bound)
-            }),
-            (engine::Action::Change | engine::Action::Rebuild | engine::Action::Migrate, _) => {
-                *whole.get_or_insert_with(|| budget::layer_elements(&new.layer))
-            }
-        };
-    }
-    sum
 }
 
 /// A stored document's text (kept, or read for the occasion), its layer, and where its
@@ -237,8 +203,8 @@ pub(super) trait PodReach {
     fn apply_to_pods(
         &mut self,
         dir: &ServicesDir,
-        new: &StoredLayer,
-        previous: Option<&StoredLayer>,
+        layers: (&StoredLayer, Option<&StoredLayer>),
+        plan: &Plan,
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError>;
 
@@ -251,16 +217,14 @@ pub(super) trait PodReach {
     /// Told that the exclusive lock is taken: what was kept may be checked now.
     fn locked(&mut self, _dir: &ServicesDir) {}
 
-    /// The attachment records, for the budget's estimate before the apply.
-    fn budget_records(&mut self, dir: &ServicesDir) -> std::sync::Arc<Vec<crate::state::Record>> {
-        std::sync::Arc::new(crate::state::StateDir::new(&dir.state).scan().records)
-    }
-
-    /// What the pod of `r` holds, as its tables say, for the budget's estimate; `None` when
-    /// its netns is gone or cannot be read.
-    fn budget_held(&mut self, _dir: &ServicesDir, r: &crate::state::Record) -> Option<HeldLayer> {
-        flat(engine::open_pod(r).ok()?.run(layer::held)).ok()
-    }
+    /// The plan (`Plan::make`) for bringing every recorded pod to `new` (`previous`: what is
+    /// stored now), made before `new` is stored, from what each pod's tables say they hold.
+    fn plan(
+        &mut self,
+        dir: &ServicesDir,
+        new: &StoredLayer,
+        previous: Option<&StoredLayer>,
+    ) -> Result<Plan, ServicesError>;
 
     /// Whether the next change may be stored as a journal entry (`append_journal`): only a
     /// long-lived applier's, to a journal it wrote itself, while it has room.
@@ -302,18 +266,35 @@ pub(super) trait PodReach {
 pub(super) struct Tour;
 
 impl PodReach for Tour {
-    fn apply_to_pods(
+    fn plan(
         &mut self,
         dir: &ServicesDir,
         new: &StoredLayer,
         previous: Option<&StoredLayer>,
+    ) -> Result<Plan, ServicesError> {
+        let records = crate::state::StateDir::new(&dir.state).scan().records;
+        // Each pod entered in turn on one thread (`Netns::run` spawns one per call outside a
+        // tour), its tables read; the visit then sends without reading them again.
+        aether_netns::tour(|| {
+            Plan::make(&records, dir.divert_mark(), previous, new, |r| {
+                flat(engine::open_pod(r).ok()?.run(layer::held)).ok()
+            })
+        })
+        .map_err(ServicesError::Tour)
+    }
+
+    fn apply_to_pods(
+        &mut self,
+        dir: &ServicesDir,
+        layers: (&StoredLayer, Option<&StoredLayer>),
+        plan: &Plan,
         warnings: Vec<String>,
     ) -> Result<ApplyReport, ServicesError> {
         aether_netns::tour(|| {
             // One grace period for all the pods' sockets, not one per pod (a change that
             // deletes elements makes the kernel wait one at each close).
             let _later = aether_rules::nft::CloseLater::new();
-            engine::apply_to_pods(dir, new, previous, warnings, &mut engine::Entering::default())
+            engine::apply_to_pods(dir, layers, plan, warnings, &mut engine::Entering::default())
         })
         .map_err(ServicesError::Tour)?
     }

@@ -14,9 +14,10 @@ use std::sync::Arc;
 
 use aether_netns::Netns;
 use aether_rules::nft::{Encoded, KeptSocket};
-use aether_rules::services::{self as layer, Applied, HeldLayer, LayerChange, Named};
+use aether_rules::services::{self as layer, Applied, HeldLayer, LayerChange};
 
 use super::outcome::{ApplyReport, PodOutcome};
+use super::plan::{decide, mark_of, Action, Plan};
 use super::{budget, flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir, Unreadable};
 use crate::PodError;
@@ -24,54 +25,6 @@ use crate::PodError;
 /// A netns's identity as one word: `device:inode`.
 pub(super) fn netns_key(ns: &Netns) -> String {
     format!("{}:{}", ns.id().dev, ns.id().ino)
-}
-
-/// What a pod gets once `new` is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Action {
-    /// It holds the new layer for its mark already: nothing is sent.
-    Nothing,
-    /// It holds the new content under another generation (`from`): only the name swapped.
-    Rename(Named),
-    /// It holds the previous layer for its mark: the element change from it, the name
-    /// swapped with it (rebuilt if the kernel refuses it: the pod holds something else).
-    Change,
-    /// The whole layer, counters carried over: it holds another layer or mark, or none.
-    Rebuild,
-    /// The whole layer in place of one a release before built (a shape, or tables that name
-    /// nothing): an upgrade's work, counted as a migration.
-    Migrate,
-    /// Mode `off`: its tables removed (their counts folded into the node's first).
-    Remove,
-}
-
-/// The one decision, for every caller: what a pod gets, from what its tables say they hold
-/// (`held`), the previous and the new stored layer, and the pod's divert mark (`mark_of` its
-/// record).
-pub(super) fn decide(held: &HeldLayer, previous: Option<&StoredLayer>, new: &StoredLayer, mark: u32) -> Action {
-    if new.layer.mode == layer::LayerMode::Off {
-        return Action::Remove;
-    }
-    let n = match held {
-        HeldLayer::Absent => return Action::Rebuild,
-        HeldLayer::Unnamed { .. } => return Action::Migrate,
-        HeldLayer::Named(n) if n.shape != layer::SHAPE => return Action::Migrate,
-        HeldLayer::Named(n) => n,
-    };
-    if *n == new.named(mark) {
-        Action::Nothing
-    } else if n.divert_mark == mark && n.id.digest == new.digest {
-        Action::Rename(*n)
-    } else if previous.is_some_and(|p| *n == p.named(mark)) {
-        Action::Change
-    } else {
-        Action::Rebuild
-    }
-}
-
-/// The divert mark a pod's layer matches: the one its own capture sets, else the node's.
-pub(super) fn mark_of(r: &Record, node_mark: u32) -> u32 {
-    r.capture.as_ref().map_or(node_mark, |c| c.divert_mark)
 }
 
 /// What a visit committed in a pod's netns.
@@ -258,14 +211,15 @@ pub(super) fn still_recorded(
 }
 
 /// Once `new` is stored (`previous`: what was stored before): every recorded pod brought to
-/// it, as `decide` says, reached through `pods`; run on a tour (`aether_netns::tour` or
+/// it as `plan` says (a pod recorded since the plan was made: as `decide` says when it is
+/// visited), reached through `pods`; run on a tour (`aether_netns::tour` or
 /// `tour_here`: one thread entering each pod's netns in turn, as a thread per pod cost more
 /// than the change it sends). Nothing is recorded in files: each pod's tables say what they
 /// hold, and a visit killed midway leaves every pod with a whole layer, old or new.
 pub(super) fn apply_to_pods(
     dir: &ServicesDir,
-    new: &StoredLayer,
-    previous: Option<&StoredLayer>,
+    (new, previous): (&StoredLayer, Option<&StoredLayer>),
+    plan: &Plan,
     mut warnings: Vec<String>,
     pods: &mut dyn Pods,
 ) -> Result<ApplyReport, ServicesError> {
@@ -310,6 +264,7 @@ pub(super) fn apply_to_pods(
     let mut pass = Pass {
         new,
         previous,
+        plan,
         node_mark: dir.divert_mark(),
         marks: BTreeMap::new(),
         cut: None,
@@ -352,6 +307,7 @@ pub(super) fn apply_to_pods(
 struct Pass<'a> {
     new: &'a StoredLayer,
     previous: Option<&'a StoredLayer>,
+    plan: &'a Plan,
     node_mark: u32,
     /// What is made once per divert mark in use (in practice one).
     marks: BTreeMap<u32, ForMark<'a>>,
@@ -367,20 +323,25 @@ struct Pass<'a> {
 }
 
 impl Pass<'_> {
-    /// Brings one pod to the new layer as `decide` says, from what the link believes it
-    /// holds; a transaction the kernel refuses (the pod holds something else) is decided
-    /// again from what the kernel says, once.
+    /// Brings one pod to the new layer as the plan says (not planned: as `decide` says from
+    /// what the link believes it holds); a transaction the kernel refuses (the pod holds
+    /// something else) is decided again from what the kernel says, once. What the plan read
+    /// is not read again: an element change or a rename is a compare-and-swap in the kernel,
+    /// a rebuild takes whatever the pod holds, and a pod planned to hold the new layer already
+    /// held the stored one (a new generation is stored only after the plan).
     fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<Applied, PodError> {
         let new = self.new;
         let mark = mark_of(r, self.node_mark);
         let key = run_key(self.dir, pod.netns());
         self.visited.insert(key.clone());
-        let mut held = pod.held(false)?;
+        let mut action = match self.plan.get(r) {
+            Some(planned) => planned,
+            None => decide(&pod.held(false)?, self.previous, new, mark),
+        };
         let mut fresh = false;
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
         let named = HeldLayer::Named(new.named(mark));
         loop {
-            let action = decide(&held, self.previous, new, mark);
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
@@ -450,13 +411,11 @@ impl Pass<'_> {
                 None if !fresh => {
                     fresh = true;
                     pod.believe(None);
-                    held = pod.held(true)?;
-                    if decide(&held, self.previous, new, mark) == action {
-                        // The same refused transaction again would be refused again.
-                        held = HeldLayer::Absent;
-                    }
+                    let again = decide(&pod.held(true)?, self.previous, new, mark);
+                    // The same refused transaction again would be refused again.
+                    action = if again == action { Action::Rebuild } else { again };
                 }
-                None => held = HeldLayer::Absent,
+                None => action = Action::Rebuild,
             }
         }
     }

@@ -42,6 +42,7 @@ pub mod fold;
 mod journal;
 pub mod layer_file;
 mod outcome;
+mod plan;
 pub mod report;
 pub mod snapshot;
 
