@@ -7,13 +7,13 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use aether_netns::Netns;
-use aether_rules::services::{self as layer, Applied};
+use aether_rules::services as layer;
 
 use super::change::splice::ServiceIndex;
 use super::engine;
 use super::plan::Plan;
 use super::{budget, change, encoded, flat, journal, layer_file, snapshot, ServicesDir, ServicesError, StoredLayer};
-use crate::PodError;
+use aether_rules::services::HeldLayer;
 
 fn refused(r: snapshot::Refused) -> ServicesError {
     ServicesError::Refused { reasons: r.reasons }
@@ -481,21 +481,21 @@ pub fn apply_current_snapshot_in_netns(
             return Ok(None);
         }
     };
-    // Taken, not copied (20,000 ports at 10,000 Services: ADD's memory); the tables name
-    // the stored layer they are of.
-    let l = layer::ServiceLayer { divert_mark, identity: Some(stored.id()), ..std::mem::take(&mut stored.layer) };
-    let prepared = layer::Prepared::new(&l).map_err(PodError::Kernel)?;
-    drop(l);
-    // Encoded once: the bytes the pod is sent are the ones kept for the next pod.
-    let kept = prepared.as_ref().filter(|_| key.is_some()).map(|p| p.create().bytes_at_zero());
-    match &prepared {
-        Some(p) => flat(netns.run(|| p.rebuild()))?,
-        None => flat(netns.run(|| layer::remove().map(Applied::Removed)))?,
+    // A new pod holds no layer: the engine's rebuild, on the layer taken from the stored one.
+    let l = stored.take_for_pod(divert_mark);
+    let one = engine::OnePod {
+        stored: &stored,
+        mark: divert_mark,
+        held: Some(HeldLayer::Absent),
+        check: false,
+        layer: Some(l),
+        charged: false,
     };
+    let brought = engine::bring_pod(&dir, netns, one)?;
     // Kept only when the stored files did not move while they were read (no lock keeps them
     // still): the bytes are then the layer of the files the key names.
     let unmoved = key.is_some() && key == encoded::Key::now(&dir, divert_mark);
-    if let (Some((bytes, seq_count)), Some(key), true) = (kept, &key, unmoved) {
+    if let (Some((bytes, seq_count)), Some(key), true) = (brought.created, &key, unmoved) {
         let c =
             encoded::Cached { generation: stored.generation, digest: stored.digest, seq_count, bytes: bytes.into() };
         encoded::write(&dir, key, &c);

@@ -148,13 +148,33 @@ impl PodLink for Entered {
     }
 
     fn held(&mut self, _fresh: bool) -> Result<HeldLayer, PodError> {
-        flat(self.ns.run(layer::held))
+        InPlace(&self.ns).held(true)
     }
 
     fn believe(&mut self, _: Option<HeldLayer>) {}
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
-        flat(self.ns.run(|| -> aether_rules::Result<_> {
+        InPlace(&self.ns).send(change, read_before)
+    }
+}
+
+/// A pod netns the caller opened: its tables read each time, a socket opened for each
+/// transaction (`bring_pod`'s).
+struct InPlace<'a>(&'a Netns);
+
+impl PodLink for InPlace<'_> {
+    fn netns(&self) -> &Netns {
+        self.0
+    }
+
+    fn held(&mut self, _fresh: bool) -> Result<HeldLayer, PodError> {
+        flat(self.0.run(layer::held))
+    }
+
+    fn believe(&mut self, _: Option<HeldLayer>) {}
+
+    fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
+        flat(self.0.run(|| -> aether_rules::Result<_> {
             let mut sock = KeptSocket::open()?;
             let before = if read_before { sock.generation().ok() } else { None };
             let after = change.send_on(&mut sock);
@@ -261,25 +281,19 @@ pub(super) fn apply_to_pods(
         dir.fold_pods(&counts)?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let mut pass = Pass {
-        new,
-        previous,
-        plan,
-        node_mark: dir.divert_mark(),
-        marks: BTreeMap::new(),
-        cut: None,
-        removed_keys: Vec::new(),
-        migrated: 0,
-        visited: std::collections::HashSet::new(),
-        dir,
-    };
+    let mut pass = Pass::new(dir, (new, previous), true);
+    let node_mark = dir.divert_mark();
+    let mut removed_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(records.len());
     let state = StateDir::new(&dir.state);
     for (i, r) in records.iter().enumerate() {
         let result = pods.reach(i, r).and_then(|pod| {
             let _pod = still_recorded(&state, r, pod.netns(), listed)?;
-            pass.visit(r, pod)
+            pass.visit(pod, mark_of(r, node_mark), plan.get(r))
         });
+        if matches!(result, Ok(Applied::Removed(_))) {
+            removed_keys.push(r.key());
+        }
         outcomes.push(PodOutcome {
             container_id: r.container_id.clone(),
             ifname: r.ifname.clone(),
@@ -287,7 +301,7 @@ pub(super) fn apply_to_pods(
             result,
         });
     }
-    let Pass { mut removed_keys, migrated, visited, .. } = pass;
+    let Pass { migrated, visited, .. } = pass;
     // The runs of pods no longer visited (gone) are let go.
     let ours = format!("{}|", dir.root.display());
     runs(|r| r.retain(|k, _| !k.starts_with(&ours) || visited.contains(k)));
@@ -303,18 +317,17 @@ pub(super) fn apply_to_pods(
     Ok(ApplyReport { generation: new.generation, pods: outcomes, warnings })
 }
 
-/// One apply's walk over the pods.
+/// One apply's walk over the pods, or one pod's visit outside an apply (`bring_pod`).
 struct Pass<'a> {
     new: &'a StoredLayer,
     previous: Option<&'a StoredLayer>,
-    plan: &'a Plan,
-    node_mark: u32,
+    /// Whether a rebuild or a change is checked against this process's memory limit first
+    /// (not ADD's: it runs in the runtime's process, which no budget of ours covers).
+    charged: bool,
     /// What is made once per divert mark in use (in practice one).
     marks: BTreeMap<u32, ForMark<'a>>,
     /// The previous and the new layer cut down to where they differ (`narrowed`), on first need.
     cut: Option<(layer::ServiceLayer, layer::ServiceLayer)>,
-    /// The attachments whose layer mode `off` removed.
-    removed_keys: Vec<String>,
     /// Pods whose layer a release before built, rebuilt.
     migrated: usize,
     /// The run keys of the pods visited.
@@ -322,32 +335,45 @@ struct Pass<'a> {
     dir: &'a ServicesDir,
 }
 
-impl Pass<'_> {
-    /// Brings one pod to the new layer as the plan says (not planned: as `decide` says from
-    /// what the link believes it holds); a transaction the kernel refuses (the pod holds
-    /// something else) is decided again from what the kernel says, once. What the plan read
-    /// is not read again: an element change or a rename is a compare-and-swap in the kernel,
-    /// a rebuild takes whatever the pod holds, and a pod planned to hold the new layer already
-    /// held the stored one (a new generation is stored only after the plan).
-    fn visit(&mut self, r: &Record, pod: &mut dyn PodLink) -> Result<Applied, PodError> {
+impl<'a> Pass<'a> {
+    fn new(dir: &'a ServicesDir, (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>), charged: bool) -> Self {
+        Pass {
+            new,
+            previous,
+            charged,
+            marks: BTreeMap::new(),
+            cut: None,
+            migrated: 0,
+            visited: std::collections::HashSet::new(),
+            dir,
+        }
+    }
+
+    /// Brings one pod (its layer for `mark`) to the new layer as `planned` says (not
+    /// planned: as `decide` says from what the link believes it holds); a transaction the
+    /// kernel refuses (the pod holds something else) is decided again from what the kernel
+    /// says, once. What the plan read is not read again: an element change or a rename is a
+    /// compare-and-swap in the kernel, a rebuild takes whatever the pod holds, and a pod
+    /// planned to hold the new layer already held the stored one (a new generation is stored
+    /// only after the plan).
+    fn visit(&mut self, pod: &mut dyn PodLink, mark: u32, planned: Option<Action>) -> Result<Applied, PodError> {
         let new = self.new;
-        let mark = mark_of(r, self.node_mark);
         let key = run_key(self.dir, pod.netns());
         self.visited.insert(key.clone());
-        let mut action = match self.plan.get(r) {
+        let mut action = match planned {
             Some(planned) => planned,
             None => decide(&pod.held(false)?, self.previous, new, mark),
         };
         let mut fresh = false;
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
         let named = HeldLayer::Named(new.named(mark));
+        // Whether `elements` more fit what this process may still charge (always, uncharged).
+        let charged = self.charged;
+        let charge = |elements| if charged { budget::pod_fits(elements) } else { Ok(()) };
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
-                    if matches!(outcome, Ok(Applied::Removed(_))) {
-                        self.removed_keys.push(r.key());
-                    }
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
                     runs(|runs| runs.remove(&key));
                     return outcome;
@@ -367,7 +393,7 @@ impl Pass<'_> {
                         None => None,
                         // What it adds must fit what this process may still charge (else the pod
                         // keeps the whole layer it has).
-                        Some((c, encoded)) => match budget::pod_fits(c.added() as u64) {
+                        Some((c, encoded)) => match charge(c.added() as u64) {
                             Err(over) => return Err(PodError::OverBudget(over)),
                             Ok(()) => {
                                 let applied = Applied::Elements { added: c.added(), removed: c.removed() };
@@ -379,11 +405,16 @@ impl Pass<'_> {
                         },
                     }
                 }
-                (Action::Migrate, _) => {
-                    self.migrated += 1;
+                (Action::Change | Action::Rebuild | Action::Migrate, _) => {
+                    // The whole layer must fit what this process may still charge (else the
+                    // pod keeps what it has).
+                    let elements = budget::layer_elements(m.layer());
+                    charge(elements).map_err(PodError::OverBudget)?;
+                    if action == Action::Migrate {
+                        self.migrated += 1;
+                    }
                     Some((m.rebuild(pod.netns()), Sent::Rebuild))
                 }
-                (Action::Change | Action::Rebuild, _) => Some((m.rebuild(pod.netns()), Sent::Rebuild)),
             };
             crate::state::crash_point("services-pod-sent");
             match done {
@@ -421,6 +452,76 @@ impl Pass<'_> {
     }
 }
 
+/// One pod outside an apply: what `bring_pod` is asked to do.
+pub(super) struct OnePod<'a> {
+    /// The stored layer the pod is brought to (mode `off` when none is stored: the pod then
+    /// holds none).
+    pub stored: &'a StoredLayer,
+    pub mark: u32,
+    /// What its tables hold, when known without reading them (ADD's new pod: `Absent`).
+    pub held: Option<HeldLayer>,
+    /// `services verify` and the reconciler's repairs: its elements compared with the stored
+    /// layer, and brought there only when they differ (drift keeps a layer's name); the
+    /// differences are returned. Else (ADD) what the decision says is done without a reading.
+    pub check: bool,
+    /// The layer for `mark`, when the caller has it made (ADD takes it from the stored one
+    /// rather than copy 20,000 ports).
+    pub layer: Option<layer::ServiceLayer>,
+    /// Checked against this process's memory limit before a rebuild (see `Pass::charged`).
+    pub charged: bool,
+}
+
+/// What `bring_pod` did to a pod.
+pub(super) struct Brought {
+    /// What its tables said they held, and what it got.
+    pub held: HeldLayer,
+    pub action: Action,
+    /// The differences found before (only when checked).
+    pub differences: Vec<String>,
+    /// What was sent (`None`: nothing, it held the layer).
+    pub applied: Option<Applied>,
+    /// The bytes of the layer's creation, as sent to a pod that holds none, and the number of
+    /// sequence numbers they use (when a rebuild made them): what ADD keeps for the next pod.
+    pub created: Option<(Vec<u8>, u32)>,
+}
+
+/// One pod brought to the stored layer outside an apply (ADD, `services verify`, a
+/// reconciler's repair), in its netns `ns`: the one decision (`plan::decide`, no layer before
+/// the stored one), carried out by an apply's own visit (`Pass::visit`). With `check`, a pod
+/// whose tables name the stored layer (or its content under another generation) is compared
+/// element by element and repaired in place where it differs; a layer a release before built
+/// is rebuilt, counted as a migration, its differences not drift. The caller holds the pod's
+/// netns lock.
+pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Brought, PodError> {
+    let OnePod { stored, mark, held, check, layer: made, charged } = one;
+    let held = match held {
+        Some(h) => h,
+        None => flat(ns.run(layer::held))?,
+    };
+    let action = decide(&held, None, stored, mark);
+    let mut pass = Pass::new(dir, (stored, None), charged);
+    let m = pass.marks.entry(mark).or_insert_with(|| ForMark::new(stored, mark));
+    if let Some(l) = made {
+        m.layer = Some(l);
+    }
+    let mut differences = Vec::new();
+    if check && action != Action::Migrate {
+        differences = flat(ns.run(|| layer::verify(m.layer())))?;
+        if differences.is_empty() {
+            return Ok(Brought { held, action: Action::Nothing, differences, applied: None, created: None });
+        }
+        if matches!(action, Action::Nothing | Action::Rename(_)) {
+            // Named as the stored layer, its elements not: repaired where they differ.
+            let applied = flat(ns.run(|| layer::apply(m.layer())))?;
+            return Ok(Brought { held, action, differences, applied: Some(applied), created: None });
+        }
+    }
+    let applied = pass.visit(&mut InPlace(ns), mark, Some(action))?;
+    let created = pass.marks.get_mut(&mark).and_then(ForMark::created);
+    let applied = (action != Action::Nothing).then_some(applied);
+    Ok(Brought { held, action, differences, applied, created })
+}
+
 /// What a pass makes once per divert mark, each piece on first need: the whole layer for
 /// this mark (a copy of 20,000 ports at 10,000 Services: a rebuild's), the element change
 /// from the previous layer encoded once for every pod, and the rebuild's prepared batch.
@@ -455,15 +556,21 @@ impl<'a> ForMark<'a> {
             .as_ref()
     }
 
-    /// The pod's layer rebuilt, in its netns, if it fits what this process may still charge
-    /// (else the pod keeps what it has).
+    /// The pod's layer rebuilt, in its netns, its counters carried over.
     fn rebuild(&mut self, ns: &Netns) -> Result<Applied, PodError> {
-        budget::pod_fits(budget::layer_elements(self.layer())).map_err(PodError::OverBudget)?;
+        self.layer();
         let l = self.layer.as_ref().expect("made above");
         match self.prepared.get_or_insert_with(|| layer::Prepared::new(l).ok().flatten()) {
             Some(p) => flat(ns.run(|| p.rebuild())),
             None => flat(ns.run(|| layer::rebuild(l))),
         }
+    }
+
+    /// The bytes of the layer's creation (as a rebuild sends them to a pod that holds none)
+    /// and the sequence numbers they use, once a rebuild prepared them.
+    fn created(&mut self) -> Option<(Vec<u8>, u32)> {
+        let (bytes, seq_count) = self.prepared.as_ref()?.as_ref()?.create().bytes_at_zero();
+        Some((bytes.to_vec(), seq_count))
     }
 }
 

@@ -9,6 +9,7 @@ use aether_rules::services::{self as layer, Applied, COUNTERS};
 use serde_json::{json, Value};
 
 use super::apply::describe;
+use super::plan::{mark_of, Action};
 use super::{flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir};
 use crate::PodError;
@@ -226,52 +227,56 @@ impl VerifyReport {
 }
 
 /// `services verify`: reads every recorded pod's layer back, compares it with the stored
-/// snapshot, and repairs what differs (the element change, or a rebuild). Pods whose netns
+/// snapshot, and repairs what differs (the engine's `bring_pod`, checked). Pods whose netns
 /// is gone are left out. Exclusive of applies (the services lock), and of ADD, DEL and repairs
 /// of each pod while it is visited (its netns lock).
 pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
     let _lock = dir.lock(true)?;
     let stored = dir.stored_layer()?;
-    let node_mark = dir.divert_mark();
     let mut pods = Vec::new();
     let state = StateDir::new(&dir.state);
     let listed = std::time::SystemTime::now();
     let records = state.records();
-    aether_netns::tour(|| verify_each((&state, listed), records, stored.as_ref(), node_mark, &mut pods))
+    aether_netns::tour(|| verify_each(dir, (&state, listed), records, stored.as_ref(), &mut pods))
         .map_err(ServicesError::Tour)?;
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
 
-/// `verify_pods`' visit of each pod.
+/// `verify_pods`' visit of each pod: the engine's, checked (`engine::bring_pod`).
 fn verify_each(
+    dir: &ServicesDir,
     (state, listed): (&StateDir, std::time::SystemTime),
     records: Vec<Record>,
     stored: Option<&StoredLayer>,
-    node_mark: u32,
     pods: &mut Vec<PodVerified>,
 ) {
+    let node_mark = dir.divert_mark();
+    let off = none_stored();
     for r in records {
         let Ok(PodNetns::Live(ns)) = r.open_netns() else { continue };
         // A pod whose DEL came meanwhile is left out, as one already gone.
         let Ok(_pod) = super::engine::still_recorded(state, &r, &ns, listed) else { continue };
-        let mark = r.capture.as_ref().map_or(node_mark, |c| c.divert_mark);
-        let l = stored.map_or_else(|| layer::ServiceLayer::new(layer::LayerMode::Off), |s| s.for_pod(mark));
-        let mut migrated = None;
-        let result = flat(ns.run(|| {
+        let one = checked(stored.unwrap_or(&off), mark_of(&r, node_mark));
+        let (result, migrated) = match super::engine::bring_pod(dir, &ns, one) {
             // A layer a release before built is rebuilt in this one's shape, counted as a
             // migration: its differences are the shape's, not drift.
-            if l.mode != layer::LayerMode::Off {
-                if let Some(shape) = built_before(&layer::held()?) {
-                    migrated = Some(shape);
-                    return Ok((Vec::new(), Some(layer::rebuild(&l)?)));
-                }
-            }
-            let diffs = layer::verify(&l)?;
-            let repaired = if diffs.is_empty() { None } else { Some(layer::apply(&l)?) };
-            Ok((diffs, repaired))
-        }));
+            Ok(b) if b.action == Action::Migrate => (Ok((Vec::new(), b.applied)), built_before(&b.held)),
+            Ok(b) => (Ok((b.differences, b.applied)), None),
+            Err(e) => (Err(e), None),
+        };
         pods.push(PodVerified { container_id: r.container_id, netns: r.netns, result, migrated });
     }
+}
+
+/// The layer a pod holds when no snapshot is stored: none (mode `off`).
+fn none_stored() -> StoredLayer {
+    StoredLayer::new(0, &layer::ServiceLayer::new(layer::LayerMode::Off), 0)
+}
+
+/// `services verify`'s and a repair's visit of one pod (its layer for `mark`): compared with
+/// `stored`, brought there where it differs.
+fn checked(stored: &StoredLayer, mark: u32) -> super::engine::OnePod<'_> {
+    super::engine::OnePod { stored, mark, held: None, check: true, layer: None, charged: true }
 }
 
 /// `layer.bin`'s (generation, source digest): which stored layer is in force.
@@ -316,12 +321,12 @@ fn compare_pod_layer(
     Ok((diffs.into_iter().map(|d| format!("Service layer: {d}")).collect(), header))
 }
 
-/// Repairs one pod's layer to exactly the stored one with ADD's code
-/// ([`apply_current_snapshot_in_netns`](super::apply_current_snapshot_in_netns): rebuilt,
-/// counters carried over), if it still differs when compared again (an apply or ADD may have
-/// brought it there since it was found different). With no snapshot stored, a layer the pod
-/// holds is removed (as `services verify` does). Returns the differences it repaired (empty:
-/// none were left). The caller holds the pod's netns lock, so no ADD, DEL or apply visit of
+/// Repairs one pod's layer to exactly the stored one, as `services verify` does (the engine's
+/// `bring_pod`, checked: elements repaired in place, or the layer rebuilt, counters carried
+/// over), if it still differs when compared again (an apply or ADD may have brought it there
+/// since it was found different). With no snapshot stored, a layer the pod holds is removed.
+/// A layer a release before built is migrated. Returns the differences it repaired (empty:
+/// none were left; a migration is named as one). The caller holds the pod's netns lock, so no ADD, DEL or apply visit of
 /// the pod runs meanwhile.
 /// `divert_mark`: the pod's capture's (else the node's).
 pub fn repair_pod_layer(
@@ -330,21 +335,20 @@ pub fn repair_pod_layer(
     divert_mark: Option<u32>,
 ) -> Result<Vec<String>, ServicesError> {
     // Compared again without the services lock: the caller holds the pod's netns lock.
-    let (diffs, _) = compare_pod_layer(&ServicesDir::new(state_dir), netns, divert_mark)?;
-    if diffs.is_empty() {
-        return Ok(diffs);
+    let dir = ServicesDir::new(state_dir);
+    let stored = dir.stored_layer()?;
+    let off = none_stored();
+    let mark = divert_mark.unwrap_or_else(|| dir.divert_mark());
+    let b = super::engine::bring_pod(&dir, netns, checked(stored.as_ref().unwrap_or(&off), mark))?;
+    if b.action == Action::Migrate {
+        let shape = built_before(&b.held).flatten();
+        return Ok(vec![format!(
+            "Service layer: {} built by an earlier release, rebuilt in shape {} (a migration, counters kept)",
+            older_shape(shape),
+            layer::SHAPE
+        )]);
     }
-    let divert_mark = divert_mark.unwrap_or_else(|| ServicesDir::new(state_dir).divert_mark());
-    // A rebuild is charged to this process: not started when it would cross its memory limit.
-    super::budget::layers_fit(&ServicesDir::new(state_dir), 1)?;
-    if super::apply_current_snapshot_in_netns(state_dir, netns, divert_mark)?.is_none() {
-        // No layer applied: none stored (then none belongs in the pod), or one that cannot be
-        // read (then the pod is left as it is, and the error said so).
-        if ServicesDir::new(state_dir).stored_layer()?.is_none() {
-            flat(netns.run(layer::remove))?;
-        }
-    }
-    Ok(diffs)
+    Ok(b.differences.into_iter().map(|d| format!("Service layer: {d}")).collect())
 }
 
 /// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
