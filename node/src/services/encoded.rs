@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::layer_file::quick_digest;
+use super::layer_file::{seal, unseal};
 use super::{FileId, ServicesDir};
 
 const MAGIC: &[u8; 8] = b"AETHENC1";
@@ -70,18 +70,14 @@ fn encode(key: &Key, c: &Cached) -> Vec<u8> {
     out.extend_from_slice(&c.seq_count.to_le_bytes());
     out.extend_from_slice(&(c.bytes.len() as u64).to_le_bytes());
     out.extend_from_slice(&c.bytes);
-    let sum = quick_digest(&out);
-    out.extend_from_slice(&sum.to_le_bytes());
+    seal(&mut out, 0);
     out
 }
 
 /// The file `b` as the transaction for `key` (its bytes moved to the front of `b`'s buffer,
 /// not copied: a layer's transaction is most of a megabyte).
 fn decode(key: &Key, mut b: Vec<u8>) -> Option<Cached<'static>> {
-    let (body, sum) = b.split_at_checked(b.len().checked_sub(8)?)?;
-    if quick_digest(body) != u64::from_le_bytes(sum.try_into().ok()?) {
-        return None;
-    }
+    let body = unseal(&b)?;
     let rest = body.strip_prefix(MAGIC)?.strip_prefix(&key.bytes()[..])?;
     let u64_at = |at: usize| Some(u64::from_le_bytes(rest.get(at..at + 8)?.try_into().ok()?));
     let (generation, digest) = (u64_at(0)?, u64_at(8)?);

@@ -34,7 +34,7 @@ use aether_rules::model::Proto;
 use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
 
 use super::change::{self, splice};
-use super::layer_file::{self, quick_digest, Base, StoredLayer};
+use super::layer_file::{self, Base, StoredLayer};
 
 /// The file's name under `services/`.
 pub(super) const JOURNAL: &str = "layer.journal";
@@ -122,7 +122,7 @@ impl Entry<'_> {
         let mut out = Vec::with_capacity(body.len() + 12);
         put_count(&mut out, body.len());
         out.extend_from_slice(&body);
-        out.extend_from_slice(&quick_digest(&body).to_be_bytes());
+        layer_file::seal(&mut out, 4);
         out
     }
 }
@@ -215,12 +215,9 @@ pub(super) fn decode(bytes: &[u8], base: &Base) -> Vec<Entry<'static>> {
     let mut at = HEADER;
     let mut generation = base.generation;
     while let Some(len) = bytes.get(at..at + 4).map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes")) as usize) {
-        let Some((body, sum)) = bytes.get(at + 4..at + 4 + len).zip(bytes.get(at + 4 + len..at + 12 + len)) else {
+        let Some(body) = bytes.get(at + 4..at + 12 + len).and_then(layer_file::unseal) else {
             break;
         };
-        if quick_digest(body).to_be_bytes() != sum {
-            break;
-        }
         match decode_body(body) {
             Some(e) if e.from == generation && e.generation > generation => {
                 generation = e.generation;

@@ -237,6 +237,23 @@ pub fn quick_digest(bytes: &[u8]) -> u64 {
     h ^ (h >> 33)
 }
 
+/// The one rule for a torn or damaged file under `<stateDir>/services`: a file is written whole
+/// under a temporary name and renamed into place (`ServicesDir::write_atomic`), and every
+/// byte format of ours ends what it writes (a whole file, or each entry of the one file
+/// appended to, the journal) with the `quick_digest` of the bytes it covers, big-endian
+/// (`seal`); a reader takes only what `unseal` vouches for. (`snapshot.json` is the agent's
+/// text, named by `layer.bin`'s source digest; `accumulator.json` is whole by the rename.)
+pub(super) fn seal(out: &mut Vec<u8>, from: usize) {
+    let sum = quick_digest(&out[from..]);
+    out.extend_from_slice(&sum.to_be_bytes());
+}
+
+/// The bytes `sealed` covers, when its last eight bytes are their `quick_digest` (`seal`).
+pub(super) fn unseal(sealed: &[u8]) -> Option<&[u8]> {
+    let (body, sum) = sealed.split_at_checked(sealed.len().checked_sub(TRAILER)?)?;
+    (quick_digest(body).to_be_bytes()[..] == *sum).then_some(body)
+}
+
 impl StoredLayer {
     /// The stored form of `layer` at `generation` (lists sorted, IPv4 before IPv6, the mark
     /// dropped).
@@ -336,8 +353,7 @@ fn encode_parts(generation: u64, source: u64, l: &ServiceLayer) -> Vec<u8> {
         }
     }
     debug_assert_eq!(b.len() + TRAILER, size);
-    let sum = quick_digest(&b);
-    b.extend_from_slice(&sum.to_be_bytes());
+    seal(&mut b, 0);
     b
 }
 
@@ -403,8 +419,11 @@ pub fn decode(path: &Path, b: &[u8]) -> Result<StoredLayer, LayerFileError> {
     if b.len() != end + TRAILER {
         return Err(damaged("its length does not match its counts"));
     }
-    let checksum = if version == VERSION { quick_digest(&b[..end]) } else { fnv1a(&b[..end]) };
-    if checksum.to_be_bytes() != b[end..] {
+    let whole = match version {
+        VERSION => unseal(b).is_some(),
+        _ => fnv1a(&b[..end]).to_be_bytes() == b[end..],
+    };
+    if !whole {
         return Err(damaged("checksum mismatch"));
     }
     let generation = u64::from_be_bytes(b[12..20].try_into().unwrap());
