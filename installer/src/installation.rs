@@ -332,11 +332,12 @@ impl Node {
         };
         tracing::info!(
             binary = %binary.display(),
-            "the plugin binary stays while {pods} pods attached on this node may still be torn down: \
-             the DEL or CNI GC that removes the last of their records removes it; containerd (1.6 to 2.x) \
-             tears pods down after its reload without aether-cni and never runs GC, so for up to {:?} this \
-             installer asks the runtime (--cri-socket) which CNI chain it holds and which pods are gone, \
-             and removes what no teardown needs any more (docs/operating.md, \"Uninstall with pods running\")",
+            "the plugin binary stays while {pods} pods attached on this node may still be torn down: on a runtime \
+             whose teardowns still run aether-cni, the DEL that removes the last of their records removes it; \
+             containerd (1.6 to 2.x) tears pods down after its reload without aether-cni and never runs CNI GC, so \
+             for up to {:?} this installer asks the runtime (--cri-socket) which CNI chain it holds and which pods \
+             are gone, and removes what no teardown needs any more; what stays then is said when the wait ends \
+             (docs/operating.md, \"Uninstall with pods running\")",
             finish.wait
         );
         match &self.runtime {
