@@ -125,6 +125,7 @@ def test_defaults():
         "--cni-bin-dir=/host/opt/cni/bin",
         "--cni-conf-dir=/host/etc/cni/net.d",
         "--state-dir=/var/run/aether-cni",
+        "--netns-dir=/var/run/netns",
         "--conflist-name=00-aether-cni.conflist",
         "--listen=127.0.0.1:18095",
         "--metrics-listen=$(HOST_IP):18096",
@@ -241,7 +242,7 @@ def test_reconciler_values_become_flags_and_the_socket_mount():
     }
     ds = daemonset(values)
     c = container(ds)
-    assert c["args"][9:-3] == [
+    assert c["args"][10:-3] == [
         "--cri-socket=/run/k3s/containerd/containerd.sock",
         "--cri-max-message-mib=32",
         "--cri-timeout-seconds=2",
@@ -304,9 +305,10 @@ def test_k3s_paths_port_and_uninstall_on_stop():
         "--listen=127.0.0.1:19095",
         "--http-max-connections=64",
         "--resync-seconds=3",
+        "--uninstall-wait-seconds=20",
         "--reconcile=false",
         "--services-socket=",
-    ], "no --upgrade: a stopped installer uninstalls; no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket; no Service-layer socket"
+    ], "no --upgrade but the uninstall's wait: a stopped installer uninstalls; no --netns-dir (none mounted); no --metrics-listen: /metrics on loopback only; no reconciler, no CRI socket; no Service-layer socket"
     assert c["ports"] == [{"name": "probes", "containerPort": 19095, "protocol": "TCP"}]
     assert [m["mountPath"] for m in c["volumeMounts"]] == [
         "/host/var/lib/rancher/k3s/data/cni",
@@ -323,11 +325,36 @@ def test_k3s_paths_port_and_uninstall_on_stop():
     assert "curl http://127.0.0.1:19095/metrics" in notes
 
 
+def test_the_uninstall_wait_must_fit_in_the_grace_period():
+    # At the bound (the wait plus 5 s is the grace period) it renders, and reaches the flag.
+    c = container(daemonset({"installer": {"uninstallOnStop": True, "uninstallWaitSeconds": 25}}))
+    assert "--uninstall-wait-seconds=25" in c["args"]
+    # One second over: refused, naming both values and what would fit.
+    for values in (
+        {"installer": {"uninstallOnStop": True, "uninstallWaitSeconds": 26}},
+        {"installer": {"uninstallWaitSeconds": 20}, "terminationGracePeriodSeconds": 24},
+    ):
+        with pytest.raises(Exception, match=r"installer.uninstallWaitSeconds \((26|20)\) does not fit in terminationGracePeriodSeconds \((30|24)\).*at least (31|25)"):
+            render(values)
+    # A longer wait with the grace period raised to hold it.
+    big = {"installer": {"uninstallOnStop": True, "uninstallWaitSeconds": 50}, "terminationGracePeriodSeconds": 55}
+    ds = daemonset(big)
+    assert ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
+    assert "--uninstall-wait-seconds=50" in container(ds)["args"]
+    # Checked whatever uninstallOnStop says (it may be turned on later with --reuse-values),
+    # and passed only with it: an upgrade's stop waits for nothing.
+    with pytest.raises(Exception, match="does not fit in terminationGracePeriodSeconds"):
+        render({"installer": {"uninstallWaitSeconds": 26}})
+    assert not any(a.startswith("--uninstall-wait-seconds") for a in container(daemonset({}))["args"])
+    # The binary accepts the flag as the chart passes it.
+    entry_from_args(big)
+
+
 def test_every_plugin_setting_becomes_a_flag():
     ds = daemonset(TUNED)
     spec = ds["spec"]["template"]["spec"]
     c = container(ds)
-    assert c["args"][9:-13] == [
+    assert c["args"][10:-13] == [
         "--capture-mode=scoped",
         "--capture-dns=false",
         "--capture-port=15001",

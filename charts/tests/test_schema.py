@@ -103,6 +103,8 @@ BAD = [
     ({"installer": {"uninstallOnStop": "yes"}}, "/installer/uninstallOnStop", "want boolean"),
     ({"installer": {"conflistName": "aether.conf"}}, "/installer/conflistName", "pattern"),
     ({"installer": {"resyncSeconds": 0}}, "/installer/resyncSeconds", "minimum"),
+    ({"installer": {"uninstallWaitSeconds": -1}}, "/installer/uninstallWaitSeconds", "minimum"),
+    ({"installer": {"uninstallWaitSeconds": "20s"}}, "/installer/uninstallWaitSeconds", "want integer"),
     ({"installer": {"maxConnections": 0}}, "/installer/maxConnections", "minimum"),
     ({"metrics": {"port": 70000}}, "/metrics/port", "maximum"),
     ({"metrics": {"enabled": "yes"}}, "/metrics/enabled", "want boolean"),

@@ -858,7 +858,9 @@ fn uninstall_finishes(flavor: Flavor, withheld: bool) {
         let left = records(&ctrd.state_dir);
         assert_eq!(left.len(), 2, "records went without the runtime's word: {left:?}\n{log}");
         assert!(
-            log.contains("stay with the records of 2 pods") && log.contains("withheld.sock"),
+            log.contains("/uninstalled, the records of 2 pods")
+                && log.contains("withheld.sock")
+                && log.contains("nothing removes them but a later install"),
             "the log does not say what stays and why:\n{log}"
         );
     } else {

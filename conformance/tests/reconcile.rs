@@ -611,11 +611,23 @@ fn tampers() -> Vec<(&'static str, Tamper)> {
 
 #[test]
 fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
-    let test = "reconciler_repairs_drift";
-    if !ready(test) {
+    repairs_drift(Flavor::V1_6);
+}
+
+/// The same on containerd 2 (its chain the CNI plugins 1.9 at cniVersion 1.1.0): each tamper
+/// repaired to the record, and the control (the reconciler off: the tamper stays, packets
+/// leak). The runtime-less part (no socket, garbage) is the runtime's absence, run on 1.6.
+#[test]
+fn reconciler_repairs_drift_on_containerd2() {
+    repairs_drift(Flavor::V2);
+}
+
+fn repairs_drift(flavor: Flavor) {
+    let test = &on("reconciler_repairs_drift", flavor);
+    if !ready_on(test, flavor) {
         return;
     }
-    let mut ctrd = Containerd::new("rcdrift", &NET, false);
+    let mut ctrd = Containerd::new_on(flavor, &on("rcdrift", flavor), &NET, false);
     ctrd.start();
     ctrd.import_sandbox_image();
     let socket = format!("--cri-socket={}", ctrd.socket().display());
@@ -655,6 +667,11 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
     let leak = packet_captured(&netns);
     assert!(leak.as_ref().is_err_and(|e| e.contains("not captured")), "with the capture table gone: {leak:?}");
     off.stop();
+    if flavor == Flavor::V2 {
+        ctrd.stop_pod(&pod);
+        ctrd.remove_pod(&pod);
+        return;
+    }
 
     // Without a runtime (no socket; a socket that answers garbage) the installer keeps
     // running, says why, and still repairs the drift left by the control.
@@ -692,11 +709,22 @@ fn reconciler_repairs_drift_within_a_pass_and_without_it_drift_stays() {
 
 #[test]
 fn reconciler_collects_a_record_whose_del_never_came() {
-    let test = "reconciler_collects_a_leftover";
-    if !ready(test) {
+    collects_a_leftover(Flavor::V1_6);
+}
+
+/// The same on containerd 2, which tears the pod down with the chain it holds after the
+/// entry went (without aether-cni) and never runs GC: only the reconciler collects it.
+#[test]
+fn reconciler_collects_a_record_whose_del_never_came_on_containerd2() {
+    collects_a_leftover(Flavor::V2);
+}
+
+fn collects_a_leftover(flavor: Flavor) {
+    let test = &on("reconciler_collects_a_leftover", flavor);
+    if !ready_on(test, flavor) {
         return;
     }
-    let mut ctrd = Containerd::new("rcleft", &NET, false);
+    let mut ctrd = Containerd::new_on(flavor, &on("rcleft", flavor), &NET, false);
     ctrd.start();
     ctrd.import_sandbox_image();
     let socket = format!("--cri-socket={}", ctrd.socket().display());
@@ -721,6 +749,12 @@ fn reconciler_collects_a_record_whose_del_never_came() {
     ctrd.stop_pod(&pod);
     ctrd.remove_pod(&pod);
     assert_eq!(records(&ctrd.state_dir).len(), 1, "the record is left behind");
+    // Negative control: an installer without the reconciler leaves it there (nothing else on
+    // the node collects it: containerd runs no GC).
+    let off = Installer::start(&ctrd, "off", &[socket.clone(), "--reconcile=false".into()]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(records(&ctrd.state_dir).len(), 1, "collected with the reconciler off: the test cannot fail");
+    off.stop();
 
     let mut inst = Installer::start(&ctrd, "collect", &[socket, "--leftover-grace-seconds=0".into()]);
     let pass = inst.wait_pass(1, "the leftover collected", |p| {

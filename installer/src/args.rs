@@ -33,6 +33,14 @@ pub struct InstallArgs {
     /// entry's `stateDir`, which the plugin uses on the host).
     #[arg(long, env = "AETHER_CNI_STATE_DIR", default_value = "/var/run/aether-cni")]
     pub state_dir: PathBuf,
+    /// The runtime's netns directory as mounted in this container (the chart's
+    /// hostPaths.netnsDir). Checked at start: the mount it is on must be a slave or shared
+    /// mount (the chart's mountPropagation: HostToContainer of a shared or slave host path), or
+    /// pods' netns made after the start never show up here; if it is not, the node is not
+    /// ready and the reconciler takes no record whose netns is under it for gone. Empty (the
+    /// default): not checked (an installer in the host's own mount namespace sees them all).
+    #[arg(long, env = "AETHER_CNI_NETNS_DIR", default_value = "", value_name = "DIR")]
+    pub netns_dir: String,
     /// Address for /healthz, /readyz and /metrics: IP:PORT (an IPv6 address with or without
     /// brackets: the chart passes `$(HOST_IP):PORT` whatever the node's family).
     #[arg(long, env = "AETHER_CNI_LISTEN", default_value = "127.0.0.1:18095", value_parser = parse_listen)]
@@ -269,6 +277,11 @@ impl InstallArgs {
             Some(p) if p.trim().is_empty() => None,
             Some(p) => Some(PathBuf::from(p)),
         }
+    }
+
+    /// The netns directory to check, if one is given.
+    pub fn netns_dir(&self) -> Option<PathBuf> {
+        Some(self.netns_dir.trim()).filter(|d| !d.is_empty()).map(PathBuf::from)
     }
 
     pub fn resync(&self) -> Duration {

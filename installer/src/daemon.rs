@@ -13,7 +13,7 @@ use crate::checks::{refusal, LiveNode, NodeChecks};
 use crate::installation::{Msg, Node};
 use crate::serve::Shared;
 use crate::watch::Watcher;
-use crate::{chain, reconcile, runtime, serve, services_socket, Error, InstallArgs};
+use crate::{chain, netns_mount, reconcile, runtime, serve, services_socket, Error, InstallArgs};
 
 /// A running installer: its HTTP face, watcher and reconcile loop.
 pub struct Running {
@@ -23,6 +23,8 @@ pub struct Running {
     pub shared: Arc<Shared>,
     /// The reconciler's thread, when `run` started one.
     reconciler: Option<reconcile::looper::Looper>,
+    /// The netns directory, when it does not show pods' netns made after the start.
+    pub netns_blind: Option<netns_mount::Blind>,
     serving_end: Arc<std::sync::Mutex<ServingEnd>>,
 }
 
@@ -77,6 +79,17 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
     let shared = Arc::new(Shared::new());
     let mut node = Node::new(args.clone(), plugin.clone(), shared.clone(), binary);
     node.preflight()?;
+    let netns_blind = args.netns_dir().and_then(|dir| match netns_mount::check(&dir) {
+        Ok(()) => {
+            tracing::info!(dir = %dir.display(), "the netns directory receives the host's mounts: new pods' netns show up here");
+            None
+        }
+        Err(e) => {
+            tracing::error!("{e}");
+            Some(netns_mount::Blind::new(&dir, &e))
+        }
+    });
+    node.set_netns_blind(netns_blind.as_ref().map(|b| b.why.clone()));
     let (tx, rx) = mpsc::channel();
     let serving_end = Arc::new(std::sync::Mutex::new(ServingEnd::Running { wake: None }));
     let on_end: serve::OnEnd = {
@@ -106,7 +119,7 @@ pub fn start(args: InstallArgs, node: impl NodeChecks + 'static, binary: Vec<u8>
         .name("installer".into())
         .spawn(move || node.run(rx, watcher))
         .map_err(Error::Watch)?;
-    Ok(Running { tx, thread, server, shared, serving_end, reconciler: None })
+    Ok(Running { tx, thread, server, shared, serving_end, reconciler: None, netns_blind })
 }
 
 /// `--print-entry`: the entry as the plugin will receive it, chained onto a stand-in list
@@ -162,7 +175,7 @@ pub fn run(args: InstallArgs) -> Result<(), Error> {
     let signals_handle = signals.handle();
     running.when_serving_ends(move || signals_handle.close());
     let rt = running.server.runtime();
-    let ops = reconcile::node_lib::NodeLib::new(args.node_files());
+    let ops = reconcile::node_lib::NodeLib::new(args.node_files()).blind_to(running.netns_blind.clone());
     running.reconciler =
         reconcile::looper::start(args.reconciler(), running.shared.clone(), ops, rt).map_err(Error::Reconciler)?;
     if let Some(sig) = signals.forever().next() {

@@ -86,10 +86,13 @@ pub enum Reason {
     Uninstalled,
     /// The HTTP face stopped serving: the installer exits to be restarted.
     Http,
+    /// The netns directory (--netns-dir) does not receive the host's mounts: pods' netns made
+    /// after the start are invisible here.
+    Netns,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::Starting,
         Reason::Binary,
         Reason::Primary,
@@ -98,6 +101,7 @@ impl Reason {
         Reason::Kernel,
         Reason::Uninstalled,
         Reason::Http,
+        Reason::Netns,
     ];
 
     pub fn name(self) -> &'static str {
@@ -110,6 +114,7 @@ impl Reason {
             Reason::Kernel => "kernel",
             Reason::Uninstalled => "uninstalled",
             Reason::Http => "http",
+            Reason::Netns => "netns",
         }
     }
 }

@@ -54,6 +54,9 @@ pub struct Node {
     readiness_told: Option<Option<String>>,
     /// The installer's async runtime, for the CRI calls of an uninstall (none in tests).
     runtime: Option<std::sync::Arc<tokio::runtime::Runtime>>,
+    /// Why the netns directory does not show pods' netns made after the start (checked once,
+    /// at start: a mount's propagation does not change under a running container).
+    netns_blind: Option<String>,
 }
 
 impl Node {
@@ -71,6 +74,7 @@ impl Node {
             marker_written: None,
             readiness_told: None,
             runtime: None,
+            netns_blind: None,
         }
     }
 
@@ -254,12 +258,23 @@ impl Node {
         self.readiness_told = Some(now);
     }
 
+    /// The netns directory does not show new pods' netns (why): the node stays not ready for
+    /// as long as this installer runs. Fail closed, but not by refusing to start: the binary
+    /// and the chained entry are still written, so every pod the runtime starts is captured by
+    /// ADD (which runs on the host, whatever this container sees); what is lost is the
+    /// reconciler's view of those pods, and a node whose repairs cannot reach its new pods is
+    /// not one to report ready (docs/operating.md).
+    pub fn set_netns_blind(&mut self, why: Option<String>) {
+        self.netns_blind = why;
+    }
+
     /// One full pass: binary first (the entry must never name a missing plugin), then the
     /// kernel checks and the conflist.
     pub fn reconcile_all(&mut self) {
         self.reconcile_binary(None);
         self.check_kernel();
         self.reconcile_conflist(None);
+        self.set(Reason::Netns, self.netns_blind.clone().map_or(Ok(()), Err));
         self.set(Reason::Starting, Ok(()));
         self.publish();
     }
@@ -317,11 +332,12 @@ impl Node {
         };
         tracing::info!(
             binary = %binary.display(),
-            "the plugin binary stays while {pods} pods attached on this node may still be torn down: \
-             the DEL or CNI GC that removes the last of their records removes it; containerd (1.6 to 2.x) \
-             tears pods down after its reload without aether-cni and never runs GC, so for up to {:?} this \
-             installer asks the runtime (--cri-socket) which CNI chain it holds and which pods are gone, \
-             and removes what no teardown needs any more (docs/operating.md, \"Uninstall with pods running\")",
+            "the plugin binary stays while {pods} pods attached on this node may still be torn down: on a runtime \
+             whose teardowns still run aether-cni, the DEL that removes the last of their records removes it; \
+             containerd (1.6 to 2.x) tears pods down after its reload without aether-cni and never runs CNI GC, so \
+             for up to {:?} this installer asks the runtime (--cri-socket) which CNI chain it holds and which pods \
+             are gone, and removes what no teardown needs any more; what stays then is said when the wait ends \
+             (docs/operating.md, \"Uninstall with pods running\")",
             finish.wait
         );
         match &self.runtime {

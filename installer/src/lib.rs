@@ -15,8 +15,8 @@
 //! By job: `installation` the files (binary, chained conflist) kept in place and undone, on
 //! `chain` and `files`; `watch` the inotify watcher; `serve` the HTTP face and what it
 //! reports; `services_socket` the agent's socket; `reconcile` the reconciler; `daemon` what
-//! starts and stops them all; `checks` what is asked of the node library; `error` what goes
-//! wrong.
+//! starts and stops them all; `checks` what is asked of the node library; `netns_mount` whether
+//! the runtime's netns directory shows new pods' netns here; `error` what goes wrong.
 
 pub mod args;
 pub mod chain;
@@ -26,6 +26,7 @@ pub mod error;
 pub mod events;
 pub mod files;
 pub mod installation;
+pub mod netns_mount;
 pub mod reconcile;
 pub mod runtime;
 pub mod serve;

@@ -157,23 +157,34 @@ pub struct Finish {
     pub files: NodeFiles,
 }
 
+/// One question to the runtime, answered within `timeout` in all (the wait's bound holds: the
+/// chart fits it in the grace period).
 fn ask_runtime(
     rt: &Runtime,
     socket: &Path,
     timeout: Duration,
     list: bool,
 ) -> (RuntimeChain, Option<BTreeMap<String, SandboxState>>) {
+    let within = |r: Result<Result<_, aether_cri::Error>, tokio::time::error::Elapsed>| {
+        r.unwrap_or_else(|_| {
+            Err(aether_cri::Error::Connect { socket: socket.into(), why: format!("no answer within {timeout:?}") })
+        })
+    };
     let answer = rt.block_on(async {
-        let mut c = Client::connect(socket, timeout).await?;
-        let info = c.runtime_info().await?;
-        let chain = runtime_chain(&info, chain::PLUGIN_TYPE);
-        let sandboxes = if list && chain == RuntimeChain::Free {
-            c.sandboxes().await.ok().map(|l| l.into_iter().map(|s| (s.id, s.state)).collect())
-        } else {
-            None
-        };
-        Ok::<_, aether_cri::Error>((chain, sandboxes))
+        tokio::time::timeout(timeout, async {
+            let mut c = Client::connect(socket, timeout).await?;
+            let info = c.runtime_info().await?;
+            let chain = runtime_chain(&info, chain::PLUGIN_TYPE);
+            let sandboxes = if list && chain == RuntimeChain::Free {
+                c.sandboxes().await.ok().map(|l| l.into_iter().map(|s| (s.id, s.state)).collect())
+            } else {
+                None
+            };
+            Ok::<_, aether_cri::Error>((chain, sandboxes))
+        })
+        .await
     });
+    let answer = within(answer);
     answer.unwrap_or_else(|e| match e {
         aether_cri::Error::Call { code: aether_cri::Code::Unimplemented, .. } => {
             (RuntimeChain::Silent(e.to_string()), None)
@@ -225,8 +236,10 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
     let mut last: Option<RuntimeChain> = None;
     let (mut binary_removed, mut collected) = (false, 0);
     loop {
+        // Each question within what is left of the wait (a second at least).
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
         let (runtime, listed) = match &s.cri_socket {
-            Some(socket) => ask_runtime(rt, socket, s.cri_timeout, true),
+            Some(socket) => ask_runtime(rt, socket, s.cri_timeout.min(left), true),
             None => (RuntimeChain::Unknown("no --cri-socket: the runtime is not asked".into()), None),
         };
         if last.as_ref() != Some(&runtime) {
@@ -304,43 +317,67 @@ pub fn finish(s: &Finish, rt: &Arc<Runtime>) -> Outcome {
     }
 }
 
-/// The log line for `outcome`: what was removed, what stays, and how it goes.
+/// The log line for `outcome`: what was removed, what stays on the node, and how each thing
+/// that stays goes (true to what runtimes do: containerd, 1.6 to 2.x, runs no DEL of
+/// aether-cni after its reload and never CNI GC).
 pub fn say(outcome: &Outcome, s: &Finish) {
-    let state = s.state_dir.display();
     match outcome {
         Outcome::Finished { collected } => tracing::info!(
             "uninstall finished: the runtime's CNI chain names no aether-cni and the pods it captured are gone \
-             ({collected} records collected), the plugin binary and {state}/uninstalled removed: nothing of \
-             aether-cni is left on this node"
+             ({collected} records collected), the plugin binary and {}/uninstalled removed: nothing of \
+             aether-cni is left on this node",
+            s.state_dir.display()
         ),
         Outcome::TakenOver => tracing::info!(
-            "{state}/uninstalled went meanwhile (the last DEL, or an installer again): the uninstall is theirs to finish"
+            "{}/uninstalled went meanwhile (the last DEL, or an installer again): the uninstall is theirs to finish",
+            s.state_dir.display()
         ),
-        Outcome::Left { runtime: RuntimeChain::Free, binary_removed: true, records, collected } => tracing::warn!(
-            "after {:?}, the plugin binary is removed (the runtime's CNI chain names no aether-cni; {collected} records \
-             collected), and the records of {} pods still running stay in {state}/attachments: {}; no teardown needs \
-             them (the runtime's DEL no longer runs aether-cni), and they go with an installer again (its reconciler \
-             collects records whose netns is gone), with the state directory if it is a tmpfs (a reboot), or by hand \
-             once their netns are gone (docs/operating.md, \"Uninstall with pods running\")",
-            s.wait,
-            records.len(),
-            records.join(", ")
-        ),
-        Outcome::Left { runtime, records, binary_removed, collected } => tracing::warn!(
-            "the plugin binary{} and {state}/uninstalled stay with the records of {} pods ({}; {collected} collected): \
-             it cannot be known that no teardown needs them ({}); the DEL or CNI GC that removes the last record \
-             removes them, or an installer again (its reconciler collects records whose netns is gone), or by hand \
-             once `aether-cni inspect` shows no live netns (docs/operating.md, \"Uninstall with pods running\")",
-            if *binary_removed { " (removed)" } else { "" },
-            records.len(),
-            records.join(", "),
-            match runtime {
-                RuntimeChain::Names => "the runtime's CNI chain still names aether-cni".to_string(),
-                RuntimeChain::Unknown(why) | RuntimeChain::Silent(why) => why.clone(),
-                RuntimeChain::Free => format!("the runtime's CNI chain named no aether-cni for less than {RELOAD_GRACE:?}"),
-            }
-        ),
+        Outcome::Left { .. } => tracing::warn!("{}", left_text(outcome, s)),
     }
+}
+
+/// What stays after a wait that ended with records left, and how it goes.
+pub fn left_text(outcome: &Outcome, s: &Finish) -> String {
+    let Outcome::Left { runtime, binary_removed, records, collected } = outcome else { return String::new() };
+    let state = s.state_dir.display();
+    let pods = format!(
+        "the records of {} pods not known to be gone, in {state}/attachments ({})",
+        records.len(),
+        records.join(", ")
+    );
+    let capture = "and those pods' capture in their own netns (the uninstall touches no running pod: it goes \
+                   with the pod)";
+    let see = "docs/operating.md, \"Uninstall with pods running\"";
+    if *runtime == RuntimeChain::Free && *binary_removed {
+        return format!(
+            "after {:?}: the plugin binary and {state}/uninstalled are removed (the runtime's CNI chain names no \
+             aether-cni; {collected} records collected). What stays on this node: {pods}, {capture}. No teardown needs \
+             those records, and no runtime removes them (containerd never runs aether-cni's DEL after its reload, \
+             nor CNI GC): a later install adopts them and its reconciler collects each once its pod is gone; a \
+             state directory on a tmpfs goes at reboot; or by hand once `aether-cni inspect` shows their netns \
+             gone: rm -r {state}/attachments/* ({see})",
+            s.wait
+        );
+    }
+    let why = match runtime {
+        RuntimeChain::Names => "the runtime's CNI chain still names aether-cni".to_string(),
+        RuntimeChain::Unknown(why) | RuntimeChain::Silent(why) => why.clone(),
+        RuntimeChain::Free => format!("the runtime's CNI chain named no aether-cni for less than {RELOAD_GRACE:?}"),
+    };
+    format!(
+        "after {:?}: what stays on this node: the plugin binary {}{}, {state}/uninstalled, {pods} ({collected} \
+         collected), {capture}; it cannot be known that no teardown needs the binary ({why}). On a runtime whose \
+         teardowns still run aether-cni (its chain, or the pod's own, names it), the DEL that removes the last \
+         record removes the binary and uninstalled. On containerd (1.6 to 2.x), which runs no DEL of aether-cni \
+         after its reload and never CNI GC, nothing removes them but a later install (it takes the binary over, \
+         removes uninstalled, adopts the records and its reconciler collects each once its pod is gone) or a hand, \
+         once `aether-cni inspect` shows no record whose netns is alive: rm -r {state}/attachments/* \
+         {state}/uninstalled {} ({see})",
+        s.wait,
+        s.binary.display(),
+        if *binary_removed { " (removed, then put back by an ADD that raced the uninstall)" } else { "" },
+        s.binary.display(),
+    )
 }
 
 #[cfg(test)]
@@ -449,6 +486,65 @@ mod tests {
                 None => assert!(why.contains("--cri-socket"), "{why}"),
             }
             assert!(binary.exists() && state.uninstalled().is_some(), "removed without the runtime's word");
+        }
+    }
+
+    /// What the log says stays, and how it goes: the binary, `uninstalled`, the records and
+    /// the pods' capture each named; on containerd no DEL or GC is promised.
+    #[test]
+    fn the_log_names_what_stays_and_how_it_goes() {
+        let s = Finish {
+            cri_socket: None,
+            cri_timeout: Duration::from_secs(1),
+            wait: Duration::from_secs(20),
+            state_dir: "/var/run/aether-cni".into(),
+            binary: "/host/opt/cni/bin/aether-cni".into(),
+            files: NodeFiles {
+                state_dir: "/var/run/aether-cni".into(),
+                conf_dir: "/host/etc/cni/net.d".into(),
+                conflist_name: "00-aether-cni.conflist".into(),
+                entry: serde_json::Map::new(),
+            },
+        };
+        let records = vec!["net/a/eth0".to_string(), "net/b/eth0".to_string()];
+        let free = left_text(
+            &Outcome::Left {
+                runtime: RuntimeChain::Free,
+                binary_removed: true,
+                records: records.clone(),
+                collected: 1,
+            },
+            &s,
+        );
+        for needle in [
+            "the plugin binary and /var/run/aether-cni/uninstalled are removed",
+            "the records of 2 pods not known to be gone, in /var/run/aether-cni/attachments (net/a/eth0, net/b/eth0)",
+            "capture in their own netns",
+            "containerd never runs aether-cni's DEL after its reload",
+            "a later install adopts them",
+            "rm -r /var/run/aether-cni/attachments/*",
+        ] {
+            assert!(free.contains(needle), "{needle:?} not in: {free}");
+        }
+        assert!(!free.contains("the DEL that removes the last"), "no DEL comes on containerd: {free}");
+        let unknown = left_text(
+            &Outcome::Left {
+                runtime: RuntimeChain::Unknown("no answer from /run/x.sock".into()),
+                binary_removed: false,
+                records,
+                collected: 0,
+            },
+            &s,
+        );
+        for needle in [
+            "the plugin binary /host/opt/cni/bin/aether-cni, /var/run/aether-cni/uninstalled, the records of 2 pods",
+            "(no answer from /run/x.sock)",
+            "On a runtime whose teardowns still run aether-cni",
+            "On containerd (1.6 to 2.x), which runs no DEL of aether-cni after its reload and never CNI GC, nothing \
+             removes them but a later install",
+            "rm -r /var/run/aether-cni/attachments/* /var/run/aether-cni/uninstalled /host/opt/cni/bin/aether-cni",
+        ] {
+            assert!(unknown.contains(needle), "{needle:?} not in: {unknown}");
         }
     }
 

@@ -1,4 +1,5 @@
-//! Network namespaces, and nothing else.
+//! Network namespaces, and nothing else (with [`mountinfo`]: the mount table through which a
+//! process sees their bind mounts).
 //!
 //! A netns is identified by the (device, inode) of its nsfs file, never by its path: two
 //! paths (`/proc/1/ns/net`, a bind mount under `/run/netns`) may name the same namespace.
@@ -6,6 +7,8 @@
 //! never visible to any other thread of the process, and the thread ends with the work.
 //! Visiting many namespaces in turn ([`tour`]) uses one such thread for all of them: it
 //! enters each namespace and returns to its own before anything else runs on it.
+
+pub mod mountinfo;
 
 use std::cell::Cell;
 use std::fs::File;

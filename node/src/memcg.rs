@@ -170,37 +170,12 @@ impl Memcg {
 }
 
 /// The first mount in mountinfo's `text` whose filesystem type and super options `is`
-/// accepts: (the cgroup it mounts, where).
+/// accepts: (the cgroup it mounts, where). Parsed by [`aether_netns::mountinfo`].
 fn mount_of(text: &str, is: impl Fn(&str, &str) -> bool) -> Option<(String, PathBuf)> {
-    text.lines().find_map(|line| {
-        let (left, right) = line.split_once(" - ")?;
-        let fields: Vec<&str> = left.split(' ').collect();
-        let mut r = right.split(' ');
-        let (fstype, _source, options) = (r.next()?, r.next()?, r.next().unwrap_or(""));
-        let (root, mount) = (fields.get(3)?, fields.get(4)?);
-        is(fstype, options).then(|| (unescape(root), PathBuf::from(unescape(mount))))
-    })
-}
-
-/// mountinfo's octal escapes (`\040` for a space) undone.
-fn unescape(field: &str) -> String {
-    let mut out = String::new();
-    let mut rest = field;
-    while let Some(i) = rest.find('\\') {
-        out.push_str(&rest[..i]);
-        match rest.get(i + 1..i + 4).and_then(|o| u8::from_str_radix(o, 8).ok()) {
-            Some(b) => {
-                out.push(b as char);
-                rest = &rest[i + 4..];
-            }
-            None => {
-                out.push('\\');
-                rest = &rest[i + 1..];
-            }
-        }
-    }
-    out.push_str(rest);
-    out
+    aether_netns::mountinfo::parse(text)
+        .into_iter()
+        .find(|m| is(&m.fstype, &m.super_options))
+        .map(|m| (m.root.to_string_lossy().into_owned(), m.mount_point))
 }
 
 /// The directory of cgroup `path` where the cgroup `root` is mounted at `mount`.
@@ -470,7 +445,6 @@ mod tests {
         assert_eq!(m.dir, Path::new("/sys/fs/cgroup/memory"));
         // No memory hierarchy mounted: nothing to read.
         assert_eq!(Memcg::find(text, "97 84 0:45 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"), None);
-        assert_eq!(unescape("/a\\040b"), "/a b");
     }
 
     #[test]

@@ -34,12 +34,8 @@ struct ProgQuery {
 /// Cilium mounts its own at `/run/cilium/cgroupv2` on hybrid ones): from mountinfo, the
 /// first cgroup2 mount whose root is the hierarchy's root.
 pub fn cgroup2_root() -> Option<std::path::PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().find_map(|l| {
-        let (left, right) = l.split_once(" - ")?;
-        let fields: Vec<&str> = left.split(' ').collect();
-        (right.split(' ').next() == Some("cgroup2") && fields.get(3) == Some(&"/")).then(|| fields[4].into())
-    })
+    let mounts = aether_netns::mountinfo::read().ok()?;
+    mounts.into_iter().find(|m| m.fstype == "cgroup2" && m.root == std::path::Path::new("/")).map(|m| m.mount_point)
 }
 
 /// The hooks of the root cgroup at `root` with programs attached, and how many each.

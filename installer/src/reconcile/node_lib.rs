@@ -66,6 +66,8 @@ pub struct NodeLib {
     /// The stored Service layer's header, read at the start of this pass.
     layer: Result<Option<services::LayerHeader>, ServicesError>,
     compared: Comparisons,
+    /// A netns directory that does not show pods' netns made after the installer started.
+    blind: Option<crate::netns_mount::Blind>,
 }
 
 /// Where the node's CNI files are and the plugin entry the installer chains (from the
@@ -98,7 +100,15 @@ impl NodeLib {
             drift: Drift::new(),
             layer: Ok(None),
             compared: Comparisons::default(),
+            blind: None,
         }
+    }
+
+    /// A record whose netns is under `blind` and not found is unverifiable, never gone: the
+    /// directory does not show the netns made after the installer started.
+    pub fn blind_to(mut self, blind: Option<crate::netns_mount::Blind>) -> Self {
+        self.blind = blind;
+        self
     }
 
     /// Every pass compares every pod in full (what a pass cost before the generation check:
@@ -222,7 +232,14 @@ impl NodeOps for NodeLib {
             return Observation::Unverifiable("the plugin refuses the node's network configuration".into());
         };
         match self.drift.look(&conf, record, &self.layer) {
-            Look::Gone(why) => Observation::NetnsGone(why),
+            Look::Gone(why) => match &self.blind {
+                Some(b) if b.covers(&record.netns) => Observation::Unverifiable(format!(
+                    "{why}; not taken for gone: the netns directory {} does not show netns made after this \
+                     installer started (/readyz: netns)",
+                    b.dirs[0].display()
+                )),
+                _ => Observation::NetnsGone(why),
+            },
             Look::Unverifiable(why) => Observation::Unverifiable(why),
             Look::Seen { capture, services, compared } => {
                 match compared {
