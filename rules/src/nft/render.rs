@@ -431,9 +431,14 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
             b.add_part(family, part, NLM_F_CREATE, named(format!("elements of set {}", set.name)));
         }
     };
-    // A verdict map's elements name chains, so they go after the chains.
+    // A verdict map's elements name chains, so they go after the chains. A data map's go
+    // after the rules: a rule that looks a map up binds it, and binding a map walks every
+    // element it holds already (`nf_tables_bind_set`; 4% of an ADD's CPU at 10,000 Services,
+    // by perf), while an element added to a bound data map is only checked against the
+    // binding's register.
     let verdicts = |s: &model::Set| matches!(s.data, model::SetData::Goto(_));
-    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| !verdicts(s)) {
+    let numbers = |s: &model::Set| matches!(s.data, model::SetData::Number);
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| !verdicts(s) && !numbers(s)) {
         add_elements(b, set, *id);
     }
     for c in &table.chains {
@@ -460,6 +465,9 @@ fn add_table(b: &mut Batch, table: &model::Table, counters: &BTreeMap<String, (u
             );
             b.needing(needs);
         }
+    }
+    for (set, id) in table.sets.iter().zip(&ids).filter(|(s, _)| numbers(s)) {
+        add_elements(b, set, *id);
     }
 }
 
