@@ -194,7 +194,7 @@ bench: deps build clients-deps previous-release-static
 		$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
 	AETHER_INSTALLER_BIN=$(CURDIR)/$(INSTALLER_BIN) $(CARGO) bench -p aether-cni --bench services_scale
-	@# 3b. about 4 minutes: two nodes of 100 pods, 5 rounds of 12 changes, 3 ADDs and 10 s of
+	@# 3b. about 2 minutes: two nodes of 100 pods, 5 rounds of 12 changes, 3 ADDs and 10 s of
 	@# churn each
 	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_INSTALLER_BIN=$(CURDIR)/target/bench/aether-cni-installer \
 		AETHER_BENCH_BEFORE_DIR=$(CURDIR)/$(SERVICE_BEFORE_DIR) $(CARGO) bench -p aether-cni --bench release_before

@@ -304,17 +304,19 @@ fn main() {
             .fold((0.0, 0.0), |(c, w), r| (c + r.churn_cpu.as_secs_f64(), w + r.churn_wall.as_secs_f64()));
         cpu / wall * 100.0
     };
-    println!(
-        "(b) churn through the socket, 10 changes/s, {churn_secs} s a round ({} and {} changes; round trips, and the installer's CPU over the stretch):",
-        churn(0).len(),
-        churn(1).len()
-    );
-    for (what, p) in [("round trip p50", 50), ("round trip p99", 99)] {
-        let per = by_round(&|r| percentile(r.churn.clone(), p));
-        println!("{}", row(what, "ms", percentile(churn(0), p), percentile(churn(1), p), &per));
+    // (AETHER_BENCH_CHURN_SECS=0: none, for the changes and ADDs alone.)
+    if churn_secs > 0 {
+        println!(
+            "(b) churn through the socket, 10 changes/s, {churn_secs} s a round ({} and {} changes; round trips, and the installer's CPU over the stretch):",
+            churn(0).len(),
+            churn(1).len()
+        );
+        for (what, p) in [("round trip p50", 50), ("round trip p99", 99)] {
+            let per = by_round(&|r| percentile(r.churn.clone(), p));
+            println!("{}", row(what, "ms", percentile(churn(0), p), percentile(churn(1), p), &per));
+        }
+        println!("{}", row("installer CPU, % of one core", "%", total_share(0), total_share(1), &by_round(&share)));
     }
-    println!("{}", row("installer CPU, % of one core", "%", total_share(0), total_share(1), &by_round(&share)));
-
     println!("(c) one ADD, {SERVICES} Services stored ({} each, medians; a fresh process):", rounds * adds);
     let (a, b) = (all(0, &|r| r.adds.clone()), all(1, &|r| r.adds.clone()));
     println!("{}", row("wall", "ms", a.wall_ms, b.wall_ms, &by_round(&|r| medians(r.adds.clone()).wall_ms)));
