@@ -50,6 +50,12 @@ LAYER_RELEASES := 36df875 3499904
 # The same release's plugin as it shipped (static, its release profile), which make bench
 # runs beside this one's (AETHER_BENCH_OLD_BIN).
 PREVIOUS_RELEASE_BIN := target/previous-release/release/aether-cni
+# The release the Service layer's work on pod starts and the pod's own table is measured
+# against (make bench: the pod storms, and cni-plugin/benches/release_before.rs beside this
+# release in one run): its plugin and installer as it shipped them (its own `make build`),
+# built from the history into $(SERVICE_BEFORE_DIR), beside its debug build of LAYER_RELEASES.
+SERVICE_BEFORE := 3499904
+SERVICE_BEFORE_DIR := target/previous-release/$(SERVICE_BEFORE)/release
 
 .PHONY: deps build test previous-release previous-release-static test-kernels demo bench soak clean clients-deps image chart-test docs-picture notices sbom
 
@@ -123,9 +129,11 @@ previous-release: deps
 	for r in $(LAYER_RELEASES); do CARGO=$(CARGO) bash scripts/previous-release.sh $$r debug target/previous-release/$$r || exit 1; done
 
 ## previous-release-static: the previous release's plugin as it shipped ($(PREVIOUS_RELEASE_BIN):
-## static, its release profile), for make bench, built from the history
+## static, its release profile), and $(SERVICE_BEFORE)'s plugin and installer as it shipped
+## them ($(SERVICE_BEFORE_DIR)), for make bench, built from the history
 previous-release-static: deps
 	CARGO=$(CARGO) bash scripts/previous-release.sh $(PREVIOUS_RELEASE) release
+	CARGO=$(CARGO) bash scripts/previous-release.sh $(SERVICE_BEFORE) shipped target/previous-release/$(SERVICE_BEFORE)
 
 test: deps clients-deps build notices previous-release
 	AETHER_CNI_BIN=$(CURDIR)/target/debug/aether-cni AETHER_CNI_STATIC_BIN=$(CURDIR)/$(BIN) \
@@ -170,6 +178,8 @@ demo: build
 ## a static C no-op) and beside the previous release's plugin ($(PREVIOUS_RELEASE_BIN)); 2. the Service layer at
 ## 1,000 and 10,000 ports: full build vs one Service more vs verify; 3. the Service layer at
 ## cluster scale (10,000 Services, 100 pods, vs the kernel floor; bench/results/services-scale.*);
+## 3b. a change through the installer's socket, churn at 10 changes/s and an ADD at 10,000
+## Services, beside release $(SERVICE_BEFORE)'s plugin and installer, interleaved;
 ## 4. the installer's repair latency; 5. pod start through containerd 2's CRI (RunPodSandbox to
 ## ready), the main chain alone vs with aether-cni at 0 and 10,000 Services. Medians and ratios.
 bench: deps build clients-deps previous-release-static
@@ -179,11 +189,16 @@ bench: deps build clients-deps previous-release-static
 	@# written by a copy, as the release's and as the installer writes it onto a node. The
 	@# linker's own output file costs 15-25% more CPU per process here (docs/benchmarks.md).
 	install -D -m 0755 $(BIN) target/bench/aether-cni
+	install -D -m 0755 $(INSTALLER_BIN) target/bench/aether-cni-installer
 	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_BENCH_OLD_BIN=$(CURDIR)/$(PREVIOUS_RELEASE_BIN) \
 		$(CARGO) bench -p aether-cni --bench capture
 	$(CARGO) bench -p aether-rules --bench services_apply
 	AETHER_INSTALLER_BIN=$(CURDIR)/$(INSTALLER_BIN) $(CARGO) bench -p aether-cni --bench services_scale
-	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_BENCH_OLD_BIN=$(CURDIR)/$(PREVIOUS_RELEASE_BIN) \
+	@# 3b. about 2 minutes: two nodes of 100 pods, 5 rounds of 12 changes, 3 ADDs and 10 s of
+	@# churn each
+	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_INSTALLER_BIN=$(CURDIR)/target/bench/aether-cni-installer \
+		AETHER_BENCH_BEFORE_DIR=$(CURDIR)/$(SERVICE_BEFORE_DIR) $(CARGO) bench -p aether-cni --bench release_before
+	AETHER_BENCH_BIN=$(CURDIR)/target/bench/aether-cni AETHER_BENCH_OLD_BIN=$(CURDIR)/$(SERVICE_BEFORE_DIR)/aether-cni \
 		$(CARGO) bench -p aether-cni --bench pod_storms
 	$(CARGO) bench -p aether-installer --bench repair
 	$(CARGO) bench -p aether-installer --bench reconcile_pass

@@ -13,8 +13,18 @@
 #   scripts/previous-release.sh COMMIT debug DIR  the debug binary into DIR (the Service
 #                                                 layer's releases before: make test builds
 #                                                 each into target/previous-release/COMMIT)
+#   scripts/previous-release.sh COMMIT shipped DIR
+#                                                 the plugin and the installer as that release
+#                                                 shipped them, made by its own `make build`
+#                                                 (static, its profiles and link flags, the
+#                                                 plugin stripped), for make bench's side by
+#                                                 side with the release before:
+#                                                 DIR/release/aether-cni and
+#                                                 DIR/release/aether-cni-installer, built in
+#                                                 DIR/target (the target directory the debug
+#                                                 build of DIR uses: one per release)
 set -euo pipefail
-want=${1:?usage: previous-release.sh COMMIT [release]}
+want=${1:?usage: previous-release.sh COMMIT [release | debug DIR | shipped DIR]}
 profile=${2:-debug}
 # A shallow clone lacks the commit: deepen it from where it was cloned, once, before giving up.
 if ! git rev-parse -q --verify "$want^{commit}" >/dev/null && [ "$(git rev-parse --is-shallow-repository)" = true ]; then
@@ -26,20 +36,34 @@ out=target/previous-release
 case "$profile" in
 debug) dest=${3:-$out} ;;
 release) dest=$out/release ;;
-*) echo "previous-release: unknown profile $profile (debug or release)" >&2; exit 2 ;;
+shipped) dest=${3:?previous-release: shipped needs DIR}/release ;;
+*) echo "previous-release: unknown profile $profile (debug, release or shipped)" >&2; exit 2 ;;
 esac
 if [ -x "$dest/aether-cni" ] && [ "$(cat "$dest/commit" 2>/dev/null)" = "$rev" ]; then
-	exit 0
+	[ "$profile" != shipped ] || [ -x "$dest/aether-cni-installer" ] && exit 0
 fi
 src=$out/src-$profile-$rev
 # A target directory per release built into a directory of its own: cargo reuses a path
 # package's artifacts by name and version, whatever its source, across releases.
 target_dir=$PWD/$out/target
 [ -n "${3:-}" ] && target_dir=$PWD/$dest/target
-rm -rf "$src" "$dest/aether-cni"
+rm -rf "$src" "$dest/aether-cni" "$dest/aether-cni-installer"
 mkdir -p "$src" "$dest"
 git archive "$rev" | tar -x -C "$src"
-if [ "$profile" = release ]; then
+if [ "$profile" = shipped ]; then
+	# The release's own build, so that its binaries are made as it shipped them (whatever its
+	# profiles, flags and stripping were then); its Makefile writes into its target/, here the
+	# release's target directory.
+	if ! grep -q '^build:' "$src/Makefile" || ! grep -q 'aether-cni-installer' "$src/Makefile"; then
+		echo "previous-release: $want's Makefile builds no installer; shipped needs one" >&2
+		exit 2
+	fi
+	mkdir -p "$3/target"
+	ln -s "$(cd "$3/target" && pwd)" "$src/target"
+	make -s -C "$src" build CARGO="${CARGO:-cargo}" >&2
+	install -m 0755 "$src/target/release/aether-cni" "$dest/aether-cni"
+	install -m 0755 "$src/target/release/aether-cni-installer" "$dest/aether-cni-installer"
+elif [ "$profile" = release ]; then
 	# As that release's `make build` made it: static, for the one target (the flag kept off
 	# build scripts and proc-macros).
 	target=x86_64-unknown-linux-gnu

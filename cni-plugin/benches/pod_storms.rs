@@ -18,6 +18,7 @@ use aether_testkit::TestNetns;
 use serde_json::json;
 
 #[path = "common/services_doc.rs"]
+#[allow(dead_code)] // (the churn's documents: the installer benches')
 mod services_doc;
 use services_doc::{layer, median, ms, snapshot};
 

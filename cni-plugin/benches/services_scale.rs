@@ -30,7 +30,7 @@
 //! step panics. `AETHER_BENCH_ROUNDS` overrides the number of rounds.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -43,9 +43,15 @@ use aether_testkit::memcg::ScratchMemcg;
 use aether_testkit::TestNetns;
 use serde_json::{json, Value};
 
+#[path = "common/installer.rs"]
+mod installer;
+#[path = "common/process.rs"]
+mod process;
 #[path = "common/services_doc.rs"]
 mod services_doc;
-use services_doc::{layer, median, ms, service_ports, service_vip, snapshot};
+use installer::{post_change, ChartMemory, InstallerProcess, MIB};
+use process::{launch, medians, thread_cpu, Ran, Sample, LAUNCH};
+use services_doc::{churn_docs, churn_service, layer, median, ms, service_ports, service_vip, snapshot};
 
 const BIN: &str = env!("CARGO_BIN_EXE_aether-cni");
 const SERVICES: u32 = 10_000;
@@ -93,12 +99,6 @@ fn layer6(n: u32, v6_only: bool) -> ServiceLayer {
         })
     }));
     l
-}
-
-/// A Service the change rows add, flip and remove (`churn/c-k`, in the ranges' second /16).
-fn churn_service(k: u32, usable: bool) -> Value {
-    json!({"namespace": "churn", "name": format!("c-{k}"), "vip": Ipv4Addr::from(0x0a61_8000 + k).to_string(),
-           "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": usable})
 }
 
 /// The churn Service as the layer's port.
@@ -224,230 +224,19 @@ fn wait_for_quiet() {
     std::thread::sleep(Duration::from_millis(gap));
 }
 
-/// `aether-cni-installer` on the bench's node (reconciler off; CNI directories of its own),
-/// stopped (SIGTERM) when dropped.
-struct InstallerProcess {
-    child: std::process::Child,
-    socket: PathBuf,
-    dir: PathBuf,
-    /// Each thread's CPU time when `cpu` last saw it, by thread ID: a thread that ended
-    /// (a blocking pool's, idle) still counts what it had used.
-    seen: std::cell::RefCell<BTreeMap<u64, u64>>,
-}
-
-impl InstallerProcess {
-    fn start(state: &Path) -> InstallerProcess {
-        InstallerProcess::start_in(state, None)
-    }
-
-    /// Started inside the memory cgroup `cg`, as a node runs it in its container's.
-    fn start_in(state: &Path, cg: Option<&ScratchMemcg>) -> InstallerProcess {
-        let dir = state.with_extension("installer");
-        for d in ["bin", "conf"] {
-            std::fs::create_dir_all(dir.join(d)).unwrap();
-        }
-        let mut cmd = Command::new(aether_testkit::installer_bin());
-        cmd.arg(format!("--plugin-binary={BIN}"))
-            .arg(format!("--cni-bin-dir={}", dir.join("bin").display()))
-            .arg(format!("--cni-conf-dir={}", dir.join("conf").display()))
-            .arg(format!("--state-dir={}", state.display()))
-            .args(["--listen=127.0.0.1:0", "--host-ip=10.250.0.1", "--reconcile=false"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("installer.log")).unwrap());
-        if let Some(cg) = cg {
-            cg.enter_on_spawn(&mut cmd);
-        }
-        let child = cmd.spawn().expect("spawn aether-cni-installer");
-        let inst = InstallerProcess { child, socket: state.join("agent/services.sock"), dir, seen: Default::default() };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(&inst.socket).is_err() {
-            assert!(Instant::now() < deadline, "the installer never served its socket:\n{}", inst.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        inst
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("installer.log")).unwrap_or_default()
-    }
-
-    /// The process's CPU time so far, all threads (each task's schedstat: nanoseconds on a
-    /// CPU, finer than the clock ticks of /proc/PID/stat), those that ended as last seen.
-    fn cpu(&self) -> Duration {
-        let mut seen = self.seen.borrow_mut();
-        for t in std::fs::read_dir(format!("/proc/{}/task", self.child.id())).unwrap().flatten() {
-            let Some(tid) = t.file_name().to_str().and_then(|n| n.parse().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(t.path().join("schedstat")) else { continue };
-            if let Some(ns) = stat.split_whitespace().next().and_then(|v| v.parse().ok()) {
-                seen.insert(tid, ns);
-            }
-        }
-        Duration::from_nanos(seen.values().sum())
-    }
-}
-
-impl InstallerProcess {
-    /// The process's CPU time so far (user + sys of /proc/PID/stat: threads that ended
-    /// included, in clock ticks): for a long run.
-    fn cpu_ticks(&self) -> Duration {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
-        // The fields after the command name (which is in parentheses and may hold spaces).
-        let rest: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
-        let ticks: u64 = rest[11].parse::<u64>().unwrap() + rest[12].parse::<u64>().unwrap();
-        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
-        Duration::from_nanos(ticks * 1_000_000_000 / per_second)
-    }
-}
-
-impl InstallerProcess {
-    /// The process's peak resident memory so far (VmHWM), MiB.
-    fn peak_rss_mib(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmHWM:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmHWM in /proc/PID/status");
-        kib / 1024.0
-    }
-}
-
-impl Drop for InstallerProcess {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A process's wall time, CPU time (user + sys), max RSS (KiB, from `wait4`), success and
-/// stdout.
-struct Ran {
-    wall: Duration,
-    cpu: Duration,
-    max_rss_kib: i64,
-    ok: bool,
-    stdout: String,
-}
-
-impl Ran {
-    fn sample(&self) -> Sample {
-        Sample { wall_ms: ms(self.wall), cpu_ms: ms(self.cpu), rss_mib: self.max_rss_kib as f64 / 1024.0 }
-    }
-}
-
-/// One measure: wall and CPU milliseconds, max RSS (0 when not measured).
-#[derive(Clone, Copy)]
-struct Sample {
-    wall_ms: f64,
-    cpu_ms: f64,
-    rss_mib: f64,
-}
-
-/// The median of each field.
-fn medians(v: Vec<Sample>) -> Sample {
-    Sample {
-        wall_ms: median(v.iter().map(|s| s.wall_ms).collect()),
-        cpu_ms: median(v.iter().map(|s| s.cpu_ms).collect()),
-        rss_mib: median(v.iter().map(|s| s.rss_mib).collect()),
-    }
-}
-
-/// The first argument that makes this program a launcher (see `launch`).
-const LAUNCH: &str = "--launch-measured";
-
-/// Runs `BIN args` with its stdio inherited, reaps it with `wait4`, and prints its wall time
-/// (ns), max RSS (KiB) and exit status as the last line on stderr. A process inherits the
-/// peak RSS of the process that spawned it (Linux keeps the high-water mark across exec), so
-/// the plugin is started from this small, fresh process, not from the bench, whose peak is
-/// tens of MB.
-#[allow(clippy::zombie_processes)]
-fn launch(args: &[String]) -> ! {
-    let t = Instant::now();
-    let child = Command::new(BIN).args(args).spawn().unwrap();
-    let mut status = 0;
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    let wall = t.elapsed();
-    assert_eq!(pid, child.id() as i32, "wait4");
-    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
-    let tv = |t: libc::timeval| t.tv_sec as u128 * 1_000_000_000 + t.tv_usec as u128 * 1000;
-    let cpu = tv(usage.ru_utime) + tv(usage.ru_stime);
-    eprintln!("\n{LAUNCH} {} {} {} {cpu}", wall.as_nanos(), usage.ru_maxrss, ok as u8);
-    std::process::exit(0)
-}
-
-fn run(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Ran {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg(LAUNCH)
-        .args(args)
-        .env_clear()
-        .envs(env.iter().copied())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    let feed = std::thread::scope(|s| {
-        let feeder = s.spawn(move || input.write_all(stdin));
-        let mut stdout = String::new();
-        child.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
-        let mut stderr = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-        let _ = feeder.join();
-        (stdout, stderr)
-    });
-    assert!(child.wait().unwrap().success(), "the launcher failed: {}", feed.1);
-    let last = feed.1.lines().last().unwrap_or_default();
-    let f: Vec<&str> =
-        last.strip_prefix(LAUNCH).unwrap_or_else(|| panic!("no measure in {last:?}")).split_whitespace().collect();
-    let ok = f[2] == "1";
-    if !ok {
-        eprintln!("{args:?} failed:\n{}\n{}", feed.0, feed.1);
-    }
-    Ran {
-        wall: Duration::from_nanos(f[0].parse().unwrap()),
-        cpu: Duration::from_nanos(f[3].parse().unwrap()),
-        max_rss_kib: f[1].parse().unwrap(),
-        ok,
-        stdout: feed.0,
-    }
-}
-
 fn services_cmd(state: &Path, args: &[&str], stdin: &[u8]) -> Ran {
     let mut all = vec!["services"];
     all.extend_from_slice(args);
     let state = state.to_str().unwrap();
     all.extend_from_slice(&["--state-dir", state]);
-    let r = run(&all, &[], stdin);
+    let r = process::run(BIN, &all, &[], stdin);
     assert!(r.ok, "services {args:?}");
     r
 }
 
-fn conf(state: &Path) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "cniVersion": "1.0.0", "name": "bench-scale", "type": "aether-cni", "stateDir": state,
-        "hostIP": "10.0.0.1",
-        "prevResult": {"cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/x"}],
-                       "ips": [{"address": "10.244.1.5/24", "interface": 0}]}
-    }))
-    .unwrap()
-}
-
+/// A CNI command of the plugin `cargo bench` built (`process::cni`).
 fn cni(command: &str, state: &Path, netns: &str, id: &str) -> Ran {
-    let env = [
-        ("CNI_COMMAND", command),
-        ("CNI_CONTAINERID", id),
-        ("CNI_NETNS", netns),
-        ("CNI_IFNAME", "eth0"),
-        ("CNI_PATH", "/opt/cni/bin"),
-        ("CNI_ARGS", "K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod"),
-    ];
-    let r = run(&[], &env, &conf(state));
-    assert!(r.ok, "CNI {command}");
-    r
+    process::cni(BIN, command, state, netns, id)
 }
 
 fn state_dir(tag: &str) -> PathBuf {
@@ -533,35 +322,6 @@ fn changes_only() {
             applied.cpu_ms / floor.cpu_ms
         );
     }
-}
-
-/// `doc` POSTed to `installer` as the change from generation `g` (moved on by one): the
-/// sample (wall time of the round trip; CPU time of the installer process, all threads) and
-/// the answer's body (status 200 asserted).
-fn post_change(installer: &InstallerProcess, g: &mut u64, mut doc: Value) -> (Sample, String) {
-    (doc["baseGeneration"], doc["generation"]) = (json!(*g), json!(*g + 1));
-    *g += 1;
-    let text = serde_json::to_vec(&doc).unwrap();
-    let (t, c) = (Instant::now(), installer.cpu());
-    let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
-    let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
-    let body = String::from_utf8_lossy(&body).into_owned();
-    assert_eq!(status, 200, "{body}");
-    (sample, body)
-}
-
-/// The three changes of round `k` (a Service added, its endpoints flipped to none, removed),
-/// each with the result every pod must report.
-fn churn_docs(k: u32) -> [(Value, &'static str); 3] {
-    [
-        (json!({"servicesPut": [churn_service(k, true)]}), "elements +2 -0"),
-        (
-            json!({"endpoints": [{"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false}]}),
-            "elements +1 -1",
-        ),
-        (json!({"servicesRemoved": [{"namespace": "churn", "name": format!("c-{k}")}]}), "elements +0 -2"),
-    ]
 }
 
 /// Changes through the installer's socket beside their floors, by change (`churn_docs`'
@@ -676,13 +436,6 @@ impl Figure {
     }
 }
 
-/// CPU time of the calling thread.
-fn thread_cpu() -> Duration {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
-}
-
 /// The floor: one pod's layer created by sending its transaction, encoded once (the kernel
 /// does the work in the sending thread: its CPU time is the kernel's).
 fn floor(n: u32) -> Sample {
@@ -791,40 +544,6 @@ fn kernel_memory_charged(which: &str) -> f64 {
 /// default the kubelet's 110, the chart's `podsPerNode`).
 fn node_pods() -> usize {
     std::env::var("AETHER_BENCH_NODE_PODS").ok().and_then(|v| v.parse().ok()).unwrap_or(110)
-}
-
-const MIB: u64 = 1 << 20;
-
-/// The chart's numbers for the installer's memory limit (`serviceLayerMemory` in
-/// charts/aether-cni/values.yaml).
-struct ChartMemory {
-    base_mib: u64,
-    bytes_per_service: u64,
-}
-
-impl ChartMemory {
-    fn read() -> ChartMemory {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/aether-cni/values.yaml");
-        let text = std::fs::read_to_string(&path).unwrap();
-        // The `key: value` lines indented under `serviceLayerMemory:` (comments among them).
-        let value = |key: &str| -> u64 {
-            text.lines()
-                .skip_while(|l| !l.starts_with("serviceLayerMemory:"))
-                .skip(1)
-                .take_while(|l| l.starts_with(' ') || l.is_empty())
-                .find_map(|l| l.trim().strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
-                .unwrap_or_else(|| panic!("{}: no serviceLayerMemory.{key}", path.display()))
-        };
-        ChartMemory { base_mib: value("baseMiB"), bytes_per_service: value("bytesPerService") }
-    }
-
-    /// The limit the chart computes (charts/aether-cni/templates/_helpers.tpl,
-    /// docs/operating.md "Memory"): (baseMiB x 1 MiB + pods x Services x families x
-    /// bytesPerService) x 10/9, rounded up to a MiB.
-    fn limit(&self, services: u64, pods: u64, families: u64) -> u64 {
-        let bytes = self.base_mib * MIB + pods * services * families * self.bytes_per_service;
-        (bytes * 10).div_ceil(9).div_ceil(MIB) * MIB
-    }
 }
 
 /// What the installer did with 100,000 Services to a node's pods, inside a memory cgroup.

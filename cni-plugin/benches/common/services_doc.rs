@@ -1,5 +1,6 @@
 //! What the Service-layer benches share: the 10,000-Service document the agent sends (and
-//! the same Services as the layer's model), and their medians.
+//! the same Services as the layer's model), the change documents of the churn, and their
+//! medians.
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
@@ -54,4 +55,23 @@ pub fn layer(n: u32) -> ServiceLayer {
         })
         .collect();
     l
+}
+
+/// A Service the change rows add, flip and remove (`churn/c-k`, in the ranges' second /16).
+pub fn churn_service(k: u32, usable: bool) -> Value {
+    json!({"namespace": "churn", "name": format!("c-{k}"), "vip": Ipv4Addr::from(0x0a61_8000 + k).to_string(),
+           "ports": [{"protocol": "TCP", "port": 443}], "usableEndpoints": usable})
+}
+
+/// The three changes of round `k` (a Service added, its endpoints flipped to none, removed),
+/// each with the result every pod must report.
+pub fn churn_docs(k: u32) -> [(Value, &'static str); 3] {
+    [
+        (json!({"servicesPut": [churn_service(k, true)]}), "elements +2 -0"),
+        (
+            json!({"endpoints": [{"namespace": "churn", "name": format!("c-{k}"), "usableEndpoints": false}]}),
+            "elements +1 -1",
+        ),
+        (json!({"servicesRemoved": [{"namespace": "churn", "name": format!("c-{k}")}]}), "elements +0 -2"),
+    ]
 }
