@@ -235,9 +235,9 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
     let stored = dir.stored_layer()?;
     let mut pods = Vec::new();
     let state = StateDir::new(&dir.state);
-    let listed = std::time::SystemTime::now();
+    let listed = super::engine::Listed::now(&state);
     let records = state.records();
-    aether_netns::tour(|| verify_each(dir, (&state, listed), records, stored.as_ref(), &mut pods))
+    aether_netns::tour(|| verify_each(dir, (&state, &listed), records, stored.as_ref(), &mut pods))
         .map_err(ServicesError::Tour)?;
     Ok(VerifyReport { generation: stored.map(|s| s.generation), pods })
 }
@@ -245,7 +245,7 @@ pub fn verify_pods(dir: &ServicesDir) -> Result<VerifyReport, ServicesError> {
 /// `verify_pods`' visit of each pod: the engine's, checked (`engine::bring_pod`).
 fn verify_each(
     dir: &ServicesDir,
-    (state, listed): (&StateDir, std::time::SystemTime),
+    (state, listed): (&StateDir, &super::engine::Listed),
     records: Vec<Record>,
     stored: Option<&StoredLayer>,
     pods: &mut Vec<PodVerified>,

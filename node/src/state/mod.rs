@@ -163,7 +163,7 @@ impl StateDir {
 
     /// File names are built from validated parts (network names and container IDs are
     /// restricted by the spec; ifnames by the kernel), joined by a separator none contains.
-    fn record_name(network: &str, container_id: &str, ifname: &str) -> String {
+    pub(crate) fn record_name(network: &str, container_id: &str, ifname: &str) -> String {
         let safe = |s: &str| s.replace(|c: char| !(c.is_ascii_alphanumeric() || "_.-".contains(c)), "_");
         format!("{}+{}+{}.json", safe(network), safe(container_id), safe(ifname))
     }

@@ -78,27 +78,40 @@ fn a_visit_goes_ahead_only_while_the_listed_record_is_there() {
     let listed_record = Record { netns_id: Some(crate::state::NetnsIdentity::of(&n)), ..rec("c0", &ns.path()) };
     dirs.write(&listed_record).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let listed = std::time::SystemTime::now();
-    assert!(engine::still_recorded(&dirs, &listed_record, &n, listed).is_ok(), "the listed record, unchanged");
+    let listed = engine::Listed::now(&dirs);
+    assert!(engine::still_recorded(&dirs, &listed_record, &n, &listed).is_ok(), "the listed record, unchanged");
+    // The directory alone vouches while it is unchanged: a record overwritten in place (no
+    // writer of ours does that: every write is a rename, which changes the directory) is not
+    // looked at. (Without the directory's word, its new change time would have it read.)
+    let path = state.join("attachments").join(StateDir::record_name("k8s-pod-network", "c0", "eth0"));
+    let kept = fs::read(&path).unwrap();
+    fs::write(&path, b"not a record").unwrap();
+    assert!(engine::still_recorded(&dirs, &listed_record, &n, &listed).is_ok(), "vouched for by the directory");
+    let listed_without_dir = engine::Listed::without_directory(&listed);
+    assert!(
+        engine::still_recorded(&dirs, &listed_record, &n, &listed_without_dir).is_err(),
+        "the control: without the directory's word, the record written since is read"
+    );
+    fs::write(&path, kept).unwrap();
     // Written again after the listing, naming another netns: read, and refused.
     let elsewhere = TestNetns::new("svc-recorded2");
     let other = Netns::open_foreign(elsewhere.path()).unwrap();
     dirs.write(&Record { netns_id: Some(crate::state::NetnsIdentity::of(&other)), ..rec("c0", &elsewhere.path()) })
         .unwrap();
-    match engine::still_recorded(&dirs, &listed_record, &n, listed) {
+    match engine::still_recorded(&dirs, &listed_record, &n, &listed) {
         Err(PodError::Gone(why)) => assert!(why.contains("another netns"), "{why}"),
         other => panic!("a record written since for another netns: {other:?}"),
     }
     // Control: listed after that write (by more than the margin), the change time alone
     // vouches for it, so the check is the listing's time, not chance.
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let later = std::time::SystemTime::now();
+    let later = engine::Listed::now(&dirs);
     assert!(
-        engine::still_recorded(&dirs, &listed_record, &n, later).is_ok(),
+        engine::still_recorded(&dirs, &listed_record, &n, &later).is_ok(),
         "listed after the write, the change time alone vouches (the listing would hold the new record)"
     );
     dirs.remove("k8s-pod-network", "c0", "eth0").unwrap();
-    match engine::still_recorded(&dirs, &listed_record, &n, later) {
+    match engine::still_recorded(&dirs, &listed_record, &n, &later) {
         Err(PodError::Gone(why)) => assert!(why.contains("went"), "{why}"),
         other => panic!("a removed record: {other:?}"),
     }
