@@ -239,12 +239,7 @@ impl Listed {
 }
 
 /// The pod's netns lock (`Netns::lock`), taken for a visit, when its record is still there
-/// once it is held; `PodError::Gone` when not. ADD, DEL and repairs hold the same lock for
-/// their pod, and a DEL removes the record before letting go: a visit never re-creates the
-/// layer of a pod being deleted, nor meets an ADD's half-made one. Only this pod waits.
-/// `listed`: when `r` was read. A directory unchanged since, or a record not written since
-/// (by its change time), is `r` itself: one `fstat` or one `stat`, not a reading (an apply
-/// visits every pod on every change: 100 readings were a millisecond).
+/// once it is held (`recorded`); `PodError::Gone` when not. Only this pod waits.
 pub(super) fn still_recorded(
     state: &StateDir,
     r: &Record,
@@ -252,17 +247,29 @@ pub(super) fn still_recorded(
     listed: &Listed,
 ) -> Result<aether_netns::NetnsLock, PodError> {
     let lock = ns.lock().map_err(PodError::Netns)?;
+    recorded(state, r, listed)?;
+    Ok(lock)
+}
+
+/// Whether the record `r` is still there, asked while the pod's netns lock is held. ADD,
+/// DEL and repairs hold the same lock for their pod, and a DEL removes the pod's layer and
+/// then its record before letting go: a visit that checked never re-creates the layer of a
+/// pod being deleted, nor meets an ADD's half-made one. `listed`: when `r` was read. A
+/// directory unchanged since, or a record not written since (by its change time), is `r`
+/// itself: one `fstat` or one `stat`, not a reading (an apply visits every pod on every
+/// change: 100 readings were a millisecond).
+pub(super) fn recorded(state: &StateDir, r: &Record, listed: &Listed) -> Result<(), PodError> {
     if listed.unchanged() {
-        return Ok(lock);
+        return Ok(());
     }
     let went = || PodError::Gone(format!("the record {} went (the pod's DEL)", r.key()));
     match state.record_changed_at(&r.network, &r.container_id, &r.ifname) {
         Ok(None) => return Err(went()),
-        Ok(Some(at)) if at + FILE_CLOCK_MARGIN < listed.at => return Ok(lock),
+        Ok(Some(at)) if at + FILE_CLOCK_MARGIN < listed.at => return Ok(()),
         _ => {}
     }
     match state.read(&r.network, &r.container_id, &r.ifname) {
-        Ok(Some(now)) if now.netns_id == r.netns_id => Ok(lock),
+        Ok(Some(now)) if now.netns_id == r.netns_id => Ok(()),
         Ok(Some(_)) => Err(PodError::Gone(format!("the record {} now names another netns (a new ADD)", r.key()))),
         Ok(None) => Err(went()),
         Err(u) => Err(PodError::Gone(format!("the record {} cannot be read: {}", r.key(), u.why))),
@@ -326,8 +333,8 @@ pub(super) fn apply_to_pods(
     let mut outcomes = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
         let result = pods.reach(i, r).and_then(|pod| {
-            let _pod = still_recorded(&state, r, pod.netns(), &listed)?;
-            pass.visit(pod, mark_of(r, node_mark), plan.get(r))
+            let _pod = pod.netns().lock().map_err(PodError::Netns)?;
+            pass.visit(pod, mark_of(r, node_mark), plan.get(r), &|| recorded(&state, r, &listed))
         });
         if matches!(result, Ok(Applied::Removed(_))) {
             removed_keys.push(r.key());
@@ -394,7 +401,27 @@ impl<'a> Pass<'a> {
     /// compare-and-swap in the kernel, a rebuild takes whatever the pod holds, and a pod
     /// planned to hold the new layer already held the stored one (a new generation is stored
     /// only after the plan).
-    fn visit(&mut self, pod: &mut dyn PodLink, mark: u32, planned: Option<Action>) -> Result<Applied, PodError> {
+    ///
+    /// `recorded`: whether the pod's record is still there (the caller holds the pod's
+    /// lock), asked once, and only before what no compare-and-swap guards: a rebuild, a
+    /// removal, or a decision again after a refusal. An element change or a rename sent to a
+    /// pod whose DEL came first is refused by the kernel (the DEL removed the layer with the
+    /// name it compares), so the common visit asks no file.
+    fn visit(
+        &mut self,
+        pod: &mut dyn PodLink,
+        mark: u32,
+        planned: Option<Action>,
+        recorded: &dyn Fn() -> Result<(), PodError>,
+    ) -> Result<Applied, PodError> {
+        let mut asked = false;
+        let mut still_recorded = || -> Result<(), PodError> {
+            if !asked {
+                recorded()?;
+                asked = true;
+            }
+            Ok(())
+        };
         let new = self.new;
         let key = run_key(self.dir, pod.netns());
         self.visited.insert(key.clone());
@@ -411,6 +438,7 @@ impl<'a> Pass<'a> {
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
+                    still_recorded()?;
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
                     runs(|runs| runs.remove(&key));
@@ -446,6 +474,7 @@ impl<'a> Pass<'a> {
                 (Action::Change | Action::Rebuild | Action::Migrate, _) => {
                     // The whole layer must fit what this process may still charge (else the
                     // pod keeps what it has).
+                    still_recorded()?;
                     let elements = budget::layer_elements(m.layer());
                     charge(elements).map_err(PodError::OverBudget)?;
                     if action == Action::Migrate {
@@ -478,6 +507,7 @@ impl<'a> Pass<'a> {
                 // Refused by the kernel (or no element change between these layers): decided
                 // again from what the kernel says, once; then rebuilt.
                 None if !fresh => {
+                    still_recorded()?;
                     fresh = true;
                     pod.believe(None);
                     let again = decide(&pod.held(true)?, self.previous, new, mark);
@@ -554,7 +584,8 @@ pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Br
             return Ok(Brought { held, action, differences, applied: Some(applied), created: None });
         }
     }
-    let applied = pass.visit(&mut InPlace(ns), mark, Some(action))?;
+    // The caller holds the pod's lock and knows it recorded (or, ADD, is recording it).
+    let applied = pass.visit(&mut InPlace(ns), mark, Some(action), &|| Ok(()))?;
     let created = pass.marks.get_mut(&mark).and_then(ForMark::created);
     let applied = (action != Action::Nothing).then_some(applied);
     Ok(Brought { held, action, differences, applied, created })

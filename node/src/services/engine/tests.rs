@@ -24,3 +24,95 @@ fn the_run_of_generations_table() {
         assert_eq!(sent.run(before), want, "{case}");
     }
 }
+
+/// A pod link that never reaches the kernel: it sends nothing (a send is accepted, or refused
+/// as a kernel refuses a compare-and-swap on a pod that holds something else).
+struct FakeLink {
+    ns: Netns,
+    held: HeldLayer,
+    refuse: bool,
+    sends: usize,
+}
+
+impl PodLink for FakeLink {
+    fn netns(&self) -> &Netns {
+        &self.ns
+    }
+    fn held(&mut self, _fresh: bool) -> Result<HeldLayer, PodError> {
+        Ok(self.held)
+    }
+    fn believe(&mut self, _now: Option<HeldLayer>) {}
+    fn send(&mut self, _change: &Encoded, _read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
+        self.sends += 1;
+        match self.refuse {
+            true => Err(PodError::Gone("refused: the pod holds another layer".into())),
+            false => Ok((None, Some(1))),
+        }
+    }
+}
+
+/// A visit asks whether the pod is still recorded only before what no compare-and-swap
+/// guards (a rebuild, a migration, a removal, a decision again after a refusal): an element
+/// change or a rename asks no file. Each row's record check answers "gone", so a visit that
+/// asks stops there, before the kernel; one that does not ask and should have would reach the
+/// kernel (in a namespace of the test's own), and its row fails.
+#[test]
+fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
+    use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
+    let stored = |generation: u64, port: u16| {
+        let mut l = ServiceLayer::new(LayerMode::Refuse);
+        l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
+        l.ports = vec![ServicePort {
+            vip: "10.96.1.1".parse().unwrap(),
+            proto: aether_rules::model::Proto::Tcp,
+            port,
+            has_endpoints: true,
+        }];
+        StoredLayer::new(generation, &l, 0)
+    };
+    const MARK: u32 = 0xae71;
+    let (prev, new) = (stored(4, 80), stored(5, 81));
+    let renamed_from = stored(3, 81).named(MARK);
+    // In a namespace of the test's own, so that a visit that wrongly went on touches
+    // nothing of the host's.
+    if !aether_testkit::root_or_skip("a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards") {
+        return;
+    }
+    let own = aether_testkit::TestNetns::new("visit");
+    let path = own.path();
+    let state = aether_testkit::ScratchDir::new("visit-record");
+    let dir = ServicesDir::new(&state.0);
+
+    use Action::*;
+    #[rustfmt::skip]
+    let table: Vec<(&str, Action, bool, bool, usize)> = vec![
+        // (case, planned, the kernel refuses, the record asked, sends)
+        ("nothing to do",                            Nothing,              false, false, 0),
+        ("an element change",                        Change,               false, false, 1),
+        ("a rename",                                 Rename(renamed_from), false, false, 1),
+        ("an element change the kernel refuses",     Change,               true,  true,  1),
+        ("a rebuild",                                Rebuild,              false, true,  0),
+        ("a migration",                              Migrate,              false, true,  0),
+        ("a removal (mode off)",                     Remove,               false, true,  0),
+    ];
+    for (case, planned, refuse, want_asked, want_sends) in table {
+        let mut link =
+            FakeLink { ns: Netns::open(&path).unwrap(), held: HeldLayer::Named(prev.named(MARK)), refuse, sends: 0 };
+        let asked = std::cell::Cell::new(0);
+        let gone = || {
+            asked.set(asked.get() + 1);
+            Err(PodError::Gone("the record went".into()))
+        };
+        let mut pass = Pass::new(&dir, (&new, Some(&prev)), false);
+        let outcome = pass.visit(&mut link, MARK, Some(planned), &gone);
+        assert_eq!(asked.get() > 0, want_asked, "{case}: asked for the record {} time(s): {outcome:?}", asked.get());
+        assert!(asked.get() <= 1, "{case}: asked once at most, asked {}", asked.get());
+        assert_eq!(link.sends, want_sends, "{case}: sends");
+        match want_asked {
+            true => {
+                assert!(matches!(outcome, Err(PodError::Gone(ref m)) if m == "the record went"), "{case}: {outcome:?}")
+            }
+            false => assert!(outcome.is_ok(), "{case}: {outcome:?}"),
+        }
+    }
+}
