@@ -27,8 +27,9 @@
 //! swaps that name in the same transaction as its elements (`engine`). What keeps work on one
 //! pod apart is the pod's own netns lock (`Netns::lock`, no file): ADD holds it while it
 //! writes the record and builds the layer, DEL while it folds the counts, removes the layer
-//! and forgets the record, an apply or repair while it visits the pod, which it does only
-//! while the record is there (`engine::still_recorded`). An apply lists the records after it
+//! and forgets the record, an apply or repair while it visits the pod, rebuilding or
+//! removing only while the record is there (`engine::recorded`; an element change needs no
+//! look, as the kernel refuses it once the DEL removed the name it compares). An apply lists the records after it
 //! stored its layer, and ADD reads the stored layer after it wrote its record, so no pod
 //! misses a generation; and no pod start waits for another pod's work or for an apply.
 
