@@ -415,7 +415,7 @@ impl<'a> Pass<'a> {
         recorded: &dyn Fn() -> Result<(), PodError>,
     ) -> Result<Applied, PodError> {
         let mut asked = false;
-        let mut still_recorded = || -> Result<(), PodError> {
+        let mut ask_recorded = || -> Result<(), PodError> {
             if !asked {
                 recorded()?;
                 asked = true;
@@ -438,7 +438,7 @@ impl<'a> Pass<'a> {
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
-                    still_recorded()?;
+                    ask_recorded()?;
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
                     runs(|runs| runs.remove(&key));
@@ -474,7 +474,7 @@ impl<'a> Pass<'a> {
                 (Action::Change | Action::Rebuild | Action::Migrate, _) => {
                     // The whole layer must fit what this process may still charge (else the
                     // pod keeps what it has).
-                    still_recorded()?;
+                    ask_recorded()?;
                     let elements = budget::layer_elements(m.layer());
                     charge(elements).map_err(PodError::OverBudget)?;
                     if action == Action::Migrate {
@@ -507,7 +507,7 @@ impl<'a> Pass<'a> {
                 // Refused by the kernel (or no element change between these layers): decided
                 // again from what the kernel says, once; then rebuilt.
                 None if !fresh => {
-                    still_recorded()?;
+                    ask_recorded()?;
                     fresh = true;
                     pod.believe(None);
                     let again = decide(&pod.held(true)?, self.previous, new, mark);

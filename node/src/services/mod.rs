@@ -29,9 +29,10 @@
 //! writes the record and builds the layer, DEL while it folds the counts, removes the layer
 //! and forgets the record, an apply or repair while it visits the pod, rebuilding or
 //! removing only while the record is there (`engine::recorded`; an element change needs no
-//! look, as the kernel refuses it once the DEL removed the name it compares). An apply lists the records after it
-//! stored its layer, and ADD reads the stored layer after it wrote its record, so no pod
-//! misses a generation; and no pod start waits for another pod's work or for an apply.
+//! look, as the kernel refuses it once the DEL removed the name it compares). An apply
+//! lists the records after it stored its layer, and ADD reads the stored layer after it
+//! wrote its record, so no pod misses a generation; and no pod start waits for another
+//! pod's work or for an apply.
 
 pub mod applier;
 pub mod apply;

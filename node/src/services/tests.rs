@@ -14,6 +14,20 @@ pub(super) fn tmp(tag: &str) -> PathBuf {
     d
 }
 
+/// A stored layer at `generation` holding one Service of `port` (mode `mode`): for the
+/// plan's and the engine's tables.
+pub(super) fn stored_layer(generation: u64, mode: layer::LayerMode, port: u16) -> StoredLayer {
+    let mut l = layer::ServiceLayer::new(mode);
+    l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
+    l.ports = vec![layer::ServicePort {
+        vip: "10.96.1.1".parse().unwrap(),
+        proto: aether_rules::model::Proto::Tcp,
+        port,
+        has_endpoints: true,
+    }];
+    StoredLayer::new(generation, &l, 0)
+}
+
 pub(super) fn rec(cid: &str, netns: &str) -> Record {
     Record::bare(cid, netns)
 }

@@ -58,17 +58,8 @@ impl PodLink for FakeLink {
 /// kernel (in a namespace of the test's own), and its row fails.
 #[test]
 fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
-    use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
-    let stored = |generation: u64, port: u16| {
-        let mut l = ServiceLayer::new(LayerMode::Refuse);
-        l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
-        l.ports = vec![ServicePort {
-            vip: "10.96.1.1".parse().unwrap(),
-            proto: aether_rules::model::Proto::Tcp,
-            port,
-            has_endpoints: true,
-        }];
-        StoredLayer::new(generation, &l, 0)
+    let stored = |generation, port| {
+        crate::services::tests::stored_layer(generation, aether_rules::services::LayerMode::Refuse, port)
     };
     const MARK: u32 = 0xae71;
     let (prev, new) = (stored(4, 80), stored(5, 81));

@@ -2,19 +2,11 @@
 
 use super::*;
 use aether_rules::services::HeldLayer;
-use aether_rules::services::{LayerMode, ServiceLayer, ServicePort};
+use aether_rules::services::LayerMode;
 
 /// A stored layer at `generation` holding one Service of `port` (mode `mode`).
 fn stored(generation: u64, mode: LayerMode, port: u16) -> StoredLayer {
-    let mut l = ServiceLayer::new(mode);
-    l.ranges = vec!["10.96.0.0/16".parse().unwrap()];
-    l.ports = vec![ServicePort {
-        vip: "10.96.1.1".parse().unwrap(),
-        proto: aether_rules::model::Proto::Tcp,
-        port,
-        has_endpoints: true,
-    }];
-    StoredLayer::new(generation, &l, 0)
+    crate::services::tests::stored_layer(generation, mode, port)
 }
 
 /// What a pod's tables say: the layer `of`, for `mark`.
