@@ -1,6 +1,6 @@
 //! The CNI commands: ADD, DEL, CHECK, VERSION (STATUS and GC per CNI 1.1 join them).
 
-use aether_node::attachment::{self, Target};
+use aether_node::attachment::{self, LayerToBuild, Target};
 use aether_node::config::{self, NetConf, SUPPORTED_VERSIONS};
 use aether_node::state::StateDir;
 use serde_json::{json, Value};
@@ -12,14 +12,27 @@ use crate::{info, warn};
 /// What a command prints on success (nothing for DEL and CHECK).
 pub type Output = Option<Value>;
 
-pub fn run(env: &Env, stdin: &[u8]) -> Result<Output, CniError> {
+/// A command's success: what it prints, and ADD's Service layer when it is built after the
+/// answer (`main` answers first).
+pub struct Answer {
+    pub output: Output,
+    pub then: Option<LayerToBuild>,
+}
+
+impl From<Output> for Answer {
+    fn from(output: Output) -> Answer {
+        Answer { output, then: None }
+    }
+}
+
+pub fn run(env: &Env, stdin: &[u8]) -> Result<Answer, CniError> {
     match env.command.as_str() {
-        "VERSION" => version(stdin),
+        "VERSION" => version(stdin).map(Answer::from),
         "ADD" => add(env, &load(stdin)?),
-        "DEL" => del(env, &load(stdin)?),
-        "CHECK" => check(env, &load(stdin)?),
-        "STATUS" => status(&load(stdin)?),
-        "GC" => gc(env, &load(stdin)?),
+        "DEL" => del(env, &load(stdin)?).map(Answer::from),
+        "CHECK" => check(env, &load(stdin)?).map(Answer::from),
+        "STATUS" => status(&load(stdin)?).map(Answer::from),
+        "GC" => gc(env, &load(stdin)?).map(Answer::from),
         other => Err(CniError::invalid_env(
             "CNI_COMMAND",
             format!("is {other:?}, expected ADD, DEL, CHECK, STATUS, GC or VERSION"),
@@ -209,18 +222,18 @@ fn parse_cidr(s: &str) -> Option<std::net::IpAddr> {
         .map(|_| ip)
 }
 
-fn add(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
+fn add(env: &Env, conf: &NetConf) -> Result<Answer, CniError> {
     let id = env.require_container_id()?;
     let netns_path = env.require_netns()?;
     let ifname = env.require_ifname()?;
     let result = pass_through(conf)?;
     let Some(cfg) = config::effective(conf, env.args.namespace.as_deref())? else {
         info!("pod is not managed (disabled, or its namespace is excluded); nothing programmed");
-        return Ok(Some(result));
+        return Ok(Some(result).into());
     };
     let target = Target { network: &conf.name, container_id: id, ifname };
-    attachment::attach(conf, target, &env.args, netns_path, &cfg)?;
-    Ok(Some(result))
+    let attached = attachment::attach(conf, target, &env.args, netns_path, &cfg)?;
+    Ok(Answer { output: Some(result), then: attached.layer_after_answer })
 }
 
 fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {

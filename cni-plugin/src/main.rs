@@ -9,6 +9,7 @@
 //! an HTTP server, a gRPC client or a metrics registry it never runs. Nothing here is
 //! imported by another crate.
 
+mod after_answer;
 mod cni;
 #[cfg(test)]
 mod config_tests;
@@ -138,6 +139,21 @@ fn run_cni() -> ExitCode {
     let outcome = read.and(env).and_then(|env| {
         aether_netns::tour_here(|| cni::run(&env, &stdin)).map_err(error::CniError::from).and_then(|r| r)
     });
+    // A layer built after the answer: the child builds it and ends here, the parent answers.
+    let outcome = match outcome {
+        Ok(cni::Answer { output, then: Some(layer) }) if !PANIC_ANSWERED.load(Ordering::SeqCst) => {
+            match after_answer::split(layer) {
+                after_answer::Split::Parent => {}
+                after_answer::Split::Child(layer) => {
+                    after_answer::build(layer);
+                    return ExitCode::SUCCESS;
+                }
+                after_answer::Split::Unsplit(layer) => after_answer::build(layer),
+            }
+            Ok(output)
+        }
+        other => other.map(|a| a.output),
+    };
     let mut out = std::io::stdout().lock();
     match outcome {
         // A panic was answered by the hook already (an unwinding build gets here after one).

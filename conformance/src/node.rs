@@ -305,6 +305,16 @@ impl Pod {
 
     /// `cni` by another build of the plugin (a release before, built from the history).
     pub fn cni_with(&self, bin: &Path, command: &str, conf: &Value) -> cni::Outcome {
+        let out = self.cni_unsettled(bin, command, conf, &[]);
+        if command == "ADD" && out.ok {
+            self.settled();
+        }
+        out
+    }
+
+    /// `cni_with` with `more` in the environment, answered as soon as the plugin answers (a
+    /// layer built after the answer may still be under way: `settled` waits for it).
+    pub fn cni_unsettled(&self, bin: &Path, command: &str, conf: &Value, more: &[(&str, &str)]) -> cni::Outcome {
         let netns = self.path();
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=sim;K8S_POD_NAME={}", self.name);
         let env = [
@@ -315,7 +325,16 @@ impl Pod {
             ("CNI_PATH", "/opt/cni/bin"),
             ("CNI_ARGS", args.as_str()),
         ];
+        let env: Vec<(&str, &str)> = env.iter().chain(more).copied().collect();
         cni::run_bin(bin, &self.node_netns, &env, conf)
+    }
+
+    /// Waits until nothing holds the pod's netns lock: a large Service layer is built after
+    /// ADD's answer, under that lock, and what a test reads with `nft` must not race it (the
+    /// plugin's own readers wait the same way).
+    pub fn settled(&self) {
+        let ns = aether_netns::Netns::open(self.path()).expect("the pod's netns opens");
+        ns.wait_unlocked().expect("the pod's netns lock");
     }
 
     /// ADD with `conf(extra)`; panics unless it succeeds and passes `prevResult` through.

@@ -75,3 +75,83 @@ fn a_damaged_accumulator_is_reported_never_reset() {
     assert_eq!(std::fs::read(&acc).unwrap(), b"{\"service\": 12");
     assert!(!has_layer(&ns));
 }
+
+/// `n` Services of one TCP port each (one port profile), in 10.96.0.0/16.
+fn many(generation: u64, n: usize) -> Vec<u8> {
+    let services: Vec<_> = (0..n)
+        .map(|i| {
+            json!({"namespace": "shop", "name": format!("s{i}"), "vip": format!("10.96.{}.{}", 1 + i / 250, 1 + i % 250),
+                "ports": [{"protocol": "TCP", "port": 80}], "usableEndpoints": true})
+        })
+        .collect();
+    serde_json::to_vec(&json!({"generation": generation, "mode": "refuse", "serviceRanges": ["10.96.0.0/16"],
+        "services": services}))
+    .unwrap()
+}
+
+/// Whether anyone holds the pod's netns lock now (a non-blocking try of the same `flock`).
+fn pod_locked(pod: &aether_conformance::node::Pod) -> bool {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(pod.path()).unwrap();
+    // SAFETY: flock on a file held open here; released by the close if taken.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    r != 0
+}
+
+#[test]
+fn a_large_service_layer_is_built_after_adds_answer_under_the_pods_lock() {
+    if !root_or_skip("a_large_service_layer_is_built_after_adds_answer_under_the_pods_lock") {
+        return;
+    }
+    let bin = aether_conformance::cni::cni_bin();
+    let slow = [("AETHER_CNI_INJECT_LAYER_DELAY_MS", "2000")];
+    let mut node = aether_conformance::node::SimNode::new("after");
+    let (small, large, gone) = (node.add_pod("small"), node.add_pod("large"), node.add_pod("gone"));
+    let layer = |p: &aether_conformance::node::Pod| p.nft(&["list", "tables"]).contains("aether_services");
+    let layer_bin = node.state_dir().join("services/layer.bin");
+
+    // Control: a small stored layer is built before the answer, so the delay asked for is
+    // never taken, and the pod holds its layer and no lock when ADD answers.
+    assert!(node.services(&["apply"], &many(1, 100)).ok);
+    assert!(std::fs::metadata(&layer_bin).unwrap().len() < 16 * 1024, "the control's layer is below the size");
+    let out = small.cni_unsettled(bin, "ADD", &small.conf(json!({})), &slow);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    assert!(layer(&small) && !pod_locked(&small), "a small layer is whole when ADD answers");
+
+    // At the size: ADD answers with the capture in and the layer still to come, the pod's lock
+    // held by the process building it (the runtime's pipes released: the answer came first).
+    assert!(node.services(&["apply"], &many(2, 4000)).ok);
+    assert!(std::fs::metadata(&layer_bin).unwrap().len() >= 16 * 1024, "the stored layer is at the size");
+    let conf = large.conf(json!({}));
+    let out = large.cni_unsettled(bin, "ADD", &conf, &slow);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    assert_eq!(out.json()["ips"], conf["prevResult"]["ips"], "the answer passes prevResult through");
+    assert!(large.nft(&["list", "tables"]).contains("aether_capture"), "the capture is in before the answer");
+    assert!(!layer(&large), "the layer is built after the answer");
+    assert!(pod_locked(&large), "the pod's lock is held while its layer is built");
+    // `services verify` waits for it, then finds it whole.
+    let verify = node.services(&["verify"], b"");
+    assert!(verify.ok, "{}{}", verify.stdout, verify.stderr);
+    assert!(!pod_locked(&large) && layer(&large));
+    assert!(
+        !verify.stdout.contains("repaired"),
+        "verify waited for the layer, found nothing to repair: {}",
+        verify.stdout
+    );
+    let log = std::fs::read_to_string(node.state_dir().join("aether-cni.log")).unwrap();
+    assert!(
+        log.contains("the Service layer is built after the answer") && log.contains("the Service layer is built"),
+        "{log}"
+    );
+    let vips = large.nft(&["list", "map", "ip", "aether_services", "service_vips"]);
+    assert!(vips.contains("10.96.16.250") && vips.contains("10.96.1.1"), "every Service's element");
+
+    // A DEL that comes while the layer is being built waits for it, then removes all of it.
+    let conf = gone.conf(json!({}));
+    assert!(gone.cni_unsettled(bin, "ADD", &conf, &slow).ok);
+    assert!(pod_locked(&gone));
+    let del = gone.cni_unsettled(bin, "DEL", &conf, &[]);
+    assert!(del.ok, "{}{}", del.stdout, del.stderr);
+    let tables = gone.nft(&["list", "tables"]);
+    assert!(!tables.contains("aether_capture") && !tables.contains("aether_services"), "nothing left: {tables}");
+}

@@ -226,6 +226,15 @@ impl Netns {
 }
 
 impl Netns {
+    /// Waits until no one holds the namespace's lock, and holds nothing after: a reader that
+    /// must not see a pod halfway through work under way (a layer ADD is still building)
+    /// without keeping the next holder waiting while it reads.
+    pub fn wait_unlocked(&self) -> Result<(), Error> {
+        self.lock().map(drop)
+    }
+}
+
+impl Netns {
     /// `run` on a tour's thread, whose own namespace is `home`: enter, work, return home. A
     /// panic in `work` is caught (as a worker thread's would be) after the thread is home.
     fn run_in_place<T, F: FnOnce() -> T>(&self, home: &Netns, work: F) -> Result<T, Error> {

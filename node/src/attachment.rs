@@ -105,15 +105,64 @@ fn injected_failure() -> Option<String> {
     None
 }
 
+/// How long a test asked a layer built after the answer to wait before it starts
+/// (`AETHER_CNI_INJECT_LAYER_DELAY_MS`): what a reader meanwhile sees. With `fault-injection`.
+#[cfg(feature = "fault-injection")]
+fn injected_layer_delay() -> Option<std::time::Duration> {
+    let ms = std::env::var("AETHER_CNI_INJECT_LAYER_DELAY_MS").ok()?.parse().ok()?;
+    Some(std::time::Duration::from_millis(ms))
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn injected_layer_delay() -> Option<std::time::Duration> {
+    None
+}
+
 /// What [`attach`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct Attached {
-    /// The Service snapshot generation the pod was given; `None` before any snapshot.
+    /// The Service snapshot generation the pod was given; `None` before any snapshot, or
+    /// while its layer is still to be built (`layer_after_answer`).
     pub services_generation: Option<u64>,
+    /// The pod's Service layer when it is large enough to be built after ADD's answer
+    /// ([`services::built_after_answer`]): the caller answers the runtime, then builds it.
+    pub layer_after_answer: Option<LayerToBuild>,
+}
+
+/// A recorded pod's Service layer, to be built after ADD has answered the runtime: the
+/// kernel's insertion of 10,000 Services' elements is most of an ADD's time, and nothing in
+/// the sandbox the runtime is starting connects anywhere before its containers start. It
+/// holds what ADD held (the state lock, shared, and the pod's netns lock), so whoever
+/// looks at the pod next (a DEL, an apply's visit, a repair, the reconciler, `inspect`)
+/// waits until the layer is whole. The locks are its open files' (`flock`): a child process
+/// that inherits them holds them after the process that took them is gone.
+#[derive(Debug)]
+pub struct LayerToBuild {
+    state_dir: std::path::PathBuf,
+    key: String,
+    divert_mark: u32,
+    netns: Netns,
+    _pod: aether_netns::NetnsLock,
+    _state: crate::state::Lock,
+}
+
+impl LayerToBuild {
+    /// Builds the layer, as ADD does for a smaller one (`end_stale_fold`, then the stored
+    /// layer applied), and lets go of the locks. A failure leaves the pod captured without
+    /// the layer, as a damaged stored layer does: the agent's next apply or the reconciler's
+    /// next look builds it. Returns the generation built.
+    pub fn build(self) -> Result<Option<u64>, ServicesError> {
+        if let Some(delay) = injected_layer_delay() {
+            std::thread::sleep(delay);
+        }
+        services::end_stale_fold(&self.state_dir, &self.netns, &self.key)?;
+        services::apply_current_snapshot_in_netns(&self.state_dir, &self.netns, self.divert_mark)
+    }
 }
 
 /// ADD's work: programs `cfg`'s capture in the netns at `netns_path`, records it, and applies
-/// the stored Service layer. On any failure everything done is undone.
+/// the stored Service layer (or, when that is large, hands it back to be built after the
+/// answer, `Attached::layer_after_answer`). On any failure everything done is undone.
 pub fn attach(
     conf: &NetConf,
     target: Target,
@@ -158,6 +207,18 @@ pub fn attach(
     }
     // The Service layer comes after the record: an apply either lists the record (and visits
     // the pod after this, under its netns lock) or stored its layer before it is read here.
+    if recorded.is_ok() && fail.is_none() && services::built_after_answer(&conf.state_dir) {
+        info!(mode = %cfg.mode, "capture programmed; the Service layer is built after the answer");
+        let layer = LayerToBuild {
+            state_dir: conf.state_dir.clone(),
+            key: target.key(),
+            divert_mark: cfg.divert_mark,
+            netns,
+            _pod,
+            _state: _lock,
+        };
+        return Ok(Attached { services_generation: None, layer_after_answer: Some(layer) });
+    }
     let layered = recorded.and_then(|()| {
         if fail.as_deref() == Some("services") {
             return Err(AttachmentError::Injected("services".into()));
@@ -189,7 +250,7 @@ pub fn attach(
     for table in ruleset.tables() {
         debug!("ruleset: {table}");
     }
-    Ok(Attached { services_generation: generation })
+    Ok(Attached { services_generation: generation, layer_after_answer: None })
 }
 
 /// The reconciler's capture of a running pod (`capture` policy): ADD's work, after the TCP

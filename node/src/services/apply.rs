@@ -443,6 +443,19 @@ impl ServicesDir {
     }
 }
 
+/// `layer.bin` at least this long (about 2,000 IPv4 Service ports, 2 ms of the kernel's
+/// element work in a pod) is built after ADD's answer: below it, building costs less than
+/// handing the work to a process of its own.
+pub const AFTER_ANSWER_FROM_BYTES: u64 = 16 * 1024;
+
+/// Whether ADD builds the stored layer after answering the runtime
+/// (`attachment::LayerToBuild`): when `layer.bin` is at least [`AFTER_ANSWER_FROM_BYTES`]
+/// long. One `statx`; no layer stored, or one that cannot be looked at, is built before
+/// the answer as ever (where it is then skipped or refused as before).
+pub fn built_after_answer(state_dir: &Path) -> bool {
+    ServicesDir::new(state_dir).layer_path().metadata().is_ok_and(|m| m.len() >= AFTER_ANSWER_FROM_BYTES)
+}
+
 /// For ADD, in the host netns, after the attachment record is written and holding the pod's
 /// netns lock: applies the stored layer (if any) to the pod netns `netns`. Takes no lock of
 /// the node's: an apply storing a layer meanwhile lists the records after storing it, so it

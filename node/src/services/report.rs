@@ -303,6 +303,9 @@ pub fn verify_pod_layer(
     divert_mark: Option<u32>,
 ) -> Result<(Vec<String>, Option<LayerHeader>), ServicesError> {
     let dir = ServicesDir::new(state_dir);
+    // A layer ADD is still building (under the pod's lock) is not taken for drift; waited
+    // for before the services lock, which an apply waiting for this pod may hold.
+    netns.wait_unlocked().map_err(PodError::Netns)?;
     let _lock = dir.read_lock()?;
     compare_pod_layer(&dir, netns, divert_mark)
 }
@@ -409,6 +412,10 @@ impl std::fmt::Display for LayerVerdict {
 pub fn describe_pod_layer(state_dir: &Path, netns: &Netns, divert_mark: Option<u32>) -> (Vec<String>, LayerVerdict) {
     let dir = ServicesDir::new(state_dir);
     let mut out = Vec::new();
+    // Not halfway through a layer ADD is still building.
+    if let Err(e) = netns.wait_unlocked() {
+        return (vec![format!("the pod's netns cannot be locked: {e}")], LayerVerdict::Unknown);
+    }
     let stored = match dir.stored_layer() {
         Ok(s) => s,
         Err(e) => return (vec![format!("stored snapshot: {e}")], LayerVerdict::Unknown),

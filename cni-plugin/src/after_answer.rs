@@ -1,0 +1,84 @@
+//! ADD's Service layer built after the answer (`attachment::LayerToBuild`): the process
+//! forks, the parent answers the runtime and ends, and the child builds the layer.
+//!
+//! Why a child and not the installer: the kernel charges the layer's memory to whoever
+//! builds it, and a child stays where the runtime ran the plugin, as ADD's own work did; and
+//! it needs nothing running on the node. The locks ADD took are `flock`s, which belong to
+//! the open files: the child's copies hold them after the parent has exited, so the pod is
+//! never unlocked between the capture and its layer. The runtime waits for the plugin's exit
+//! and for the end of its output: the child keeps neither (it leaves the runtime's session and
+//! its stdin, stdout and stderr go to `/dev/null`; its log lines still reach the logFile).
+
+use aether_node::attachment::LayerToBuild;
+
+use crate::{info, warn};
+
+/// Which process this is after [`split`].
+pub enum Split {
+    /// The runtime's: answer, then end without releasing the locks (the child's now).
+    Parent,
+    /// The child: build the layer ([`build`]), then end.
+    Child(LayerToBuild),
+    /// No child could be made: the layer is built before the answer, as a small one is.
+    Unsplit(LayerToBuild),
+}
+
+/// Forks. Called with one thread (every netns visit's thread has been joined), before
+/// anything is written to stdout, so the child has nothing of the answer to write twice.
+pub fn split(layer: LayerToBuild) -> Split {
+    // SAFETY: the process has a single thread here, so the child's copy of its memory has no
+    // lock held by a thread that does not exist in it.
+    match unsafe { libc::fork() } {
+        -1 => {
+            warn!(
+                "cannot start a process to build the Service layer after the answer ({}): built now",
+                std::io::Error::last_os_error()
+            );
+            Split::Unsplit(layer)
+        }
+        0 => {
+            leave_the_runtime();
+            Split::Child(layer)
+        }
+        _ => {
+            // The locks are the child's now: released by the child, not here (the files close
+            // with this process, which releases nothing the child still holds open).
+            std::mem::forget(layer);
+            Split::Parent
+        }
+    }
+}
+
+/// The child lets go of what ties it to the runtime's call: its session, and the pipes the
+/// runtime reads until every holder closed them.
+fn leave_the_runtime() {
+    // SAFETY: plain system calls on this process's own descriptors.
+    unsafe {
+        libc::setsid();
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        if null >= 0 {
+            for fd in 0..=2 {
+                libc::dup2(null, fd);
+            }
+            libc::close(null);
+        } else {
+            for fd in 0..=2 {
+                libc::close(fd);
+            }
+        }
+    }
+}
+
+/// Builds the layer (in the child, or before the answer when no child could be made), logged
+/// either way: a failure leaves the pod captured without its layer until the agent's next
+/// apply or the reconciler's next look builds it.
+pub fn build(layer: LayerToBuild) {
+    match aether_netns::tour_here(|| layer.build()) {
+        Ok(Ok(generation)) => info!(
+            services_generation = %generation.map_or("none".to_string(), |g| g.to_string()),
+            "the Service layer is built"
+        ),
+        Ok(Err(e)) => warn!("the pod is captured without its Service layer (the next apply or the reconciler's next look builds it): {e}"),
+        Err(e) => warn!("the pod is captured without its Service layer (the next apply or the reconciler's next look builds it): {e}"),
+    }
+}
