@@ -321,6 +321,15 @@ fn main() {
     let (a, b) = (all(0, &|r| r.adds.clone()), all(1, &|r| r.adds.clone()));
     println!("{}", row("wall", "ms", a.wall_ms, b.wall_ms, &by_round(&|r| medians(r.adds.clone()).wall_ms)));
     println!("{}", row("cpu", "ms", a.cpu_ms, b.cpu_ms, &by_round(&|r| medians(r.adds.clone()).cpu_ms)));
+    // A large layer is built after the answer by a child of the plugin: the answer above, the
+    // whole of the work here.
+    let settled = |r: &Round| medians(r.adds.clone()).settled_ms;
+    println!("{}", row("wall until the layer is built", "ms", a.settled_ms, b.settled_ms, &by_round(&settled)));
+    let settled_cpu = |r: &Round| medians(r.adds.clone()).settled_cpu_ms;
+    println!(
+        "{}",
+        row("cpu, the layer's child with it", "ms", a.settled_cpu_ms, b.settled_cpu_ms, &by_round(&settled_cpu))
+    );
     println!("{}", row("max RSS", "MiB", a.rss_mib, b.rss_mib, &by_round(&|r| medians(r.adds.clone()).rss_mib)));
     println!("\n  load average at the end {load_after}");
 }

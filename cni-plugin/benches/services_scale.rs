@@ -127,7 +127,7 @@ fn change_floor(pods: &[TestNetns], change: &services::LayerChange) -> Sample {
             Netns::open_foreign(p.path()).unwrap().run(|| encoded.send().unwrap()).unwrap();
         }
         drop(later);
-        Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
+        Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0, ..Sample::default() }
     })
     .unwrap()
 }
@@ -141,7 +141,7 @@ fn change_floor_kept(sockets: &mut [aether_rules::nft::KeptSocket], change: &ser
     for s in sockets.iter_mut() {
         encoded.send_on(s).unwrap();
     }
-    Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
+    Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0, ..Sample::default() }
 }
 
 /// Set in the child `KeptFloor::start_in` starts: the pods' netns paths, `:`-separated.
@@ -201,7 +201,7 @@ impl KeptFloor {
         let mut line = String::new();
         self.from.read_line(&mut line).unwrap();
         let (w, c) = line.trim().split_once(' ').expect("the kept-floor child's sample");
-        Sample { wall_ms: w.parse().unwrap(), cpu_ms: c.parse().unwrap(), rss_mib: 0.0 }
+        Sample { wall_ms: w.parse().unwrap(), cpu_ms: c.parse().unwrap(), rss_mib: 0.0, ..Sample::default() }
     }
 }
 
@@ -281,7 +281,8 @@ fn changes_only() {
             wait_for_quiet();
             let (t, c) = (Instant::now(), thread_cpu());
             let report = applier.apply(&text).unwrap();
-            let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 };
+            let sample =
+                Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0, ..Sample::default() };
             check(&report.to_json().to_string(), result);
             // The first round reads what the one-shot apply left: not measured.
             if k > 0 {
@@ -449,7 +450,7 @@ fn floor(n: u32) -> Sample {
                 .run(|| {
                     let (t, c) = (Instant::now(), thread_cpu());
                     encoded.send().unwrap();
-                    Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 }
+                    Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0, ..Sample::default() }
                 })
                 .unwrap()
         })
@@ -591,7 +592,12 @@ fn installer_at_scale(state: &Path, pods: usize, limit: u64) -> AtScale {
         let answer = aether_apply_client::post_apply(&installer.socket, doc, Duration::from_secs(1800))
             .map(|(status, body)| (status, String::from_utf8_lossy(&body).into_owned()));
         // A process the OOM killer ended is a zombie until reaped: its times still read.
-        let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu_ticks() - c), rss_mib: 0.0 };
+        let sample = Sample {
+            wall_ms: ms(t.elapsed()),
+            cpu_ms: ms(installer.cpu_ticks() - c),
+            rss_mib: 0.0,
+            ..Sample::default()
+        };
         (sample, answer)
     };
     let (t, c) = (Instant::now(), installer.cpu_ticks());
@@ -605,7 +611,7 @@ fn installer_at_scale(state: &Path, pods: usize, limit: u64) -> AtScale {
         peak: 0,
         kernel: 0,
         snapshot: snapshot_sample,
-        change: Sample { wall_ms: 0.0, cpu_ms: 0.0, rss_mib: 0.0 },
+        change: Sample { wall_ms: 0.0, cpu_ms: 0.0, rss_mib: 0.0, ..Sample::default() },
     };
     let applied = match first {
         Ok((200, body)) if count(&body, "rebuilt") == pods => true,
@@ -630,7 +636,12 @@ fn installer_at_scale(state: &Path, pods: usize, limit: u64) -> AtScale {
                 }
                 std::thread::sleep(Duration::from_millis(200));
             };
-            at.snapshot = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu_ticks() - c), rss_mib: 0.0 };
+            at.snapshot = Sample {
+                wall_ms: ms(t.elapsed()),
+                cpu_ms: ms(installer.cpu_ticks() - c),
+                rss_mib: 0.0,
+                ..Sample::default()
+            };
             at.outcome =
                 format!("the snapshot: {e}; the installer's log then: {}", done.as_deref().unwrap_or("(nothing)"));
             done.is_some_and(|l| !l.contains("not applied") && !l.contains("failed"))
@@ -920,7 +931,8 @@ fn main() {
         wait_for_quiet();
         let (t, c) = (Instant::now(), thread_cpu());
         let report = applier.apply(&text).unwrap();
-        let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0 };
+        let sample =
+            Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(thread_cpu() - c), rss_mib: 0.0, ..Sample::default() };
         (sample, report.to_json().to_string())
     };
     let expect_kept = |(sample, out): (Sample, String), result: &str| {

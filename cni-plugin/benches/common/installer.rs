@@ -135,7 +135,8 @@ pub fn post_change(installer: &InstallerProcess, g: &mut u64, mut doc: Value) ->
     let t = Instant::now();
     let (status, body) = aether_apply_client::post_apply(&installer.socket, &text, Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e}\n{}", installer.log()));
-    let sample = Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0 };
+    let sample =
+        Sample { wall_ms: ms(t.elapsed()), cpu_ms: ms(installer.cpu() - c), rss_mib: 0.0, ..Sample::default() };
     let body = String::from_utf8_lossy(&body).into_owned();
     assert_eq!(status, 200, "{body}");
     (sample, body)

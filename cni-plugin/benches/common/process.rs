@@ -18,22 +18,34 @@ pub struct Ran {
     pub wall: Duration,
     pub cpu: Duration,
     pub max_rss_kib: i64,
+    /// Until every process the plugin left behind ended (a Service layer built after the
+    /// answer), and the CPU of all of them with the plugin's.
+    pub settled: Duration,
+    pub settled_cpu: Duration,
     pub ok: bool,
     pub stdout: String,
 }
 
 impl Ran {
     pub fn sample(&self) -> Sample {
-        Sample { wall_ms: ms(self.wall), cpu_ms: ms(self.cpu), rss_mib: self.max_rss_kib as f64 / 1024.0 }
+        Sample {
+            wall_ms: ms(self.wall),
+            cpu_ms: ms(self.cpu),
+            rss_mib: self.max_rss_kib as f64 / 1024.0,
+            settled_ms: ms(self.settled),
+            settled_cpu_ms: ms(self.settled_cpu),
+        }
     }
 }
 
 /// One measure: wall and CPU milliseconds, max RSS (0 when not measured).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct Sample {
     pub wall_ms: f64,
     pub cpu_ms: f64,
     pub rss_mib: f64,
+    pub settled_ms: f64,
+    pub settled_cpu_ms: f64,
 }
 
 /// The median of each field.
@@ -42,6 +54,8 @@ pub fn medians(v: Vec<Sample>) -> Sample {
         wall_ms: median(v.iter().map(|s| s.wall_ms).collect()),
         cpu_ms: median(v.iter().map(|s| s.cpu_ms).collect()),
         rss_mib: median(v.iter().map(|s| s.rss_mib).collect()),
+        settled_ms: median(v.iter().map(|s| s.settled_ms).collect()),
+        settled_cpu_ms: median(v.iter().map(|s| s.settled_cpu_ms).collect()),
     }
 }
 
@@ -55,6 +69,9 @@ pub const LAUNCH: &str = "--launch-measured";
 /// tens of MB.
 #[allow(clippy::zombie_processes)]
 pub fn launch(args: &[String]) -> ! {
+    // What the plugin leaves running after its answer (ADD's child building a large Service
+    // layer) is reparented here, and its end and CPU are measured too.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let t = Instant::now();
     let child = Command::new(&args[0]).args(&args[1..]).spawn().unwrap();
     let mut status = 0;
@@ -65,7 +82,21 @@ pub fn launch(args: &[String]) -> ! {
     let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
     let tv = |t: libc::timeval| t.tv_sec as u128 * 1_000_000_000 + t.tv_usec as u128 * 1000;
     let cpu = tv(usage.ru_utime) + tv(usage.ru_stime);
-    eprintln!("\n{LAUNCH} {} {} {} {cpu}", wall.as_nanos(), usage.ru_maxrss, ok as u8);
+    let (mut settled, mut settled_cpu) = (wall, cpu);
+    loop {
+        let mut left: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::wait4(-1, &mut status, 0, &mut left) } <= 0 {
+            break;
+        }
+        (settled, settled_cpu) = (t.elapsed(), settled_cpu + tv(left.ru_utime) + tv(left.ru_stime));
+    }
+    eprintln!(
+        "\n{LAUNCH} {} {} {} {cpu} {} {settled_cpu}",
+        wall.as_nanos(),
+        usage.ru_maxrss,
+        ok as u8,
+        settled.as_nanos()
+    );
     std::process::exit(0)
 }
 
@@ -106,6 +137,8 @@ pub fn run(bin: &str, args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Ran 
         wall: Duration::from_nanos(f[0].parse().unwrap()),
         cpu: Duration::from_nanos(f[3].parse().unwrap()),
         max_rss_kib: f[1].parse().unwrap(),
+        settled: Duration::from_nanos(f[4].parse().unwrap()),
+        settled_cpu: Duration::from_nanos(f[5].parse().unwrap()),
         ok,
         stdout: feed.0,
     }
