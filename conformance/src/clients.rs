@@ -90,13 +90,16 @@ impl Drop for TempDir {
         for pid in pids_mentioning(&self.0) {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
-        let prefix = format!("{}/", self.0.display());
-        if let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") {
-            let mut points: Vec<&str> =
-                mounts.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| m.starts_with(&prefix)).collect();
-            points.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        // Read with the installer's own parser (mount points unescaped), deepest first.
+        if let Ok(mounts) = aether_netns::mountinfo::read() {
+            let mut points: Vec<&std::path::Path> = mounts
+                .iter()
+                .map(|m| m.mount_point.as_path())
+                .filter(|m| m.starts_with(&self.0) && *m != self.0)
+                .collect();
+            points.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
             for m in points {
-                let _ = Command::new("umount").args(["-l", m]).status();
+                let _ = Command::new("umount").arg("-l").arg(m).status();
             }
         }
         let _ = std::fs::remove_dir_all(&self.0);
