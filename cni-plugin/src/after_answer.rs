@@ -1,13 +1,15 @@
-//! ADD's Service layer built after the answer (`attachment::LayerToBuild`): the process
-//! forks, the parent answers the runtime and ends, and the child builds the layer.
+//! ADD's Service layer built after the answer (`attachment::LayerToBuild`): the answer is
+//! written, the process lets go of the runtime's pipes, then forks; the parent ends and the
+//! child builds the layer.
 //!
 //! Why a child and not the installer: the kernel charges the layer's memory to whoever
 //! builds it, and a child stays where the runtime ran the plugin, as ADD's own work did; and
 //! it needs nothing running on the node. The locks ADD took are `flock`s, which belong to
 //! the open files: the child's copies hold them after the parent has exited, so the pod is
-//! never unlocked between the capture and its layer. The runtime waits for the plugin's exit
-//! and for the end of its output: the child keeps neither (it leaves the runtime's session and
-//! its stdin, stdout and stderr go to `/dev/null`; its log lines still reach the logFile).
+//! never unlocked between the capture and its layer. The runtime reads the plugin's output
+//! until every holder of its pipes closed them, and waits for the plugin's exit: the pipes
+//! are let go of before the fork, so the child never holds them, and the answer is whole
+//! when the parent ends, however late the child runs (its log lines still reach the logFile).
 
 use aether_node::attachment::LayerToBuild;
 
@@ -18,29 +20,32 @@ const CHILD_NICE: i32 = 10;
 
 /// Which process this is after [`split`].
 pub enum Split {
-    /// The runtime's: answer, then end without releasing the locks (the child's now).
+    /// The runtime's, which has answered: end without releasing the locks (the child's now).
     Parent,
     /// The child: build the layer ([`build`]), then end.
     Child(LayerToBuild),
-    /// No child could be made: the layer is built before the answer, as a small one is.
+    /// No child could be made: the layer is built by this process before it ends (the
+    /// runtime, which waits for its exit, waits for the layer too).
     Unsplit(LayerToBuild),
 }
 
-/// Forks. Called with one thread (every netns visit's thread has been joined), before
-/// anything is written to stdout, so the child has nothing of the answer to write twice.
+/// Forks. Called with one thread (every netns visit's thread has been joined), after the
+/// answer and [`let_go_of_the_runtime`].
 pub fn split(layer: LayerToBuild) -> Split {
     // SAFETY: the process has a single thread here, so the child's copy of its memory has no
     // lock held by a thread that does not exist in it.
     match unsafe { libc::fork() } {
         -1 => {
             warn!(
-                "cannot start a process to build the Service layer after the answer ({}): built now",
+                "cannot start a process to build the Service layer after the answer ({}): built before this one ends",
                 std::io::Error::last_os_error()
             );
             Split::Unsplit(layer)
         }
         0 => {
-            leave_the_runtime();
+            // Out of the runtime's session (its signals to the plugin's group are not ours).
+            // SAFETY: a plain system call on this process.
+            unsafe { libc::setsid() };
             // The sandbox the runtime goes on starting comes first: its containers start after
             // it, and nothing connects before them. Below it on a busy CPU, never starved
             // (a nice level, not an idle class: a DEL of the pod waits for this layer).
@@ -57,27 +62,26 @@ pub fn split(layer: LayerToBuild) -> Split {
     }
 }
 
-/// The child lets go of what ties it to the runtime's call: its session, and the pipes the
-/// runtime reads until every holder closed them.
-fn leave_the_runtime() {
+/// Once the answer is written: stdin, stdout and stderr become `/dev/null`, so the runtime's
+/// pipes close when this process ends and no child of it holds them. `false` when
+/// `/dev/null` cannot be opened: nothing is changed (closing them instead would let the next
+/// socket opened take the number of stderr, where log lines go), and no child is made.
+pub fn let_go_of_the_runtime() -> bool {
     // SAFETY: plain system calls on this process's own descriptors.
     unsafe {
-        libc::setsid();
         let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
-        if null >= 0 {
-            for fd in 0..=2 {
-                libc::dup2(null, fd);
-            }
-            libc::close(null);
-        } else {
-            for fd in 0..=2 {
-                libc::close(fd);
-            }
+        if null < 0 {
+            return false;
         }
+        for fd in 0..=2 {
+            libc::dup2(null, fd);
+        }
+        libc::close(null);
     }
+    true
 }
 
-/// Builds the layer (in the child, or before the answer when no child could be made), logged
+/// Builds the layer (in the child, or in the process that answered when no child could be made), logged
 /// either way: a failure leaves the pod captured without its layer until the agent's next
 /// apply or the reconciler's next look builds it.
 pub fn build(layer: LayerToBuild) {

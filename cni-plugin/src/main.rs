@@ -139,18 +139,24 @@ fn run_cni() -> ExitCode {
     let outcome = read.and(env).and_then(|env| {
         aether_netns::tour_here(|| cni::run(&env, &stdin)).map_err(error::CniError::from).and_then(|r| r)
     });
-    // A layer built after the answer: the child builds it and ends here, the parent answers.
+    // A layer built after the answer: the answer first, the runtime's pipes let go of, then
+    // the layer built by a child (or here, when no child can be made) while this ends.
     let outcome = match outcome {
         Ok(cni::Answer { output, then: Some(layer) }) if !PANIC_ANSWERED.load(Ordering::SeqCst) => {
+            if let Some(result) = output {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{result}");
+                let _ = out.flush();
+            }
+            if !after_answer::let_go_of_the_runtime() {
+                after_answer::build(layer);
+                return ExitCode::SUCCESS;
+            }
             match after_answer::split(layer) {
                 after_answer::Split::Parent => {}
-                after_answer::Split::Child(layer) => {
-                    after_answer::build(layer);
-                    return ExitCode::SUCCESS;
-                }
-                after_answer::Split::Unsplit(layer) => after_answer::build(layer),
+                after_answer::Split::Child(layer) | after_answer::Split::Unsplit(layer) => after_answer::build(layer),
             }
-            Ok(output)
+            return ExitCode::SUCCESS;
         }
         other => other.map(|a| a.output),
     };
