@@ -12,6 +12,7 @@
 //! when the parent ends, however late the child runs (its log lines still reach the logFile).
 
 use aether_node::attachment::LayerToBuild;
+use aether_node::services::ServicesError;
 
 use crate::{info, warn};
 
@@ -85,12 +86,11 @@ pub fn let_go_of_the_runtime() -> bool {
 /// either way: a failure leaves the pod captured without its layer until the agent's next
 /// apply or the reconciler's next look builds it.
 pub fn build(layer: LayerToBuild) {
-    match aether_netns::tour_here(|| layer.build()) {
-        Ok(Ok(generation)) => info!(
+    match aether_netns::tour_here(|| layer.build()).map_err(ServicesError::Tour).and_then(|built| built) {
+        Ok(generation) => info!(
             services_generation = %generation.map_or("none".to_string(), |g| g.to_string()),
             "the Service layer is built"
         ),
-        Ok(Err(e)) => warn!("the pod is captured without its Service layer (the next apply or the reconciler's next look builds it): {e}"),
         Err(e) => warn!("the pod is captured without its Service layer (the next apply or the reconciler's next look builds it): {e}"),
     }
 }

@@ -139,43 +139,50 @@ fn run_cni() -> ExitCode {
     let outcome = read.and(env).and_then(|env| {
         aether_netns::tour_here(|| cni::run(&env, &stdin)).map_err(error::CniError::from).and_then(|r| r)
     });
-    // A layer built after the answer: the answer first, the runtime's pipes let go of, then
-    // the layer built by a child (or here, when no child can be made) while this ends.
-    let outcome = match outcome {
-        Ok(cni::Answer { output, then: Some(layer) }) if !PANIC_ANSWERED.load(Ordering::SeqCst) => {
-            if let Some(result) = output {
-                let mut out = std::io::stdout().lock();
-                let _ = writeln!(out, "{result}");
-                let _ = out.flush();
-            }
-            if !after_answer::let_go_of_the_runtime() {
-                after_answer::build(layer);
-                return ExitCode::SUCCESS;
-            }
-            match after_answer::split(layer) {
-                after_answer::Split::Parent => {}
-                after_answer::Split::Child(layer) | after_answer::Split::Unsplit(layer) => after_answer::build(layer),
-            }
-            return ExitCode::SUCCESS;
-        }
-        other => other.map(|a| a.output),
+    let (outcome, then) = match outcome {
+        Ok(cni::Answer { output, then }) => (Ok(output), then),
+        Err(e) => (Err(e), None),
     };
-    let mut out = std::io::stdout().lock();
-    match outcome {
+    let answered = match outcome {
         // A panic was answered by the hook already (an unwinding build gets here after one).
-        _ if PANIC_ANSWERED.load(Ordering::SeqCst) => ExitCode::FAILURE,
-        Ok(None) => ExitCode::SUCCESS,
+        _ if PANIC_ANSWERED.load(Ordering::SeqCst) => false,
+        Ok(None) => true,
         Ok(Some(result)) => {
-            let _ = writeln!(out, "{result}");
-            ExitCode::SUCCESS
+            write_answer(&result.to_string());
+            true
         }
         Err(e) => {
             // The details (CHECK's every difference, an OS error) apart from the message.
             let details = (!e.details.is_empty()).then(|| tracing::field::display(&e.details));
             error!(code = e.code, details, "{command} failed: {}", e.msg);
-            let _ = writeln!(out, "{}", e.to_json(&cni::version_of(&stdin)));
-            ExitCode::FAILURE
+            write_answer(&e.to_json(&cni::version_of(&stdin)).to_string());
+            false
         }
+    };
+    // ADD's large Service layer, after the answer: the runtime's pipes let go of, then built
+    // by a child (or here, when none can be made) while this process ends.
+    if let Some(layer) = then.filter(|_| answered) {
+        if !after_answer::let_go_of_the_runtime() {
+            after_answer::build(layer);
+        } else if let after_answer::Split::Child(layer) | after_answer::Split::Unsplit(layer) =
+            after_answer::split(layer)
+        {
+            after_answer::build(layer);
+        }
+    }
+    if answered {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Writes the one answer on stdout, whole before anything else happens (a layer's child is
+/// made after it). A write that fails is logged: the runtime then reads no answer.
+fn write_answer(text: &str) {
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+        error!("cannot write the answer on stdout: {e}");
     }
 }
 

@@ -138,11 +138,10 @@ fn a_large_service_layer_is_built_after_adds_answer_under_the_pods_lock() {
         "verify waited for the layer, found nothing to repair: {}",
         verify.stdout
     );
+    // The ADD's line, and the child's own once the layer is whole.
     let log = std::fs::read_to_string(node.state_dir().join("aether-cni.log")).unwrap();
-    assert!(
-        log.contains("the Service layer is built after the answer") && log.contains("the Service layer is built"),
-        "{log}"
-    );
+    let built = log.lines().filter(|l| l.contains("the Service layer is built") && !l.contains("after the answer"));
+    assert!(log.contains("the Service layer is built after the answer") && built.count() == 1, "{log}");
     let vips = large.nft(&["list", "map", "ip", "aether_services", "service_vips"]);
     assert!(vips.contains("10.96.16.250") && vips.contains("10.96.1.1"), "every Service's element");
 
@@ -150,6 +149,11 @@ fn a_large_service_layer_is_built_after_adds_answer_under_the_pods_lock() {
     let conf = gone.conf(json!({}));
     assert!(gone.cni_unsettled(bin, "ADD", &conf, &slow).ok);
     assert!(pod_locked(&gone));
+    // `inspect` meanwhile waits for the layer, then finds every pod's whole.
+    let dir = node.state_dir().display().to_string();
+    let inspect = aether_conformance::cni::run_cli_here(&["inspect", "--state-dir", &dir], b"");
+    assert!(inspect.ok && !pod_locked(&gone), "{}{}", inspect.stdout, inspect.stderr);
+    assert_eq!(inspect.stdout.matches("intact (generation 2)").count(), 3, "{}", inspect.stdout);
     let del = gone.cni_unsettled(bin, "DEL", &conf, &[]);
     assert!(del.ok, "{}{}", del.stdout, del.stderr);
     let tables = gone.nft(&["list", "tables"]);

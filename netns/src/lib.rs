@@ -223,9 +223,7 @@ impl Netns {
             }
         }
     }
-}
 
-impl Netns {
     /// Waits until no one holds the namespace's lock, and holds nothing after: a reader that
     /// must not see a pod halfway through work under way (a layer ADD is still building)
     /// without keeping the next holder waiting while it reads.

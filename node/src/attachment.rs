@@ -207,6 +207,7 @@ pub fn attach(
     }
     // The Service layer comes after the record: an apply either lists the record (and visits
     // the pod after this, under its netns lock) or stored its layer before it is read here.
+    // (A test's injected failure is ADD's own to report: never after the answer.)
     if recorded.is_ok() && fail.is_none() && services::built_after_answer(&conf.state_dir) {
         info!(mode = %cfg.mode, "capture programmed; the Service layer is built after the answer");
         let layer = LayerToBuild {

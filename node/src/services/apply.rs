@@ -446,7 +446,7 @@ impl ServicesDir {
 /// `layer.bin` at least this long (about 2,000 IPv4 Service ports, 2 ms of the kernel's
 /// element work in a pod) is built after ADD's answer: below it, building costs less than
 /// handing the work to a process of its own.
-pub const AFTER_ANSWER_FROM_BYTES: u64 = 16 * 1024;
+const AFTER_ANSWER_FROM_BYTES: u64 = 16 * 1024;
 
 /// Whether ADD builds the stored layer after answering the runtime
 /// (`attachment::LayerToBuild`): when `layer.bin` is at least [`AFTER_ANSWER_FROM_BYTES`]

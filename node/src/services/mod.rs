@@ -57,7 +57,6 @@ use crate::PodError;
 pub use applier::Applier;
 pub use apply::{
     apply_change, apply_current_snapshot_in_netns, apply_document, built_after_answer, ApplyReport, PodOutcome,
-    AFTER_ANSWER_FROM_BYTES,
 };
 use apply::{generation_value, leading_generation};
 pub use engine::{applied_run, AppliedRun};
