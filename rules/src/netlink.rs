@@ -182,6 +182,25 @@ impl Socket {
         }
     }
 
+    /// The answers to a guarded batch (`Batch::encode_guarded`) whose begin marker is
+    /// `first` and whose last message, `last`, asks for an ACK: the errors, as (sequence
+    /// number, errno), read until that ACK (sent after the commit, or after the errors of a
+    /// refused batch), or until the begin marker itself is refused (a stale generation: no
+    /// message of the batch was read).
+    pub fn batch_errors_until_ack(&mut self, first: u32, last: u32) -> io::Result<Vec<(u32, i32)>> {
+        let mut errors = Vec::new();
+        self.receive(|m| {
+            if m.kind != NLMSG_ERROR {
+                return Ok(false);
+            }
+            if m.code() != 0 {
+                errors.push((m.seq, m.code()));
+            }
+            Ok(m.seq == last || (m.seq == first && m.code() != 0))
+        })?;
+        Ok(errors)
+    }
+
     /// Sends a request asking for an acknowledgement and waits for it; the kernel's refusal
     /// becomes the matching `io::Error`.
     pub fn transact<T: NetlinkSerializable>(&mut self, payload: T, flags: u16) -> io::Result<()> {

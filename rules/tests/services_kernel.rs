@@ -624,3 +624,49 @@ fn a_layer_name_reads_back_and_other_counters_are_not_names() {
         assert_eq!(services::Named::parse(other), None, "{other}");
     }
 }
+
+/// A change sent guarded by the netns's ruleset generation: committed when nothing else
+/// committed there since (the generation after it is the guard's next, as GETGEN reads it);
+/// unsent, whole, when anything did (even a commit in another table); and refused by the
+/// layer's own compare-and-swap under a fresh guard, naming what it refused.
+#[test]
+fn a_guarded_change_commits_only_at_the_generation_it_names() {
+    if !root_or_skip("a_guarded_change_commits_only_at_the_generation_it_names") {
+        return;
+    }
+    use aether_rules::nft::{Guarded, KeptSocket};
+    let ns = TestNetns::new("svc-guard");
+    let id = |generation, digest| Some(services::LayerId { generation, digest });
+    let one = ServiceLayer { identity: id(7, 0x0123_4567_89ab_cdef), ..layer(LayerMode::Refuse) };
+    let mut two = ServiceLayer { identity: id(8, 0xfedc_ba98_7654_3210), ..one.clone() };
+    two.ports.push(port("10.96.1.3", Proto::Tcp, 8080, true));
+    in_ns(&ns, || services::rebuild(&one)).unwrap();
+    let (forth, back) = (
+        services::LayerChange::between(&one, &two).unwrap().unwrap().encode(),
+        services::LayerChange::between(&two, &one).unwrap().unwrap().encode(),
+    );
+    let mut sock = in_ns(&ns, KeptSocket::open).unwrap();
+    let listing = || ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    // Committed at the generation it names; the next is known without asking.
+    let g = sock.generation().unwrap();
+    let Guarded::Committed(next) = forth.send_guarded_on(&mut sock, g).unwrap() else { panic!("a fresh guard was stale") };
+    assert_eq!(next, sock.generation().unwrap(), "the generation after a guarded change is not the guard's next");
+    assert!(in_ns(&ns, || services::verify(&two)).unwrap().is_empty());
+    // Anything committed since (here another table) makes the guard stale: nothing sent.
+    ns.exec("nft", &["add", "table", "ip", "someone_else"]);
+    let held = listing();
+    assert_eq!(back.send_guarded_on(&mut sock, next).unwrap(), Guarded::Stale, "a stale guard was taken");
+    assert_eq!(listing(), held, "a stale guard's change left a trace");
+    // Control: the same change under the generation the netns is at is taken.
+    let now = sock.generation().unwrap();
+    assert!(matches!(back.send_guarded_on(&mut sock, now).unwrap(), Guarded::Committed(_)));
+    assert!(in_ns(&ns, || services::verify(&one)).unwrap().is_empty());
+    // The layer's own compare-and-swap still refuses, whole, under a fresh guard: `back`
+    // again starts from `two`, which the table no longer names.
+    let now = sock.generation().unwrap();
+    let held = listing();
+    let refused = back.send_guarded_on(&mut sock, now).expect_err("a change from a name the table does not hold");
+    assert!(refused.to_string().contains("counter"), "the refusal names no object: {refused}");
+    assert_eq!(listing(), held, "a refused guarded change left a trace");
+    assert_eq!(sock.generation().unwrap(), now, "a refused guarded change moved the generation");
+}

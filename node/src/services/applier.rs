@@ -21,7 +21,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use aether_netns::Netns;
-use aether_rules::nft::{Encoded, KeptSocket};
+use aether_rules::nft::{Encoded, Guarded, KeptSocket};
 
 use super::apply::{apply_change_with, apply_document_with, ApplyReport, PodReach, StoredText};
 use super::change::splice::ServiceIndex;
@@ -123,13 +123,17 @@ struct Link {
     /// The layer the pod holds, as last sent or read; `None`: unknown (read from the kernel
     /// before it is used).
     holds: Option<HeldLayer>,
+    /// The netns's ruleset generation as this link last read or made it: the guard of its
+    /// next change (`Encoded::send_guarded_on`), which the kernel checks (stale when anything
+    /// else committed there since: the change is then sent with a fence).
+    generation: Option<u32>,
 }
 
 impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, generation: None })
     }
 
     /// Whether it was opened for `r` (its netns path and identity).
@@ -167,8 +171,21 @@ impl PodLink for Link {
     }
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
+        // Guarded by the generation this link last saw, the kernel's ACK is the fence and
+        // the generation after it is known: nothing else committed in between.
+        if let Some(guard) = self.generation {
+            match change.send_guarded_on(&mut self.sock, guard).map_err(PodError::Kernel)? {
+                Guarded::Committed(after) => {
+                    self.generation = Some(after);
+                    return Ok((Some(guard), Some(after)));
+                }
+                Guarded::Stale => {}
+            }
+        }
         let before = if read_before { self.sock.generation().ok() } else { None };
+        self.generation = None;
         let after = change.send_on(&mut self.sock).map_err(PodError::Kernel)?;
+        self.generation = after;
         Ok((before, after))
     }
 }

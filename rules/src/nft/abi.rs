@@ -8,6 +8,13 @@ pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// `NFT_MSG_NEWRULE` and `NFT_MSG_NEWSETELEM`, with the subsystem.
 pub const NEWRULE: u16 = (NFNL_SUBSYS_NFTABLES << 8) | 6;
 pub const NEWSETELEM: u16 = (NFNL_SUBSYS_NFTABLES << 8) | 12;
+/// `NFNL_BATCH_GENID`: the batch begin marker's attribute holding the ruleset generation the
+/// netns must still be at (big-endian; 0: any).
+pub const NFNL_BATCH_GENID: u16 = 1;
+/// Where a guarded batch's generation is (`Batch::encode_guarded`): the value of the begin
+/// marker's `NFNL_BATCH_GENID`, after the netlink header (16 bytes), the nfgenmsg (4) and
+/// the attribute's own header (4).
+pub const GUARD_AT: usize = 24;
 
 /// `NFTA_RULE_*`.
 pub const RULE_TABLE: u16 = 1;

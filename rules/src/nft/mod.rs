@@ -73,9 +73,17 @@ fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) ->
     crate::netlink::renumber(&mut request, fence);
     sock.send(&request).map_err(nft("send generation fence"))?;
     let (errors, answer) = sock.batch_errors_and_fence(fence).map_err(nft("generation fence"))?;
-    let Some(&(seq, code)) = errors.first() else {
+    if errors.is_empty() {
         return Ok(generation_of(&answer).ok());
-    };
+    }
+    Err(refusal(batch, first, &errors))
+}
+
+/// The error of a batch (its first sequence number `first`) the kernel refused with
+/// `errors` (not empty): naming the first refused object, and every kernel feature the
+/// refused objects need and the running kernel lacks.
+fn refusal(batch: &Batch, first: u32, errors: &[(u32, i32)]) -> Error {
+    let (seq, code) = errors[0];
     let index = |seq: u32| seq.checked_sub(first + 1).map(|i| i as usize);
     let what = index(seq).and_then(|i| batch.labels.get(i)).map(String::as_str).unwrap_or("the transaction");
     let source = io::Error::from_raw_os_error(code);
@@ -83,7 +91,7 @@ fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) ->
     // lacks among those the refused objects need, and which Linux has it.
     let kernel = crate::features::Kernel::running();
     let mut missing: Vec<&'static crate::features::Feature> = Vec::new();
-    for &(seq, code) in &errors {
+    for &(seq, code) in errors {
         let needs = index(seq).and_then(|i| batch.needs.get(i)).map(Vec::as_slice).unwrap_or(&[]);
         for f in crate::features::missing(&kernel, needs, code) {
             if !missing.contains(&f) {
@@ -92,9 +100,43 @@ fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) ->
         }
     }
     if missing.is_empty() {
-        return Err(Error::Transaction { object: what.to_string(), source });
+        return Error::Transaction { object: what.to_string(), source };
     }
-    Err(Error::MissingFeature { object: what.to_string(), missing, release: kernel.release, source })
+    Error::MissingFeature { object: what.to_string(), missing, release: kernel.release, source }
+}
+
+/// What a guarded send did ([`Encoded::send_guarded_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guarded {
+    /// Committed: the netns's ruleset generation after it (the guard's next), known without
+    /// asking, since nothing else committed in between.
+    Committed(u32),
+    /// Not sent: something else committed in the netns since the guard's generation.
+    Stale,
+}
+
+/// Sends `batch` guarded by `generation` (`bytes_at_zero`: `Batch::encode_guarded(0)`,
+/// renumbered for this socket and given the generation) and waits for its ACK.
+fn commit_guarded(sock: &mut Socket, batch: &Batch, bytes_at_zero: &[u8], generation: u32) -> Result<Guarded> {
+    let nft = |op| move |source| Error::Nftables { op, source };
+    let first = sock.take_seqs(batch.seq_count());
+    let mut bytes = bytes_at_zero.to_vec();
+    crate::netlink::renumber(&mut bytes, first);
+    bytes[abi::GUARD_AT..abi::GUARD_AT + 4].copy_from_slice(&generation.to_be_bytes());
+    sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
+    sock.send(&bytes).map_err(nft("send transaction"))?;
+    drop(bytes);
+    let last = first + batch.seq_count() - 2;
+    let errors = sock.batch_errors_until_ack(first, last).map_err(nft("transaction acknowledgement"))?;
+    match errors.first() {
+        None => {
+            // The kernel's generation counter skips 0 (0 asks for no guard).
+            let next = generation.wrapping_add(1);
+            Ok(Guarded::Committed(if next == 0 { 1 } else { next }))
+        }
+        Some(&(seq, code)) if seq == first && code == libc::ERESTART => Ok(Guarded::Stale),
+        Some(_) => Err(refusal(batch, first, &errors)),
+    }
 }
 
 /// A GETGEN request, encoded once (sequence number 0).
@@ -282,7 +324,7 @@ fn program_on(sock: &mut Socket, table: &Table, counters: &BTreeMap<String, (u64
 
 /// The transaction that creates `table` (which must not exist yet), encoded once, so that a
 /// benchmark can time the kernel's own work alone: the floor any ADD of it pays.
-pub struct Encoded(Batch, std::sync::OnceLock<Vec<u8>>);
+pub struct Encoded(Batch, std::sync::OnceLock<Vec<u8>>, std::sync::OnceLock<Vec<u8>>);
 
 pub fn encode(table: &Table) -> Encoded {
     encode_tables(&[table])
@@ -296,7 +338,7 @@ pub fn encode_tables(tables: &[&Table]) -> Encoded {
 
 impl Encoded {
     fn new(batch: Batch) -> Self {
-        Encoded(batch, std::sync::OnceLock::new())
+        Encoded(batch, std::sync::OnceLock::new(), std::sync::OnceLock::new())
     }
 
     /// The batch's bytes from sequence number 0, encoded on first use and kept (for a
@@ -328,6 +370,15 @@ impl Encoded {
     /// kernel's verdict; the netns's ruleset generation right after it, when read.
     pub fn send_on(&self, sock: &mut KeptSocket) -> Result<Option<u32>> {
         commit_encoded(&mut sock.0, &self.0, self.bytes())
+    }
+
+    /// `send_on`, guarded by the netns's ruleset `generation` (as a fence or an earlier
+    /// guarded send on this socket read it): refused whole, unsent, when anything committed
+    /// there since ([`Guarded::Stale`]); else committed or refused as `send_on`'s, fenced by
+    /// the kernel's ACK of its last message instead of a request after it.
+    pub fn send_guarded_on(&self, sock: &mut KeptSocket, generation: u32) -> Result<Guarded> {
+        let bytes = self.2.get_or_init(|| self.0.encode_guarded(0));
+        commit_guarded(&mut sock.0, &self.0, bytes, generation)
     }
 }
 

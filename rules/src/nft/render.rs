@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use netlink_packet_core::{Emitable, NetlinkSerializable, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_core::{Emitable, NetlinkSerializable, NLM_F_ACK, NLM_F_APPEND, NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_netfilter::nftables::{
     ChainAttribute, ChainMessage, DataAttribute, Hook, HookNumber, InetHookNumber, ListAttribute, NfTablesMessage,
     SetAttribute, SetElementAttribute, SetElementFlags, SetElementList, SetElementMessage, SetFlags, SetMessage,
@@ -22,7 +22,7 @@ use crate::model;
 /// (an element with a 12-byte key and an interval end takes under 100 bytes).
 const ELEMENTS_PER_MESSAGE: usize = 256;
 /// The batch delimiters name the subsystem in `res_id`.
-use super::abi::NFNL_SUBSYS_NFTABLES;
+use super::abi::{GUARD_AT, NFNL_BATCH_GENID, NFNL_SUBSYS_NFTABLES};
 use super::abi::{COUNTER_BYTES, COUNTER_PACKETS, OBJ_DATA, OBJ_NAME, OBJ_TABLE, OBJ_TYPE, UDATA_RULE_COMMENT};
 
 mod change;
@@ -196,6 +196,19 @@ impl Batch {
     /// (the begin marker); message `i` gets `first_seq + 1 + i`. No message asks for an
     /// ACK: the kernel reports errors anyway, and a request after the batch fences it.
     pub fn encode(&self, first_seq: u32) -> Vec<u8> {
+        self.encode_with(first_seq, false)
+    }
+
+    /// `encode`, guarded by the netns's ruleset generation: the begin marker carries the
+    /// generation the netns must still be at (NFNL_BATCH_GENID, its value at `GUARD_AT`,
+    /// written for each send; the kernel refuses the whole batch with ERESTART when anything
+    /// committed there since), and the last message asks for an ACK, which the kernel sends
+    /// after the commit: that is the fence, and the generation after it is the guard's next.
+    pub fn encode_guarded(&self, first_seq: u32) -> Vec<u8> {
+        self.encode_with(first_seq, true)
+    }
+
+    fn encode_with(&self, first_seq: u32, guarded: bool) -> Vec<u8> {
         let delimiter =
             |m| NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, NFNL_SUBSYS_NFTABLES), m);
         // Room for a typical message each (a capture rule is 100-250 bytes): growing the
@@ -206,16 +219,28 @@ impl Batch {
             0,
             first_seq,
         ));
+        if guarded {
+            // The attribute (length 8, type NFNL_BATCH_GENID) ends the begin marker, whose
+            // length grows by it; its value, big-endian, is written at each send.
+            debug_assert_eq!(out.len(), GUARD_AT - 4);
+            out.extend_from_slice(&8u16.to_ne_bytes());
+            out.extend_from_slice(&NFNL_BATCH_GENID.to_ne_bytes());
+            out.extend_from_slice(&[0; 4]);
+            let len = out.len() as u32;
+            out[..4].copy_from_slice(&len.to_ne_bytes());
+        }
+        let last = self.messages.len().saturating_sub(1);
         for (i, ((part, flags), family)) in self.messages.iter().zip(&self.families).enumerate() {
             let seq = first_seq + 1 + i as u32;
+            let flags = if guarded && i == last { *flags | NLM_F_ACK } else { *flags };
             match part {
                 Part::Elements { table, set, set_id, keys } => {
-                    encode_elements(&mut out, *family, table, set, *set_id, keys, *flags, seq)
+                    encode_elements(&mut out, *family, table, set, *set_id, keys, flags, seq)
                 }
-                Part::Rule(r) => r.write(&mut out, *flags, seq),
+                Part::Rule(r) => r.write(&mut out, flags, seq),
                 // Encoded where it is: a copy made to be encoded was a sixth of a fresh ADD's
                 // instructions, with its freeing.
-                Part::Message(m) => out.extend(crate::netlink::encode(ByRef::new(*family, m), *flags, seq)),
+                Part::Message(m) => out.extend(crate::netlink::encode(ByRef::new(*family, m), flags, seq)),
             }
         }
         let end = first_seq + 1 + self.messages.len() as u32;
