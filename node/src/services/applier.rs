@@ -205,11 +205,14 @@ impl Kept {
     /// The records, read again only when the attachments directory changed (records are
     /// written by rename and removed by unlink, each of which changes it).
     /// `now`: the attachments directory's identity, as just read.
+    /// A pod whose record is gone is let go (its socket closed) when they are read again.
     fn read_records(&mut self, dir: &ServicesDir, now: Option<FileId>) -> &KeptRecords {
         if self.records.as_ref().is_none_or(|k| now.is_none() || k.dir != now) {
             let scan = StateDir::new(&dir.state).scan();
             let unreadable = scan.unreadable.iter().map(engine::unreadable).collect();
-            let keys = scan.records.iter().map(Record::key).collect();
+            let keys: Vec<String> = scan.records.iter().map(Record::key).collect();
+            let live: std::collections::HashSet<&str> = keys.iter().map(String::as_str).collect();
+            self.links.retain(|k, _| live.contains(k.as_str()));
             self.records = Some(KeptRecords { dir: now, records: scan.records.into(), keys, unreadable });
         }
         self.records.as_ref().expect("just read")
@@ -223,16 +226,9 @@ impl Kept {
 
 impl Pods for Kept {
     fn records(&mut self, dir: &ServicesDir, warnings: &mut Vec<String>) -> Arc<Vec<Record>> {
-        let now = FileId::of(&dir.state.join("attachments"));
-        let rescanned = self.records.as_ref().map(|k| k.dir) != Some(now);
-        let kept = self.read_records(dir, now);
+        let kept = self.read_records(dir, FileId::of(&dir.state.join("attachments")));
         warnings.extend(kept.unreadable.iter().cloned());
-        let records = kept.records.clone();
-        if rescanned {
-            let live = kept.keys();
-            self.links.retain(|k, _| live.contains(k));
-        }
-        records
+        kept.records.clone()
     }
 
     fn reach(&mut self, i: usize, r: &Record) -> Result<&mut dyn PodLink, PodError> {
@@ -267,12 +263,9 @@ impl PodReach for Kept {
         new: &StoredLayer,
         previous: Option<&StoredLayer>,
     ) -> Result<Plan, ServicesError> {
-        // The kept records while the directory is unchanged (not refreshed here: the apply's
-        // own reading is what tells it to prune).
-        let records = match &self.records {
-            Some(k) if k.dir.is_some() && k.dir == FileId::of(&dir.state.join("attachments")) => k.records.clone(),
-            _ => Arc::new(StateDir::new(&dir.state).scan().records),
-        };
+        // The kept records while the directory is unchanged, else read again (and kept: the
+        // apply that follows finds them read).
+        let records = self.read_records(dir, FileId::of(&dir.state.join("attachments"))).records.clone();
         let node_mark = dir.divert_mark();
         aether_netns::tour_here(|| {
             Plan::make(&records, node_mark, previous, new, |r| match self.links.get_mut(&r.key()) {
