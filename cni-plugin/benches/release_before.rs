@@ -8,7 +8,9 @@
 //!
 //! - (a) a change document through the installer's socket (a Service added, its endpoints
 //!   flipped to none, removed), each after `AETHER_BENCH_CHANGE_GAP_MS` (50) as changes meet
-//!   a node: the round trip, and the installer's CPU time (all threads, schedstat);
+//!   a node: the round trip, and the installer's CPU time (all threads, schedstat); here the
+//!   two nodes take turns change by change, each pair a few milliseconds apart, so that what
+//!   else the machine does falls on both alike;
 //! - (c) one ADD of a fresh pod with those 10,000 Services stored (a fresh process as a
 //!   runtime runs it: wall, CPU, max RSS), then its DEL, not measured;
 //! - (b) churn at 10 changes a second through the socket for `AETHER_BENCH_CHURN_SECS` (10)
@@ -175,16 +177,25 @@ fn wait_for_quiet() {
     std::thread::sleep(Duration::from_millis(env_or("AETHER_BENCH_CHANGE_GAP_MS", 50)));
 }
 
-/// One round on `node`: the changes, the ADDs, the churn.
-fn round(release: &Release, node: &mut Node, changes: usize, adds: usize, churn_secs: u64) -> Round {
-    let mut r = Round::default();
+/// One round's changes on both nodes, node by node change by change (in `order`): each
+/// change of one node measured a few milliseconds from the same change of the other, so
+/// what else the machine does falls on both alike.
+fn changes_in_turn(nodes: &mut [Node], rounds: &mut [Round], order: [usize; 2], changes: usize) {
     for _ in 0..changes {
-        for (op, (doc, result)) in churn_docs(node.next).into_iter().enumerate() {
-            wait_for_quiet();
-            r.changes[op].push(node.change(doc, result));
+        for op in 0..3 {
+            for i in order {
+                let (doc, result) = churn_docs(nodes[i].next).into_iter().nth(op).unwrap();
+                wait_for_quiet();
+                rounds[i].changes[op].push(nodes[i].change(doc, result));
+            }
         }
-        node.next += 1;
+        nodes.iter_mut().for_each(|n| n.next += 1);
     }
+}
+
+/// The rest of a round on `node` (its changes made in turn with the other's): the ADDs, the
+/// churn.
+fn round(release: &Release, node: &mut Node, mut r: Round, adds: usize, churn_secs: u64) -> Round {
     for i in 0..adds {
         let pod = TestNetns::new("bbefore-add");
         let id = format!("add-{}-{i}", node.next);
@@ -264,8 +275,12 @@ fn main() {
     let mut results: [Vec<Round>; 2] = Default::default();
     for k in 0..rounds {
         let order = if k % 2 == 0 { [0, 1] } else { [1, 0] };
+        let mut these: [Round; 2] = Default::default();
+        changes_in_turn(&mut nodes, &mut these, order, changes);
+        let [mut a, mut b] = these.map(Some);
         for i in order {
-            results[i].push(round(&releases[i], &mut nodes[i], changes, adds, churn_secs));
+            let r = if i == 0 { a.take() } else { b.take() }.unwrap();
+            results[i].push(round(&releases[i], &mut nodes[i], r, adds, churn_secs));
         }
     }
     let load_after = load();
