@@ -265,10 +265,12 @@ impl PodReach for Kept {
     ) -> Result<Plan, ServicesError> {
         // The kept records while the directory is unchanged, else read again (and kept: the
         // apply that follows finds them read).
-        let records = self.read_records(dir, FileId::of(&dir.state.join("attachments"))).records.clone();
+        self.read_records(dir, FileId::of(&dir.state.join("attachments")));
+        let Kept { records: Some(kept), links, .. } = self else { unreachable!("just read") };
         let node_mark = dir.divert_mark();
         aether_netns::tour_here(|| {
-            Plan::make(&records, node_mark, previous, new, |r| match self.links.get_mut(&r.key()) {
+            // (Each record's key as made when they were read, not once more per pod.)
+            Plan::make(&kept.records, node_mark, previous, new, |i, r| match links.get_mut(&kept.keys[i]) {
                 // A pod reached before holds what this applier believes (its table read when
                 // in doubt), without opening its netns each change.
                 Some(l) if l.opened_for(r) => l.held(false).ok(),

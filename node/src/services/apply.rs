@@ -276,7 +276,7 @@ impl PodReach for Tour {
         // Each pod entered in turn on one thread (`Netns::run` spawns one per call outside a
         // tour), its tables read; the visit then sends without reading them again.
         aether_netns::tour(|| {
-            Plan::make(&records, dir.divert_mark(), previous, new, |r| {
+            Plan::make(&records, dir.divert_mark(), previous, new, |_, r| {
                 flat(engine::open_pod(r).ok()?.run(layer::held)).ok()
             })
         })

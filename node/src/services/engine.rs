@@ -22,11 +22,6 @@ use super::{budget, flat, ServicesDir, ServicesError, StoredLayer};
 use crate::state::{PodNetns, Record, StateDir, Unreadable};
 use crate::PodError;
 
-/// A netns's identity as one word: `device:inode`.
-pub(super) fn netns_key(ns: &Netns) -> String {
-    format!("{}:{}", ns.id().dev, ns.id().ino)
-}
-
 /// What a visit committed in a pod's netns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Sent {
@@ -74,21 +69,32 @@ pub struct AppliedRun {
     pub last: u32,
 }
 
-static RUNS: std::sync::Mutex<Option<HashMap<String, AppliedRun>>> = std::sync::Mutex::new(None);
+/// A pod netns among the runs of one state directory: its nsfs (device, inode).
+type RunKey = (u64, u64);
 
-fn runs<T>(f: impl FnOnce(&mut HashMap<String, AppliedRun>) -> T) -> T {
-    f(RUNS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new))
+/// The runs, by state directory (of `ServicesDir::root`), then by pod netns.
+type Runs = HashMap<std::path::PathBuf, HashMap<RunKey, AppliedRun>>;
+
+static RUNS: std::sync::Mutex<Option<Runs>> = std::sync::Mutex::new(None);
+
+/// `f` on the runs of the state directory of `dir`.
+fn runs<T>(dir: &ServicesDir, f: impl FnOnce(&mut HashMap<RunKey, AppliedRun>) -> T) -> T {
+    let mut all = RUNS.lock().unwrap_or_else(|p| p.into_inner());
+    let all = all.get_or_insert_with(HashMap::new);
+    // (The directory's path copied once, not at each visit.)
+    if !all.contains_key(&dir.root) {
+        all.insert(dir.root.clone(), HashMap::new());
+    }
+    f(all.get_mut(&dir.root).expect("inserted above"))
 }
 
-/// A pod netns's key among the runs: the state directory's, then the netns's.
-fn run_key(dir: &ServicesDir, ns: &Netns) -> String {
-    format!("{}|{}", dir.root.display(), netns_key(ns))
+fn run_key(ns: &Netns) -> RunKey {
+    (ns.id().dev, ns.id().ino)
 }
 
 /// The pod netns's `AppliedRun`, if this process's element changes made one.
 pub fn applied_run(state_dir: &std::path::Path, netns: &Netns) -> Option<AppliedRun> {
-    let key = run_key(&ServicesDir::new(state_dir), netns);
-    runs(|r| r.get(&key).copied())
+    runs(&ServicesDir::new(state_dir), |r| r.get(&run_key(netns)).copied())
 }
 
 /// How an apply reaches the recorded pods.
@@ -348,8 +354,7 @@ pub(super) fn apply_to_pods(
     }
     let Pass { migrated, visited, .. } = pass;
     // The runs of pods no longer visited (gone) are let go.
-    let ours = format!("{}|", dir.root.display());
-    runs(|r| r.retain(|k, _| !k.starts_with(&ours) || visited.contains(k)));
+    runs(dir, |r| r.retain(|k, _| visited.contains(k)));
     if migrated > 0 {
         warnings.push(format!(
             "{migrated} pod(s) held a Service layer a release before built: rebuilt in this release's shape, counters kept (a migration, once)"
@@ -376,7 +381,7 @@ struct Pass<'a> {
     /// Pods whose layer a release before built, rebuilt.
     migrated: usize,
     /// The run keys of the pods visited.
-    visited: std::collections::HashSet<String>,
+    visited: std::collections::HashSet<RunKey>,
     dir: &'a ServicesDir,
 }
 
@@ -423,8 +428,8 @@ impl<'a> Pass<'a> {
             Ok(())
         };
         let new = self.new;
-        let key = run_key(self.dir, pod.netns());
-        self.visited.insert(key.clone());
+        let key = run_key(pod.netns());
+        self.visited.insert(key);
         let mut action = match planned {
             Some(planned) => planned,
             None => decide(&pod.held(false)?, self.previous, new, mark),
@@ -441,7 +446,7 @@ impl<'a> Pass<'a> {
                     ask_recorded()?;
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
-                    runs(|runs| runs.remove(&key));
+                    runs(self.dir, |runs| runs.remove(&key));
                     return outcome;
                 }
                 (Action::Nothing, _) => Some((Ok(Applied::Unchanged), Sent::Nothing)),
@@ -453,7 +458,7 @@ impl<'a> Pass<'a> {
                     let (from, to) = self.cut.get_or_insert_with(|| narrowed(prev, new));
                     // Without a run to extend, the generation just before the change, so that one
                     // can start at it (one more request, only then).
-                    let run = runs(|runs| runs.get(&key).copied())
+                    let run = runs(self.dir, |runs| runs.get(&key).copied())
                         .filter(|run| Some(run.layer_generation) == self.previous.map(|p| p.generation));
                     match m.change(from, to) {
                         None => None,
@@ -489,15 +494,15 @@ impl<'a> Pass<'a> {
                     match &outcome {
                         Ok(_) => {
                             pod.believe(Some(named));
-                            let before = runs(|runs| runs.get(&key).map(|r| (r.first, r.last)));
+                            let before = runs(self.dir, |runs| runs.get(&key).map(|r| (r.first, r.last)));
                             match sent.run(before) {
-                                Some((first, last)) if sent != Sent::Nothing => runs(|runs| {
+                                Some((first, last)) if sent != Sent::Nothing => runs(self.dir, |runs| {
                                     let run =
                                         AppliedRun { layer_generation: new.generation, divert_mark: mark, first, last };
-                                    runs.insert(key.clone(), run)
+                                    runs.insert(key, run)
                                 }),
                                 Some(_) => None,
-                                None => runs(|runs| runs.remove(&key)),
+                                None => runs(self.dir, |runs| runs.remove(&key)),
                             };
                         }
                         Err(_) => pod.believe(None),

@@ -66,7 +66,9 @@ type NetnsKey = (u64, u64, Option<u64>);
 /// it and is decided when visited, by the same `decide`.
 #[derive(Debug, Default)]
 pub(super) struct Plan {
-    pods: HashMap<(String, Option<NetnsKey>), Action>,
+    /// By netns, then by record key (`Record::key`): found again without a key made per
+    /// visit.
+    pods: HashMap<Option<NetnsKey>, Vec<(String, Action)>>,
 }
 
 /// How many pods get each action.
@@ -88,30 +90,38 @@ impl Plan {
         node_mark: u32,
         previous: Option<&StoredLayer>,
         new: &StoredLayer,
-        mut held_of: impl FnMut(&Record) -> Option<HeldLayer>,
+        mut held_of: impl FnMut(usize, &Record) -> Option<HeldLayer>,
     ) -> Plan {
-        let pods = records
-            .iter()
-            .filter_map(|r| {
-                let held = held_of(r)?;
-                Some((Self::key(r), decide(&held, previous, new, mark_of(r, node_mark))))
-            })
-            .collect();
+        let mut pods: HashMap<Option<NetnsKey>, Vec<(String, Action)>> = HashMap::new();
+        for (i, r) in records.iter().enumerate() {
+            if let Some(held) = held_of(i, r) {
+                let action = decide(&held, previous, new, mark_of(r, node_mark));
+                pods.entry(Self::netns(r)).or_default().push((r.key(), action));
+            }
+        }
         Plan { pods }
     }
 
-    fn key(r: &Record) -> (String, Option<NetnsKey>) {
-        (r.key(), r.netns_id.map(|id| (id.dev, id.ino, id.cookie)))
+    fn netns(r: &Record) -> Option<NetnsKey> {
+        r.netns_id.map(|id| (id.dev, id.ino, id.cookie))
+    }
+
+    /// Whether `key` is `r.key()` (compared in place, not made again).
+    fn is_key_of(key: &str, r: &Record) -> bool {
+        let rest = key.strip_prefix(r.network.as_str()).and_then(|k| k.strip_prefix('/'));
+        let rest = rest.and_then(|k| k.strip_prefix(r.container_id.as_str())).and_then(|k| k.strip_prefix('/'));
+        rest == Some(r.ifname.as_str())
     }
 
     /// What the pod of `r` gets, if it was planned (the same attachment in the same netns).
     pub fn get(&self, r: &Record) -> Option<Action> {
-        self.pods.get(&Self::key(r)).copied()
+        let planned = self.pods.get(&Self::netns(r))?;
+        planned.iter().find(|(key, _)| Self::is_key_of(key, r)).map(|&(_, action)| action)
     }
 
     pub fn tally(&self) -> Tally {
         let mut t = Tally::default();
-        for action in self.pods.values() {
+        for (_, action) in self.pods.values().flatten() {
             *match action {
                 Action::Nothing => &mut t.nothing,
                 Action::Rename(_) => &mut t.renamed,

@@ -95,7 +95,7 @@ fn a_plan_is_each_pods_decision_made_once() {
     let new = stored(5, LayerMode::Refuse, 81);
     let records = vec![record("a", 1), record("b", 2), record("c", 3), record("d", 4), record("gone", 5)];
     let mut asked = Vec::new();
-    let plan = Plan::make(&records, MARK, Some(&prev), &new, |r| {
+    let plan = Plan::make(&records, MARK, Some(&prev), &new, |_, r| {
         asked.push(r.container_id.clone());
         match r.container_id.as_str() {
             "a" => Some(named(&prev, MARK)),
@@ -115,6 +115,14 @@ fn a_plan_is_each_pods_decision_made_once() {
     let mut other_cookie = record("a", 1);
     other_cookie.netns_id.as_mut().unwrap().cookie = Some(7);
     assert_eq!(plan.get(&other_cookie), None, "the inode reused by another netns: not the planned pod");
+    // Another attachment in a planned pod's netns (another interface, or a container whose
+    // name only begins alike) is not the planned one.
+    let mut other_if = record("a", 1);
+    other_if.ifname = "net1".into();
+    assert_eq!(plan.get(&other_if), None, "another interface of the same netns: not the planned pod");
+    let mut longer = record("a", 1);
+    longer.container_id = "a2".into();
+    assert_eq!(plan.get(&longer), None, "another container of the same netns: not the planned pod");
     let t = plan.tally();
     assert_eq!((t.nothing, t.changed, t.rebuilt, t.migrated, t.renamed, t.removed), (1, 1, 1, 1, 0, 0));
     // The budget's elements: the change once per changed pod, the whole layer per rebuilt or
@@ -138,7 +146,7 @@ fn mode_off_plans_a_removal_for_every_pod() {
     let prev = stored(4, LayerMode::Refuse, 80);
     let off = stored(5, LayerMode::Off, 81);
     let records = vec![record("a", 1), record("b", 2)];
-    let plan = Plan::make(&records, MARK, Some(&prev), &off, |r| {
+    let plan = Plan::make(&records, MARK, Some(&prev), &off, |_, r| {
         Some(if r.container_id == "a" { named(&prev, MARK) } else { HeldLayer::Absent })
     });
     assert_eq!(plan.tally(), Tally { removed: 2, ..Tally::default() });
