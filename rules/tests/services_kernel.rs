@@ -649,7 +649,9 @@ fn a_guarded_change_commits_only_at_the_generation_it_names() {
     let listing = || ns.exec("nft", &["list", "table", "ip", services::TABLE]);
     // Committed at the generation it names; the next is known without asking.
     let g = sock.generation().unwrap();
-    let Guarded::Committed(next) = forth.send_guarded_on(&mut sock, g).unwrap() else { panic!("a fresh guard was stale") };
+    let Guarded::Committed(next) = forth.send_guarded_on(&mut sock, g).unwrap() else {
+        panic!("a fresh guard was stale")
+    };
     assert_eq!(next, sock.generation().unwrap(), "the generation after a guarded change is not the guard's next");
     assert!(in_ns(&ns, || services::verify(&two)).unwrap().is_empty());
     // Anything committed since (here another table) makes the guard stale: nothing sent.

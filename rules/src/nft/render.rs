@@ -21,9 +21,12 @@ use crate::model;
 /// Elements per NEWSETELEM/DELSETELEM message: well under the 64 KiB a message can hold
 /// (an element with a 12-byte key and an interval end takes under 100 bytes).
 const ELEMENTS_PER_MESSAGE: usize = 256;
-/// The batch delimiters name the subsystem in `res_id`.
-use super::abi::{GUARD_AT, NFNL_BATCH_GENID, NFNL_SUBSYS_NFTABLES};
-use super::abi::{COUNTER_BYTES, COUNTER_PACKETS, OBJ_DATA, OBJ_NAME, OBJ_TABLE, OBJ_TYPE, UDATA_RULE_COMMENT};
+// (The batch delimiters name the subsystem in `res_id`; a guarded batch's begin marker
+// carries NFNL_BATCH_GENID at GUARD_AT.)
+use super::abi::{
+    COUNTER_BYTES, COUNTER_PACKETS, GUARD_AT, NFNL_BATCH_GENID, NFNL_SUBSYS_NFTABLES, OBJ_DATA, OBJ_NAME, OBJ_TABLE,
+    OBJ_TYPE, UDATA_RULE_COMMENT,
+};
 
 mod change;
 pub(crate) use change::table_change;
