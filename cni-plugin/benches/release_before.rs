@@ -277,9 +277,8 @@ fn main() {
         let order = if k % 2 == 0 { [0, 1] } else { [1, 0] };
         let mut these: [Round; 2] = Default::default();
         changes_in_turn(&mut nodes, &mut these, order, changes);
-        let [mut a, mut b] = these.map(Some);
         for i in order {
-            let r = if i == 0 { a.take() } else { b.take() }.unwrap();
+            let r = std::mem::take(&mut these[i]);
             results[i].push(round(&releases[i], &mut nodes[i], r, adds, churn_secs));
         }
     }

@@ -50,7 +50,7 @@ impl Received<'_> {
 }
 
 /// Splits a datagram into its netlink messages.
-fn split(mut buf: &[u8]) -> io::Result<Vec<Received<'_>>> {
+pub(crate) fn split(mut buf: &[u8]) -> io::Result<Vec<Received<'_>>> {
     let mut out = Vec::new();
     while !buf.is_empty() {
         let hdr = NetlinkBuffer::new_checked(buf).map_err(invalid)?;

@@ -553,17 +553,27 @@ fn dual_stack_layer_round_trip_and_ipv6_element_updates() {
 /// the named table. Controls: the same change to a table of the layer it starts from is
 /// taken; a change between unnamed layers (the rules' own, as before names) is taken
 /// whatever the table names.
+fn layer_id(generation: u64, digest: u64) -> Option<services::LayerId> {
+    Some(services::LayerId { generation, digest })
+}
+
+/// Two named layers, the second one Service port more than the first: an element change
+/// apart.
+fn named_one_and_two() -> (ServiceLayer, ServiceLayer) {
+    let one = ServiceLayer { identity: layer_id(7, 0x0123_4567_89ab_cdef), ..layer(LayerMode::Refuse) };
+    let mut two = ServiceLayer { identity: layer_id(8, 0xfedc_ba98_7654_3210), ..one.clone() };
+    two.ports.push(port("10.96.1.3", Proto::Tcp, 8080, true));
+    (one, two)
+}
+
 #[test]
 fn a_named_layer_is_changed_only_from_the_name_it_holds() {
     if !root_or_skip("a_named_layer_is_changed_only_from_the_name_it_holds") {
         return;
     }
     let ns = TestNetns::new("svc-named");
-    let id = |generation, digest| Some(services::LayerId { generation, digest });
-    let one = ServiceLayer { identity: id(7, 0x0123_4567_89ab_cdef), ..layer(LayerMode::Refuse) };
-    let mut two = ServiceLayer { identity: id(8, 0xfedc_ba98_7654_3210), ..one.clone() };
-    two.ports.push(port("10.96.1.3", Proto::Tcp, 8080, true));
-    let mut three = ServiceLayer { identity: id(9, 0x1111_2222_3333_4444), ..two.clone() };
+    let (one, two) = named_one_and_two();
+    let mut three = ServiceLayer { identity: layer_id(9, 0x1111_2222_3333_4444), ..two.clone() };
     three.ports.push(port("10.96.1.4", Proto::Tcp, 8080, true));
     assert_eq!(in_ns(&ns, || services::rebuild(&one)).unwrap(), Applied::Rebuilt);
     let listing = ns.exec("nft", &["list", "table", "ip", services::TABLE]);
@@ -636,10 +646,7 @@ fn a_guarded_change_commits_only_at_the_generation_it_names() {
     }
     use aether_rules::nft::{Guarded, KeptSocket};
     let ns = TestNetns::new("svc-guard");
-    let id = |generation, digest| Some(services::LayerId { generation, digest });
-    let one = ServiceLayer { identity: id(7, 0x0123_4567_89ab_cdef), ..layer(LayerMode::Refuse) };
-    let mut two = ServiceLayer { identity: id(8, 0xfedc_ba98_7654_3210), ..one.clone() };
-    two.ports.push(port("10.96.1.3", Proto::Tcp, 8080, true));
+    let (one, two) = named_one_and_two();
     in_ns(&ns, || services::rebuild(&one)).unwrap();
     let (forth, back) = (
         services::LayerChange::between(&one, &two).unwrap().unwrap().encode(),

@@ -15,7 +15,7 @@
 //! `verify`) changes is seen by the next document, and anything in doubt is read again.
 
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
@@ -59,9 +59,9 @@ impl Applier {
     /// its netns alive, so this is called when idle, about once a second.
     pub fn tidy(&mut self) {
         let Ok(_lock) = self.dir.lock(false) else { return };
+        // (Reading the records lets go of the pods whose records are gone.)
         self.kept.read_records(&self.dir, FileId::of(&self.dir.state.join("attachments")));
-        let live: BTreeSet<String> = self.kept.records.as_ref().map_or_else(BTreeSet::new, |r| r.keys());
-        self.kept.links.retain(|key, link| live.contains(key) && link.still_there());
+        self.kept.links.retain(|_, link| link.still_there());
     }
 
     /// How many pods' sockets are kept (for metrics and tests).
@@ -105,12 +105,6 @@ struct KeptRecords {
     /// Each record's `Record::key`, made once per reading (not at each visit of its pod).
     keys: Vec<String>,
     unreadable: Vec<String>,
-}
-
-impl KeptRecords {
-    fn keys(&self) -> BTreeSet<String> {
-        self.keys.iter().cloned().collect()
-    }
 }
 
 /// A pod reached without entering it.

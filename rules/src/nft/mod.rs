@@ -62,12 +62,18 @@ fn commit_encoded(sock: &mut Socket, batch: &Batch, bytes_at_zero: &[u8]) -> Res
     commit_bytes(sock, batch, bytes, first)
 }
 
+/// Sends the encoded `batch` (its bytes numbered for this socket), its answers given room
+/// in the receive buffer.
+fn send_batch(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>) -> Result<()> {
+    let nft = |op| move |source| Error::Nftables { op, source };
+    sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
+    sock.send(&bytes).map_err(nft("send transaction"))
+}
+
 /// Sends the encoded `batch` (its first sequence number `first`), then the fence.
 fn commit_bytes(sock: &mut Socket, batch: &Batch, bytes: Vec<u8>, first: u32) -> Result<Option<u32>> {
     let nft = |op| move |source| Error::Nftables { op, source };
-    sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
-    sock.send(&bytes).map_err(nft("send transaction"))?;
-    drop(bytes);
+    send_batch(sock, batch, bytes)?;
     let fence = sock.take_seqs(1);
     let mut request = generation_request().to_vec();
     crate::netlink::renumber(&mut request, fence);
@@ -123,9 +129,7 @@ fn commit_guarded(sock: &mut Socket, batch: &Batch, bytes_at_zero: &[u8], genera
     let mut bytes = bytes_at_zero.to_vec();
     crate::netlink::renumber(&mut bytes, first);
     bytes[abi::GUARD_AT..abi::GUARD_AT + 4].copy_from_slice(&generation.to_be_bytes());
-    sock.grow_buffer(libc::SO_RCVBUFFORCE, batch.labels.len() * ERROR_TRUESIZE).map_err(nft("size a socket buffer"))?;
-    sock.send(&bytes).map_err(nft("send transaction"))?;
-    drop(bytes);
+    send_batch(sock, batch, bytes)?;
     let last = first + batch.seq_count() - 2;
     let errors = sock.batch_errors_until_ack(first, last).map_err(nft("transaction acknowledgement"))?;
     match errors.first() {

@@ -139,29 +139,25 @@ fn every_batch_parses_back_from_its_bytes_to_the_same_view() {
 #[test]
 fn a_guarded_batch_differs_only_in_its_guard_and_its_last_acknowledgement() {
     let batch = render::table_batch(&table(), Existing::Refuse);
-    let messages = |bytes: &[u8]| -> Vec<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut rest = bytes;
-        while !rest.is_empty() {
-            let len = u32::from_ne_bytes(rest[..4].try_into().unwrap()) as usize;
-            out.push(rest[..len].to_vec());
-            rest = &rest[len.div_ceil(4) * 4..];
-        }
-        out
-    };
-    let (plain, guarded) = (messages(&batch.encode(5)), messages(&batch.encode_guarded(5)));
+    let (plain, guarded) = (batch.encode(5), batch.encode_guarded(5));
+    let split = |bytes| crate::netlink::split(bytes).unwrap();
+    let (plain, guarded) = (split(&plain), split(&guarded));
     assert_eq!(plain.len(), guarded.len());
     let (begin, rest) = guarded.split_first().unwrap();
-    assert_eq!(begin.len(), plain[0].len() + 8, "the marker grows by the attribute");
-    assert_eq!(&begin[4..plain[0].len()], &plain[0][4..], "the marker's header and nfgenmsg are unchanged");
+    let plain_begin = plain[0].bytes;
+    assert_eq!(begin.bytes.len(), plain_begin.len() + 8, "the marker grows by the attribute");
+    assert_eq!(begin.bytes[4..plain_begin.len()], plain_begin[4..], "the marker's header and nfgenmsg are unchanged");
     let header = [8u16.to_ne_bytes(), abi::NFNL_BATCH_GENID.to_ne_bytes()].concat();
-    assert_eq!(begin[abi::GUARD_AT - 4..abi::GUARD_AT], header[..], "length 8, type NFNL_BATCH_GENID");
-    let flags = |m: &[u8]| u16::from_ne_bytes([m[6], m[7]]);
+    assert_eq!(begin.bytes[abi::GUARD_AT - 4..abi::GUARD_AT], header[..], "length 8, type NFNL_BATCH_GENID");
     let last = rest.len() - 2;
     for (i, (g, p)) in rest.iter().zip(&plain[1..]).enumerate() {
         let ack = if i == last { netlink_packet_core::NLM_F_ACK } else { 0 };
-        assert_eq!(flags(g), flags(p) | ack, "message {i}'s flags");
-        assert_eq!((&g[..6], &g[8..]), (&p[..6], &p[8..]), "message {i} is otherwise unchanged");
+        assert_eq!(g.flags, p.flags | ack, "message {i}'s flags");
+        assert_eq!(
+            (&g.bytes[..6], &g.bytes[8..]),
+            (&p.bytes[..6], &p.bytes[8..]),
+            "message {i} is otherwise unchanged"
+        );
     }
 }
 
