@@ -1,0 +1,210 @@
+//! How a layer is written into the current netns: created, changed in place where only
+//! elements differ, rebuilt with its counters carried over, or removed.
+
+use std::collections::BTreeMap;
+
+use super::{services_tables, Named, ServiceLayer, PROFILE_CHAIN_PREFIX, TABLE};
+use crate::error::{Error, Result};
+use crate::family::Family;
+use crate::model::Table;
+use crate::nft;
+
+/// What `apply` did in the current netns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// The tables were created (or rebuilt because their structure changed), counters kept.
+    Rebuilt,
+    /// Only set elements changed: how many were added and removed.
+    Elements { added: usize, removed: usize },
+    /// Nothing differed.
+    Unchanged,
+    /// Mode `off`: the tables were removed (`true`) or already absent.
+    Removed(bool),
+}
+
+/// Makes the current netns hold the layer for `layer`. When the kernel's tables have the
+/// same structure (sets, chains, rules, counters) and only set elements and whole profile
+/// chains differ, only those are sent, in one transaction. Otherwise the tables are replaced in one
+/// transaction, their counters starting from the values read just before (a connection
+/// counted between that read and the replace is lost; structure changes are mode changes).
+pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
+    let tables = services_tables(layer)?;
+    if tables.is_empty() {
+        return remove().map(Applied::Removed);
+    }
+    let mut changes = Vec::new();
+    for family in Family::ALL {
+        let expected = tables.iter().find(|t| t.family == family);
+        match (expected, nft::kernel_view(family, TABLE)?) {
+            (None, None) => {}
+            (Some(t), Some(actual)) => match table_diff(t, &nft::expected_view(t), &actual) {
+                Some(c) if c.is_empty() => {}
+                Some(c) => changes.push((family, c)),
+                None => return rebuild_tables(&tables, None),
+            },
+            // A family's table missing, or one the layer no longer has.
+            _ => return rebuild_tables(&tables, None),
+        }
+    }
+    if changes.is_empty() {
+        return Ok(Applied::Unchanged);
+    }
+    let added = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum();
+    let removed = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.delete.len()).sum();
+    nft::change_tables(TABLE, &changes)?;
+    Ok(Applied::Elements { added, removed })
+}
+
+/// Makes the current netns hold the layer for `layer` without reading its sets back: the
+/// tables are created, or replaced with their counters carried over (one read of the counter
+/// objects only). What ADD does, and what an apply does to a pod whose generation it cannot
+/// vouch for.
+pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
+    match Prepared::new(layer)? {
+        Some(p) => p.rebuild(),
+        None => remove().map(Applied::Removed),
+    }
+}
+
+/// Replaces whatever layer the current netns holds with `tables` (not empty), in one
+/// transaction, counters carried over: each family's from its own table, and a table of a
+/// family the layer no longer has deleted with its counts added to the first new table's,
+/// so the pod's totals never go backwards. With no layer there yet, `create` (the tables'
+/// creation, encoded once) is sent if given.
+fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<Applied> {
+    // A layer table always has counters: none means no table (one small dump per family).
+    let mut held = BTreeMap::new();
+    for (family, counts) in Family::ALL.into_iter().zip(nft::counters_each(&Family::ALL, TABLE)?) {
+        if !counts.is_empty() {
+            held.insert(family, counts);
+        }
+    }
+    if held.is_empty() {
+        if let Some(create) = create {
+            match create.send() {
+                Ok(()) => return Ok(Applied::Rebuilt),
+                // Created since the look (the create is exclusive): replaced below.
+                Err(Error::Transaction { source, .. }) if source.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    let mut start: BTreeMap<Family, nft::Counts> = BTreeMap::new();
+    let mut retired = Vec::new();
+    for (family, counts) in held {
+        let into = if tables.iter().any(|t| t.family == family) {
+            family
+        } else {
+            retired.push((family, TABLE));
+            tables[0].family
+        };
+        let sum = start.entry(into).or_default();
+        for (name, (packets, bytes)) in counts {
+            let c = sum.entry(name).or_default();
+            *c = (c.0 + packets, c.1 + bytes);
+        }
+    }
+    let refs: Vec<&Table> = tables.iter().collect();
+    nft::program_tables_keeping(&refs, &start, &retired)?;
+    Ok(Applied::Rebuilt)
+}
+
+/// A layer made ready for many pod netns: the transaction that creates its tables encoded
+/// once, so an apply that rebuilds many pods pays the encoding once, and each pod without the
+/// layer costs what the kernel takes to create it.
+pub struct Prepared {
+    tables: Vec<Table>,
+    create: nft::Encoded,
+}
+
+impl Prepared {
+    /// `None` in mode `off` (no layer).
+    pub fn new(layer: &ServiceLayer) -> Result<Option<Prepared>> {
+        let tables = services_tables(layer)?;
+        if tables.is_empty() {
+            return Ok(None);
+        }
+        let create = nft::encode_tables(&tables.iter().collect::<Vec<_>>());
+        Ok(Some(Prepared { tables, create }))
+    }
+
+    /// The transaction that creates the layer's tables where there is none.
+    pub fn create(&self) -> &nft::Encoded {
+        &self.create
+    }
+
+    /// `rebuild` in the current netns: the encoded transaction where there is no layer yet,
+    /// otherwise the tables replaced with their counters carried over.
+    pub fn rebuild(&self) -> Result<Applied> {
+        rebuild_tables(&self.tables, Some(&self.create))
+    }
+}
+
+/// The changes that turn `actual` into `expected` (the model table `model`'s view): set
+/// elements, and profile chains the one has and the other lacks; `None` when more differs
+/// (or an interval set changed: its elements are ranges, rebuilt whole).
+fn table_diff(
+    model: &Table,
+    expected: &nft::read::TableView,
+    actual: &nft::read::TableView,
+) -> Option<nft::TableChange> {
+    let is_profile = |name: &str| name.starts_with(PROFILE_CHAIN_PREFIX);
+    let has = |v: &nft::read::TableView, name: &str| v.chains.iter().any(|c| c.name == name);
+    let mut change = nft::TableChange::default();
+    for c in model.chains.iter().filter(|c| is_profile(&c.name) && !has(actual, &c.name)) {
+        change.add_chains.push(c.clone());
+    }
+    for c in actual.chains.iter().filter(|c| is_profile(&c.name) && !has(expected, &c.name)) {
+        change.delete_chains.push(c.name.clone());
+    }
+    // What the table says it holds: swapped in the same transaction as the elements.
+    let identities = |v: &nft::read::TableView| -> Vec<String> {
+        v.counters.keys().filter(|n| Named::parse(n).is_some()).cloned().collect()
+    };
+    let (want, have) = (identities(expected), identities(actual));
+    if want != have {
+        change.counters_gone = have;
+        change.counters_new = want;
+    }
+    // The rest compared without elements, counts, the identity, and the profile chains only
+    // one side has.
+    let strip = |v: &nft::read::TableView| {
+        let mut v = v.clone();
+        for s in &mut v.sets {
+            s.elements.clear();
+        }
+        v.counters.retain(|n, _| Named::parse(n).is_none());
+        v.counters.values_mut().for_each(|c| *c = (0, 0));
+        v.chains
+            .retain(|c| !change.add_chains.iter().any(|a| a.name == c.name) && !change.delete_chains.contains(&c.name));
+        v
+    };
+    let structural = nft::read::diff(&strip(expected), &strip(actual));
+    if !structural.is_empty() {
+        return None;
+    }
+    for e in &expected.sets {
+        if e.is_dynamic() {
+            continue;
+        }
+        let a = actual.sets.iter().find(|a| a.name == e.name)?;
+        if e.elements == a.elements {
+            continue;
+        }
+        if e.is_interval() {
+            return None;
+        }
+        change.elements.push(nft::ElementChange {
+            set: e.name.clone(),
+            delete: a.elements.difference(&e.elements).cloned().collect(),
+            add: e.elements.difference(&a.elements).cloned().collect(),
+        });
+    }
+    Some(change)
+}
+
+/// Removes the layer (the tables of both families) from the current netns; `Ok(false)` when
+/// it was absent.
+pub fn remove() -> Result<bool> {
+    nft::remove_each(&Family::ALL, TABLE)
+}
