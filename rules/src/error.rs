@@ -25,6 +25,11 @@ pub enum Error {
         release: String,
         source: io::Error,
     },
+    /// A transaction built from a reading of a pod's Service layer was refused because the
+    /// layer's tables no longer named what they named when read (`named`): another writer
+    /// changed the layer first. Nothing of the transaction was applied.
+    #[error("the Service layer changed since it was read (its tables no longer name {named}); nothing was applied")]
+    LayerMoved { named: String },
     /// A policy-routing request (ip rule / ip route) failed in the kernel.
     #[error("policy routing {op} failed: {source}")]
     Route { op: &'static str, source: io::Error },

@@ -679,3 +679,57 @@ fn a_guarded_change_commits_only_at_the_generation_it_names() {
     assert_eq!(listing(), held, "a refused guarded change left a trace");
     assert_eq!(sock.generation().unwrap(), now, "a refused guarded change moved the generation");
 }
+
+#[test]
+fn a_repair_read_from_one_layer_is_refused_whole_once_the_layer_moved() {
+    if !root_or_skip("a_repair_read_from_one_layer_is_refused_whole_once_the_layer_moved") {
+        return;
+    }
+    let ns = TestNetns::new("svc-moved");
+    let (one, two) = named_one_and_two();
+    let listing = || ns.exec("nft", &["list", "table", "ip", services::TABLE]);
+    let holds = |l: &ServiceLayer| {
+        let named = services::Named { shape: services::SHAPE, id: l.identity.unwrap(), divert_mark: l.divert_mark };
+        assert_eq!(in_ns(&ns, services::held).unwrap(), services::HeldLayer::Named(named));
+    };
+    in_ns(&ns, || services::rebuild(&one)).unwrap();
+    // Drift under the same name: a port the change below leaves alone is gone.
+    let drifted = ServiceLayer { ports: one.ports[1..].to_vec(), ..one.clone() };
+    let Applied::Elements { added: 0, removed: lost } = in_ns(&ns, || services::apply(&drifted)).unwrap() else {
+        panic!("the drift was not an element change")
+    };
+    holds(&one);
+    assert!(!in_ns(&ns, || services::verify(&one)).unwrap().is_empty(), "no drift to repair");
+    // A repair of the elements is read from `one`; an apply's change to `two` (which takes
+    // no pod lock) comes before it is sent: the repair is refused whole.
+    let repair = in_ns(&ns, || services::read(&one)).unwrap();
+    in_ns(&ns, || services::LayerChange::between(&one, &two).unwrap().unwrap().send()).unwrap();
+    let moved = listing();
+    let refused = in_ns(&ns, || repair.commit()).expect_err("a repair read from a layer the table no longer names");
+    assert!(
+        matches!(&refused, aether_rules::Error::LayerMoved { named } if named.contains("generation 7")),
+        "{refused}"
+    );
+    assert_eq!(listing(), moved, "a refused repair left a trace");
+    holds(&two);
+    // Control: read again, the repair is taken.
+    let repaired = in_ns(&ns, || services::apply(&two)).unwrap();
+    assert_eq!(repaired, Applied::Elements { added: lost, removed: 0 }, "the repair puts back what the drift took");
+    assert!(in_ns(&ns, || services::verify(&two)).unwrap().is_empty());
+    // A rebuild read from `two` (its structure drifted: a chain emptied), and a change back
+    // to `one` before it is sent: refused whole too, the counters' reading unused.
+    ns.exec("nft", &["flush", "chain", "ip", services::TABLE, services::CHAIN_CLASSIFY]);
+    let rebuild = in_ns(&ns, || services::read(&two)).unwrap();
+    in_ns(&ns, || services::LayerChange::between(&two, &one).unwrap().unwrap().send()).unwrap();
+    let moved = listing();
+    let refused = in_ns(&ns, || rebuild.commit()).expect_err("a rebuild read from a layer the table no longer names");
+    assert!(
+        matches!(&refused, aether_rules::Error::LayerMoved { named } if named.contains("generation 8")),
+        "{refused}"
+    );
+    assert_eq!(listing(), moved, "a refused rebuild left a trace");
+    holds(&one);
+    // Control: read again, the rebuild is taken.
+    assert_eq!(in_ns(&ns, || services::apply(&one)).unwrap(), Applied::Rebuilt);
+    assert!(in_ns(&ns, || services::verify(&one)).unwrap().is_empty());
+}

@@ -12,7 +12,7 @@ mod render;
 mod wire;
 
 pub use expr::{Expr, Exprs, Reg};
-pub use render::{ElementChange, TableChange};
+pub use render::{counter_removed, ElementChange, TableChange};
 
 use std::collections::BTreeMap;
 use std::io;
@@ -235,20 +235,24 @@ pub(crate) fn program_keeping(table: &Table, counters: &Counts) -> Result<()> {
 /// one transaction: the kernel applies both or neither. Each is created, or replaced if
 /// there, as `program` does for one.
 pub(crate) fn program_tables(tables: &[&Table]) -> Result<()> {
-    program_tables_keeping(tables, &BTreeMap::new(), &[])
+    program_tables_keeping(tables, &BTreeMap::new(), &[], &[])
 }
 
 /// `program_tables`, with the named counters of each family's table starting from the given
 /// values, and the `retired` tables (family, name) deleted in the same transaction (a Service layer rebuilt when the snapshot's families change: what the
 /// retired table counted is carried into `counters` by the caller, never counted twice).
+/// The `asserted` counters (family, table, name), which the caller read in the tables it replaces,
+/// are deleted first: the kernel refuses the whole transaction, at one of them, when the
+/// tables no longer hold it (another writer changed them since the reading).
 pub(crate) fn program_tables_keeping(
     tables: &[&Table],
     counters: &BTreeMap<Family, Counts>,
     retired: &[(Family, &str)],
+    asserted: &[(Family, &str, &str)],
 ) -> Result<()> {
     let none = Counts::new();
     let counts = |t: &Table| counters.get(&t.family).unwrap_or(&none);
-    if let ([table], []) = (tables, retired) {
+    if let ([table], [], []) = (tables, retired, asserted) {
         return program_keeping(table, counts(table));
     }
     let mut sock = open()?;
@@ -257,11 +261,16 @@ pub(crate) fn program_tables_keeping(
         let exists = table_flags(&mut sock, t.family, &t.name)?.is_some();
         plan.push((*t, counts(t), if exists { Existing::Replace } else { Existing::Refuse }));
     }
-    let with_retired = |mut batch: render::Batch| {
-        for (family, name) in retired {
-            batch.append(render::delete_table(*family, name));
+    let with_retired = |batch: render::Batch| {
+        let mut b = render::Batch::default();
+        for &(family, table, name) in asserted {
+            render::delete_counter(&mut b, family, table, name);
         }
-        batch
+        b.append(batch);
+        for (family, name) in retired {
+            b.append(render::delete_table(*family, name));
+        }
+        b
     };
     match commit(&mut sock, &with_retired(render::tables_batch(&plan))) {
         // One appeared since the lookup: replace them all instead.

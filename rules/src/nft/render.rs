@@ -29,7 +29,8 @@ use super::abi::{
 };
 
 mod change;
-pub(crate) use change::table_change;
+pub use change::counter_removed;
+pub(crate) use change::{delete_counter, table_change};
 pub use change::{ElementChange, TableChange};
 
 /// The messages of one transaction, each with its netlink flags and what it is.

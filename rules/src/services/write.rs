@@ -22,37 +22,75 @@ pub enum Applied {
     Removed(bool),
 }
 
-/// Makes the current netns hold the layer for `layer`. When the kernel's tables have the
-/// same structure (sets, chains, rules, counters) and only set elements and whole profile
-/// chains differ, only those are sent, in one transaction. Otherwise the tables are replaced in one
-/// transaction, their counters starting from the values read just before (a connection
-/// counted between that read and the replace is lost; structure changes are mode changes).
+/// Makes the current netns hold the layer for `layer` (`read`, then `Reading::commit`).
 pub fn apply(layer: &ServiceLayer) -> Result<Applied> {
+    read(layer)?.commit()
+}
+
+/// What the current netns's layer needs to become `layer`, from one reading of its tables.
+/// When they have the same structure (sets, chains, rules, counters) and only set elements
+/// and whole profile chains differ, only those are sent, in one transaction. Otherwise the
+/// tables are replaced in one transaction, their counters starting from the values read
+/// (a connection counted between that reading and the replace is lost; structure changes
+/// are mode changes). Either transaction starts from the layer's name as read, and is
+/// refused whole (`Error::LayerMoved`) when the tables name another layer by the time it
+/// comes: an apply, which changes a pod's elements without its lock, came first.
+pub fn read(layer: &ServiceLayer) -> Result<Reading> {
     let tables = services_tables(layer)?;
     if tables.is_empty() {
-        return remove().map(Applied::Removed);
+        return Ok(Reading { tables, what: Decided::Remove });
     }
     let mut changes = Vec::new();
     for family in Family::ALL {
         let expected = tables.iter().find(|t| t.family == family);
+        let rebuild = || Ok(Decided::Rebuild(held_counts()?));
         match (expected, nft::kernel_view(family, TABLE)?) {
             (None, None) => {}
             (Some(t), Some(actual)) => match table_diff(t, &nft::expected_view(t), &actual) {
                 Some(c) if c.is_empty() => {}
                 Some(c) => changes.push((family, c)),
-                None => return rebuild_tables(&tables, None),
+                None => return Ok(Reading { what: rebuild()?, tables }),
             },
             // A family's table missing, or one the layer no longer has.
-            _ => return rebuild_tables(&tables, None),
+            _ => return Ok(Reading { what: rebuild()?, tables }),
         }
     }
-    if changes.is_empty() {
-        return Ok(Applied::Unchanged);
+    Ok(Reading { tables, what: if changes.is_empty() { Decided::Unchanged } else { Decided::Change(changes) } })
+}
+
+/// What `read` found the current netns's layer needs, to be sent by `commit`.
+pub struct Reading {
+    tables: Vec<Table>,
+    what: Decided,
+}
+
+enum Decided {
+    Unchanged,
+    Remove,
+    Change(Vec<(Family, nft::TableChange)>),
+    /// Replaced, with the counters the tables held by family (read with their names).
+    Rebuild(BTreeMap<Family, nft::Counts>),
+}
+
+impl Reading {
+    /// Sends what the reading decided, in one transaction.
+    pub fn commit(self) -> Result<Applied> {
+        match self.what {
+            Decided::Unchanged => Ok(Applied::Unchanged),
+            Decided::Remove => remove().map(Applied::Removed),
+            Decided::Rebuild(held) => rebuild_over(&self.tables, held, None),
+            Decided::Change(changes) => {
+                let added = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum();
+                let removed = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.delete.len()).sum();
+                let asserted: Vec<(Family, &str, &str)> = changes
+                    .iter()
+                    .flat_map(|(f, c)| c.counters_gone.iter().map(move |n| (*f, TABLE, n.as_str())))
+                    .collect();
+                nft::change_tables(TABLE, &changes).map_err(|e| moved(e, &asserted))?;
+                Ok(Applied::Elements { added, removed })
+            }
+        }
     }
-    let added = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum();
-    let removed = changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.delete.len()).sum();
-    nft::change_tables(TABLE, &changes)?;
-    Ok(Applied::Elements { added, removed })
 }
 
 /// Makes the current netns hold the layer for `layer` without reading its sets back: the
@@ -72,6 +110,11 @@ pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
 /// so the pod's totals never go backwards. With no layer there yet, `create` (the tables'
 /// creation, encoded once) is sent if given.
 fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<Applied> {
+    rebuild_over(tables, held_counts()?, create)
+}
+
+/// The named counters of the layer's tables, by family (a family without a table left out).
+fn held_counts() -> Result<BTreeMap<Family, nft::Counts>> {
     // A layer table always has counters: none means no table (one small dump per family).
     let mut held = BTreeMap::new();
     for (family, counts) in Family::ALL.into_iter().zip(nft::counters_each(&Family::ALL, TABLE)?) {
@@ -79,6 +122,15 @@ fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<App
             held.insert(family, counts);
         }
     }
+    Ok(held)
+}
+
+/// `rebuild_tables` over the counters `held` as read (`held_counts`).
+fn rebuild_over(
+    tables: &[Table],
+    held: BTreeMap<Family, nft::Counts>,
+    create: Option<&nft::Encoded>,
+) -> Result<Applied> {
     if held.is_empty() {
         if let Some(create) = create {
             match create.send() {
@@ -89,24 +141,49 @@ fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<App
             }
         }
     }
+    // The names the tables held, deleted first: a layer another writer changed since this
+    // reading (a name gone) refuses the rebuild, which would put back what was read.
+    let asserted: Vec<(Family, &str, &str)> = held
+        .iter()
+        .flat_map(|(f, counts)| {
+            counts.keys().filter(|n| Named::parse(n).is_some()).map(move |n| (*f, TABLE, n.as_str()))
+        })
+        .collect();
     let mut start: BTreeMap<Family, nft::Counts> = BTreeMap::new();
     let mut retired = Vec::new();
-    for (family, counts) in held {
-        let into = if tables.iter().any(|t| t.family == family) {
-            family
+    for (family, counts) in &held {
+        let into = if tables.iter().any(|t| t.family == *family) {
+            *family
         } else {
-            retired.push((family, TABLE));
+            retired.push((*family, TABLE));
             tables[0].family
         };
         let sum = start.entry(into).or_default();
-        for (name, (packets, bytes)) in counts {
-            let c = sum.entry(name).or_default();
+        for (name, &(packets, bytes)) in counts {
+            let c = sum.entry(name.clone()).or_default();
             *c = (c.0 + packets, c.1 + bytes);
         }
     }
     let refs: Vec<&Table> = tables.iter().collect();
-    nft::program_tables_keeping(&refs, &start, &retired)?;
+    nft::program_tables_keeping(&refs, &start, &retired, &asserted).map_err(|e| moved(e, &asserted))?;
     Ok(Applied::Rebuilt)
+}
+
+/// `e`, or `Error::LayerMoved` when it is the kernel's refusal to delete one of the
+/// `asserted` names (family, table, counter) a transaction started from: the tables no longer
+/// held it.
+fn moved(e: Error, asserted: &[(Family, &str, &str)]) -> Error {
+    match e {
+        Error::Transaction { object, source }
+            if source.raw_os_error() == Some(libc::ENOENT)
+                && asserted.iter().any(|(_, _, n)| object == nft::counter_removed(n)) =>
+        {
+            let named = asserted.iter().find(|(_, _, n)| object == nft::counter_removed(n)).map_or("", |a| a.2);
+            let named = Named::parse(named).map_or_else(|| named.to_string(), |n| n.to_string());
+            Error::LayerMoved { named }
+        }
+        e => e,
+    }
 }
 
 /// A layer made ready for many pod netns: the transaction that creates its tables encoded
@@ -157,15 +234,6 @@ fn table_diff(
     for c in actual.chains.iter().filter(|c| is_profile(&c.name) && !has(expected, &c.name)) {
         change.delete_chains.push(c.name.clone());
     }
-    // What the table says it holds: swapped in the same transaction as the elements.
-    let identities = |v: &nft::read::TableView| -> Vec<String> {
-        v.counters.keys().filter(|n| Named::parse(n).is_some()).cloned().collect()
-    };
-    let (want, have) = (identities(expected), identities(actual));
-    if want != have {
-        change.counters_gone = have;
-        change.counters_new = want;
-    }
     // The rest compared without elements, counts, the identity, and the profile chains only
     // one side has.
     let strip = |v: &nft::read::TableView| {
@@ -199,6 +267,17 @@ fn table_diff(
             delete: a.elements.difference(&e.elements).cloned().collect(),
             add: e.elements.difference(&a.elements).cloned().collect(),
         });
+    }
+    // What the table says it holds, in the same transaction as the elements: the name read
+    // deleted first (and made again when it stays), so that the kernel refuses the change
+    // whole when the table names another layer by then.
+    let identities = |v: &nft::read::TableView| -> Vec<String> {
+        v.counters.keys().filter(|n| Named::parse(n).is_some()).cloned().collect()
+    };
+    let (want, have) = (identities(expected), identities(actual));
+    if want != have || !change.is_empty() {
+        change.counters_gone = have;
+        change.counters_new = want;
     }
     Some(change)
 }

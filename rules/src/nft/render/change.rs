@@ -12,12 +12,7 @@ pub(crate) fn table_change(family: Family, table: &str, change: &TableChange) ->
     // First, so that a table that does not hold what the change starts from refuses it at
     // its first message (the kernel aborts the whole transaction on any refusal).
     for name in &change.counters_gone {
-        let attrs = vec![
-            expr::str_attr(OBJ_TABLE, table),
-            expr::str_attr(OBJ_NAME, name),
-            expr::u32_attr(OBJ_TYPE, NFT_OBJECT_COUNTER),
-        ];
-        b.add(family, NfTablesMessage::DeleteObject(attrs), 0, format!("counter {name} removed"));
+        delete_counter(&mut b, family, table, name);
     }
     for c in &change.add_chains {
         b.add(family, NfTablesMessage::NewChain(chain(table, c)), NLM_F_CREATE, format!("chain {} added", c.name));
@@ -44,6 +39,22 @@ pub(crate) fn table_change(family: Family, table: &str, change: &TableChange) ->
         b.add(family, counter(table, name, (0, 0)), NLM_F_CREATE | NLM_F_EXCL, format!("counter {name} added"));
     }
     b
+}
+
+/// Deletes the counter object `name` (refused, `ENOENT`, when the table has none of that
+/// name), labelled [`counter_removed`].
+pub(crate) fn delete_counter(b: &mut Batch, family: Family, table: &str, name: &str) {
+    let attrs = vec![
+        expr::str_attr(OBJ_TABLE, table),
+        expr::str_attr(OBJ_NAME, name),
+        expr::u32_attr(OBJ_TYPE, NFT_OBJECT_COUNTER),
+    ];
+    b.add(family, NfTablesMessage::DeleteObject(attrs), 0, counter_removed(name));
+}
+
+/// What a refusal of [`delete_counter`]'s message names.
+pub fn counter_removed(name: &str) -> String {
+    format!("counter {name} removed")
 }
 
 /// What changes in one table: chains that come and go whole, and set elements.
