@@ -504,7 +504,25 @@ pub fn apply_current_snapshot_in_netns(
         layer: Some(l),
         charged: false,
     };
-    let brought = engine::bring_pod(&dir, netns, one)?;
+    let brought = match engine::bring_pod(&dir, netns, one) {
+        // The netns held a layer (another interface's ADD) that an apply's change (which
+        // takes no pod lock) moved between the reading and the rebuild: brought from what it
+        // holds now to the layer stored now, once.
+        Err(crate::PodError::Kernel(aether_rules::Error::LayerMoved { .. })) => {
+            let Some(now) = dir.stored_layer()? else { return Ok(None) };
+            let one = engine::OnePod {
+                stored: &now,
+                mark: divert_mark,
+                held: None,
+                check: false,
+                layer: None,
+                charged: false,
+            };
+            engine::bring_pod(&dir, netns, one)?;
+            return Ok(Some(now.generation));
+        }
+        b => b?,
+    };
     // Kept only when the stored files did not move while they were read (no lock keeps them
     // still): the bytes are then the layer of the files the key names.
     let unmoved = key.is_some() && key == encoded::Key::now(&dir, divert_mark);

@@ -338,10 +338,10 @@ pub(super) fn apply_to_pods(
     let mut removed_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(records.len());
     for (i, r) in records.iter().enumerate() {
-        let result = pods.reach(i, r).and_then(|pod| {
-            let _pod = pod.netns().lock().map_err(PodError::Netns)?;
-            pass.visit(pod, mark_of(r, node_mark), plan.get(r), &|| recorded(&state, r, &listed))
-        });
+        // The pod's lock is taken only before what no compare-and-swap guards (`visit`): an
+        // element change or a rename waits for no ADD, DEL or repair of the pod.
+        let locked = |ns: &Netns| still_recorded(&state, r, ns, &listed).map(Some);
+        let result = pods.reach(i, r).and_then(|pod| pass.visit(pod, mark_of(r, node_mark), plan.get(r), &locked));
         if matches!(result, Ok(Applied::Removed(_))) {
             removed_keys.push(r.key());
         }
@@ -407,22 +407,27 @@ impl<'a> Pass<'a> {
     /// planned to hold the new layer already held the stored one (a new generation is stored
     /// only after the plan).
     ///
-    /// `recorded`: whether the pod's record is still there (the caller holds the pod's
-    /// lock), asked once, and only before what no compare-and-swap guards: a rebuild, a
-    /// removal, or a decision again after a refusal. An element change or a rename sent to a
-    /// pod whose DEL came first is refused by the kernel (the DEL removed the layer with the
-    /// name it compares), so the common visit asks no file.
+    /// `locked`: the pod's netns lock taken (`None`: the caller holds it), and whether the
+    /// pod's record is still there once it is; asked once, and only before what no
+    /// compare-and-swap guards: a rebuild, a removal, or a decision again after a refusal.
+    /// The lock is then held to the visit's end. An element change or a rename is sent
+    /// without it: the kernel refuses it whole when the pod holds anything else (a DEL
+    /// removed the layer with the name it compares, an ADD has not made it yet), and a
+    /// repair that holds the lock starts its own transaction from the name it read (the
+    /// kernel refuses it when this change came first). So the common visit waits for no
+    /// ADD, DEL or repair of the pod, and asks no file.
     fn visit(
         &mut self,
         pod: &mut dyn PodLink,
         mark: u32,
         planned: Option<Action>,
-        recorded: &dyn Fn() -> Result<(), PodError>,
+        locked: &dyn Fn(&Netns) -> Result<Option<aether_netns::NetnsLock>, PodError>,
     ) -> Result<Applied, PodError> {
+        let mut lock = None;
         let mut asked = false;
-        let mut ask_recorded = || -> Result<(), PodError> {
+        let mut ask_recorded = |ns: &Netns| -> Result<(), PodError> {
             if !asked {
-                recorded()?;
+                lock = locked(ns)?;
                 asked = true;
             }
             Ok(())
@@ -443,7 +448,7 @@ impl<'a> Pass<'a> {
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
-                    ask_recorded()?;
+                    ask_recorded(pod.netns())?;
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
                     runs(self.dir, |runs| runs.remove(&key));
@@ -479,7 +484,7 @@ impl<'a> Pass<'a> {
                 (Action::Change | Action::Rebuild | Action::Migrate, _) => {
                     // The whole layer must fit what this process may still charge (else the
                     // pod keeps what it has).
-                    ask_recorded()?;
+                    ask_recorded(pod.netns())?;
                     let elements = budget::layer_elements(m.layer());
                     charge(elements).map_err(PodError::OverBudget)?;
                     if action == Action::Migrate {
@@ -512,7 +517,7 @@ impl<'a> Pass<'a> {
                 // Refused by the kernel (or no element change between these layers): decided
                 // again from what the kernel says, once; then rebuilt.
                 None if !fresh => {
-                    ask_recorded()?;
+                    ask_recorded(pod.netns())?;
                     fresh = true;
                     pod.believe(None);
                     let again = decide(&pod.held(true)?, self.previous, new, mark);
@@ -590,7 +595,7 @@ pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Br
         }
     }
     // The caller holds the pod's lock and knows it recorded (or, ADD, is recording it).
-    let applied = pass.visit(&mut InPlace(ns), mark, Some(action), &|| Ok(()))?;
+    let applied = pass.visit(&mut InPlace(ns), mark, Some(action), &|_| Ok(None))?;
     let created = pass.marks.get_mut(&mark).and_then(ForMark::created);
     let applied = (action != Action::Nothing).then_some(applied);
     Ok(Brought { held, action, differences, applied, created })

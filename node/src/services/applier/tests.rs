@@ -595,3 +595,44 @@ fn an_element_change_moves_the_name_in_the_pods_table_and_the_kernel_refuses_a_s
     drop(ns);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+#[test]
+fn an_element_change_waits_for_no_pod_lock_and_a_rebuild_waits_for_its_own() {
+    if !root_or_skip("an_element_change_waits_for_no_pod_lock_and_a_rebuild_waits_for_its_own") {
+        return;
+    }
+    let state = tmp("lockfree");
+    let mut cluster = Cluster::of(4);
+    let mut applier = Applier::new(&state);
+    applier.apply(&cluster.whole()).unwrap();
+    let (a, b) = (add_pod(&state, "a"), add_pod(&state, "b"));
+    let named = |ns: &TestNetns| match Netns::open_foreign(ns.path()).unwrap().run(layer::held).unwrap().unwrap() {
+        layer::HeldLayer::Named(n) => Some(n.id.generation),
+        _ => None,
+    };
+    // Each pod's lock held as an ADD, DEL or repair of it would hold it (another open of its
+    // netns, as another process's). Pod b has lost its layer: it needs a rebuild.
+    let (a_open, b_open) = (Netns::open_foreign(a.path()).unwrap(), Netns::open_foreign(b.path()).unwrap());
+    let a_lock = a_open.lock().unwrap();
+    let b_lock = b_open.lock().unwrap();
+    b.exec("nft", &["delete", "table", "ip", layer::TABLE]);
+    let doc = cluster.random_change(&mut Rng::new(11));
+    let generation = cluster.generation;
+    let (a_changed, b_untouched, outcomes) = std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let applier = &mut applier;
+        s.spawn(move || tx.send(applier.apply(&doc).map(|r| outcomes(&r))).unwrap());
+        // Pod a takes the element change while its lock is held; pod b is not rebuilt
+        // behind its lock's holder. (Both locks let go before anything is asserted.)
+        let a_changed = eventually(|| named(&a) == Some(generation));
+        let b_untouched = named(&b).is_none();
+        drop((a_lock, b_lock));
+        (a_changed, b_untouched, rx.recv_timeout(std::time::Duration::from_secs(60)))
+    });
+    assert!(a_changed, "the element change waited for pod a's lock");
+    assert!(b_untouched, "pod b was rebuilt while another held its lock");
+    let outcomes = outcomes.expect("the apply ended").unwrap();
+    assert!(outcomes.len() == 2 && outcomes[0].1.starts_with("elements") && outcomes[1].1 == "rebuilt", "{outcomes:?}");
+    assert_eq!(named(&b), Some(generation), "pod b was rebuilt once its lock was let go");
+    let _ = std::fs::remove_dir_all(&state);
+}

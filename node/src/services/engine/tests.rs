@@ -57,7 +57,7 @@ impl PodLink for FakeLink {
 /// asks stops there, before the kernel; one that does not ask and should have would reach the
 /// kernel (in a namespace of the test's own), and its row fails.
 #[test]
-fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
+fn a_visit_takes_the_pods_lock_and_asks_for_the_record_only_where_no_compare_and_swap_guards() {
     let stored = |generation, port| {
         crate::services::tests::stored_layer(generation, aether_rules::services::LayerMode::Refuse, port)
     };
@@ -66,7 +66,9 @@ fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
     let renamed_from = stored(3, 81).named(MARK);
     // In a namespace of the test's own, so that a visit that wrongly went on touches
     // nothing of the host's.
-    if !aether_testkit::root_or_skip("a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards") {
+    if !aether_testkit::root_or_skip(
+        "a_visit_takes_the_pods_lock_and_asks_for_the_record_only_where_no_compare_and_swap_guards",
+    ) {
         return;
     }
     let own = aether_testkit::TestNetns::new("visit");
@@ -77,7 +79,7 @@ fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
     use Action::*;
     #[rustfmt::skip]
     let table: Vec<(&str, Action, bool, bool, usize)> = vec![
-        // (case, planned, the kernel refuses, the record asked, sends)
+        // (case, planned, the kernel refuses, the pod locked and its record asked, sends)
         ("nothing to do",                            Nothing,              false, false, 0),
         ("an element change",                        Change,               false, false, 1),
         ("a rename",                                 Rename(renamed_from), false, false, 1),
@@ -90,13 +92,18 @@ fn a_visit_asks_for_the_record_only_where_no_compare_and_swap_guards() {
         let mut link =
             FakeLink { ns: Netns::open(&path).unwrap(), held: HeldLayer::Named(prev.named(MARK)), refuse, sends: 0 };
         let asked = std::cell::Cell::new(0);
-        let gone = || {
+        let gone = |_: &Netns| {
             asked.set(asked.get() + 1);
             Err(PodError::Gone("the record went".into()))
         };
         let mut pass = Pass::new(&dir, (&new, Some(&prev)), false);
         let outcome = pass.visit(&mut link, MARK, Some(planned), &gone);
-        assert_eq!(asked.get() > 0, want_asked, "{case}: asked for the record {} time(s): {outcome:?}", asked.get());
+        assert_eq!(
+            asked.get() > 0,
+            want_asked,
+            "{case}: locked and asked for the record {} time(s): {outcome:?}",
+            asked.get()
+        );
         assert!(asked.get() <= 1, "{case}: asked once at most, asked {}", asked.get());
         assert_eq!(link.sends, want_sends, "{case}: sends");
         match want_asked {
