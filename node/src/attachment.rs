@@ -372,6 +372,11 @@ fn undo(
     key: &str,
     forget: impl FnOnce() -> Result<(), StateError>,
 ) -> Result<(), AttachmentError> {
+    // Every netfilter socket of the DEL closed together at its end, after the pod's lock is
+    // let go: closing one waits for the kernel's destruction of what was deleted (an RCU
+    // grace period, then the layer's elements freed), once for both tables instead of once
+    // each, and holding no lock.
+    let _later = aether_rules::nft::CloseLater::new();
     // The pod's alone, until its record is gone: an apply never re-creates its layer.
     let _pod = netns.as_ref().map(Netns::lock).transpose()?;
     let removed = match &netns {

@@ -183,11 +183,8 @@ impl PodLink for InPlace<'_> {
         flat(self.0.run(|| -> aether_rules::Result<_> {
             let mut sock = KeptSocket::open()?;
             let before = if read_before { sock.generation().ok() } else { None };
-            let after = change.send_on(&mut sock);
-            // Closed with the others (`CloseLater`): a change that deletes elements makes the
-            // kernel wait one grace period at each close.
-            sock.close_later();
-            Ok((before, after?))
+            // (Closed with the others, when dropped, while a `CloseLater` is alive.)
+            Ok((before, change.send_on(&mut sock)?))
         }))
     }
 }

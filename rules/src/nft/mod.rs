@@ -35,8 +35,36 @@ use render::{Batch, Existing};
 /// generously): room for all of them, so a refused large batch's answers never overflow.
 const ERROR_TRUESIZE: usize = 1024;
 
-fn open() -> Result<Socket> {
-    Socket::open(NETLINK_NETFILTER).map_err(|source| Error::Nftables { op: "open socket", source })
+fn open() -> Result<NftSocket> {
+    Socket::open(NETLINK_NETFILTER)
+        .map(|s| NftSocket(Some(s)))
+        .map_err(|source| Error::Nftables { op: "open socket", source })
+}
+
+/// A netfilter socket: dropped while a [`CloseLater`] of this thread is alive, it is closed
+/// with the others then (closing one waits for the kernel's pending destruction of deleted
+/// objects, whichever socket deleted them: see there).
+struct NftSocket(Option<Socket>);
+
+impl std::ops::Deref for NftSocket {
+    type Target = Socket;
+    fn deref(&self) -> &Socket {
+        self.0.as_ref().expect("open until dropped")
+    }
+}
+
+impl std::ops::DerefMut for NftSocket {
+    fn deref_mut(&mut self) -> &mut Socket {
+        self.0.as_mut().expect("open until dropped")
+    }
+}
+
+impl Drop for NftSocket {
+    fn drop(&mut self) {
+        if let Some(sock) = self.0.take() {
+            close_later(sock);
+        }
+    }
 }
 
 /// Sends `batch` as one transaction and waits for the kernel's verdict. No message asks for
@@ -365,12 +393,10 @@ impl Encoded {
         let mut sock = open()?;
         // Encoded for this send: a whole layer's batch, sent once, is not kept as bytes
         // beside itself (ADD's memory), unless kept already (`bytes_at_zero`).
-        let result = match self.1.get() {
+        match self.1.get() {
             Some(bytes) => commit_encoded(&mut sock, &self.0, bytes).map(drop),
             None => commit(&mut sock, &self.0),
-        };
-        close_later(sock);
-        result
+        }
     }
 
     /// The transaction's bytes from sequence number 0, and how many sequence numbers it
@@ -404,16 +430,14 @@ pub fn send_bytes(mut bytes: Vec<u8>, seq_count: u32) -> Result<()> {
     let mut sock = open()?;
     let first = sock.take_seqs(seq_count);
     crate::netlink::renumber(&mut bytes, first);
-    let result = commit_bytes(&mut sock, &batch, bytes, first).map(drop);
-    close_later(sock);
-    result
+    commit_bytes(&mut sock, &batch, bytes, first).map(drop)
 }
 
 /// A netfilter socket opened in one netns and kept open for many transactions there (a
 /// socket stays in the netns it was opened in, whichever netns its user is in later), so a
 /// long-lived process sends to a pod netns without entering it or opening a socket. While
 /// open it keeps that netns alive: its owner closes it when the pod goes.
-pub struct KeptSocket(Socket);
+pub struct KeptSocket(NftSocket);
 
 impl KeptSocket {
     /// A socket in the current netns.
@@ -434,12 +458,6 @@ impl KeptSocket {
     pub fn counters_each(&mut self, families: &[Family], table: &str) -> Result<Vec<Counts>> {
         counters_each_on(&mut self.0, families, table)
     }
-
-    /// Closes the socket as [`Encoded::send`] closes its own: with the others while a
-    /// [`CloseLater`] of this thread is alive, else now.
-    pub fn close_later(self) {
-        close_later(self.0)
-    }
 }
 
 impl std::fmt::Debug for KeptSocket {
@@ -456,8 +474,8 @@ thread_local! {
 /// The most sockets put off at once (descriptors); then they are closed together.
 const MAX_LATER: usize = 256;
 
-/// While alive, the sockets [`Encoded::send`] used on this thread are closed when it is
-/// dropped, together, instead of each after its transaction. Closing a netfilter socket
+/// While alive, every netfilter socket this thread lets go of is closed when it is dropped,
+/// together, instead of each after its work. Closing a netfilter socket
 /// waits for the kernel's pending destruction of deleted objects (an RCU grace period,
 /// 10-25 ms: docs/benchmarks.md, "DEL's floor"): a change that deletes elements in 100 pod
 /// netns would wait 100 grace periods one after another, and waits about one this way (the
@@ -529,7 +547,7 @@ pub fn counters(family: Family, table: &str) -> Result<Counts> {
 /// [`counters`] of `table` in each of `families`, in that order, read on one socket (a
 /// socket made and closed is a good share of a small dump's cost).
 pub fn counters_each(families: &[Family], table: &str) -> Result<Vec<Counts>> {
-    counters_each_on(&mut open()?, families, table)
+    counters_each_on(&mut *open()?, families, table)
 }
 
 fn counters_each_on(sock: &mut Socket, families: &[Family], table: &str) -> Result<Vec<Counts>> {
@@ -545,7 +563,7 @@ fn counters_each_on(sock: &mut Socket, families: &[Family], table: &str) -> Resu
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
 pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<key::RawElement>> {
-    let messages = dump(&mut open()?, family, elements_request(table, set), table, "dump set elements")?;
+    let messages = dump(&mut *open()?, family, elements_request(table, set), table, "dump set elements")?;
     let mut out = Vec::new();
     for m in &messages {
         if let NfTablesMessage::NewSetElement(e) = m {
@@ -568,7 +586,7 @@ pub fn set_keys(set: &crate::model::Set, elements: &[crate::model::Element]) -> 
 /// The set `set` of `family`'s table `table` in the current netns, without its elements
 /// (its flags, key and data types; `None`: no such table or set). Dumps the table's sets only.
 pub fn set_kind(family: Family, table: &str, set: &str) -> Result<Option<read::SetView>> {
-    let messages = dump(&mut open()?, family, set_request(table), table, "dump sets")?;
+    let messages = dump(&mut *open()?, family, set_request(table), table, "dump sets")?;
     Ok(TableView::from_messages(table, &messages).sets.into_iter().find(|s| s.name == set))
 }
 
@@ -652,7 +670,7 @@ fn table_flags(sock: &mut Socket, family: Family, name: &str) -> Result<Option<u
 
 /// Whether the current netns holds table `name` of `family` (one dump of the tables).
 pub fn table_exists(family: Family, name: &str) -> Result<bool> {
-    Ok(table_flags(&mut open()?, family, name)?.is_some())
+    Ok(table_flags(&mut *open()?, family, name)?.is_some())
 }
 
 /// What the kernel holds of table `name` in the current netns, or `None` if it has no such

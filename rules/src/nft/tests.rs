@@ -261,3 +261,30 @@ fn both_families_go_in_one_transaction() {
     })
     .unwrap();
 }
+
+/// While a `CloseLater` lives, every netfilter socket the thread lets go of (a removal's, a
+/// dump's) stays open, so that the kernel's wait at a close comes once, at its end.
+#[test]
+fn a_close_later_keeps_every_netfilter_socket_until_it_ends() {
+    if !aether_testkit::root_or_skip("a_close_later_keeps_every_netfilter_socket_until_it_ends") {
+        return;
+    }
+    let t = table();
+    let open_fds = || std::fs::read_dir("/proc/thread-self/fd").unwrap().count();
+    aether_netns::run_in_private(|| {
+        program(&t).unwrap();
+        let before = open_fds();
+        {
+            let _later = CloseLater::new();
+            assert!(remove(t.family, &t.name).unwrap());
+            assert!(counters(t.family, &t.name).unwrap().is_empty());
+            assert_eq!(open_fds(), before + 2, "the removal's and the dump's sockets were closed at once");
+        }
+        assert_eq!(open_fds(), before, "the sockets were not closed when the CloseLater ended");
+        // Control: without one, each is closed when let go.
+        program(&t).unwrap();
+        assert!(remove(t.family, &t.name).unwrap());
+        assert_eq!(open_fds(), before);
+    })
+    .unwrap();
+}
