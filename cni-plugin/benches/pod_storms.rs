@@ -224,6 +224,18 @@ fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &Te
     (median(idle), median(during), median(applies))
 }
 
+/// Each round's ratio of `ours` to `tuning`'s storm of the same round (the two a few hundred
+/// milliseconds apart, so that what else the machine does weighs on both alike): their
+/// median and spread, printed after the ratio of the medians.
+fn per_round(ours: &[f64], tuning: &[f64]) -> String {
+    if ours.len() < 2 || std::ptr::eq(ours, tuning) {
+        return String::new();
+    }
+    let mut r: Vec<f64> = ours.iter().zip(tuning).map(|(o, t)| o / t).collect();
+    r.sort_by(f64::total_cmp);
+    format!("  (rounds: median {:.2}x, {:.2}-{:.2}x)", median(r.clone()), r[0], r[r.len() - 1])
+}
+
 fn main() {
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("the storm bench needs root (it makes its own network namespaces)");
@@ -283,7 +295,11 @@ fn main() {
     let tuning_add = median(adds[0].clone());
     for (i, (name, _, _)) in contenders.iter().enumerate() {
         let (wall, p99) = (median(adds[i].clone()), median(add_p99[i].clone()));
-        println!("  {name:<48} {wall:>9.1} ms  (p99 of one ADD {p99:>7.1} ms)  / tuning {:.2}x", wall / tuning_add);
+        let rounds = per_round(&adds[i], &adds[0]);
+        println!(
+            "  {name:<48} {wall:>9.1} ms  (p99 of one ADD {p99:>7.1} ms)  / tuning {:.2}x{rounds}",
+            wall / tuning_add
+        );
     }
     println!("  until every pod's Service layer is built (a large one is built after ADD's answer):");
     for (i, (name, _, _)) in contenders.iter().enumerate().skip(1) {
@@ -296,7 +312,8 @@ fn main() {
     for (i, (name, _, _)) in contenders.iter().enumerate() {
         let wall = median(dels[i].clone());
         let goal = if i == 2 { "  (goal <= 1.5x)" } else { "" };
-        println!("  {name:<48} {wall:>9.1} ms  / tuning {:.2}x{goal}", wall / tuning_del);
+        let rounds = per_round(&dels[i], &dels[0]);
+        println!("  {name:<48} {wall:>9.1} ms  / tuning {:.2}x{goal}{rounds}", wall / tuning_del);
     }
     let what = "floor: the 10,000-Service layer removed in every pod";
     println!("  {what:<48} {del_floor:>9.1} ms  (the kernel's element work alone: threads, no process)");
