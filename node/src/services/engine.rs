@@ -422,7 +422,7 @@ impl<'a> Pass<'a> {
     ) -> Result<Applied, PodError> {
         let mut lock = None;
         let mut asked = false;
-        let mut ask_recorded = |ns: &Netns| -> Result<(), PodError> {
+        let mut lock_recorded = |ns: &Netns| -> Result<(), PodError> {
             if !asked {
                 lock = locked(ns)?;
                 asked = true;
@@ -445,7 +445,7 @@ impl<'a> Pass<'a> {
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
                 (Action::Remove, _) => {
-                    ask_recorded(pod.netns())?;
+                    lock_recorded(pod.netns())?;
                     let outcome = flat(pod.netns().run(|| layer::apply(m.layer())));
                     pod.believe(outcome.is_ok().then_some(HeldLayer::Absent));
                     runs(self.dir, |runs| runs.remove(&key));
@@ -481,7 +481,7 @@ impl<'a> Pass<'a> {
                 (Action::Change | Action::Rebuild | Action::Migrate, _) => {
                     // The whole layer must fit what this process may still charge (else the
                     // pod keeps what it has).
-                    ask_recorded(pod.netns())?;
+                    lock_recorded(pod.netns())?;
                     let elements = budget::layer_elements(m.layer());
                     charge(elements).map_err(PodError::OverBudget)?;
                     if action == Action::Migrate {
@@ -514,7 +514,7 @@ impl<'a> Pass<'a> {
                 // Refused by the kernel (or no element change between these layers): decided
                 // again from what the kernel says, once; then rebuilt.
                 None if !fresh => {
-                    ask_recorded(pod.netns())?;
+                    lock_recorded(pod.netns())?;
                     fresh = true;
                     pod.believe(None);
                     let again = decide(&pod.held(true)?, self.previous, new, mark);

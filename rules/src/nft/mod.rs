@@ -289,7 +289,8 @@ pub(crate) fn program_tables_keeping(
         let exists = table_flags(&mut sock, t.family, &t.name)?.is_some();
         plan.push((*t, counts(t), if exists { Existing::Replace } else { Existing::Refuse }));
     }
-    let with_retired = |batch: render::Batch| {
+    // The names asserted first, the tables, then the retired tables deleted.
+    let whole = |batch: render::Batch| {
         let mut b = render::Batch::default();
         for &(family, table, name) in asserted {
             render::delete_counter(&mut b, family, table, name);
@@ -300,14 +301,14 @@ pub(crate) fn program_tables_keeping(
         }
         b
     };
-    match commit(&mut sock, &with_retired(render::tables_batch(&plan))) {
+    match commit(&mut sock, &whole(render::tables_batch(&plan))) {
         // One appeared since the lookup: replace them all instead.
         Err(Error::Transaction { object, source })
             if source.raw_os_error() == Some(libc::EEXIST)
                 && tables.iter().any(|t| object == render::table_label(t.family, &t.name)) =>
         {
             let replace: Vec<_> = tables.iter().map(|t| (*t, counts(t), Existing::Replace)).collect();
-            commit(&mut sock, &with_retired(render::tables_batch(&replace)))
+            commit(&mut sock, &whole(render::tables_batch(&replace)))
         }
         other => other,
     }

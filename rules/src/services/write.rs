@@ -173,16 +173,13 @@ fn rebuild_over(
 /// `asserted` names (family, table, counter) a transaction started from: the tables no longer
 /// held it.
 fn moved(e: Error, asserted: &[(Family, &str, &str)]) -> Error {
-    match e {
-        Error::Transaction { object, source }
-            if source.raw_os_error() == Some(libc::ENOENT)
-                && asserted.iter().any(|(_, _, n)| object == nft::counter_removed(n)) =>
-        {
-            let named = asserted.iter().find(|(_, _, n)| object == nft::counter_removed(n)).map_or("", |a| a.2);
-            let named = Named::parse(named).map_or_else(|| named.to_string(), |n| n.to_string());
-            Error::LayerMoved { named }
+    let Error::Transaction { object, source } = &e else { return e };
+    let gone = asserted.iter().map(|a| a.2).find(|n| *object == nft::counter_removed(n));
+    match gone {
+        Some(n) if source.raw_os_error() == Some(libc::ENOENT) => {
+            Error::LayerMoved { named: Named::parse(n).map_or_else(|| n.to_string(), |n| n.to_string()) }
         }
-        e => e,
+        _ => e,
     }
 }
 
