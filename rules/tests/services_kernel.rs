@@ -700,18 +700,20 @@ fn a_repair_read_from_one_layer_is_refused_whole_once_the_layer_moved() {
     };
     holds(&one);
     assert!(!in_ns(&ns, || services::verify(&one)).unwrap().is_empty(), "no drift to repair");
-    // A repair of the elements is read from `one`; an apply's change to `two` (which takes
-    // no pod lock) comes before it is sent: the repair is refused whole.
-    let repair = in_ns(&ns, || services::read(&one)).unwrap();
-    in_ns(&ns, || services::LayerChange::between(&one, &two).unwrap().unwrap().send()).unwrap();
-    let moved = listing();
-    let refused = in_ns(&ns, || repair.commit()).expect_err("a repair read from a layer the table no longer names");
-    assert!(
-        matches!(&refused, aether_rules::Error::LayerMoved { named } if named.contains("generation 7")),
-        "{refused}"
-    );
-    assert_eq!(listing(), moved, "a refused repair left a trace");
-    holds(&two);
+    // What `read` makes of `from` is sent after an apply's change to `to` (which takes no pod
+    // lock) came first: refused whole, naming the generation it was read at, nothing left.
+    let refused_once_moved = |what: &str, from: &ServiceLayer, to: &ServiceLayer| {
+        let reading = in_ns(&ns, || services::read(from)).unwrap();
+        in_ns(&ns, || services::LayerChange::between(from, to).unwrap().unwrap().send()).unwrap();
+        let moved = listing();
+        let refused = in_ns(&ns, || reading.commit()).expect_err(what);
+        let read_at = format!("generation {}", from.identity.unwrap().generation);
+        assert!(matches!(&refused, aether_rules::Error::LayerMoved { named } if named.contains(&read_at)), "{refused}");
+        assert_eq!(listing(), moved, "{what}: refused, it left a trace");
+        holds(to);
+    };
+    // A repair of the elements.
+    refused_once_moved("a repair read from a layer the table no longer names", &one, &two);
     // Control: read again, the repair is taken.
     let repaired = in_ns(&ns, || services::apply(&two)).unwrap();
     assert_eq!(repaired, Applied::Elements { added: lost, removed: 0 }, "the repair puts back what the drift took");
@@ -719,16 +721,7 @@ fn a_repair_read_from_one_layer_is_refused_whole_once_the_layer_moved() {
     // A rebuild read from `two` (its structure drifted: a chain emptied), and a change back
     // to `one` before it is sent: refused whole too, the counters' reading unused.
     ns.exec("nft", &["flush", "chain", "ip", services::TABLE, services::CHAIN_CLASSIFY]);
-    let rebuild = in_ns(&ns, || services::read(&two)).unwrap();
-    in_ns(&ns, || services::LayerChange::between(&two, &one).unwrap().unwrap().send()).unwrap();
-    let moved = listing();
-    let refused = in_ns(&ns, || rebuild.commit()).expect_err("a rebuild read from a layer the table no longer names");
-    assert!(
-        matches!(&refused, aether_rules::Error::LayerMoved { named } if named.contains("generation 8")),
-        "{refused}"
-    );
-    assert_eq!(listing(), moved, "a refused rebuild left a trace");
-    holds(&one);
+    refused_once_moved("a rebuild read from a layer the table no longer names", &two, &one);
     // Control: read again, the rebuild is taken.
     assert_eq!(in_ns(&ns, || services::apply(&one)).unwrap(), Applied::Rebuilt);
     assert!(in_ns(&ns, || services::verify(&one)).unwrap().is_empty());

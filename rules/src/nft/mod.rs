@@ -12,7 +12,8 @@ mod render;
 mod wire;
 
 pub use expr::{Expr, Exprs, Reg};
-pub use render::{counter_removed, ElementChange, TableChange};
+pub(crate) use render::counter_removed;
+pub use render::{ElementChange, TableChange};
 
 use std::collections::BTreeMap;
 use std::io;

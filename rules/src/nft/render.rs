@@ -29,7 +29,7 @@ use super::abi::{
 };
 
 mod change;
-pub use change::counter_removed;
+pub(crate) use change::counter_removed;
 pub(crate) use change::{delete_counter, table_change};
 pub use change::{ElementChange, TableChange};
 

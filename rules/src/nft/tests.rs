@@ -271,24 +271,24 @@ fn a_close_later_keeps_every_netfilter_socket_until_it_ends() {
     }
     let t = table();
     // The netfilter sockets open in this thread's netns (a private one: no other test's).
-    let open_fds = || {
+    let open_sockets = || {
         let list = std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap();
         list.lines().skip(1).filter(|l| l.split_whitespace().nth(1) == Some("12")).count()
     };
     aether_netns::run_in_private(|| {
         program(&t).unwrap();
-        let before = open_fds();
+        let before = open_sockets();
         {
             let _later = CloseLater::new();
             assert!(remove(t.family, &t.name).unwrap());
             assert!(counters(t.family, &t.name).unwrap().is_empty());
-            assert_eq!(open_fds(), before + 2, "the removal's and the dump's sockets were closed at once");
+            assert_eq!(open_sockets(), before + 2, "the removal's and the dump's sockets were closed at once");
         }
-        assert_eq!(open_fds(), before, "the sockets were not closed when the CloseLater ended");
+        assert_eq!(open_sockets(), before, "the sockets were not closed when the CloseLater ended");
         // Control: without one, each is closed when let go.
         program(&t).unwrap();
         assert!(remove(t.family, &t.name).unwrap());
-        assert_eq!(open_fds(), before);
+        assert_eq!(open_sockets(), before);
     })
     .unwrap();
 }

@@ -53,7 +53,7 @@ pub(crate) fn delete_counter(b: &mut Batch, family: Family, table: &str, name: &
 }
 
 /// What a refusal of [`delete_counter`]'s message names.
-pub fn counter_removed(name: &str) -> String {
+pub(crate) fn counter_removed(name: &str) -> String {
     format!("counter {name} removed")
 }
 
