@@ -151,18 +151,9 @@ fn run(tag: &str, slave: bool) -> (String, (u16, String), Option<String>, bool) 
     let net = TestNetns::new(tag);
     let mut inst = Installer::start(&scratch.0, &net, slave);
     let readyz = inst.readyz_settled();
-    // The marker mirrors the status /readyz serves, written right after it in the same pass
-    // (`publish`): read once it agrees with the answer (the assertions say whether it does),
-    // or after 10 s.
-    let path = scratch.0.join("state/node-not-ready");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let marker = loop {
-        let m = std::fs::read_to_string(&path).ok();
-        if m.is_some() == (readyz.0 == 503) || Instant::now() > deadline {
-            break m;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    // The marker is written before `/readyz` serves the status it mirrors (`publish`): read
+    // once, after the settled answer.
+    let marker = std::fs::read_to_string(scratch.0.join("state/node-not-ready")).ok();
     let chained = scratch.0.join("conf/00-aether-cni.conflist").exists() && scratch.0.join("bin/aether-cni").exists();
     let leaked = host_mounts_under(&scratch.0);
     assert!(leaked.is_empty(), "the test's mounts reached the host's mount table: {leaked:?}");

@@ -15,7 +15,7 @@ use aether_node::state::StateDir;
 
 use crate::checks::{refusal, NodeChecks};
 use crate::error::Reason;
-use crate::serve::{Metrics, Shared};
+use crate::serve::{Metrics, Shared, Status};
 use crate::watch::Watcher;
 use crate::{chain, files, Error, InstallArgs};
 
@@ -48,6 +48,9 @@ pub struct Node {
     binary_installed: bool,
     conflist_installed: bool,
     kernel_ok: bool,
+    /// The status as this pass finds it, reason by reason; what `/readyz` serves
+    /// (`Shared::status`) becomes it only at `publish`, after the marker.
+    status: Status,
     marker_written: Option<String>,
     /// The readiness last told to the cluster as an Event: `Some(None)` ready, `Some(Some(why))`
     /// not ready for these reasons.
@@ -62,6 +65,7 @@ pub struct Node {
 impl Node {
     pub fn new(args: InstallArgs, node: Arc<dyn NodeChecks>, shared: Arc<Shared>, binary: Vec<u8>) -> Node {
         let entry = args.entry();
+        let status = shared.status.lock().unwrap().clone();
         Node {
             args,
             entry,
@@ -71,6 +75,7 @@ impl Node {
             binary_installed: false,
             conflist_installed: false,
             kernel_ok: false,
+            status,
             marker_written: None,
             readiness_told: None,
             runtime: None,
@@ -116,18 +121,17 @@ impl Node {
         Ok(())
     }
 
-    fn set(&self, reason: Reason, outcome: Result<(), String>) {
-        let mut status = self.shared.status.lock().unwrap();
+    fn set(&mut self, reason: Reason, outcome: Result<(), String>) {
         match outcome {
             Ok(()) => {
-                status.not_ready.remove(&reason);
+                self.status.not_ready.remove(&reason);
             }
             Err(why) => {
-                if status.not_ready.get(&reason) != Some(&why) {
+                if self.status.not_ready.get(&reason) != Some(&why) {
                     tracing::warn!(reason = reason.name(), "not ready: {why}");
                     self.metrics().record_error(reason, &why);
                 }
-                status.not_ready.insert(reason, why);
+                self.status.not_ready.insert(reason, why);
             }
         }
     }
@@ -221,29 +225,34 @@ impl Node {
         self.set(Reason::Kernel, outcome);
     }
 
-    /// Mirrors the status into the metrics and the state directory's marker: present (with
-    /// every reason) while not ready, absent once ready.
+    /// Publishes the status, in this order: the state directory's marker (present, with
+    /// every reason, while not ready; absent once ready), which CNI STATUS reads; then what
+    /// `/readyz`, the metrics and the reconciler see; then the readiness Event. A node turning
+    /// not ready is so for STATUS first (fail closed), and `/readyz` never says other than
+    /// the marker but for a marker that cannot be written (warned).
     pub fn publish(&mut self) {
-        let (text, ready) = {
-            let status = self.shared.status.lock().unwrap();
-            self.metrics().set_status(&status);
-            let reasons: Vec<String> = status.not_ready.iter().map(|(r, w)| format!("{}: {w}", r.name())).collect();
-            (format!("aether-cni installer: {}\n", reasons.join("; ")), reasons.is_empty())
-        };
-        self.tell_readiness(if ready { None } else { Some(text.trim_end().to_string()) });
+        let reasons: Vec<String> = self.status.not_ready.iter().map(|(r, w)| format!("{}: {w}", r.name())).collect();
+        let (text, ready) = (format!("aether-cni installer: {}\n", reasons.join("; ")), reasons.is_empty());
         let marker = self.args.state_dir.join(aether_node::state::NOT_READY_MARKER);
-        let want = if ready { None } else { Some(text) };
-        if want == self.marker_written && (want.is_some() == marker.exists()) {
-            return;
+        let want = if ready { None } else { Some(text.clone()) };
+        if want != self.marker_written || (want.is_some() != marker.exists()) {
+            let written = match &want {
+                Some(t) => files::write_atomic(&marker, t.as_bytes(), 0o600),
+                None => files::remove(&marker).map(|_| ()),
+            };
+            match written {
+                Ok(()) => self.marker_written = want,
+                Err(e) => tracing::warn!(file = %marker.display(), "cannot update the not-ready marker: {e}"),
+            }
         }
-        let written = match &want {
-            Some(t) => files::write_atomic(&marker, t.as_bytes(), 0o600),
-            None => files::remove(&marker).map(|_| ()),
-        };
-        match written {
-            Ok(()) => self.marker_written = want,
-            Err(e) => tracing::warn!(file = %marker.display(), "cannot update the not-ready marker: {e}"),
+        {
+            let mut published = self.shared.status.lock().unwrap();
+            if *published != self.status {
+                *published = self.status.clone();
+            }
+            self.metrics().set_status(&published);
         }
+        self.tell_readiness(if ready { None } else { Some(text.trim_end().to_string()) });
     }
 
     /// A Node Event when the readiness (or a not-ready reason) changes.
@@ -286,13 +295,10 @@ impl Node {
             tracing::info!("stopping for an upgrade: the binary and the entry stay");
             return Ok(());
         }
-        {
-            let mut status = self.shared.status.lock().unwrap();
-            status.not_ready.clear();
-            status
-                .not_ready
-                .insert(Reason::Uninstalled, "the installer stopped and removed aether-cni from this node".into());
-        }
+        self.status.not_ready.clear();
+        self.status
+            .not_ready
+            .insert(Reason::Uninstalled, "the installer stopped and removed aether-cni from this node".into());
         self.publish();
         let remove = |path: PathBuf| {
             files::remove_stale_temps(&path);

@@ -209,3 +209,32 @@ fn the_main_cnis_members_and_plugins_are_copied_as_written() {
         .collect();
     assert!(order.windows(2).all(|w| w[0] < w[1]), "members in their order:\n{out}");
 }
+
+/// `/readyz` (the shared status) serves what was published, after the marker CNI STATUS
+/// reads: a pass that finds the node changed says nothing of it until it publishes, and then
+/// says the same in both places.
+#[test]
+fn readyz_says_what_the_marker_says_between_publishes() {
+    let fake = FakeNode::new("published");
+    let (mut n, shared) = node(&fake, &[]);
+    // No primary yet: not ready, in both places.
+    n.reconcile_all();
+    assert!(fake.marker().is_some_and(|m| m.contains("primary")), "{:?}", fake.marker());
+    assert!(reasons(&shared).contains("primary"), "{}", reasons(&shared));
+    // The primary comes: the pass finds the node ready, and neither place says so before it
+    // publishes.
+    fake.put_primary("10-flannel.conflist");
+    n.reconcile_conflist(None);
+    assert!(fake.marker().is_some(), "the marker went before the publish");
+    assert!(reasons(&shared).contains("primary"), "/readyz went ready before the marker: {}", reasons(&shared));
+    n.publish();
+    assert_eq!((fake.marker(), reasons(&shared)), (None, String::new()));
+    // The primary goes: not ready, again in both places at the publish only.
+    fs::remove_file(fake.conf.join("10-flannel.conflist")).unwrap();
+    n.reconcile_conflist(None);
+    assert_eq!(fake.marker(), None, "the marker came before the publish");
+    assert_eq!(reasons(&shared), "", "/readyz said not ready while CNI STATUS (the marker) said ready");
+    n.publish();
+    assert!(fake.marker().is_some_and(|m| m.contains("primary")), "{:?}", fake.marker());
+    assert!(reasons(&shared).contains("primary"), "{}", reasons(&shared));
+}

@@ -33,8 +33,9 @@ impl Face {
     }
 }
 
-/// What the HTTP face reports; the reconcile loop updates it.
-#[derive(Debug, Default)]
+/// What the HTTP face reports: the installation's status as last published (its marker
+/// written first), so `/readyz` never says ready while CNI STATUS says not, nor the reverse.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Status {
     pub not_ready: BTreeMap<Reason, String>,
 }
