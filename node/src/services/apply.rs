@@ -495,34 +495,23 @@ pub fn apply_current_snapshot_in_netns(
         }
     };
     // A new pod holds no layer: the engine's rebuild, on the layer taken from the stored one.
-    let l = stored.take_for_pod(divert_mark);
-    let one = engine::OnePod {
-        stored: &stored,
-        mark: divert_mark,
-        held: Some(HeldLayer::Absent),
-        check: false,
-        layer: Some(l),
-        charged: false,
-    };
-    let brought = match engine::bring_pod(&dir, netns, one) {
-        // The netns held a layer (another interface's ADD) that an apply's change (which
-        // takes no pod lock) moved between the reading and the rebuild: brought from what it
-        // holds now to the layer stored now, once.
-        Err(crate::PodError::Kernel(aether_rules::Error::LayerMoved { .. })) => {
-            let Some(now) = dir.stored_layer()? else { return Ok(None) };
-            let one = engine::OnePod {
-                stored: &now,
-                mark: divert_mark,
-                held: None,
-                check: false,
-                layer: None,
-                charged: false,
-            };
-            engine::bring_pod(&dir, netns, one)?;
-            return Ok(Some(now.generation));
-        }
-        b => b?,
-    };
+    // If the netns held one (another interface's ADD) that an apply's change moved between
+    // the reading and the rebuild: brought from what it holds now to the layer stored now.
+    let mut taken = Some(stored.take_for_pod(divert_mark));
+    let brought = engine::bring_while_moved(|tries| {
+        let now = if tries == 0 { None } else { dir.stored_layer()? };
+        let (to, held, layer) = match (&now, taken.take()) {
+            (None, Some(l)) => (&stored, Some(HeldLayer::Absent), Some(l)),
+            (Some(now), _) => (now, None, None),
+            (None, None) => return Ok(Ok(None)),
+        };
+        let one = engine::OnePod { stored: to, mark: divert_mark, held, check: false, layer, charged: false };
+        Ok(engine::bring_pod(&dir, netns, one).map(|b| Some((b, to.generation, now.is_none()))))
+    })?;
+    let Some((brought, generation, first)) = brought else { return Ok(None) };
+    if !first {
+        return Ok(Some(generation));
+    }
     // Kept only when the stored files did not move while they were read (no lock keeps them
     // still): the bytes are then the layer of the files the key names.
     let unmoved = key.is_some() && key == encoded::Key::now(&dir, divert_mark);

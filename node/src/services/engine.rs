@@ -411,8 +411,7 @@ impl<'a> Pass<'a> {
     /// without it: the kernel refuses it whole when the pod holds anything else (a DEL
     /// removed the layer with the name it compares, an ADD has not made it yet), and a
     /// repair that holds the lock starts its own transaction from the name it read (the
-    /// kernel refuses it when this change came first). So the common visit waits for no
-    /// ADD, DEL or repair of the pod, and asks no file.
+    /// kernel refuses it when this change came first): the common visit waits for no one.
     fn visit(
         &mut self,
         pod: &mut dyn PodLink,
@@ -597,6 +596,24 @@ pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Br
     let applied = (action != Action::Nothing).then_some(applied);
     Ok(Brought { held, action, differences, applied, created })
 }
+
+/// `attempt` (a `bring_pod` to the layer stored when it runs; told its try, 0 first), again
+/// while an apply's change (no pod lock) moved the pod's layer between the reading and the
+/// transaction (`LayerMoved`), `MOVED_TRIES` more times at most (each move is an apply
+/// storing a newer layer: more in a row is one every few ms): ADD's and a repair's rule.
+pub(super) fn bring_while_moved<T>(
+    mut attempt: impl FnMut(usize) -> Result<Result<T, PodError>, ServicesError>,
+) -> Result<T, ServicesError> {
+    let mut tries = 0;
+    loop {
+        match attempt(tries)? {
+            Err(PodError::Kernel(aether_rules::Error::LayerMoved { .. })) if tries < MOVED_TRIES => tries += 1,
+            done => return Ok(done?),
+        }
+    }
+}
+
+const MOVED_TRIES: usize = 3;
 
 /// What a pass makes once per divert mark, each piece on first need: the whole layer for
 /// this mark (a copy of 20,000 ports at 10,000 Services: a rebuild's), the element change

@@ -341,16 +341,10 @@ pub fn repair_pod_layer(
     let dir = ServicesDir::new(state_dir);
     let off = none_stored();
     let mark = divert_mark.unwrap_or_else(|| dir.divert_mark());
-    let mut tries = 0;
-    let b = loop {
+    let b = super::engine::bring_while_moved(|_| {
         let stored = dir.stored_layer()?;
-        match super::engine::bring_pod(&dir, netns, checked(stored.as_ref().unwrap_or(&off), mark)) {
-            // An apply's change (which takes no pod lock) came between the reading and the
-            // repair, with a layer stored since: read again, the stored layer too.
-            Err(PodError::Kernel(aether_rules::Error::LayerMoved { .. })) if tries < MOVED_TRIES => tries += 1,
-            b => break b?,
-        }
-    };
+        Ok(super::engine::bring_pod(&dir, netns, checked(stored.as_ref().unwrap_or(&off), mark)))
+    })?;
     if b.action == Action::Migrate {
         let shape = built_before(&b.held).flatten();
         return Ok(vec![format!(
@@ -361,10 +355,6 @@ pub fn repair_pod_layer(
     }
     Ok(b.differences.into_iter().map(|d| format!("Service layer: {d}")).collect())
 }
-
-/// How many times a repair reads a pod again after an apply moved its layer meanwhile (each
-/// time, an apply stored a newer layer: more in a row is an apply per few milliseconds).
-const MOVED_TRIES: usize = 3;
 
 /// In a word, whether a pod's Service layer is what the stored snapshot says (`inspect`'s list).
 #[derive(Debug, Clone, PartialEq, Eq)]

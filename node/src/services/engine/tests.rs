@@ -114,3 +114,31 @@ fn a_visit_takes_the_pods_lock_and_asks_for_the_record_only_where_no_compare_and
         }
     }
 }
+
+/// ADD's and a repair's one rule after an apply moved the pod's layer meanwhile: tried again,
+/// each time told which try it is, `MOVED_TRIES` more times at most; any other outcome (a
+/// success, another error) ends it at once.
+#[test]
+fn a_moved_layer_is_tried_again_three_times_at_most() {
+    let moved = || PodError::Kernel(aether_rules::Error::LayerMoved { named: "generation 7".into() });
+    for (moves, want_ok) in [(0, true), (1, true), (MOVED_TRIES, true), (MOVED_TRIES + 1, false)] {
+        let mut seen = Vec::new();
+        let got = bring_while_moved(|tries| {
+            seen.push(tries);
+            Ok(if tries < moves { Err(moved()) } else { Ok(tries) })
+        });
+        let tried = moves.min(MOVED_TRIES) + 1;
+        assert_eq!(seen, (0..tried).collect::<Vec<_>>(), "{moves} moves");
+        match got {
+            Ok(t) => assert!(want_ok && t == moves, "{moves} moves: {t}"),
+            Err(e) => assert!(!want_ok && e.to_string().contains("changed since it was read"), "{moves} moves: {e}"),
+        }
+    }
+    // Another refusal is not tried again.
+    let mut calls = 0;
+    let other = bring_while_moved(|_| {
+        calls += 1;
+        Ok::<Result<(), _>, _>(Err(PodError::Kernel(aether_rules::Error::InvalidConfig("refused".into()))))
+    });
+    assert!(other.is_err() && calls == 1, "{other:?} after {calls} calls");
+}
