@@ -186,7 +186,7 @@ impl PodLink for Link {
         self.left = names;
     }
 
-    fn send_guarded(&mut self, change: &Encoded) -> Result<Option<engine::Generations>, PodError> {
+    fn send_guarded(&mut self, change: &Encoded) -> Result<Option<(Option<u32>, Option<u32>)>, PodError> {
         let Some(guard) = self.generation else { return Ok(None) };
         // (Held to the transaction's ACK; the visit holds no lock of this netns before a refusal.)
         let Some(_lock) = self.ns.try_lock().map_err(PodError::Netns)? else { return Ok(None) };

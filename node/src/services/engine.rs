@@ -107,9 +107,6 @@ pub(super) trait Pods {
     fn reach(&mut self, i: usize, r: &Record) -> Result<&mut dyn PodLink, PodError>;
 }
 
-/// The netns's ruleset generation just before a transaction (when read) and just after it.
-pub(super) type Generations = (Option<u32>, Option<u32>);
-
 /// One pod, reached.
 pub(super) trait PodLink {
     /// Its netns (entered in place: the apply is on a tour).
@@ -132,7 +129,7 @@ pub(super) trait PodLink {
     /// the pod's lock, taken without waiting (a writer that reads the pod before it writes
     /// holds it throughout, and compares only the name it read). `None`, nothing sent, without
     /// a generation, when it is stale, or while another holds the lock.
-    fn send_guarded(&mut self, _change: &Encoded) -> Result<Option<Generations>, PodError> {
+    fn send_guarded(&mut self, _change: &Encoded) -> Result<Option<(Option<u32>, Option<u32>)>, PodError> {
         Ok(None)
     }
 

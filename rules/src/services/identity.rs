@@ -186,16 +186,15 @@ mod tests {
                 .collect()
         };
         #[rustfmt::skip]
-        type Row<'a> = (&'a str, Vec<Vec<&'a str>>, Option<(HeldLayer, Vec<Named>)>);
-        let table: Vec<Row> = vec![
-            ("no table", vec![vec![], vec![]], Some((HeldLayer::Absent, vec![]))),
-            ("one name", vec![vec!["mesh", &g7]], Some((held(7, 1), vec![]))),
-            ("a name left behind", vec![vec![&g8, "mesh", &g7]], Some((held(8, 2), older(&[(7, 1)])))),
-            ("two names of the newest generation", vec![vec![&g8, &g8b, &g7]], None),
-            ("no name", vec![vec!["mesh", "service"]], None),
-            ("both families, the same", vec![vec![&g7, &g8], vec![&g8, &g7]], Some((held(8, 2), older(&[(7, 1)])))),
-            ("left in one family only", vec![vec![&g7, &g8], vec![&g8]], Some((held(8, 2), vec![]))),
-            ("families naming different layers", vec![vec![&g8], vec![&g9]], None),
+        let table: Vec<(&str, Vec<Vec<&str>>, Option<(HeldLayer, Vec<Named>)>)> = vec![
+            ("no table",                           vec![vec![], vec![]],                             Some((HeldLayer::Absent, vec![]))),
+            ("one name",                           vec![vec!["mesh", &g7]],                          Some((held(7, 1), vec![]))),
+            ("a name left behind",                 vec![vec![&g8, "mesh", &g7]],                     Some((held(8, 2), older(&[(7, 1)])))),
+            ("two names of the newest generation", vec![vec![&g8, &g8b, &g7]],                       None),
+            ("no name",                            vec![vec!["mesh", "service"]],                    None),
+            ("both families, the same",            vec![vec![&g7, &g8], vec![&g8, &g7]],             Some((held(8, 2), older(&[(7, 1)])))),
+            ("left in one family only",            vec![vec![&g7, &g8], vec![&g8]],                  Some((held(8, 2), vec![]))),
+            ("families naming different layers",   vec![vec![&g8], vec![&g9]],                       None),
         ];
         for (case, tables, want) in table {
             let got = HeldLayer::of(tables.iter().map(|t| t.iter().map(|s| s as &str).collect::<Vec<&str>>()));
@@ -204,6 +203,6 @@ mod tests {
         // What a comparison leaves out: names older than the held one, never a newer one.
         assert!(holds(&[g7.clone(), g8.clone()], &g8));
         assert!(!holds(&[g8.clone(), g9.clone()], &g8), "a newer name is not left behind");
-        assert!(!holds(std::slice::from_ref(&g7), &g8), "the held name itself must be there");
+        assert!(!holds(&[g7.clone()], &g8), "the held name itself must be there");
     }
 }
