@@ -67,58 +67,16 @@ pub fn sum(a: &Counts, b: &Counts) -> Counts {
     CLASSES.iter().map(|c| (c.to_string(), a.get(*c).copied().unwrap_or(0) + b.get(*c).copied().unwrap_or(0))).collect()
 }
 
-/// The generation an identity counter's name (`layer_s3_g7_mae71_d...`) says.
-fn named_generation(name: &str) -> Option<u64> {
-    let rest = name.strip_prefix("layer_s")?;
-    let (_, rest) = rest.split_once("_g")?;
-    rest.split('_').next()?.parse().ok()
-}
-
-/// The identity counters of the pod's IPv4 layer older than its newest: the names an
-/// applier's change that deleted nothing else left beside the one the pod holds.
-pub fn left_behind(pod: &Pod) -> Vec<String> {
-    if !pod.nft(&["list", "tables"]).contains("aether_services") {
-        return Vec::new();
-    }
-    older_names(&pod.nft(&["list", "table", "ip", "aether_services"]))
-}
-
-fn older_names(text: &str) -> Vec<String> {
-    let names: Vec<(u64, &str)> = text
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("counter ")?.strip_suffix(" {"))
-        .filter_map(|n| Some((named_generation(n)?, n)))
-        .collect();
-    let newest = names.iter().map(|(g, _)| *g).max();
-    names.iter().filter(|(g, _)| Some(*g) < newest).map(|(_, n)| n.to_string()).collect()
-}
-
 /// The pod's Service layer as the kernel lists it, made comparable: counter values dropped,
-/// each set's elements sorted, and the names left behind (`left_behind`: not what the pod
-/// holds) left out. Empty when the pod has no layer.
+/// each set's elements sorted. Empty when the pod has no layer.
 pub fn listing(pod: &Pod) -> String {
     if !pod.nft(&["list", "tables"]).contains("aether_services") {
         return String::new();
     }
     let text = pod.nft(&["list", "table", "ip", "aether_services"]);
-    let older = older_names(&text);
     let mut out = Vec::new();
     let mut elements: Option<String> = None;
-    let (mut skipping, mut after_skipped) = (false, false);
     for line in text.lines() {
-        // A left-behind counter's block, to its closing brace and the blank line after it.
-        let name = line.trim().strip_prefix("counter ").and_then(|l| l.strip_suffix(" {"));
-        if name.is_some_and(|n| older.iter().any(|o| o == n)) {
-            skipping = true;
-        }
-        if skipping {
-            skipping = line.trim() != "}";
-            after_skipped = !skipping;
-            continue;
-        }
-        if std::mem::take(&mut after_skipped) && line.trim().is_empty() {
-            continue;
-        }
         let line = line.trim();
         if let Some(acc) = elements.as_mut() {
             acc.push_str(line);
