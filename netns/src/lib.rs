@@ -230,25 +230,6 @@ impl Netns {
     pub fn wait_unlocked(&self) -> Result<(), Error> {
         self.lock().map(drop)
     }
-
-    /// `lock` without waiting: `None` while another holds it.
-    pub fn try_lock(&self) -> Result<Option<NetnsLock>, Error> {
-        let file = std::sync::Arc::clone(&self.file);
-        loop {
-            // SAFETY: flock on a file descriptor held open above.
-            let r = unsafe {
-                nix::libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), nix::libc::LOCK_EX | nix::libc::LOCK_NB)
-            };
-            if r == 0 {
-                return Ok(Some(NetnsLock(file)));
-            }
-            match nix::Error::last() {
-                nix::Error::EINTR => continue,
-                nix::Error::EWOULDBLOCK => return Ok(None),
-                source => return Err(Error::Lock { path: self.path.clone(), source }),
-            }
-        }
-    }
 }
 
 impl Netns {

@@ -45,7 +45,7 @@ mod identity;
 mod profile;
 mod write;
 pub use change::LayerChange;
-pub use identity::{held, held_on, identity_counter, HeldLayer, LayerId, Named, LEFT_BEHIND_AT_MOST};
+pub use identity::{held, held_on, identity_counter, HeldLayer, LayerId, Named};
 pub use profile::{
     chained_profiles, profile_chain, profile_number, rechained_vips, service_profiles, Profile, ProfileCounts,
 };
@@ -532,10 +532,7 @@ pub fn verify(layer: &ServiceLayer) -> Result<Vec<String>> {
             (None, Some(_)) if tables.is_empty() => out.push(format!("{name} is present, but the mode is off")),
             (None, Some(_)) => out.push(format!("{name} is present, but the snapshot has no {family} Service range")),
             (Some(_), None) => out.push(format!("{name} is missing")),
-            (Some(t), Some(mut actual)) => {
-                if let Some(named) = t.counters.iter().find(|c| Named::parse(c).is_some()) {
-                    identity::without_left_behind(&mut actual, named);
-                }
+            (Some(t), Some(actual)) => {
                 let diffs = nft::read::diff(&nft::expected_view(t), &actual);
                 out.extend(diffs.into_iter().map(|d| if family == Family::Ipv4 { d } else { format!("{name}: {d}") }));
             }

@@ -117,8 +117,6 @@ struct Link {
     /// The layer the pod holds, as last sent or read; `None`: unknown (read from the kernel
     /// before it is used).
     holds: Option<HeldLayer>,
-    /// The older names left beside the one it holds, as last sent or read with `holds`.
-    left: Vec<String>,
     /// The netns's ruleset generation as this link last read or made it: the guard of its
     /// next change (`Encoded::send_guarded_on`), which the kernel checks (stale when anything
     /// else committed there since: the change is then sent with a fence).
@@ -129,15 +127,7 @@ impl Link {
     fn open(r: &Record) -> Result<Link, PodError> {
         let ns = open_pod(r)?;
         let sock = flat(ns.run(KeptSocket::open))?;
-        Ok(Link {
-            path: r.netns.clone(),
-            recorded: r.netns_id,
-            ns,
-            sock,
-            holds: None,
-            left: Vec::new(),
-            generation: None,
-        })
+        Ok(Link { path: r.netns.clone(), recorded: r.netns_id, ns, sock, holds: None, generation: None })
     }
 
     /// Whether it was opened for `r` (its netns path and identity).
@@ -163,44 +153,15 @@ impl PodLink for Link {
         match self.holds {
             Some(h) if !fresh => Ok(h),
             _ => {
-                let (h, older) = aether_rules::services::held_on(&mut self.sock).map_err(PodError::Kernel)?;
+                let h = aether_rules::services::held_on(&mut self.sock).map_err(PodError::Kernel)?;
                 self.holds = Some(h);
-                self.left = older.iter().map(|n| n.counter_name()).collect();
                 Ok(h)
             }
         }
     }
 
     fn believe(&mut self, now: Option<HeldLayer>) {
-        if matches!(now, None | Some(HeldLayer::Absent)) {
-            self.left.clear();
-        }
         self.holds = now;
-    }
-
-    fn left_behind(&self) -> &[String] {
-        &self.left
-    }
-
-    fn leave_behind(&mut self, names: Vec<String>) {
-        self.left = names;
-    }
-
-    fn send_guarded(&mut self, change: &Encoded) -> Result<Option<(Option<u32>, Option<u32>)>, PodError> {
-        let Some(guard) = self.generation else { return Ok(None) };
-        // (Held to the transaction's ACK; the visit holds no lock of this netns before a refusal.)
-        let Some(_lock) = self.ns.try_lock().map_err(PodError::Netns)? else { return Ok(None) };
-        match change.send_guarded_on(&mut self.sock, guard).map_err(PodError::Kernel)? {
-            Guarded::Committed(after) => {
-                self.generation = Some(after);
-                Ok(Some((Some(guard), Some(after))))
-            }
-            // (Then sent by `send`, fenced: not guarded again by what is stale.)
-            Guarded::Stale => {
-                self.generation = None;
-                Ok(None)
-            }
-        }
     }
 
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError> {
@@ -253,7 +214,7 @@ impl Kept {
 
     /// Forgets what each pod holds (kept sockets stay): read again from the pods' tables.
     fn forget_beliefs(&mut self) {
-        self.links.values_mut().for_each(|l| l.believe(None));
+        self.links.values_mut().for_each(|l| l.holds = None);
     }
 }
 

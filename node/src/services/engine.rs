@@ -123,24 +123,6 @@ pub(super) trait PodLink {
     /// ruleset generation just before it (when `read_before`, and read) and the one the
     /// transaction's fence read.
     fn send(&mut self, change: &Encoded, read_before: bool) -> Result<(Option<u32>, Option<u32>), PodError>;
-
-    /// `send` of a change that compares nothing in the pod's tables (it keeps the name it
-    /// starts from): only guarded by the ruleset generation this link last saw, and holding
-    /// the pod's lock, taken without waiting (a writer that reads the pod before it writes
-    /// holds it throughout, and compares only the name it read). `None`, nothing sent, without
-    /// a generation, when it is stale, or while another holds the lock.
-    fn send_guarded(&mut self, _change: &Encoded) -> Result<Option<(Option<u32>, Option<u32>)>, PodError> {
-        Ok(None)
-    }
-
-    /// The older names this link's changes left beside the one the pod holds
-    /// (`layer::LEFT_BEHIND_AT_MOST`), as sent or read; none where not followed.
-    fn left_behind(&self) -> &[String] {
-        &[]
-    }
-
-    /// What `left_behind` says after a visit's transaction.
-    fn leave_behind(&mut self, _names: Vec<String>) {}
 }
 
 /// A one-shot process's reach: each pod's netns opened and entered for its visit, a socket
@@ -454,7 +436,6 @@ impl<'a> Pass<'a> {
             None => decide(&pod.held(false)?, self.previous, new, mark),
         };
         let mut fresh = false;
-        let mut carried_left = false;
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
         let named = HeldLayer::Named(new.named(mark));
         // Whether `elements` more fit what this process may still charge (always, uncharged).
@@ -484,35 +465,14 @@ impl<'a> Pass<'a> {
                         None => None,
                         // What it adds must fit what this process may still charge (else the pod
                         // keeps the whole layer it has).
-                        Some(c) => match charge(c.added() as u64) {
+                        Some((c, encoded)) => match charge(c.added() as u64) {
                             Err(over) => return Err(PodError::OverBudget(over)),
                             Ok(()) => {
                                 let applied = Applied::Elements { added: c.added(), removed: c.removed() };
-                                let keeps = c.deletes_only_the_name();
-                                let from_name = c.starts_from().map(str::to_string);
-                                let left = pod.left_behind().to_vec();
-                                // A change that deletes nothing else keeps the name it starts
-                                // from (its transaction then deletes nothing), where the link
-                                // can send it as `send_guarded` says; else, or after a refusal
-                                // (this visit may hold the pod's lock), it is sent as computed.
-                                let keep = keeps && !fresh && left.len() < layer::LEFT_BEHIND_AT_MOST;
-                                let kept = match (keep, from_name) {
-                                    (true, Some(name)) => pod
-                                        .send_guarded(m.encoded(None))
-                                        .ok()
-                                        .flatten()
-                                        .map(|s| (s, left.iter().cloned().chain([name]).collect::<Vec<_>>())),
-                                    _ => None,
-                                };
                                 // `None` when refused: the pod does not hold what it was believed to.
-                                let sent = kept.or_else(|| {
-                                    carried_left = !left.is_empty();
-                                    pod.send(m.encoded(Some(left)), run.is_none()).ok().map(|s| (s, Vec::new()))
-                                });
-                                sent.map(|((before, after), left)| {
-                                    pod.leave_behind(left);
-                                    (Ok(applied), Sent::Change { before, after })
-                                })
+                                pod.send(encoded, run.is_none())
+                                    .ok()
+                                    .map(|(before, after)| (Ok(applied), Sent::Change { before, after }))
                             }
                         },
                     }
@@ -526,8 +486,6 @@ impl<'a> Pass<'a> {
                     if action == Action::Migrate {
                         self.migrated += 1;
                     }
-                    // (A rebuild replaces every name the tables had.)
-                    pod.leave_behind(Vec::new());
                     Some((m.rebuild(pod.netns()), Sent::Rebuild))
                 }
             };
@@ -559,10 +517,8 @@ impl<'a> Pass<'a> {
                     fresh = true;
                     pod.believe(None);
                     let again = decide(&pod.held(true)?, self.previous, new, mark);
-                    // The same refused transaction again would be refused again, unless it
-                    // deleted names left behind that the pod no longer has (a repair took them).
-                    action = if again == action && !carried_left { Action::Rebuild } else { again };
-                    carried_left = false;
+                    // The same refused transaction again would be refused again.
+                    action = if again == action { Action::Rebuild } else { again };
                 }
                 None => action = Action::Rebuild,
             }
@@ -666,16 +622,13 @@ struct ForMark<'a> {
     stored: &'a StoredLayer,
     mark: u32,
     layer: Option<layer::ServiceLayer>,
-    change: Option<Option<LayerChange>>,
-    /// The change's transactions, each encoded once: as computed (the name it starts from
-    /// swapped), also deleting these names left behind, or keeping the name it starts from.
-    encoded: HashMap<Option<Vec<String>>, Encoded>,
+    change: Option<Option<(LayerChange, Encoded)>>,
     prepared: Option<Option<layer::Prepared>>,
 }
 
 impl<'a> ForMark<'a> {
     fn new(stored: &'a StoredLayer, mark: u32) -> Self {
-        ForMark { stored, mark, layer: None, change: None, encoded: HashMap::new(), prepared: None }
+        ForMark { stored, mark, layer: None, change: None, prepared: None }
     }
 
     fn layer(&mut self) -> &layer::ServiceLayer {
@@ -683,26 +636,17 @@ impl<'a> ForMark<'a> {
         self.layer.get_or_insert_with(|| stored.for_pod(mark))
     }
 
-    /// The element change between the cut layers for this mark, computed once.
-    fn change(&mut self, from: &layer::ServiceLayer, to: &layer::ServiceLayer) -> Option<&LayerChange> {
+    /// The element change between the cut layers for this mark, encoded once.
+    fn change(&mut self, from: &layer::ServiceLayer, to: &layer::ServiceLayer) -> Option<&(LayerChange, Encoded)> {
         let mark = self.mark;
         self.change
             .get_or_insert_with(|| {
                 let at = |l: &layer::ServiceLayer| layer::ServiceLayer { divert_mark: mark, ..l.clone() };
-                LayerChange::between(&at(from), &at(to)).ok().flatten()
+                let c = LayerChange::between(&at(from), &at(to)).ok().flatten()?;
+                let encoded = c.encode();
+                Some((c, encoded))
             })
             .as_ref()
-    }
-
-    /// The change (`change`, made first) encoded: also deleting the names `Some(left)` left
-    /// behind, or (`None`) keeping the name it starts from.
-    fn encoded(&mut self, left: Option<Vec<String>>) -> &Encoded {
-        let c = self.change.as_ref().and_then(Option::as_ref).expect("the change was made");
-        self.encoded.entry(left).or_insert_with_key(|left| match left {
-            Some(left) if left.is_empty() => c.encode(),
-            Some(left) => c.also_deleting(left).encode(),
-            None => c.keeping_the_name().encode(),
-        })
     }
 
     /// The pod's layer rebuilt, in its netns, its counters carried over.

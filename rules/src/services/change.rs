@@ -146,40 +146,6 @@ impl LayerChange {
         self.changes.is_empty()
     }
 
-    /// The name the change starts from (it deletes it: refused whole where the pod's tables
-    /// do not name it), when it swaps names.
-    pub fn starts_from(&self) -> Option<&str> {
-        self.changes.iter().flat_map(|(_, c)| &c.counters_gone).next().map(String::as_str)
-    }
-
-    /// Whether the change deletes nothing but the name it starts from (no element, no
-    /// profile chain): what `keeping_the_name` can send deleting nothing at all.
-    pub fn deletes_only_the_name(&self) -> bool {
-        self.starts_from().is_some()
-            && self
-                .changes
-                .iter()
-                .all(|(_, c)| c.delete_chains.is_empty() && c.elements.iter().all(|e| e.delete.is_empty()))
-    }
-
-    /// The change without the deletion of the name it starts from, which stays beside the new
-    /// one (`LEFT_BEHIND_AT_MOST`): nothing in its transaction compares what the pod holds,
-    /// so it must only ever be sent guarded by the netns's ruleset generation as last seen
-    /// after the pod was brought to the name it starts from.
-    pub fn keeping_the_name(&self) -> LayerChange {
-        let mut kept = self.clone();
-        kept.changes.iter_mut().for_each(|(_, c)| c.counters_gone.clear());
-        kept
-    }
-
-    /// The change deleting `names` too (older names a change left beside the one it starts
-    /// from, in every table): refused whole where one is not there.
-    pub fn also_deleting(&self, names: &[String]) -> LayerChange {
-        let mut more = self.clone();
-        more.changes.iter_mut().for_each(|(_, c)| c.counters_gone.extend(names.iter().cloned()));
-        more
-    }
-
     /// Set elements added.
     pub fn added(&self) -> usize {
         self.changes.iter().flat_map(|(_, c)| &c.elements).map(|c| c.add.len()).sum()

@@ -272,10 +272,7 @@ fn table_diff(
         v.counters.keys().filter(|n| Named::parse(n).is_some()).cloned().collect()
     };
     let (want, have) = (identities(expected), identities(actual));
-    // (Names left beside the wanted one are not a difference: the next change deleting
-    // anything takes them.)
-    let held = matches!(&want[..], [w] if super::identity::holds(&have, w));
-    if !(want == have || held) || !change.is_empty() {
+    if want != have || !change.is_empty() {
         change.counters_gone = have;
         change.counters_new = want;
     }
