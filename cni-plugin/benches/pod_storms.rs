@@ -226,9 +226,9 @@ fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &Te
 
 /// Each round's ratio of `ours` to `tuning`'s storm of the same round (the two a few hundred
 /// milliseconds apart, so that what else the machine does weighs on both alike): their
-/// median and spread, printed after the ratio of the medians.
+/// median and spread, printed after the ratio of the medians (nothing for a single round).
 fn per_round(ours: &[f64], tuning: &[f64]) -> String {
-    if ours.len() < 2 || std::ptr::eq(ours, tuning) {
+    if ours.len() < 2 {
         return String::new();
     }
     let mut r: Vec<f64> = ours.iter().zip(tuning).map(|(o, t)| o / t).collect();
@@ -295,7 +295,8 @@ fn main() {
     let tuning_add = median(adds[0].clone());
     for (i, (name, _, _)) in contenders.iter().enumerate() {
         let (wall, p99) = (median(adds[i].clone()), median(add_p99[i].clone()));
-        let rounds = per_round(&adds[i], &adds[0]);
+        // (Tuning's own row: no ratio to itself.)
+        let rounds = if i == 0 { String::new() } else { per_round(&adds[i], &adds[0]) };
         println!(
             "  {name:<48} {wall:>9.1} ms  (p99 of one ADD {p99:>7.1} ms)  / tuning {:.2}x{rounds}",
             wall / tuning_add
@@ -312,7 +313,7 @@ fn main() {
     for (i, (name, _, _)) in contenders.iter().enumerate() {
         let wall = median(dels[i].clone());
         let goal = if i == 2 { "  (goal <= 1.5x)" } else { "" };
-        let rounds = per_round(&dels[i], &dels[0]);
+        let rounds = if i == 0 { String::new() } else { per_round(&dels[i], &dels[0]) };
         println!("  {name:<48} {wall:>9.1} ms  / tuning {:.2}x{goal}{rounds}", wall / tuning_del);
     }
     let what = "floor: the 10,000-Service layer removed in every pod";
