@@ -247,9 +247,7 @@ impl Node {
         }
         {
             let mut published = self.shared.status.lock().unwrap();
-            if *published != self.status {
-                *published = self.status.clone();
-            }
+            *published = self.status.clone();
             self.metrics().set_status(&published);
         }
         self.tell_readiness(if ready { None } else { Some(text.trim_end().to_string()) });

@@ -35,7 +35,7 @@ impl Face {
 
 /// What the HTTP face reports: the installation's status as last published (its marker
 /// written first), so `/readyz` never says ready while CNI STATUS says not, nor the reverse.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub struct Status {
     pub not_ready: BTreeMap<Reason, String>,
 }

@@ -497,21 +497,32 @@ pub fn apply_current_snapshot_in_netns(
     // A new pod holds no layer: the engine's rebuild, on the layer taken from the stored one.
     // If the netns held one (another interface's ADD) that an apply's change moved between
     // the reading and the rebuild: brought from what it holds now to the layer stored now.
-    let mut taken = Some(stored.take_for_pod(divert_mark));
-    let brought = engine::bring_while_moved(|tries| {
-        let now = if tries == 0 { None } else { dir.stored_layer()? };
-        let (to, held, layer) = match (&now, taken.take()) {
-            (None, Some(l)) => (&stored, Some(HeldLayer::Absent), Some(l)),
-            (Some(now), _) => (now, None, None),
-            (None, None) => return Ok(Ok(None)),
-        };
-        let one = engine::OnePod { stored: to, mark: divert_mark, held, check: false, layer, charged: false };
-        Ok(engine::bring_pod(&dir, netns, one).map(|b| Some((b, to.generation, now.is_none()))))
-    })?;
-    let Some((brought, generation, first)) = brought else { return Ok(None) };
-    if !first {
-        return Ok(Some(generation));
+    // (`Moved`: brought after a move, to the generation stored then, or none stored any more.)
+    enum Tried {
+        First(engine::Brought),
+        Moved(Option<u64>),
     }
+    let mut taken = Some(stored.take_for_pod(divert_mark));
+    let tried = engine::bring_while_moved(|tries| {
+        let pod = |stored, held, layer| engine::OnePod {
+            stored,
+            mark: divert_mark,
+            held,
+            check: false,
+            layer,
+            charged: false,
+        };
+        if tries == 0 {
+            let one = pod(&stored, Some(HeldLayer::Absent), taken.take());
+            return Ok(engine::bring_pod(&dir, netns, one).map(Tried::First));
+        }
+        let Some(now) = dir.stored_layer()? else { return Ok(Ok(Tried::Moved(None))) };
+        Ok(engine::bring_pod(&dir, netns, pod(&now, None, None)).map(|_| Tried::Moved(Some(now.generation))))
+    })?;
+    let brought = match tried {
+        Tried::First(b) => b,
+        Tried::Moved(generation) => return Ok(generation),
+    };
     // Kept only when the stored files did not move while they were read (no lock keeps them
     // still): the bytes are then the layer of the files the key names.
     let unmoved = key.is_some() && key == encoded::Key::now(&dir, divert_mark);
