@@ -159,3 +159,58 @@ fn a_large_service_layer_is_built_after_adds_answer_under_the_pods_lock() {
     let tables = gone.nft(&["list", "tables"]);
     assert!(!tables.contains("aether_capture") && !tables.contains("aether_services"), "nothing left: {tables}");
 }
+
+/// An ADD that comes to a netns already holding a layer (the runtime's ADD again, after it
+/// lost the first one's answer) reads the names its tables carry, then rebuilds from them. An
+/// apply that changes the pod between the two (it sends an element change without the pod's
+/// lock, which ADD holds) makes the kernel refuse the rebuild whole, and ADD brings the pod
+/// again from what it holds now. The apply waits for nothing of ADD's.
+#[test]
+fn an_add_whose_reading_an_apply_moved_brings_the_pod_from_what_it_holds_now() {
+    if !root_or_skip("an_add_whose_reading_an_apply_moved_brings_the_pod_from_what_it_holds_now") {
+        return;
+    }
+    let bin = aether_conformance::cni::cni_bin();
+    let mut node = aether_conformance::node::SimNode::new("moved");
+    let pod = node.add_pod("again");
+    assert!(node.services(&["apply"], &many(1, 10)).ok);
+    let conf = pod.add(json!({}));
+    let vips = || pod.nft(&["list", "map", "ip", "aether_services", "service_vips"]);
+    assert!(vips().contains("10.96.1.10") && !vips().contains("10.96.1.11"));
+
+    // ADD again, held between its reading of the layer there and its rebuild.
+    let pause = node.state_dir().join("add-paused");
+    let pause_str = pause.display().to_string();
+    let held = [("AETHER_CNI_PAUSE_AT", "services-rebuild-read"), ("AETHER_CNI_PAUSE_FILE", pause_str.as_str())];
+    let (add, applied, add_waited) = std::thread::scope(|s| {
+        let add = s.spawn(|| pod.cni_unsettled(bin, "ADD", &conf, &held));
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !pause.exists() {
+            assert!(std::time::Instant::now() < until && !add.is_finished(), "ADD never reached its reading");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // Generation 2 (a Service added) meanwhile.
+        let applied = node.services(&["apply"], &many(2, 11));
+        // ADD is still held where it was (until the file goes): the apply did not wait for it.
+        let add_waited = !add.is_finished() && pause.exists();
+        std::fs::remove_file(&pause).unwrap();
+        (add.join().unwrap(), applied, add_waited)
+    });
+    assert!(applied.ok, "{}{}", applied.stdout, applied.stderr);
+    assert!(add_waited, "the apply waited for the ADD it raced: {}", applied.stdout);
+    assert!(add.ok, "ADD again: {}{}", add.stdout, add.stderr);
+    let log = std::fs::read_to_string(node.state_dir().join("aether-cni.log")).unwrap();
+    let refused = "changed since it was read (an apply came first): brought again from what it holds now";
+    assert_eq!(log.matches(refused).count(), 1, "ADD's rebuild was refused once: {log}");
+    assert!(log.contains("named=generation 1 "), "{log}");
+
+    // The pod holds generation 2, whole (ADD found it so: nothing sent again).
+    assert!(vips().contains("10.96.1.11"));
+    let dir = node.state_dir().display().to_string();
+    let inspect = aether_conformance::cni::run_cli_here(&["inspect", "--state-dir", &dir], b"");
+    assert!(inspect.ok, "{}{}", inspect.stdout, inspect.stderr);
+    assert_eq!(inspect.stdout.matches("intact (generation 2)").count(), 1, "{}", inspect.stdout);
+    let verify = node.services(&["verify"], b"");
+    assert!(verify.ok && !verify.stdout.contains("repaired"), "{}{}", verify.stdout, verify.stderr);
+    pod.del(&conf);
+}

@@ -49,7 +49,7 @@ pub use identity::{held, held_on, identity_counter, HeldLayer, LayerId, Named};
 pub use profile::{
     chained_profiles, profile_chain, profile_number, rechained_vips, service_profiles, Profile, ProfileCounts,
 };
-pub use write::{apply, read, rebuild, remove, Applied, Prepared, Reading};
+pub use write::{apply, read, rebuild, remove, Applied, Held, Prepared, Reading};
 pub const CHAIN_EGRESS: &str = "egress_classify";
 pub const CHAIN_CLASSIFY: &str = "classify";
 pub const CHAIN_REFUSE: &str = "refuse";

@@ -351,7 +351,7 @@ pub(super) fn apply_to_pods(
     }
     let Pass { migrated, visited, .. } = pass;
     // The runs of pods no longer visited (gone) are let go.
-    runs(dir, |r| r.retain(|k, _| visited.contains(k)));
+    runs(dir, |r| r.retain(|k, _| visited.contains_key(k)));
     if migrated > 0 {
         warnings.push(format!(
             "{migrated} pod(s) held a Service layer a release before built: rebuilt in this release's shape, counters kept (a migration, once)"
@@ -377,23 +377,15 @@ struct Pass<'a> {
     cut: Option<(layer::ServiceLayer, layer::ServiceLayer)>,
     /// Pods whose layer a release before built, rebuilt.
     migrated: usize,
-    /// The run keys of the pods visited.
-    visited: std::collections::HashSet<RunKey>,
+    /// The run keys of the pods visited, with the mark each was brought to the new layer for
+    /// (`None`: not brought).
+    visited: HashMap<RunKey, Option<u32>>,
     dir: &'a ServicesDir,
 }
 
 impl<'a> Pass<'a> {
     fn new(dir: &'a ServicesDir, (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>), charged: bool) -> Self {
-        Pass {
-            new,
-            previous,
-            charged,
-            marks: BTreeMap::new(),
-            cut: None,
-            migrated: 0,
-            visited: std::collections::HashSet::new(),
-            dir,
-        }
+        Pass { new, previous, charged, marks: BTreeMap::new(), cut: None, migrated: 0, visited: HashMap::new(), dir }
     }
 
     /// Brings one pod (its layer for `mark`) to the new layer as `planned` says (not
@@ -430,7 +422,14 @@ impl<'a> Pass<'a> {
         };
         let new = self.new;
         let key = run_key(pod.netns());
-        self.visited.insert(key);
+        // A netns that two attachments share (two networks' records) holds one layer: brought
+        // once a pass. Its second visit would send the change the first one made already,
+        // be refused, and wait for the pod's lock to decide again (an ADD of it may hold it).
+        match self.visited.get(&key) {
+            Some(Some(brought)) if *brought == mark => return Ok(Applied::Unchanged),
+            Some(_) => {}
+            None => drop(self.visited.insert(key, None)),
+        }
         let mut action = match planned {
             Some(planned) => planned,
             None => decide(&pod.held(false)?, self.previous, new, mark),
@@ -495,6 +494,7 @@ impl<'a> Pass<'a> {
                     match &outcome {
                         Ok(_) => {
                             pod.believe(Some(named));
+                            self.visited.insert(key, Some(mark));
                             let before = runs(self.dir, |runs| runs.get(&key).map(|r| (r.first, r.last)));
                             match sent.run(before) {
                                 Some((first, last)) if sent != Sent::Nothing => runs(self.dir, |runs| {
@@ -607,7 +607,10 @@ pub(super) fn bring_while_moved<T>(
     let mut tries = 0;
     loop {
         match attempt(tries)? {
-            Err(PodError::Kernel(aether_rules::Error::LayerMoved { .. })) if tries < MOVED_TRIES => tries += 1,
+            Err(PodError::Kernel(aether_rules::Error::LayerMoved { named })) if tries < MOVED_TRIES => {
+                tracing::info!(%named, "the pod's Service layer changed since it was read (an apply came first): brought again from what it holds now");
+                tries += 1
+            }
             done => return Ok(done?),
         }
     }
@@ -654,7 +657,11 @@ impl<'a> ForMark<'a> {
         self.layer();
         let l = self.layer.as_ref().expect("made above");
         match self.prepared.get_or_insert_with(|| layer::Prepared::new(l).ok().flatten()) {
-            Some(p) => flat(ns.run(|| p.rebuild())),
+            Some(p) => flat(ns.run(|| {
+                let held = layer::Held::read()?;
+                crate::state::pause_point("services-rebuild-read");
+                p.rebuild_from(held)
+            })),
             None => flat(ns.run(|| layer::rebuild(l))),
         }
     }

@@ -338,6 +338,29 @@ pub fn crash_point(name: &str) {
     let _ = name;
 }
 
+/// A point where a test may hold the process (`AETHER_CNI_PAUSE_AT=<name>`), to put its own
+/// step exactly there: the point creates the file `AETHER_CNI_PAUSE_FILE` and waits until the
+/// test removes it (30 s at most), the first time it is reached in the process. Compiled in
+/// only with `fault-injection`.
+pub fn pause_point(name: &str) {
+    #[cfg(feature = "fault-injection")]
+    {
+        static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let file = std::env::var_os("AETHER_CNI_PAUSE_FILE");
+        if let (Ok(name), Some(file)) = (std::env::var("AETHER_CNI_PAUSE_AT").map(|n| n == name), file) {
+            if name && !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                let file = std::path::Path::new(&file);
+                let _ = std::fs::write(file, b"");
+                let until = Instant::now() + Duration::from_secs(30);
+                while file.exists() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+    }
+    let _ = name;
+}
+
 /// Whether a test asked the step `name` of DEL to fail (`AETHER_CNI_INJECT_FAILURE=<name>`):
 /// the step returns an error instead of going on, as a DEL failing there would. Compiled in
 /// only with `fault-injection`.

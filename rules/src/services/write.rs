@@ -104,15 +104,6 @@ pub fn rebuild(layer: &ServiceLayer) -> Result<Applied> {
     }
 }
 
-/// Replaces whatever layer the current netns holds with `tables` (not empty), in one
-/// transaction, counters carried over: each family's from its own table, and a table of a
-/// family the layer no longer has deleted with its counts added to the first new table's,
-/// so the pod's totals never go backwards. With no layer there yet, `create` (the tables'
-/// creation, encoded once) is sent if given.
-fn rebuild_tables(tables: &[Table], create: Option<&nft::Encoded>) -> Result<Applied> {
-    rebuild_over(tables, held_counts()?, create)
-}
-
 /// The named counters of the layer's tables, by family (a family without a table left out).
 fn held_counts() -> Result<BTreeMap<Family, nft::Counts>> {
     // A layer table always has counters: none means no table (one small dump per family).
@@ -125,7 +116,12 @@ fn held_counts() -> Result<BTreeMap<Family, nft::Counts>> {
     Ok(held)
 }
 
-/// `rebuild_tables` over the counters `held` as read (`held_counts`).
+/// Replaces whatever layer the current netns holds with `tables` (not empty), in one
+/// transaction, counters carried over: each family's from its own table, and a table of a
+/// family the layer no longer has deleted with its counts added to the first new table's,
+/// so the pod's totals never go backwards; `held`: the counters the tables held, as read
+/// (`held_counts`). With no layer there yet, `create` (the tables' creation, encoded once)
+/// is sent if given.
 fn rebuild_over(
     tables: &[Table],
     held: BTreeMap<Family, nft::Counts>,
@@ -210,7 +206,23 @@ impl Prepared {
     /// `rebuild` in the current netns: the encoded transaction where there is no layer yet,
     /// otherwise the tables replaced with their counters carried over.
     pub fn rebuild(&self) -> Result<Applied> {
-        rebuild_tables(&self.tables, Some(&self.create))
+        self.rebuild_from(Held::read()?)
+    }
+
+    /// `rebuild` from what the current netns's tables held when `held` was read: refused
+    /// whole (`Error::LayerMoved`) when they name another layer by the time it comes.
+    pub fn rebuild_from(&self, held: Held) -> Result<Applied> {
+        rebuild_over(&self.tables, held.0, Some(&self.create))
+    }
+}
+
+/// What the current netns's layer tables held, as a rebuild reads them first: their named
+/// counters by family, the identity among them (a rebuild's transaction starts from it).
+pub struct Held(BTreeMap<Family, nft::Counts>);
+
+impl Held {
+    pub fn read() -> Result<Held> {
+        held_counts().map(Held)
     }
 }
 

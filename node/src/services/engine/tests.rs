@@ -142,3 +142,42 @@ fn a_moved_layer_is_tried_again_three_times_at_most() {
     });
     assert!(other.is_err() && calls == 1, "{other:?} after {calls} calls");
 }
+
+/// A netns that two attachments share (two networks' records) holds one layer, brought once
+/// a pass: the second record's visit sends nothing and waits for no lock (it would send the
+/// change again, be refused, and lock the pod to decide again). Another mark is its own visit.
+#[test]
+fn a_netns_of_two_records_is_brought_once_a_pass() {
+    if !aether_testkit::root_or_skip("a_netns_of_two_records_is_brought_once_a_pass") {
+        return;
+    }
+    let stored = |generation, port| {
+        crate::services::tests::stored_layer(generation, aether_rules::services::LayerMode::Refuse, port)
+    };
+    const MARK: u32 = 0xae71;
+    let (prev, new) = (stored(4, 80), stored(5, 81));
+    let own = aether_testkit::TestNetns::new("twice");
+    let state = aether_testkit::ScratchDir::new("visit-twice");
+    let dir = ServicesDir::new(&state.0);
+    let link = |refuse| FakeLink {
+        ns: Netns::open(own.path()).unwrap(),
+        held: HeldLayer::Named(prev.named(MARK)),
+        refuse,
+        sends: 0,
+    };
+    let asked = std::cell::Cell::new(0);
+    let gone = |_: &Netns| {
+        asked.set(asked.get() + 1);
+        Err(PodError::Gone("the record went".into()))
+    };
+    let mut pass = Pass::new(&dir, (&new, Some(&prev)), false);
+    let (mut first, mut second) = (link(false), link(true));
+    assert!(pass.visit(&mut first, MARK, Some(Action::Change), &gone).is_ok());
+    let outcome = pass.visit(&mut second, MARK, Some(Action::Change), &gone);
+    assert!(matches!(outcome, Ok(Applied::Unchanged)), "{outcome:?}");
+    assert_eq!((first.sends, second.sends, asked.get()), (1, 0, 0), "the second visit sent or asked");
+    // Under another mark the netns was not brought yet: visited (and here refused, so asked).
+    let mut other = link(true);
+    let outcome = pass.visit(&mut other, MARK + 1, Some(Action::Change), &gone);
+    assert!(matches!(outcome, Err(PodError::Gone(_))) && other.sends == 1 && asked.get() == 1, "{outcome:?}");
+}
