@@ -346,9 +346,9 @@ pub fn pause_point(name: &str) {
     #[cfg(feature = "fault-injection")]
     {
         static PAUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        let file = std::env::var_os("AETHER_CNI_PAUSE_FILE");
-        if let (Ok(name), Some(file)) = (std::env::var("AETHER_CNI_PAUSE_AT").map(|n| n == name), file) {
-            if name && !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        let here = std::env::var("AETHER_CNI_PAUSE_AT").is_ok_and(|at| at == name);
+        if let (true, Some(file)) = (here, std::env::var_os("AETHER_CNI_PAUSE_FILE")) {
+            if !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 let file = std::path::Path::new(&file);
                 let _ = std::fs::write(file, b"");
                 let until = Instant::now() + Duration::from_secs(30);
