@@ -425,10 +425,8 @@ impl<'a> Pass<'a> {
         // A netns that two attachments share (two networks' records) holds one layer: brought
         // once a pass. Its second visit would send the change the first one made already,
         // be refused, and wait for the pod's lock to decide again (an ADD of it may hold it).
-        match self.visited.get(&key) {
-            Some(Some(brought)) if *brought == mark => return Ok(Applied::Unchanged),
-            Some(_) => {}
-            None => drop(self.visited.insert(key, None)),
+        if *self.visited.entry(key).or_insert(None) == Some(mark) {
+            return Ok(Applied::Unchanged);
         }
         let mut action = match planned {
             Some(planned) => planned,

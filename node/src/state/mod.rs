@@ -350,7 +350,10 @@ pub fn pause_point(name: &str) {
         if let (true, Some(file)) = (here, std::env::var_os("AETHER_CNI_PAUSE_FILE")) {
             if !PAUSED.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 let file = std::path::Path::new(&file);
-                let _ = std::fs::write(file, b"");
+                // A pause the test cannot see would pass as no pause: fail loudly instead.
+                if let Err(e) = std::fs::write(file, b"") {
+                    panic!("the pause point {name} cannot make {}: {e}", file.display());
+                }
                 let until = Instant::now() + Duration::from_secs(30);
                 while file.exists() && Instant::now() < until {
                     std::thread::sleep(Duration::from_millis(5));
