@@ -287,10 +287,15 @@ fn main() {
     let (mut adds, mut add_p99, mut dels) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
     let mut built = vec![Vec::new(); n];
     let (mut floors, mut del_floors) = (Vec::new(), Vec::new());
+    // The process alone: VERSION answered by each binary, a storm of them (tuning's and ours).
+    let mut starts = [Vec::new(), Vec::new()];
     for _ in 0..rounds() {
         let (create, remove) = floor(&pods, SERVICES);
         floors.push(ms(create));
         del_floors.push(ms(remove));
+        for (i, (_, conf, b)) in contenders.iter().take(2).enumerate() {
+            starts[i].push(ms(storm(b, "VERSION", &pods, conf).0));
+        }
         for (i, (_, conf, b)) in contenders.iter().enumerate() {
             let ((wall, mut each), settled) = storm_settled(b, "ADD", &pods, conf);
             each.sort();
@@ -334,6 +339,26 @@ fn main() {
         "the floor / tuning's storm",
         del_floor / tuning_del,
         per_round(&del_floors, &dels[0])
+    );
+    // A DEL is a process: what starting one costs, tuning's and ours, and the least a storm of
+    // our DELs can take (the kernel's removal and our processes' start, added: two cores are
+    // busy with both at once).
+    let [tuning_start, our_start] = [0, 1].map(|i| median(starts[i].clone()));
+    println!(
+        "  {:<48} {tuning_start:>9.1} ms  / tuning {:.2}x",
+        "the process alone: tuning's VERSION",
+        tuning_start / tuning_del
+    );
+    println!(
+        "  {:<48} {our_start:>9.1} ms  / tuning {:.2}x",
+        "the process alone: aether-cni's VERSION",
+        our_start / tuning_del
+    );
+    println!(
+        "  {:<48} {:>9.1} ms  / tuning {:.2}x",
+        "the two floors together (removal + our start)",
+        del_floor + our_start,
+        (del_floor + our_start) / tuning_del
     );
     let (rebuilt, extra) = (&pods[..REBUILT], &pods[REBUILT]);
     let mut runs = vec![("aether-cni", add_during_rebuild(&bin, rebuild, rebuilt, extra))];
