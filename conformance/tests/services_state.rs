@@ -214,3 +214,67 @@ fn an_add_whose_reading_an_apply_moved_brings_the_pod_from_what_it_holds_now() {
     assert!(verify.ok && !verify.stdout.contains("repaired"), "{}{}", verify.stdout, verify.stderr);
     pod.del(&conf);
 }
+
+/// Whether a lock request on the file at `path` waits now (`/proc/locks` marks a blocked
+/// request with `->`, and names the file by device and inode).
+fn lock_waited_on(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(path).unwrap().ino().to_string();
+    std::fs::read_to_string("/proc/locks").unwrap().lines().any(|l| {
+        l.contains("->")
+            && l.split_whitespace().any(|f| f.matches(':').count() == 2 && f.rsplit(':').next() == Some(&ino))
+    })
+}
+
+/// Layers built after ADDs' answers take turns for the node's build slots (one here, as on a
+/// node of 2 CPUs): while the first pod's build holds the slot, a second pod's ADD answers
+/// with its capture in, and its build waits (a blocked lock request, seen in /proc/locks);
+/// once the first lets go, the second is built, and both are whole.
+#[test]
+fn layers_built_after_adds_answers_take_turns_for_the_nodes_build_slots() {
+    if !root_or_skip("layers_built_after_adds_answers_take_turns_for_the_nodes_build_slots") {
+        return;
+    }
+    let bin = aether_conformance::cni::cni_bin();
+    let mut node = aether_conformance::node::SimNode::new("slots");
+    let (first, second) = (node.add_pod("first"), node.add_pod("second"));
+    let layer = |p: &aether_conformance::node::Pod| p.nft(&["list", "tables"]).contains("aether_services");
+    // At the size that is built after the answer.
+    assert!(node.services(&["apply"], &many(1, 4000)).ok);
+    let pause = node.state_dir().join("slot-held");
+    let pause_str = pause.display().to_string();
+    let one = ("AETHER_CNI_LAYER_BUILD_SLOTS", "1");
+    let held = [one, ("AETHER_CNI_PAUSE_AT", "layer-build-slot"), ("AETHER_CNI_PAUSE_FILE", pause_str.as_str())];
+    let (first_conf, second_conf) = (first.conf(json!({})), second.conf(json!({})));
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !done() {
+            assert!(std::time::Instant::now() < until, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+
+    let out = first.cni_unsettled(bin, "ADD", &first_conf, &held);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    wait_for("the first pod's build never took the slot", &|| pause.exists());
+    let out = second.cni_unsettled(bin, "ADD", &second_conf, &[one]);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    assert!(second.nft(&["list", "tables"]).contains("aether_capture"), "the second pod's start waited for no build");
+    // (The slots' file, as the node library names it: `BUILD_SLOTS_FILE`.)
+    let slots = node.state_dir().join("layer-builds");
+    wait_for("the second pod's build never waited for the slot", &|| lock_waited_on(&slots));
+    assert!(!layer(&second) && pod_locked(&second), "the second layer waits, under its pod's lock");
+    assert!(!layer(&first) && pod_locked(&first), "the first holds the slot, paused before its build");
+
+    std::fs::remove_file(&pause).unwrap();
+    wait_for("the builds never ended", &|| !pod_locked(&first) && !pod_locked(&second));
+    assert!(layer(&first) && layer(&second), "both layers built");
+    let dir = node.state_dir().display().to_string();
+    let inspect = aether_conformance::cni::run_cli_here(&["inspect", "--state-dir", &dir], b"");
+    assert!(inspect.ok, "{}{}", inspect.stdout, inspect.stderr);
+    assert_eq!(inspect.stdout.matches("intact (generation 1)").count(), 2, "{}", inspect.stdout);
+    for (pod, conf) in [(&first, &first_conf), (&second, &second_conf)] {
+        let del = pod.cni_unsettled(bin, "DEL", conf, &[]);
+        assert!(del.ok, "{}{}", del.stdout, del.stderr);
+    }
+}

@@ -152,6 +152,10 @@ impl LayerToBuild {
     /// the layer, as a damaged stored layer does: the agent's next apply or the reconciler's
     /// next look builds it. Returns the generation built.
     pub fn build(self) -> Result<Option<u64>, ServicesError> {
+        // One of the node's build slots (after the pod's lock, which this holds already): the
+        // builds after a storm of ADDs take turns, and a CPU stays for the pods' starts.
+        let _slot = crate::state::BuildSlot::take(&self.state_dir);
+        crate::state::pause_point("layer-build-slot");
         if let Some(delay) = injected_layer_delay() {
             std::thread::sleep(delay);
         }

@@ -330,7 +330,7 @@ pub(super) fn apply_to_pods(
         dir.fold_pods(&counts)?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let mut pass = Pass::new(dir, (new, previous), true);
+    let mut pass = Pass::new(dir, (new, previous), true, true);
     let node_mark = dir.divert_mark();
     let mut removed_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(records.len());
@@ -375,6 +375,9 @@ struct Pass<'a> {
     marks: BTreeMap<u32, ForMark<'a>>,
     /// The previous and the new layer cut down to where they differ (`narrowed`), on first need.
     cut: Option<(layer::ServiceLayer, layer::ServiceLayer)>,
+    /// Whether a rebuild takes one of the node's build slots first (an apply's: ADD builds
+    /// its own pod's layer without waiting for one, and after its answer holds one already).
+    slotted: bool,
     /// Pods whose layer a release before built, rebuilt.
     migrated: usize,
     /// The run keys of the pods visited, with the mark each was brought to the new layer for
@@ -384,8 +387,14 @@ struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
-    fn new(dir: &'a ServicesDir, (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>), charged: bool) -> Self {
-        Pass { new, previous, charged, marks: BTreeMap::new(), cut: None, migrated: 0, visited: HashMap::new(), dir }
+    fn new(
+        dir: &'a ServicesDir,
+        (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>),
+        charged: bool,
+        slotted: bool,
+    ) -> Self {
+        let (marks, visited) = (BTreeMap::new(), HashMap::new());
+        Pass { new, previous, charged, slotted, marks, cut: None, migrated: 0, visited, dir }
     }
 
     /// Brings one pod (its layer for `mark`) to the new layer as `planned` says (not
@@ -483,6 +492,9 @@ impl<'a> Pass<'a> {
                     if action == Action::Migrate {
                         self.migrated += 1;
                     }
+                    // An apply's rebuilds take their turn with the builds after ADDs' answers
+                    // (after the pod's lock, taken above); one pod's (`bring_pod`) is its caller's.
+                    let _slot = self.slotted.then(|| crate::state::BuildSlot::take(&self.dir.state));
                     Some((m.rebuild(pod.netns()), Sent::Rebuild))
                 }
             };
@@ -571,7 +583,7 @@ pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Br
         None => flat(ns.run(layer::held))?,
     };
     let action = decide(&held, None, stored, mark);
-    let mut pass = Pass::new(dir, (stored, None), charged);
+    let mut pass = Pass::new(dir, (stored, None), charged, false);
     let m = pass.marks.entry(mark).or_insert_with(|| ForMark::new(stored, mark));
     if let Some(l) = made {
         m.layer = Some(l);

@@ -10,6 +10,7 @@
 //! at worst a temp file, which readers ignore and GC removes once its writer is dead. Every
 //! read is capped in size ([`MAX_RECORD_BYTES`], [`MAX_STATE_FILE_BYTES`]).
 
+mod build_slot;
 mod dir;
 mod record;
 mod uninstall;
@@ -18,6 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub use build_slot::{slots as build_slots, BuildSlot, BUILD_SLOTS_FILE};
 use dir::is_stale_temp;
 pub use dir::{overwrite_file, read_capped, Dir, Lock};
 pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError, Recorded};
