@@ -6,8 +6,8 @@
 //! server default) gives the CPU to nobody else until it returns, whatever the builder's
 //! nice level. 110 layers built at once after their ADDs' answers (a node's reboot) then
 //! hold every CPU in turn, and every other pod's start waits for a CPU each time it needs
-//! one: measured, the 110 ADDs' answers took the whole build's time (4.4x Debian `tuning`'s
-//! storm) against 1.1x with builds one at a time on 2 CPUs.
+//! one: measured, the 110 ADDs' answers took the whole build's time (4.5x Debian `tuning`'s
+//! storm), and 0.99x with builds one at a time on 2 CPUs.
 //!
 //! A slot is a write lock on one byte of `<stateDir>/layer-builds` (an open-file-description
 //! lock: the process or thread that took it holds it until it lets go or ends, never a
@@ -27,20 +27,22 @@ pub const BUILD_SLOTS_FILE: &str = "layer-builds";
 
 /// One slot, held until dropped (the file's close lets go of its lock).
 #[derive(Debug)]
-pub struct BuildSlot(#[allow(dead_code)] Option<File>);
+pub struct BuildSlot {
+    _held: Option<File>,
+}
 
 impl BuildSlot {
     /// Waits for a free slot of the node's (`slots()`); a slot that cannot be had is logged,
     /// and the caller goes on without one.
     pub fn take(state_dir: &Path) -> BuildSlot {
         match take(state_dir, slots()) {
-            Ok(file) => BuildSlot(Some(file)),
+            Ok(file) => BuildSlot { _held: Some(file) },
             Err(e) => {
                 tracing::warn!(
                     file = %state_dir.join(BUILD_SLOTS_FILE).display(),
                     "no slot for building the Service layer ({e}): built without waiting for one"
                 );
-                BuildSlot(None)
+                BuildSlot { _held: None }
             }
         }
     }
