@@ -184,11 +184,10 @@ fn an_add_whose_reading_an_apply_moved_brings_the_pod_from_what_it_holds_now() {
     let held = [("AETHER_CNI_PAUSE_AT", "services-rebuild-read"), ("AETHER_CNI_PAUSE_FILE", pause_str.as_str())];
     let (add, applied, add_waited) = std::thread::scope(|s| {
         let add = s.spawn(|| pod.cni_unsettled(bin, "ADD", &conf, &held));
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !pause.exists() {
-            assert!(std::time::Instant::now() < until && !add.is_finished(), "ADD never reached its reading");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        wait_for("ADD never reached its reading", &|| {
+            assert!(!add.is_finished(), "ADD never reached its reading");
+            pause.exists()
+        });
         // Generation 2 (a Service added) meanwhile.
         let applied = node.services(&["apply"], &many(2, 11));
         // ADD is still held where it was (until the file goes): the apply did not wait for it.
@@ -213,6 +212,15 @@ fn an_add_whose_reading_an_apply_moved_brings_the_pod_from_what_it_holds_now() {
     let verify = node.services(&["verify"], b"");
     assert!(verify.ok && !verify.stdout.contains("repaired"), "{}{}", verify.stdout, verify.stderr);
     pod.del(&conf);
+}
+
+/// Waits until `done`, 30 s at most, then fails saying `what`.
+fn wait_for(what: &str, done: &dyn Fn() -> bool) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !done() {
+        assert!(std::time::Instant::now() < until, "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// Whether a lock request on the file at `path` waits now (`/proc/locks` marks a blocked
@@ -246,13 +254,6 @@ fn layers_built_after_adds_answers_take_turns_for_the_nodes_build_slots() {
     let one = ("AETHER_CNI_LAYER_BUILD_SLOTS", "1");
     let held = [one, ("AETHER_CNI_PAUSE_AT", "layer-build-slot"), ("AETHER_CNI_PAUSE_FILE", pause_str.as_str())];
     let (first_conf, second_conf) = (first.conf(json!({})), second.conf(json!({})));
-    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
-        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !done() {
-            assert!(std::time::Instant::now() < until, "{what}");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    };
 
     let out = first.cni_unsettled(bin, "ADD", &first_conf, &held);
     assert!(out.ok, "{}{}", out.stdout, out.stderr);

@@ -50,7 +50,7 @@ impl BuildSlot {
 
 /// How many layers may be built at once: one per CPU this process may use, but one, and at
 /// least one (`AETHER_CNI_LAYER_BUILD_SLOTS` in a test's fault-injection build).
-pub fn slots() -> usize {
+fn slots() -> usize {
     #[cfg(feature = "fault-injection")]
     if let Some(n) = std::env::var("AETHER_CNI_LAYER_BUILD_SLOTS").ok().and_then(|v| v.parse().ok()) {
         return n;

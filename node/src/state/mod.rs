@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub use build_slot::{slots as build_slots, BuildSlot, BUILD_SLOTS_FILE};
+pub use build_slot::{BuildSlot, BUILD_SLOTS_FILE};
 use dir::is_stale_temp;
 pub use dir::{overwrite_file, read_capped, Dir, Lock};
 pub use record::{config_digest, parse_record, NetnsIdentity, PodIdentity, PodNetns, Record, RecordError, Recorded};
