@@ -116,12 +116,12 @@ fn layer_round_trip_and_element_only_updates() {
     let mut l3 = l2.clone();
     l3.ports.last_mut().unwrap().has_endpoints = false;
     assert_eq!(in_ns(&ns, || services::apply(&l3)).unwrap(), Applied::Elements { added: 1, removed: 1 });
-    assert!(in_ns(&ns, || services::verify(&l3)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&l3)).unwrap(), Vec::<String>::new());
     // A mode change is data: the refusing set loses tcp and udp; rules and counters stay.
     let l4 = ServiceLayer { mode: LayerMode::Count, ..l3.clone() };
     assert_eq!(in_ns(&ns, || services::apply(&l4)).unwrap(), Applied::Elements { added: 0, removed: 2 });
     assert_eq!(ns.exec("nft", &["-a", "list", "chain", "ip", services::TABLE, services::CHAIN_CLASSIFY]), handle_after);
-    assert!(in_ns(&ns, || services::verify(&l4)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&l4)).unwrap(), Vec::<String>::new());
     let off = ServiceLayer { mode: LayerMode::Off, ..l3 };
     assert_eq!(in_ns(&ns, || services::apply(&off)).unwrap(), Applied::Removed(true));
     assert!(in_ns(&ns, services::counters).unwrap().is_none());
@@ -433,13 +433,13 @@ fn a_hundred_thousand_service_ports_apply_and_verify() {
     };
     let (l100k, l30k) = (big(100_000), big(30_000));
     assert_eq!(in_ns(&ns, || services::apply(&l100k)).unwrap(), Applied::Rebuilt);
-    assert!(in_ns(&ns, || services::verify(&l100k)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&l100k)).unwrap(), Vec::<String>::new());
     match in_ns(&ns, || services::apply(&l30k)).unwrap() {
         // 70,000 VIPs leave service_vips (their two profiles have chains: no keyed port).
         Applied::Elements { removed, .. } => assert_eq!(removed, 70_000),
         other => panic!("expected an element-only update, got {other:?}"),
     }
-    assert!(in_ns(&ns, || services::verify(&l30k)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&l30k)).unwrap(), Vec::<String>::new());
 }
 
 /// The demand timeout is part of the layer: changing only it rebuilds the `dialled` set, and
@@ -462,7 +462,7 @@ fn a_new_dialled_timeout_reaches_existing_pods() {
     );
     assert_eq!(in_ns(&ns, || services::apply(&shorter)).unwrap(), Applied::Rebuilt);
     assert!(ns.exec("nft", &["list", "set", "ip", "aether_services", "dialled"]).contains("timeout 1m"));
-    assert!(in_ns(&ns, || services::verify(&shorter)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&shorter)).unwrap(), Vec::<String>::new());
 }
 
 /// `layer()` plus an IPv6 ServiceCIDR, its API server, a Service with a port of each
@@ -660,7 +660,7 @@ fn a_guarded_change_commits_only_at_the_generation_it_names() {
         panic!("a fresh guard was stale")
     };
     assert_eq!(next, sock.generation().unwrap(), "the generation after a guarded change is not the guard's next");
-    assert!(in_ns(&ns, || services::verify(&two)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&two)).unwrap(), Vec::<String>::new());
     // Anything committed since (here another table) makes the guard stale: nothing sent.
     ns.exec("nft", &["add", "table", "ip", "someone_else"]);
     let held = listing();
@@ -669,7 +669,7 @@ fn a_guarded_change_commits_only_at_the_generation_it_names() {
     // Control: the same change under the generation the netns is at is taken.
     let now = sock.generation().unwrap();
     assert!(matches!(back.send_guarded_on(&mut sock, now).unwrap(), Guarded::Committed(_)));
-    assert!(in_ns(&ns, || services::verify(&one)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&one)).unwrap(), Vec::<String>::new());
     // The layer's own compare-and-swap still refuses, whole, under a fresh guard: `back`
     // again starts from `two`, which the table no longer names.
     let now = sock.generation().unwrap();
@@ -717,12 +717,12 @@ fn a_repair_read_from_one_layer_is_refused_whole_once_the_layer_moved() {
     // Control: read again, the repair is taken.
     let repaired = in_ns(&ns, || services::apply(&two)).unwrap();
     assert_eq!(repaired, Applied::Elements { added: lost, removed: 0 }, "the repair puts back what the drift took");
-    assert!(in_ns(&ns, || services::verify(&two)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&two)).unwrap(), Vec::<String>::new());
     // A rebuild read from `two` (its structure drifted: a chain emptied), and a change back
     // to `one` before it is sent: refused whole too, the counters' reading unused.
     ns.exec("nft", &["flush", "chain", "ip", services::TABLE, services::CHAIN_CLASSIFY]);
     refused_once_moved("a rebuild read from a layer the table no longer names", &two, &one);
     // Control: read again, the rebuild is taken.
     assert_eq!(in_ns(&ns, || services::apply(&one)).unwrap(), Applied::Rebuilt);
-    assert!(in_ns(&ns, || services::verify(&one)).unwrap().is_empty());
+    assert_eq!(in_ns(&ns, || services::verify(&one)).unwrap(), Vec::<String>::new());
 }

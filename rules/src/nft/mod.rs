@@ -565,7 +565,7 @@ fn counters_each_on(sock: &mut Socket, families: &[Family], table: &str) -> Resu
 /// only (empty when the table or the set is missing), so reading a small set of a large
 /// table costs what the small set holds.
 pub fn set_elements(family: Family, table: &str, set: &str) -> Result<Vec<key::RawElement>> {
-    let messages = dump(&mut *open()?, family, elements_request(table, set), table, "dump set elements")?;
+    let messages = dump_elements(&mut *open()?, family, table, set)?;
     let mut out = Vec::new();
     for m in &messages {
         if let NfTablesMessage::NewSetElement(e) = m {
@@ -594,6 +594,28 @@ pub fn set_kind(family: Family, table: &str, set: &str) -> Result<Option<read::S
 
 fn set_request(table: &str) -> NfTablesMessage {
     NfTablesMessage::GetSet(SetMessage { attributes: vec![SetAttribute::Table(table.to_string())] })
+}
+
+/// How often a set's elements are read again when their dump named an element twice.
+const ELEMENT_DUMP_ATTEMPTS: u32 = 6;
+
+/// The element messages of `table`'s set `set`, each element once. The kernel resumes a
+/// set's dump, chunk after chunk, by skipping as many elements as it already sent; when it
+/// resizes the set's hash table between two chunks (in a worker, soon after a large insert)
+/// the order changes, and the dump sends some elements twice and misses as many, flagging
+/// nothing. A dump that names no element twice has missed none (it sends as many elements
+/// as the set holds), so such a dump is read again, after the worker had a moment.
+fn dump_elements(sock: &mut Socket, family: Family, table: &str, set: &str) -> Result<Vec<NfTablesMessage>> {
+    const OP: &str = "dump set elements";
+    for attempt in 0..ELEMENT_DUMP_ATTEMPTS {
+        let messages = dump(sock, family, elements_request(table, set), table, OP)?;
+        if !read::names_an_element_twice(&messages, table) {
+            return Ok(messages);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1 << attempt));
+    }
+    let why = format!("set {set}'s dump named an element twice {ELEMENT_DUMP_ATTEMPTS} times in a row (its hash table kept being resized)");
+    Err(Error::Nftables { op: OP, source: io::Error::other(why) })
 }
 
 fn elements_request(table: &str, set: &str) -> NfTablesMessage {
@@ -685,7 +707,7 @@ pub fn kernel_view(family: Family, name: &str) -> Result<Option<TableView>> {
     let mut messages = dump(&mut sock, family, set_request(name), name, "dump sets")?;
     let set_names: Vec<String> = TableView::from_messages(name, &messages).sets.into_iter().map(|s| s.name).collect();
     for set in &set_names {
-        messages.extend(dump(&mut sock, family, elements_request(name, set), name, "dump set elements")?);
+        messages.extend(dump_elements(&mut sock, family, name, set)?);
     }
     messages.extend(dump(&mut sock, family, obj_request(name), name, "dump counters")?);
     messages.extend(dump(

@@ -284,6 +284,20 @@ pub(crate) fn parse_elements(attrs: &[SetElementList], table: &str) -> Option<(S
     Some((set?, elems))
 }
 
+/// Whether the element messages of one set's dump name an element (a key, as a start or an
+/// end of an interval) twice: the dump was read across a resize of the set's table.
+pub(crate) fn names_an_element_twice(messages: &[NfTablesMessage], table: &str) -> bool {
+    let mut seen = std::collections::HashSet::new();
+    messages
+        .iter()
+        .filter_map(|m| match m {
+            NfTablesMessage::NewSetElement(e) => parse_elements(&e.attributes, table),
+            _ => None,
+        })
+        .flat_map(|(_, elems)| elems)
+        .any(|e| !seen.insert((e.key, e.end)))
+}
+
 /// The chain of a `goto` verdict (what a verdict map's elements hold); `None` for another.
 fn goto_chain(v: &[netlink_packet_netfilter::nftables::VerdictAttribute]) -> Option<String> {
     use netlink_packet_netfilter::nftables::VerdictAttribute;

@@ -292,3 +292,36 @@ fn a_close_later_keeps_every_netfilter_socket_until_it_ends() {
     })
     .unwrap();
 }
+
+/// A set's dump read across a resize of its hash table names some element twice (and misses
+/// as many); one read whole names each once. An interval's end may share the next start's key.
+#[test]
+fn a_dump_that_names_an_element_twice_is_told_apart() {
+    use netlink_packet_netfilter::nftables::{DataAttribute, ListAttribute, SetElementAttribute, SetElementFlags};
+    let chunk = |elems: &[(u8, bool)]| {
+        NfTablesMessage::NewSetElement(SetElementMessage {
+            attributes: vec![
+                SetElementList::Table("aether_svc".into()),
+                SetElementList::Set("service_vips".into()),
+                SetElementList::Elements(
+                    elems
+                        .iter()
+                        .map(|&(k, end)| {
+                            let mut e = vec![SetElementAttribute::Key(DataAttribute::Value(vec![10, 64, 0, k]))];
+                            if end {
+                                e.push(SetElementAttribute::Flags(SetElementFlags::IntervalEnd));
+                            }
+                            ListAttribute::Element(e)
+                        })
+                        .collect(),
+                ),
+            ],
+        })
+    };
+    let whole = [chunk(&[(1, false), (2, false)]), chunk(&[(3, false), (4, false)])];
+    assert!(!read::names_an_element_twice(&whole, "aether_svc"));
+    let across_a_resize = [chunk(&[(1, false), (2, false)]), chunk(&[(2, false), (4, false)])];
+    assert!(read::names_an_element_twice(&across_a_resize, "aether_svc"));
+    let adjacent_intervals = [chunk(&[(1, false), (2, true)]), chunk(&[(2, false), (3, true)])];
+    assert!(!read::names_an_element_twice(&adjacent_intervals, "aether_svc"));
+}
