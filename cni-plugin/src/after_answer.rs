@@ -1,6 +1,6 @@
-//! ADD's Service layer built after the answer (`attachment::LayerToBuild`): the answer is
-//! written, the process lets go of the runtime's pipes, then forks; the parent ends and the
-//! child builds the layer.
+//! What is done after the answer, by a child the runtime does not wait for: ADD's Service
+//! layer built (`attachment::LayerToBuild`), DEL's sockets closed. The answer is written, the
+//! process lets go of the runtime's pipes, then forks; the parent ends and the child works.
 //!
 //! Why a child and not the installer: the kernel charges the layer's memory to whoever
 //! builds it, and a child stays where the runtime ran the plugin, as ADD's own work did; and
@@ -13,6 +13,7 @@
 
 use aether_node::attachment::LayerToBuild;
 use aether_node::services::ServicesError;
+use aether_rules::nft::OpenSockets;
 
 use crate::{info, warn};
 
@@ -80,6 +81,48 @@ pub fn let_go_of_the_runtime() -> bool {
         libc::close(null);
     }
     true
+}
+
+/// DEL's netfilter sockets, once the answer is written: their last close waits for the
+/// kernel to free what DEL removed (an RCU grace period, then a Service layer's elements:
+/// 10-25 ms), which is out of the ruleset already. A child is made that holds them too and
+/// closes them last, once this process has closed its copies (a pipe's end of this process
+/// closed says so); this process ends without waiting. Without `/dev/null`, a pipe or a
+/// child, they are closed here, as before the answer.
+pub fn close_apart(sockets: OpenSockets) {
+    let mut ends = [0; 2];
+    // SAFETY: plain system calls; `ends` has room for the two descriptors.
+    if !let_go_of_the_runtime() || unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return drop(sockets);
+    }
+    let [parent_gone, parent_here] = ends;
+    // SAFETY: one thread here, as in `split`; the child only waits, closes and ends.
+    match unsafe { libc::fork() } {
+        0 => {
+            // SAFETY: plain system calls on this process and its own descriptors.
+            unsafe {
+                libc::setsid();
+                libc::close(parent_here);
+                // End of file once the parent's copy of the pipe is closed, after its sockets.
+                let mut byte = 0u8;
+                while libc::read(parent_gone, (&raw mut byte).cast(), 1) < 0
+                    && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+                {}
+            }
+            aether_node::state::pause_point("del-sockets-closing");
+            drop(sockets);
+        }
+        // (No child: closed here. The parent's copies first, then the pipe that tells the
+        // child to close its own, the last.)
+        _ => {
+            drop(sockets);
+            // SAFETY: closing this process's own descriptors.
+            unsafe {
+                libc::close(parent_gone);
+                libc::close(parent_here);
+            }
+        }
+    }
 }
 
 /// Builds the layer (in the child, or in the process that answered when no child could be made), logged

@@ -3,6 +3,7 @@
 use aether_node::attachment::{self, LayerToBuild, Target};
 use aether_node::config::{self, NetConf, SUPPORTED_VERSIONS};
 use aether_node::state::StateDir;
+use aether_rules::nft::OpenSockets;
 use serde_json::{json, Value};
 
 use crate::env::Env;
@@ -12,11 +13,20 @@ use crate::{info, warn};
 /// What a command prints on success (nothing for DEL and CHECK).
 pub type Output = Option<Value>;
 
-/// A command's success: what it prints, and ADD's Service layer when it is built after the
-/// answer (`main` answers first).
+/// A command's success: what it prints, and the work it leaves for after the answer (`main`
+/// answers first).
 pub struct Answer {
     pub output: Output,
-    pub then: Option<LayerToBuild>,
+    pub then: Option<AfterAnswer>,
+}
+
+/// What a command's process does once it has answered.
+pub enum AfterAnswer {
+    /// ADD's large Service layer, built then.
+    BuildLayer(LayerToBuild),
+    /// DEL's netfilter sockets, closed then: the close waits for the kernel to free what DEL
+    /// removed, which is out of the ruleset already.
+    CloseSockets(OpenSockets),
 }
 
 impl From<Output> for Answer {
@@ -29,7 +39,7 @@ pub fn run(env: &Env, stdin: &[u8]) -> Result<Answer, CniError> {
     match env.command.as_str() {
         "VERSION" => version(stdin).map(Answer::from),
         "ADD" => add(env, &load(stdin)?),
-        "DEL" => del(env, &load(stdin)?).map(Answer::from),
+        "DEL" => del(env, &load(stdin)?),
         "CHECK" => check(env, &load(stdin)?).map(Answer::from),
         "STATUS" => status(&load(stdin)?).map(Answer::from),
         "GC" => gc(env, &load(stdin)?).map(Answer::from),
@@ -233,16 +243,16 @@ fn add(env: &Env, conf: &NetConf) -> Result<Answer, CniError> {
     };
     let target = Target { network: &conf.name, container_id: id, ifname };
     let attached = attachment::attach(conf, target, &env.args, netns_path, &cfg)?;
-    Ok(Answer { output: Some(result), then: attached.layer_after_answer })
+    Ok(Answer { output: Some(result), then: attached.layer_after_answer.map(AfterAnswer::BuildLayer) })
 }
 
-fn del(env: &Env, conf: &NetConf) -> Result<Output, CniError> {
+fn del(env: &Env, conf: &NetConf) -> Result<Answer, CniError> {
     let id = env.require_container_id()?;
     let ifname = env.require_ifname()?;
     let target = Target { network: &conf.name, container_id: id, ifname };
-    attachment::detach(conf, target, env.netns.as_deref())?;
+    let sockets = attachment::detach(conf, target, env.netns.as_deref())?;
     finish_uninstall(conf);
-    Ok(None)
+    Ok(Answer { output: None, then: (!sockets.is_empty()).then_some(AfterAnswer::CloseSockets(sockets)) })
 }
 
 /// After a DEL or GC that may have removed the node's last record: the binary an uninstall

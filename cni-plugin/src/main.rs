@@ -159,16 +159,22 @@ fn run_cni() -> ExitCode {
             false
         }
     };
-    // ADD's large Service layer, after the answer: the runtime's pipes let go of, then built
-    // by a child (or here, when none can be made) while this process ends.
-    if let Some(layer) = then.filter(|_| answered) {
-        if !after_answer::let_go_of_the_runtime() {
-            after_answer::build(layer);
-        } else if let after_answer::Split::Child(layer) | after_answer::Split::Unsplit(layer) =
-            after_answer::split(layer)
-        {
-            after_answer::build(layer);
+    match then.filter(|_| answered) {
+        // ADD's large Service layer, after the answer: the runtime's pipes let go of, then
+        // built by a child (or here, when none can be made) while this process ends.
+        Some(cni::AfterAnswer::BuildLayer(layer)) => {
+            if !after_answer::let_go_of_the_runtime() {
+                after_answer::build(layer);
+            } else if let after_answer::Split::Child(layer) | after_answer::Split::Unsplit(layer) =
+                after_answer::split(layer)
+            {
+                after_answer::build(layer);
+            }
         }
+        // DEL's sockets, whose last close waits for the kernel to free what DEL removed:
+        // closed last by a child, so the runtime does not wait for it.
+        Some(cni::AfterAnswer::CloseSockets(sockets)) => after_answer::close_apart(sockets),
+        None => {}
     }
     if answered {
         ExitCode::SUCCESS

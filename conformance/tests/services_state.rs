@@ -279,3 +279,48 @@ fn layers_built_after_adds_answers_take_turns_for_the_nodes_build_slots() {
         assert!(del.ok, "{}{}", del.stdout, del.stderr);
     }
 }
+
+/// DEL answers once the capture and the layer are out of the pod's ruleset, without waiting
+/// for the kernel to free them (the last close of the sockets that deleted them waits for
+/// that): a child of the plugin holds those sockets after the answer, and closes them last.
+#[test]
+fn dels_answer_does_not_wait_for_the_kernel_to_free_what_it_removed() {
+    if !root_or_skip("dels_answer_does_not_wait_for_the_kernel_to_free_what_it_removed") {
+        return;
+    }
+    let bin = aether_conformance::cni::cni_bin();
+    let mut node = aether_conformance::node::SimNode::new("delclose");
+    let pod = node.add_pod("leaving");
+    assert!(node.services(&["apply"], &many(1, 200)).ok);
+    let conf = pod.conf(json!({}));
+    let out = pod.cni_unsettled(bin, "ADD", &conf, &[]);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    wait_for("the pod's layer was never built", &|| pod.nft(&["list", "tables"]).contains("aether_services"));
+    wait_for("the pod's layer build never ended", &|| !pod_locked(&pod));
+    // The processes' netfilter sockets open in the pod's netns (`/proc/net/netlink`: protocol
+    // 12, a port id other than the kernel's own 0).
+    let netfilter_sockets = || {
+        let list = pod.ns.exec("cat", &["/proc/net/netlink"]);
+        list.lines()
+            .skip(1)
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.get(1) == Some(&"12") && f.get(2) != Some(&"0")
+            })
+            .count()
+    };
+    assert_eq!(netfilter_sockets(), 0, "a netfilter socket is open in the pod before its DEL");
+
+    let pause = node.state_dir().join("closing-held");
+    let pause_str = pause.display().to_string();
+    let held = [("AETHER_CNI_PAUSE_AT", "del-sockets-closing"), ("AETHER_CNI_PAUSE_FILE", pause_str.as_str())];
+    let out = pod.cni_unsettled(bin, "DEL", &conf, &held);
+    assert!(out.ok, "{}{}", out.stdout, out.stderr);
+    let tables = pod.nft(&["list", "tables"]);
+    assert!(!tables.contains("aether_"), "DEL answered with its tables still in the ruleset:\n{tables}");
+    wait_for("no child held DEL's sockets after its answer", &|| pause.exists());
+    assert!(netfilter_sockets() > 0, "DEL's sockets were closed before its answer");
+
+    std::fs::remove_file(&pause).unwrap();
+    wait_for("DEL's child never closed its sockets", &|| netfilter_sockets() == 0);
+}

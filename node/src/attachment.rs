@@ -308,8 +308,14 @@ pub fn attach_in_place(
 /// DEL's work: undoes the attachment `target`, in the netns at `netns_path` when given (the
 /// runtime's), else in the one its record names. A namespace at the path that is not the one
 /// ADD programmed (a reused path or PID) is another pod's and left alone. A damaged record
-/// is removed: DEL forgets the attachment whatever its record says.
-pub fn detach(conf: &NetConf, target: Target, netns_path: Option<&str>) -> Result<(), AttachmentError> {
+/// is removed: DEL forgets the attachment whatever its record says. What was removed is out
+/// of the kernel's ruleset on return; the sockets that removed it are returned open, since
+/// closing them waits for the kernel to free it (see [`undo`]).
+pub fn detach(
+    conf: &NetConf,
+    target: Target,
+    netns_path: Option<&str>,
+) -> Result<aether_rules::nft::OpenSockets, AttachmentError> {
     let Target { network, container_id: id, ifname } = target;
     let state = StateDir::new(&conf.state_dir);
     let _lock = state.lock(false)?;
@@ -375,14 +381,14 @@ fn undo(
     record: Option<&Record>,
     key: &str,
     forget: impl FnOnce() -> Result<(), StateError>,
-) -> Result<(), AttachmentError> {
-    // Every netfilter socket of the DEL closed together at its end, after the pod's lock is
-    // let go: closing one waits for the kernel's destruction of what was deleted (an RCU
-    // grace period, then the layer's elements freed), once for both tables instead of once
-    // each, and holding no lock.
-    let _later = aether_rules::nft::CloseLater::new();
+) -> Result<aether_rules::nft::OpenSockets, AttachmentError> {
+    // Every netfilter socket of the DEL kept open to its end and returned, the pod's lock let
+    // go: closing one waits for the kernel's destruction of what was deleted (an RCU grace
+    // period, then the layer's elements freed), once for both tables instead of once each,
+    // holding no lock, and by whoever closes them last (after a DEL's answer, its child).
+    let later = aether_rules::nft::CloseLater::new();
     // The pod's alone, until its record is gone: an apply never re-creates its layer.
-    let _pod = netns.as_ref().map(Netns::lock).transpose()?;
+    let pod_lock = netns.as_ref().map(Netns::lock).transpose()?;
     let removed = match &netns {
         Some(netns) => {
             // The policy routes ADD installed are in the record (one per family); without one
@@ -415,7 +421,8 @@ fn undo(
             "capture removed"
         );
     }
-    Ok(())
+    drop(pod_lock);
+    Ok(later.into_open())
 }
 
 /// CHECK's work: every way the attachment `target` in `netns` differs from `expected` (the
@@ -515,7 +522,8 @@ pub fn collect(conf: &NetConf, is_valid: impl Fn(&str, &str) -> bool) -> Result<
                 undo(netns, conf, Some(rec), &key, || state.remove(&rec.network, &rec.container_id, &rec.ifname))
             });
         match outcome {
-            Ok(()) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
+            // (Its sockets closed here, one pod after another: GC answers once all are gone.)
+            Ok(_closed_here) => info!(container = %rec.container_id, ifname = %rec.ifname, "stale attachment removed"),
             Err(error) => failures.push(Kept { item: key, error }),
         }
     }

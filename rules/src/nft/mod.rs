@@ -494,10 +494,39 @@ impl CloseLater {
     }
 }
 
+impl CloseLater {
+    /// Ends this put-off without closing its sockets: they are the caller's, closed when the
+    /// [`OpenSockets`] is dropped (or by whichever process holds them last).
+    pub fn into_open(mut self) -> OpenSockets {
+        let put_off = LATER.with(|l| l.replace(self.outer.take()));
+        // (Its drop would put back an outer put-off again: it holds nothing now.)
+        std::mem::forget(self);
+        OpenSockets(put_off.unwrap_or_default())
+    }
+}
+
 impl Drop for CloseLater {
     fn drop(&mut self) {
         let put_off = LATER.with(|l| l.replace(self.outer.take()));
         drop(put_off);
+    }
+}
+
+/// Netfilter sockets a [`CloseLater`] put off, still open: dropping them closes them, and the
+/// last close waits for the kernel's destruction of what was deleted. A process that forks
+/// while holding them shares them with its child, so the process that closes them last is
+/// the one that waits (DEL's plugin hands them to a child after its answer).
+#[must_use = "dropping them closes them, waiting for the kernel's destruction of what was deleted"]
+pub struct OpenSockets(Vec<netlink_sys::Socket>);
+
+impl OpenSockets {
+    /// No socket: nothing to wait for.
+    pub fn none() -> OpenSockets {
+        OpenSockets(Vec::new())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 

@@ -293,6 +293,38 @@ fn a_close_later_keeps_every_netfilter_socket_until_it_ends() {
     .unwrap();
 }
 
+/// A put-off ended by `into_open` hands its sockets over open, closed when they are dropped,
+/// and leaves an outer put-off as it was.
+#[test]
+fn a_close_later_hands_its_sockets_over_open() {
+    if !aether_testkit::root_or_skip("a_close_later_hands_its_sockets_over_open") {
+        return;
+    }
+    let t = table();
+    let open_sockets = || {
+        let list = std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap();
+        list.lines().skip(1).filter(|l| l.split_whitespace().nth(1) == Some("12")).count()
+    };
+    aether_netns::run_in_private(|| {
+        program(&t).unwrap();
+        let before = open_sockets();
+        let outer = CloseLater::new();
+        let inner = CloseLater::new();
+        assert!(remove(t.family, &t.name).unwrap());
+        let open = inner.into_open();
+        assert!(!open.is_empty());
+        assert_eq!(open_sockets(), before + 1, "the removal's socket was closed when handed over");
+        drop(open);
+        assert_eq!(open_sockets(), before, "the handed-over socket was not closed when dropped");
+        // The outer put-off still holds what is let go of after the inner ended.
+        assert!(counters(t.family, &t.name).unwrap().is_empty());
+        assert_eq!(open_sockets(), before + 1, "the outer put-off was lost when the inner was handed over");
+        drop(outer);
+        assert_eq!(open_sockets(), before);
+    })
+    .unwrap();
+}
+
 /// A set's dump read across a resize of its hash table names some element twice (and misses
 /// as many); one read whole names each once. An interval's end may share the next start's key.
 #[test]
