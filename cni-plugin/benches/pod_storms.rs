@@ -92,14 +92,33 @@ fn plugin(bin: &str, cmd: &str, netns: &str, id: &str, conf: &[u8]) -> Duration 
 /// `cmd` for every pod at once (a thread each, released together): the wall time until the
 /// last is done, and each one's.
 fn storm(bin: &str, cmd: &str, pods: &[TestNetns], conf: &[u8]) -> (Duration, Vec<Duration>) {
-    storm_settled(bin, cmd, pods, conf).0
+    storm_settled(bin, cmd, pods, conf, &|_| {}).0
 }
 
-/// `storm`, and the wall time until no pod's netns lock is held any more (a large Service
-/// layer is built after ADD's answer, under that lock: the storm's whole work). Both from
-/// the first start: each thread notes when it starts its run, as the one releasing them all
-/// may get a core back only after many have run (2 cores, 110 threads).
-fn storm_settled(bin: &str, cmd: &str, pods: &[TestNetns], conf: &[u8]) -> ((Duration, Vec<Duration>), Duration) {
+/// Settles an ADD storm: a large Service layer is built after ADD's answer, under the pod's
+/// netns lock.
+fn layer_built(p: &TestNetns) {
+    Netns::open(p.path()).unwrap().wait_unlocked().unwrap();
+}
+
+/// Settles a DEL storm: what DEL removed is out of the ruleset at its answer, and the kernel
+/// frees it after an RCU grace period (DEL's child closes its sockets then, after the
+/// answer). A netfilter socket's close waits for what is pending: one here, in each pod.
+fn freed(p: &TestNetns) {
+    assert!(!Netns::open_foreign(p.path()).unwrap().run(services::remove).unwrap().unwrap());
+}
+
+/// `storm`, and the wall time until `settle` is done for every pod (`layer_built`, `freed`: the
+/// storm's whole work). Both from the first start: each thread notes when it starts its run,
+/// as the one releasing them all may get a core back only after many have run (2 cores, 110
+/// threads).
+fn storm_settled(
+    bin: &str,
+    cmd: &str,
+    pods: &[TestNetns],
+    conf: &[u8],
+    settle: &dyn Fn(&TestNetns),
+) -> ((Duration, Vec<Duration>), Duration) {
     let go = std::sync::Barrier::new(pods.len() + 1);
     std::thread::scope(|s| {
         let each: Vec<_> = pods
@@ -118,7 +137,7 @@ fn storm_settled(bin: &str, cmd: &str, pods: &[TestNetns], conf: &[u8]) -> ((Dur
         let runs: Vec<(Instant, Duration)> = each.into_iter().map(|h| h.join().unwrap()).collect();
         let (first, answered) = span(&runs);
         for p in pods {
-            Netns::open(p.path()).unwrap().wait_unlocked().unwrap();
+            settle(p);
         }
         ((answered, runs.into_iter().map(|(_, d)| d).collect()), first.elapsed())
     })
@@ -289,7 +308,7 @@ fn main() {
     }
     let n = contenders.len();
     let (mut adds, mut add_p99, mut dels) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
-    let mut built = vec![Vec::new(); n];
+    let (mut built, mut freed_all) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     let (mut floors, mut del_floors) = (Vec::new(), Vec::new());
     // The process alone: VERSION answered by each binary, a storm of them (tuning's and ours).
     let mut starts = [Vec::new(), Vec::new()];
@@ -301,12 +320,14 @@ fn main() {
             starts[i].push(ms(storm(b, "VERSION", &pods, conf).0));
         }
         for (i, (_, conf, b)) in contenders.iter().enumerate() {
-            let ((wall, mut each), settled) = storm_settled(b, "ADD", &pods, conf);
+            let ((wall, mut each), settled) = storm_settled(b, "ADD", &pods, conf, &layer_built);
             each.sort();
             adds[i].push(ms(wall));
             built[i].push(ms(settled));
             add_p99[i].push(ms(each[each.len() * 99 / 100]));
-            dels[i].push(ms(storm(b, "DEL", &pods, conf).0));
+            let ((wall, _), settled) = storm_settled(b, "DEL", &pods, conf, &freed);
+            dels[i].push(ms(wall));
+            freed_all[i].push(ms(settled));
         }
     }
     let (floor, del_floor) = (median(floors.clone()), median(del_floors.clone()));
@@ -334,6 +355,10 @@ fn main() {
         let goal = if i == 2 { "  (goal <= 1.5x)" } else { "" };
         let rounds = if i == 0 { String::new() } else { per_round(&dels[i], &dels[0]) };
         println!("  {name:<48} {wall:>9.1} ms  / tuning {:.2}x{goal}{rounds}", wall / tuning_del);
+    }
+    println!("  until the kernel has freed what every DEL removed (after an RCU grace period; DEL answers before):");
+    for (i, (name, _, _)) in contenders.iter().enumerate().skip(1) {
+        println!("    {name:<46} {:>9.1} ms", median(freed_all[i].clone()));
     }
     let what = "floor: the 10,000-Service layer removed in every pod";
     println!("  {what:<48} {del_floor:>9.1} ms  (the kernel's element work alone: threads, no process)");

@@ -14,7 +14,9 @@
 //! process it forks). It orders work, it guards nothing: a slot that cannot be taken (the
 //! file cannot be opened) is logged and the layer built all the same, as a pod left without
 //! its layer is the larger harm. Taken after the pod's own lock, and nothing is taken while
-//! it is held, so a builder waiting for one holds no slot another waits for.
+//! it is held, so a builder waiting for one holds no slot another waits for. For the same
+//! reason a wait is bounded (`SLOT_WAIT`): a build stuck in the kernel keeps its slot, and the
+//! builders behind it would otherwise keep their pods' locks (and those pods' DELs) waiting.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -24,6 +26,11 @@ use super::dir::Dir;
 
 /// The slots' file, in the state directory (not under `services/`: it holds no state).
 pub const BUILD_SLOTS_FILE: &str = "layer-builds";
+
+/// The longest a builder waits for a slot before it builds without one. A layer takes tens
+/// of milliseconds; a whole node's worth (110 pods) a few seconds on 2 CPUs. Past this the
+/// holder is taken for stuck.
+const SLOT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One slot, held until dropped (the file's close lets go of its lock).
 #[derive(Debug)]
@@ -35,8 +42,16 @@ impl BuildSlot {
     /// Waits for a free slot of the node's (`slots()`); a slot that cannot be had is logged,
     /// and the caller goes on without one.
     pub fn take(state_dir: &Path) -> BuildSlot {
-        match take(state_dir, slots()) {
-            Ok(file) => BuildSlot { _held: Some(file) },
+        match take(state_dir, slots(), slot_wait()) {
+            Ok(Some(file)) => BuildSlot { _held: Some(file) },
+            Ok(None) => {
+                tracing::warn!(
+                    file = %state_dir.join(BUILD_SLOTS_FILE).display(),
+                    waited_secs = slot_wait().as_secs_f64(),
+                    "no build slot came free (a build holding one may be stuck): built without one"
+                );
+                BuildSlot { _held: None }
+            }
             Err(e) => {
                 tracing::warn!(
                     file = %state_dir.join(BUILD_SLOTS_FILE).display(),
@@ -58,7 +73,17 @@ fn slots() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
 }
 
-fn take(state_dir: &Path, slots: usize) -> std::io::Result<File> {
+/// `SLOT_WAIT`, or `AETHER_CNI_LAYER_BUILD_SLOT_WAIT_MS` in a test's fault-injection build.
+fn slot_wait() -> std::time::Duration {
+    #[cfg(feature = "fault-injection")]
+    if let Some(ms) = std::env::var("AETHER_CNI_LAYER_BUILD_SLOT_WAIT_MS").ok().and_then(|v| v.parse().ok()) {
+        return std::time::Duration::from_millis(ms);
+    }
+    SLOT_WAIT
+}
+
+/// The slots' file with a slot held, or `None` when none came free within `bound`.
+fn take(state_dir: &Path, slots: usize, bound: std::time::Duration) -> std::io::Result<Option<File>> {
     let dir = Dir::open(state_dir, true)?.expect("created");
     let file = dir.openat(BUILD_SLOTS_FILE, libc::O_RDWR | libc::O_CREAT, 0o600)?;
     // A free slot if there is one; else wait for the one of this process's number (waiters
@@ -66,11 +91,23 @@ fn take(state_dir: &Path, slots: usize) -> std::io::Result<File> {
     // enough: every waiter waits for the one holder).
     for slot in 0..slots {
         if lock_byte(&file, slot, false)? {
-            return Ok(file);
+            return Ok(Some(file));
         }
     }
-    lock_byte(&file, std::process::id() as usize % slots.max(1), true)?;
-    Ok(file)
+    let at = std::process::id() as usize % slots.max(1);
+    // The blocking request is made by a thread through a copy of the descriptor (the same
+    // open file description, whose lock it is); this thread waits for it at most `bound`.
+    // Given up, its copy is dropped here, and the waiting thread's, once the lock comes, is
+    // the last: closing it lets go of the lock at once.
+    let waiter = file.try_clone()?;
+    let (sent, taken) = std::sync::mpsc::channel();
+    std::thread::Builder::new().name("build-slot".into()).spawn(move || {
+        let _ = sent.send(lock_byte(&waiter, at, true));
+    })?;
+    match taken.recv_timeout(bound) {
+        Ok(locked) => locked.map(|_| Some(file)),
+        Err(_) => Ok(None),
+    }
 }
 
 /// A write lock on byte `at` of `file` (an open file description's), waiting for it when
@@ -109,13 +146,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let probe = || Dir::open(&dir, false).unwrap().unwrap().openat(BUILD_SLOTS_FILE, libc::O_RDWR, 0).unwrap();
-        let (first, second) = (take(&dir, 2).unwrap(), take(&dir, 2).unwrap());
+        let forever = std::time::Duration::from_secs(3600);
+        let take = move |dir: &Path, slots| take(dir, slots, forever).unwrap().expect("a slot");
+        let (first, second) = (take(&dir, 2), take(&dir, 2));
         assert!(!lock_byte(&probe(), 0, false).unwrap() && !lock_byte(&probe(), 1, false).unwrap(), "both held");
         drop(second);
 
         let waiter = {
             let dir = dir.clone();
-            std::thread::spawn(move || take(&dir, 1).unwrap())
+            std::thread::spawn(move || take(&dir, 1))
         };
         std::thread::sleep(std::time::Duration::from_millis(100));
         assert!(!waiter.is_finished(), "a second builder waits while the one slot is held");
@@ -124,6 +163,36 @@ mod tests {
         assert!(!lock_byte(&probe(), 0, false).unwrap(), "the waiter holds the slot it waited for");
         drop(_now);
         assert!(lock_byte(&probe(), 0, false).unwrap(), "and lets go of it when dropped");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A builder waits for a held slot at most its bound, then goes on without one; the slot
+    /// its waiting thread gets later is let go of at once.
+    #[test]
+    fn a_builder_stops_waiting_for_a_slot_after_its_bound() {
+        let dir = std::env::temp_dir().join(format!("aether-build-slot-bound-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let probe = || Dir::open(&dir, false).unwrap().unwrap().openat(BUILD_SLOTS_FILE, libc::O_RDWR, 0).unwrap();
+        let stuck = take(&dir, 1, std::time::Duration::ZERO).unwrap().expect("the free slot");
+        let bound = std::time::Duration::from_millis(200);
+        let waiter = {
+            let dir = dir.clone();
+            std::thread::spawn(move || take(&dir, 1, bound).unwrap().is_some())
+        };
+        std::thread::sleep(bound * 5);
+        assert!(waiter.is_finished(), "the builder still waits for the slot after its bound");
+        assert!(!waiter.join().unwrap(), "the builder says it has a slot it never got");
+        drop(stuck);
+        // The given-up request's thread takes the slot when it comes free, and lets go of it.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !lock_byte(&probe(), 0, false).unwrap() {
+            assert!(std::time::Instant::now() < until, "a given-up wait kept the slot");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // (Free once may be before the waiting thread got it: free again, well after.)
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(lock_byte(&probe(), 0, false).unwrap(), "a given-up wait kept the slot");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
