@@ -216,14 +216,15 @@ fn floor(pods: &[TestNetns], n: u32) -> (Duration, Duration) {
 }
 
 /// One ADD while `bin`'s one-shot apply brings `rebuilt`'s pods their first layer, and the
-/// same ADD on the idle node (into `extra`): medians (idle, during, the apply) in ms.
-fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &TestNetns) -> (f64, f64, f64) {
+/// same ADD on the idle node (into `extra`), and that pod's DEL there: medians (idle ADD,
+/// during, the apply, idle DEL) in ms.
+fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &TestNetns) -> (f64, f64, f64, f64) {
     let conf = aether_conf(state);
     for (i, p) in rebuilt.iter().enumerate() {
         plugin(bin, "ADD", &p.path(), &format!("pod-{i}"), &conf);
     }
     let doc = snapshot(1, SERVICES);
-    let (mut idle, mut during, mut applies) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut idle, mut during, mut applies, mut del_idle) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds() {
         // The node as before the agent's first snapshot: no snapshot, no layer in any pod.
         let _ = std::fs::remove_dir_all(state.join("services"));
@@ -247,14 +248,20 @@ fn add_during_rebuild(bin: &str, state: &Path, rebuilt: &[TestNetns], extra: &Te
         });
         during.push(ms(wall));
         applies.push(ms(apply_wall));
+        // An idle node: nothing of the DEL before is left for the kernel to free in the netns
+        // (DEL answers before it is freed, and the next netfilter socket closed there waits).
         plugin(bin, "DEL", &extra.path(), &format!("extra-{round}"), &conf);
+        freed(extra);
         idle.push(ms(plugin(bin, "ADD", &extra.path(), &format!("idle-{round}"), &conf)));
-        plugin(bin, "DEL", &extra.path(), &format!("idle-{round}"), &conf);
+        // One DEL of a pod whose whole layer is built, on the idle node.
+        layer_built(extra);
+        del_idle.push(ms(plugin(bin, "DEL", &extra.path(), &format!("idle-{round}"), &conf)));
+        freed(extra);
     }
     for (i, p) in rebuilt.iter().enumerate() {
         plugin(bin, "DEL", &p.path(), &format!("pod-{i}"), &conf);
     }
-    (median(idle), median(during), median(applies))
+    (median(idle), median(during), median(applies), median(del_idle))
 }
 
 /// Each round's ratio of `ours` to `tuning`'s storm of the same round (the two a few hundred
@@ -394,9 +401,18 @@ fn main() {
     if let Some(old) = &old {
         runs.push(("the release before", add_during_rebuild(old, old_rebuild, rebuilt, extra)));
     }
-    for (name, (idle, during, apply)) in runs {
+    for (name, (idle, during, apply, _)) in &runs {
         println!("\n{name}: one ADD while {REBUILT} pods get their first {SERVICES}-Service layer (the apply: {apply:.0} ms):");
         println!("  {:<48} {idle:>9.1} ms", "ADD, idle node");
         println!("  {:<48} {during:>9.1} ms  / idle {:.2}x  (goal <= 2x)", "ADD during the rebuild", during / idle);
+    }
+    println!("\none DEL of a pod with its whole {SERVICES}-Service layer, idle node:");
+    for (name, (_, _, _, del)) in &runs {
+        let ratio = if runs.len() > 1 {
+            format!("  / the release before {:.2}x", del / runs[runs.len() - 1].1 .3)
+        } else {
+            String::new()
+        };
+        println!("  {name:<48} {del:>9.1} ms{ratio}");
     }
 }
