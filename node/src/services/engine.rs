@@ -330,7 +330,7 @@ pub(super) fn apply_to_pods(
         dir.fold_pods(&counts)?;
         folded_keys = counts.into_iter().map(|(k, _)| k).collect();
     }
-    let mut pass = Pass::new(dir, (new, previous), true, true);
+    let mut pass = Pass::new(dir, (new, previous), Walker::Apply);
     let node_mark = dir.divert_mark();
     let mut removed_keys = Vec::new();
     let mut outcomes = Vec::with_capacity(records.len());
@@ -364,6 +364,18 @@ pub(super) fn apply_to_pods(
     Ok(ApplyReport { generation: new.generation, pods: outcomes, warnings })
 }
 
+/// Who walks: an apply over the node's pods, or one pod's own visit (`bring_pod`).
+#[derive(Clone, Copy)]
+enum Walker {
+    /// Every rebuild and change checked against this process's memory limit first, and every
+    /// rebuild after one of the node's build slots.
+    Apply,
+    /// No slot (ADD builds its own pod's layer without waiting for one, and after its answer
+    /// holds one already); the memory check only when `charged` (not ADD's: it runs in the
+    /// runtime's process, which no budget of ours covers).
+    Pod { charged: bool },
+}
+
 /// One apply's walk over the pods, or one pod's visit outside an apply (`bring_pod`).
 struct Pass<'a> {
     new: &'a StoredLayer,
@@ -387,12 +399,11 @@ struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
-    fn new(
-        dir: &'a ServicesDir,
-        (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>),
-        charged: bool,
-        slotted: bool,
-    ) -> Self {
+    fn new(dir: &'a ServicesDir, (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>), walker: Walker) -> Self {
+        let (charged, slotted) = match walker {
+            Walker::Apply => (true, true),
+            Walker::Pod { charged } => (charged, false),
+        };
         let (marks, visited) = (BTreeMap::new(), HashMap::new());
         Pass { new, previous, charged, slotted, marks, cut: None, migrated: 0, visited, dir }
     }
@@ -583,7 +594,7 @@ pub(super) fn bring_pod(dir: &ServicesDir, ns: &Netns, one: OnePod) -> Result<Br
         None => flat(ns.run(layer::held))?,
     };
     let action = decide(&held, None, stored, mark);
-    let mut pass = Pass::new(dir, (stored, None), charged, false);
+    let mut pass = Pass::new(dir, (stored, None), Walker::Pod { charged });
     let m = pass.marks.entry(mark).or_insert_with(|| ForMark::new(stored, mark));
     if let Some(l) = made {
         m.layer = Some(l);

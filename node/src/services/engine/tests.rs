@@ -96,7 +96,7 @@ fn a_visit_takes_the_pods_lock_and_asks_for_the_record_only_where_no_compare_and
             asked.set(asked.get() + 1);
             Err(PodError::Gone("the record went".into()))
         };
-        let mut pass = Pass::new(&dir, (&new, Some(&prev)), false, false);
+        let mut pass = Pass::new(&dir, (&new, Some(&prev)), Walker::Pod { charged: false });
         let outcome = pass.visit(&mut link, MARK, Some(planned), &gone);
         assert_eq!(
             asked.get() > 0,
@@ -170,7 +170,7 @@ fn a_netns_of_two_records_is_brought_once_a_pass() {
         asked.set(asked.get() + 1);
         Err(PodError::Gone("the record went".into()))
     };
-    let mut pass = Pass::new(&dir, (&new, Some(&prev)), false, false);
+    let mut pass = Pass::new(&dir, (&new, Some(&prev)), Walker::Pod { charged: false });
     let (mut first, mut second) = (link(false), link(true));
     assert!(pass.visit(&mut first, MARK, Some(Action::Change), &gone).is_ok());
     let outcome = pass.visit(&mut second, MARK, Some(Action::Change), &gone);
