@@ -492,9 +492,7 @@ impl CloseLater {
     pub fn new() -> Self {
         CloseLater { outer: LATER.with(|l| l.replace(Some(Vec::new()))) }
     }
-}
 
-impl CloseLater {
     /// Ends this put-off without closing its sockets: they are the caller's, closed when the
     /// [`OpenSockets`] is dropped (or by whichever process holds them last).
     pub fn into_open(mut self) -> OpenSockets {
@@ -520,11 +518,6 @@ impl Drop for CloseLater {
 pub struct OpenSockets(Vec<netlink_sys::Socket>);
 
 impl OpenSockets {
-    /// No socket: nothing to wait for.
-    pub fn none() -> OpenSockets {
-        OpenSockets(Vec::new())
-    }
-
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
