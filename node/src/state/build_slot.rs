@@ -102,6 +102,8 @@ fn take(state_dir: &Path, slots: usize, bound: std::time::Duration) -> std::io::
     let waiter = file.try_clone()?;
     let (sent, taken) = std::sync::mpsc::channel();
     std::thread::Builder::new().name("build-slot".into()).spawn(move || {
+        // Unsent only when the builder gave up and went on without a slot: the lock or the
+        // error is nobody's then, and `waiter`'s close here lets go of a lock taken late.
         let _ = sent.send(lock_byte(&waiter, at, true));
     })?;
     match taken.recv_timeout(bound) {
@@ -138,18 +140,28 @@ fn lock_byte(file: &File, at: usize, wait: bool) -> std::io::Result<bool> {
 mod tests {
     use super::*;
 
+    /// A fresh state directory of this test process's.
+    fn scratch(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The slots' file of `dir`, opened anew (its own open file description: its own locks).
+    fn probe(dir: &Path) -> File {
+        Dir::open(dir, false).unwrap().unwrap().openat(BUILD_SLOTS_FILE, libc::O_RDWR, 0).unwrap()
+    }
+
     /// Two slots hold two builders, each on its own byte; with one slot, a second builder
     /// waits until the first lets go, then takes it.
     #[test]
     fn a_builder_waits_for_a_free_slot_and_takes_it_when_one_is_let_go() {
-        let dir = std::env::temp_dir().join(format!("aether-build-slot-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let probe = || Dir::open(&dir, false).unwrap().unwrap().openat(BUILD_SLOTS_FILE, libc::O_RDWR, 0).unwrap();
+        let dir = scratch("aether-build-slot");
         let forever = std::time::Duration::from_secs(3600);
         let take = move |dir: &Path, slots| take(dir, slots, forever).unwrap().expect("a slot");
         let (first, second) = (take(&dir, 2), take(&dir, 2));
-        assert!(!lock_byte(&probe(), 0, false).unwrap() && !lock_byte(&probe(), 1, false).unwrap(), "both held");
+        assert!(!lock_byte(&probe(&dir), 0, false).unwrap() && !lock_byte(&probe(&dir), 1, false).unwrap(), "both held");
         drop(second);
 
         let waiter = {
@@ -160,9 +172,9 @@ mod tests {
         assert!(!waiter.is_finished(), "a second builder waits while the one slot is held");
         drop(first);
         let _now = waiter.join().unwrap();
-        assert!(!lock_byte(&probe(), 0, false).unwrap(), "the waiter holds the slot it waited for");
+        assert!(!lock_byte(&probe(&dir), 0, false).unwrap(), "the waiter holds the slot it waited for");
         drop(_now);
-        assert!(lock_byte(&probe(), 0, false).unwrap(), "and lets go of it when dropped");
+        assert!(lock_byte(&probe(&dir), 0, false).unwrap(), "and lets go of it when dropped");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -170,10 +182,7 @@ mod tests {
     /// its waiting thread gets later is let go of at once.
     #[test]
     fn a_builder_stops_waiting_for_a_slot_after_its_bound() {
-        let dir = std::env::temp_dir().join(format!("aether-build-slot-bound-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let probe = || Dir::open(&dir, false).unwrap().unwrap().openat(BUILD_SLOTS_FILE, libc::O_RDWR, 0).unwrap();
+        let dir = scratch("aether-build-slot-bound");
         let stuck = take(&dir, 1, std::time::Duration::ZERO).unwrap().expect("the free slot");
         let bound = std::time::Duration::from_millis(200);
         let waiter = {
@@ -186,13 +195,13 @@ mod tests {
         drop(stuck);
         // The given-up request's thread takes the slot when it comes free, and lets go of it.
         let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !lock_byte(&probe(), 0, false).unwrap() {
+        while !lock_byte(&probe(&dir), 0, false).unwrap() {
             assert!(std::time::Instant::now() < until, "a given-up wait kept the slot");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         // (Free once may be before the waiting thread got it: free again, well after.)
         std::thread::sleep(std::time::Duration::from_millis(100));
-        assert!(lock_byte(&probe(), 0, false).unwrap(), "a given-up wait kept the slot");
+        assert!(lock_byte(&probe(&dir), 0, false).unwrap(), "a given-up wait kept the slot");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

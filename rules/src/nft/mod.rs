@@ -499,6 +499,9 @@ impl CloseLater {
         let put_off = LATER.with(|l| l.replace(self.outer.take()));
         // (Its drop would put back an outer put-off again: it holds nothing now.)
         std::mem::forget(self);
+        // `new` put a list there, and an inner put-off puts it back when it ends; none is
+        // there only when this thread's put-offs ended out of their order, which no caller
+        // does: nothing was kept for this one then, so there is nothing to hand over.
         OpenSockets(put_off.unwrap_or_default())
     }
 }

@@ -262,6 +262,12 @@ fn both_families_go_in_one_transaction() {
     .unwrap();
 }
 
+/// The netfilter sockets open in this thread's netns (the tests' private ones: no other test's).
+fn netfilter_sockets_here() -> usize {
+    let list = std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap();
+    list.lines().skip(1).filter(|l| l.split_whitespace().nth(1) == Some("12")).count()
+}
+
 /// While a `CloseLater` lives, every netfilter socket the thread lets go of (a removal's, a
 /// dump's) stays open, so that the kernel's wait at a close comes once, at its end.
 #[test]
@@ -270,25 +276,24 @@ fn a_close_later_keeps_every_netfilter_socket_until_it_ends() {
         return;
     }
     let t = table();
-    // The netfilter sockets open in this thread's netns (a private one: no other test's).
-    let open_sockets = || {
-        let list = std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap();
-        list.lines().skip(1).filter(|l| l.split_whitespace().nth(1) == Some("12")).count()
-    };
     aether_netns::run_in_private(|| {
         program(&t).unwrap();
-        let before = open_sockets();
+        let before = netfilter_sockets_here();
         {
             let _later = CloseLater::new();
             assert!(remove(t.family, &t.name).unwrap());
             assert!(counters(t.family, &t.name).unwrap().is_empty());
-            assert_eq!(open_sockets(), before + 2, "the removal's and the dump's sockets were closed at once");
+            assert_eq!(
+                netfilter_sockets_here(),
+                before + 2,
+                "the removal's and the dump's sockets were closed at once"
+            );
         }
-        assert_eq!(open_sockets(), before, "the sockets were not closed when the CloseLater ended");
+        assert_eq!(netfilter_sockets_here(), before, "the sockets were not closed when the CloseLater ended");
         // Control: without one, each is closed when let go.
         program(&t).unwrap();
         assert!(remove(t.family, &t.name).unwrap());
-        assert_eq!(open_sockets(), before);
+        assert_eq!(netfilter_sockets_here(), before);
     })
     .unwrap();
 }
@@ -301,26 +306,22 @@ fn a_close_later_hands_its_sockets_over_open() {
         return;
     }
     let t = table();
-    let open_sockets = || {
-        let list = std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap();
-        list.lines().skip(1).filter(|l| l.split_whitespace().nth(1) == Some("12")).count()
-    };
     aether_netns::run_in_private(|| {
         program(&t).unwrap();
-        let before = open_sockets();
+        let before = netfilter_sockets_here();
         let outer = CloseLater::new();
         let inner = CloseLater::new();
         assert!(remove(t.family, &t.name).unwrap());
         let open = inner.into_open();
         assert!(!open.is_empty());
-        assert_eq!(open_sockets(), before + 1, "the removal's socket was closed when handed over");
+        assert_eq!(netfilter_sockets_here(), before + 1, "the removal's socket was closed when handed over");
         drop(open);
-        assert_eq!(open_sockets(), before, "the handed-over socket was not closed when dropped");
+        assert_eq!(netfilter_sockets_here(), before, "the handed-over socket was not closed when dropped");
         // The outer put-off still holds what is let go of after the inner ended.
         assert!(counters(t.family, &t.name).unwrap().is_empty());
-        assert_eq!(open_sockets(), before + 1, "the outer put-off was lost when the inner was handed over");
+        assert_eq!(netfilter_sockets_here(), before + 1, "the outer put-off was lost when the inner was handed over");
         drop(outer);
-        assert_eq!(open_sockets(), before);
+        assert_eq!(netfilter_sockets_here(), before);
     })
     .unwrap();
 }
