@@ -440,21 +440,34 @@ fn a_re_add_after_a_killed_del_counts_from_zero() {
 
 /// Runs the plugin binary at `binary` (a copy: this test removes it) with `command`.
 fn run_copy(binary: &Path, command: &str, netns: &str, c: &Value) -> std::process::Child {
-    let mut child = Command::new(binary)
-        .env_clear()
-        .envs([
-            ("CNI_COMMAND", command),
-            ("CNI_CONTAINERID", "ctr-race"),
-            ("CNI_IFNAME", "eth0"),
-            ("CNI_NETNS", netns),
-            ("CNI_PATH", "/opt/cni/bin"),
-            ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=race-0"),
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let spawn = || {
+        Command::new(binary)
+            .env_clear()
+            .envs([
+                ("CNI_COMMAND", command),
+                ("CNI_CONTAINERID", "ctr-race"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_NETNS", netns),
+                ("CNI_PATH", "/opt/cni/bin"),
+                ("CNI_ARGS", "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=race-0"),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+    };
+    // A copy just written can be "busy" for an instant: a process another test forks in this
+    // one inherits the copy's write descriptor until it execs (ETXTBSY, seen in CI).
+    let mut tries = 0;
+    let mut child = loop {
+        match spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            spawned => break spawned.unwrap(),
+        }
+    };
     std::io::Write::write_all(&mut child.stdin.take().unwrap(), c.to_string().as_bytes()).unwrap();
     child
 }
