@@ -376,20 +376,28 @@ enum Walker {
     Pod { charged: bool },
 }
 
+impl Walker {
+    /// Whether a rebuild or a change is checked against this process's memory limit first.
+    fn charged(self) -> bool {
+        matches!(self, Walker::Apply | Walker::Pod { charged: true })
+    }
+
+    /// Whether a rebuild takes one of the node's build slots first.
+    fn slotted(self) -> bool {
+        matches!(self, Walker::Apply)
+    }
+}
+
 /// One apply's walk over the pods, or one pod's visit outside an apply (`bring_pod`).
 struct Pass<'a> {
     new: &'a StoredLayer,
     previous: Option<&'a StoredLayer>,
-    /// Whether a rebuild or a change is checked against this process's memory limit first
-    /// (not ADD's: it runs in the runtime's process, which no budget of ours covers).
-    charged: bool,
+    /// Who walks: whether the memory limit is checked and a build slot taken.
+    walker: Walker,
     /// What is made once per divert mark in use (in practice one).
     marks: BTreeMap<u32, ForMark<'a>>,
     /// The previous and the new layer cut down to where they differ (`narrowed`), on first need.
     cut: Option<(layer::ServiceLayer, layer::ServiceLayer)>,
-    /// Whether a rebuild takes one of the node's build slots first (an apply's: ADD builds
-    /// its own pod's layer without waiting for one, and after its answer holds one already).
-    slotted: bool,
     /// Pods whose layer a release before built, rebuilt.
     migrated: usize,
     /// The run keys of the pods visited, with the mark each was brought to the new layer for
@@ -400,12 +408,8 @@ struct Pass<'a> {
 
 impl<'a> Pass<'a> {
     fn new(dir: &'a ServicesDir, (new, previous): (&'a StoredLayer, Option<&'a StoredLayer>), walker: Walker) -> Self {
-        let (charged, slotted) = match walker {
-            Walker::Apply => (true, true),
-            Walker::Pod { charged } => (charged, false),
-        };
         let (marks, visited) = (BTreeMap::new(), HashMap::new());
-        Pass { new, previous, charged, slotted, marks, cut: None, migrated: 0, visited, dir }
+        Pass { new, previous, walker, marks, cut: None, migrated: 0, visited, dir }
     }
 
     /// Brings one pod (its layer for `mark`) to the new layer as `planned` says (not
@@ -456,7 +460,7 @@ impl<'a> Pass<'a> {
         let m = self.marks.entry(mark).or_insert_with(|| ForMark::new(new, mark));
         let named = HeldLayer::Named(new.named(mark));
         // Whether `elements` more fit what this process may still charge (always, uncharged).
-        let charged = self.charged;
+        let charged = self.walker.charged();
         let charge = |elements| if charged { budget::pod_fits(elements) } else { Ok(()) };
         loop {
             let done: Option<(Result<Applied, PodError>, Sent)> = match (action, self.previous) {
@@ -505,7 +509,7 @@ impl<'a> Pass<'a> {
                     }
                     // An apply's rebuilds take their turn with the builds after ADDs' answers
                     // (after the pod's lock, taken above); one pod's (`bring_pod`) is its caller's.
-                    let _slot = self.slotted.then(|| crate::state::BuildSlot::take(&self.dir.state));
+                    let _slot = self.walker.slotted().then(|| crate::state::BuildSlot::take(&self.dir.state));
                     Some((m.rebuild(pod.netns()), Sent::Rebuild))
                 }
             };
@@ -562,7 +566,7 @@ pub(super) struct OnePod<'a> {
     /// The layer for `mark`, when the caller has it made (ADD takes it from the stored one
     /// rather than copy 20,000 ports).
     pub layer: Option<layer::ServiceLayer>,
-    /// Checked against this process's memory limit before a rebuild (see `Pass::charged`).
+    /// Checked against this process's memory limit before a rebuild (see `Walker::charged`).
     pub charged: bool,
 }
 

@@ -161,7 +161,10 @@ mod tests {
         let forever = std::time::Duration::from_secs(3600);
         let take = move |dir: &Path, slots| take(dir, slots, forever).unwrap().expect("a slot");
         let (first, second) = (take(&dir, 2), take(&dir, 2));
-        assert!(!lock_byte(&probe(&dir), 0, false).unwrap() && !lock_byte(&probe(&dir), 1, false).unwrap(), "both held");
+        assert!(
+            !lock_byte(&probe(&dir), 0, false).unwrap() && !lock_byte(&probe(&dir), 1, false).unwrap(),
+            "both held"
+        );
         drop(second);
 
         let waiter = {
